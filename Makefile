@@ -1,0 +1,40 @@
+# Quick start: `make run` (main job, embedded default) and `make test` (lint,
+# types, tests). Both create .venv on first use.
+#
+# torch: a CPU-only machine gets torch==2.13.0 (its CPU wheel); pip is never
+# asked for an unpinned torch, which would fetch a multi-GB CUDA build. GPU
+# users create .venv and install their CUDA torch into it first; this file
+# then keeps it (see README, "GPU machines").
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tierzero-installed
+
+.PHONY: setup run test lint typecheck unit bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "torch==2.13.0"
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/tierzero config check
+
+lint: setup
+	$(BIN)/ruff check engine offload swap tests benchmarks
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

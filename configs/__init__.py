@@ -1,0 +1,1 @@
+"""Example configs (native YAML and DeepSpeed JSON), shipped as package data."""

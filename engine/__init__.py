@@ -1,0 +1,7 @@
+"""engine: ZeRO-3 partitioning, module hooks, training API, config, checkpoints, CLI.
+
+Knows modules and ranks; asks `offload` for residency. Public names are
+re-exported here; everything else is private to the package.
+"""
+
+__all__: list[str] = []

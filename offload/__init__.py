@@ -1,0 +1,6 @@
+"""offload: memory tiers, budgets, placement, buffer pools, prefetch queue, CPU Adam.
+
+Knows tensors, bytes and tiers; nothing of modules or ranks.
+"""
+
+__all__: list[str] = []
