@@ -3,4 +3,6 @@
 Knows tensors, bytes and tiers; nothing of modules or ranks.
 """
 
-__all__: list[str] = []
+from . import numa
+
+__all__ = ["numa"]
