@@ -18,7 +18,7 @@
  *   Adam:  g = fma(p, wd, g)                     (grad.add(p, alpha=wd))
  *   m  = fma(w', g - m, small ? m : g)           (Tensor.lerp_, w = 1-beta1,
  *                                                  w' = small ? w : w-1)
- *   v  = v * beta2;  v = v + ((1-beta2) * g) * g (mul_, addcmul_)
+ *   v  = v * beta2;  v = fma((1-beta2) * g, g, v)  (mul_, addcmul_)
  *   d  = sqrt(v) / sqrt(bc2) + eps               (sqrt, div, add_)
  *   p  = p + ((-lr/bc1) * m) / d                 (addcdiv_)
  *   out16 = round_to_nearest_even(p)             (Tensor.to(bf16/fp16))
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void adam_range(
         float mi = m[i];
         mi = fmaf(wc, g - mi, w_small ? mi : g);
         float vi = v[i] * b2;
-        vi = vi + (omb2 * g) * g;
+        vi = fmaf(omb2 * g, g, vi);
         float d = sqrtf(vi) / bc2s + eps;
         pi = pi + (nss * mi) / d;
         p[i] = pi;

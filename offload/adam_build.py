@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ ENV_DISABLE = "TIERZERO_ADAM_KERNEL"  # "torch": never compile, use the PyTorch 
 class HyperParams(ctypes.Structure):
     """Mirror of `tz_adam_hp` in _adam_kernel.c (field order matters)."""
 
-    _fields_ = [  # noqa: RUF012 - ctypes requires a class attribute
+    _fields_ = [
         ("grad_scale", ctypes.c_float),
         ("decay", ctypes.c_float),
         ("wd", ctypes.c_float),
@@ -69,8 +70,8 @@ class CompiledKernel:
     """The loaded shared object and the two entry points tierzero calls."""
 
     path: Path  # the cached .so
-    step: ctypes._CFuncPtr  # tz_adam_step(p, m, v, g, gkind, out, okind, lo, hi, hp*)
-    to_16: ctypes._CFuncPtr  # tz_f32_to_16(src, dst, okind, lo, hi)
+    step: Callable[..., int]  # tz_adam_step(p, m, v, g, gkind, out, okind, lo, hi, hp*)
+    to_16: Callable[..., int]  # tz_f32_to_16(src, dst, okind, lo, hi)
 
 
 _lock = threading.Lock()
@@ -79,7 +80,10 @@ _reason: dict[str, str] = {}
 
 
 def cache_dir() -> Path:
-    """Per-user cache: $TIERZERO_CACHE_DIR, else $XDG_CACHE_HOME/tierzero, else ~/.cache/tierzero."""
+    """Per-user cache directory for built kernels.
+
+    $TIERZERO_CACHE_DIR/adam, else $XDG_CACHE_HOME/tierzero/adam, else ~/.cache/tierzero/adam.
+    """
     env = os.environ.get(ENV_CACHE)
     if env:
         return Path(env) / "adam"
@@ -115,7 +119,7 @@ def _compiler() -> str | None:
 
 def _compiler_version(cc: str) -> str:
     try:
-        out = subprocess.run(  # noqa: S603 - argv list, compiler path from PATH/$CC
+        out = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -130,7 +134,7 @@ def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        proc = subprocess.run(  # noqa: S603 - argv list, no shell
+        proc = subprocess.run(
             [cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"],
             capture_output=True,
             text=True,

@@ -42,7 +42,9 @@ class AdamHyper:
         )
         for name, value, ok, allowed in checks:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
-                raise ValueError(f"Adam {name}={value!r} is invalid; it must be finite and {allowed}")
+                raise ValueError(
+                    f"Adam {name}={value!r} is invalid; it must be finite and {allowed}"
+                )
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,10 @@ def check_flat(
     grad: torch.Tensor,
     shadow: torch.Tensor | None,
 ) -> None:
-    """Raise ValueError naming the operand unless all are contiguous, CPU, same numel, right dtype."""
+    """Raise ValueError naming the operand unless all are flat-compatible.
+
+    Flat-compatible: contiguous CPU tensors of one numel, fp32 state, grad fp32/bf16/fp16.
+    """
     n = master.numel()
     named: list[tuple[str, torch.Tensor, tuple[torch.dtype, ...]]] = [
         ("master", master, (torch.float32,)),
@@ -106,6 +111,7 @@ def torch_update(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     grad: torch.Tensor,
+    *,
     hyper: AdamHyper,
     step: float,
     grad_scale: float = 1.0,
