@@ -63,6 +63,11 @@ class CPUAdam(torch.optim.Optimizer):
         AdamHyper(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
                   adamw=adamw)  # validates
         resolve_backend(backend)  # an unknown or unavailable backend fails here, not mid-step
+        if not isinstance(threads, (int, AdamThreads, type(None))) or (
+            isinstance(threads, int) and threads < 1
+        ):
+            raise ValueError(f"CPUAdam threads={threads!r} is invalid; pass an int >= 1, an "
+                             "AdamThreads, or None for all CPUs")
         defaults: dict[str, Any] = {
             "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
