@@ -48,7 +48,7 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert diff <= bound, f"{name}: max abs diff {diff:.3g} > {bound:.3g} (1e-6 relative)"
 
 
-def _run(n: int, hyper: AdamHyper, backend: str, gdtype: torch.dtype, steps: int = 100,
+def _run(n: int, hyper: AdamHyper, backend: str, gdtype: torch.dtype, *, steps: int = 100,
          grad_scale: float = 1.0, threads: AdamThreads | None = None) -> None:
     gen = torch.Generator().manual_seed(n)
     p0 = torch.randn(n, generator=gen)
@@ -131,7 +131,7 @@ def test_low_precision_rounding_all_classes(sdtype: torch.dtype, backend: str) -
     # exact ties; NaNs must stay NaN (payload bits may differ, as they may in torch).
     bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), dtype=torch.int64).to(torch.int32)
     src = bits.view(torch.float32)
-    ties = torch.tensor([1.00390625, 1.01171875, 65520.0, 65504.0, -0.0, 1e-45], dtype=torch.float32)
+    ties = torch.tensor([1.00390625, 1.01171875, 65520.0, 65504.0, -0.0, 1e-45])
     src = torch.cat([src, ties, ties * 3.0517578125e-05])
     dst = torch.empty(src.numel(), dtype=sdtype)
     to_low_precision(src, dst, backend=backend)  # type: ignore[arg-type]

@@ -243,7 +243,7 @@ def test_bad_state_dict_and_shadow_named() -> None:
         opt.load_state_dict(amsgrad)
     with pytest.raises(ValueError, match="not in any of this optimizer's groups"):
         opt.attach_shadow(torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="shadow is torch.float32"):
+    with pytest.raises(ValueError, match=r"shadow is torch\.float32"):
         opt.attach_shadow(p, torch.zeros(3))
     with pytest.raises(ValueError, match=r"shadow has shape \(4,\)"):
         opt.attach_shadow(p, torch.zeros(4, dtype=torch.bfloat16))
