@@ -256,8 +256,8 @@ class DeepSpeedMethod:
 
 
 METHODS: dict[str, Callable[[Path, int, argparse.Namespace], Run]] = {
-    "swapstore": SwapStoreMethod, "swapstore_verify": SwapStoreVerifyMethod, "pool": PoolMethod, "dd": DdMethod, "fio": FioMethod,
-    "aiofiles": AiofilesMethod, "deepspeed": DeepSpeedMethod,
+    "swapstore": SwapStoreMethod, "swapstore_verify": SwapStoreVerifyMethod,
+    "pool": PoolMethod, "dd": DdMethod, "fio": FioMethod, "aiofiles": AiofilesMethod, "deepspeed": DeepSpeedMethod,
 }
 
 
