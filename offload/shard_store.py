@@ -212,9 +212,14 @@ class SwapShardStore:
         return self._swap.read(self.key(index, name), out=out)
 
     def init_shard(self, index: int, master: torch.Tensor) -> list[Future[torch.Tensor]]:
-        """Seed shard `index`: master as given, both moments zero (the first step's state)."""
-        zeros = torch.zeros(master.numel())
-        return [self.put(index, "master", master.reshape(-1)),
+        """Seed shard `index`: master as given, both moments zero (the first step's state).
+
+        The data goes through page-aligned copies so the writes need no bounce buffer.
+        """
+        flat = self.empty(master.numel(), torch.float32)
+        flat.copy_(master.reshape(-1))
+        zeros = self.empty(master.numel(), torch.float32).zero_()
+        return [self.put(index, "master", flat),
                 self.put(index, "exp_avg", zeros), self.put(index, "exp_avg_sq", zeros)]
 
     def fetch(self, index: int, into: ShardBuffers) -> Transfer:
