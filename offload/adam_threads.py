@@ -62,10 +62,12 @@ class AdamThreads:
 
     def split(self, n: int, min_per_thread: int = MIN_PER_THREAD) -> list[tuple[int, int]]:
         """Contiguous ranges covering [0, n); deterministic for a given n."""
+        if n <= 0:
+            return [(0, 0)]
         parts = max(1, min(self.threads, n // max(1, min_per_thread)))
         step = -(-n // parts)
         step = -(-step // ALIGN) * ALIGN
-        return [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     def run(self, n: int, fn: Callable[[int, int], None], min_per_thread: int = MIN_PER_THREAD
             ) -> None:

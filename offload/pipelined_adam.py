@@ -70,6 +70,10 @@ def pipelined_step(
     hypers = _hypers(hyper, n)
     largest = max((layout.numels[i] for i in order), default=0)
     sets = _buffer_sets(store, largest, buffers, buffer_sets)
+    if buffer_sets is None and threads is not None:
+        for s in sets:  # NUMA first touch: each part lands on the node of the thread updating it
+            for buf in (s.master, s.exp_avg, s.exp_avg_sq):
+                threads.first_touch(buf)
     buffer_bytes = sum(t.nbytes for s in sets for t in _tensors(s))
 
     t0 = time.perf_counter()
