@@ -257,7 +257,8 @@ class DeepSpeedMethod:
 
 METHODS: dict[str, Callable[[Path, int, argparse.Namespace], Run]] = {
     "swapstore": SwapStoreMethod, "swapstore_verify": SwapStoreVerifyMethod,
-    "pool": PoolMethod, "dd": DdMethod, "fio": FioMethod, "aiofiles": AiofilesMethod, "deepspeed": DeepSpeedMethod,
+    "pool": PoolMethod, "dd": DdMethod, "fio": FioMethod, "aiofiles": AiofilesMethod,
+    "deepspeed": DeepSpeedMethod,
 }
 
 
@@ -316,7 +317,7 @@ def main() -> None:
     result: dict[str, object] = {"machine": info, "size_bytes": size, "repeats": a.repeats,
                                  "args": {k: str(v) for k, v in vars(a).items()},
                                  "skipped": skipped, "methods": {}}
-    print(f"\n{'method':<10} {'write GB/s':>10} {'read GB/s':>10} {'w CPU s/GB':>11} "
+    print(f"\n{'method':<16} {'write GB/s':>10} {'read GB/s':>10} {'w CPU s/GB':>11} "
           f"{'r CPU s/GB':>11}")
     rows: dict[str, dict[str, float]] = {}
     for m in methods:
@@ -326,7 +327,7 @@ def main() -> None:
             row[f"{d}_cpu_s_per_gb"] = statistics.median(cpu[m][d]) / (size / 1e9)
             row[f"{d}_gbps_all"] = [size / t / 1e9 for t in times[m][d]]  # type: ignore[assignment]
         rows[m] = row
-        print(f"{m:<10} {row['write_gbps']:>10.2f} {row['read_gbps']:>10.2f} "
+        print(f"{m:<16} {row['write_gbps']:>10.2f} {row['read_gbps']:>10.2f} "
               f"{row['write_cpu_s_per_gb']:>11.3f} {row['read_cpu_s_per_gb']:>11.3f}")
     result["methods"] = rows
     if "swapstore" in rows and len(rows) > 1:
