@@ -78,3 +78,14 @@ def test_fallback_is_logged_once_and_still_correct(monkeypatch: pytest.MonkeyPat
     warnings = [r for r in caplog.records if "falls back to the pure-PyTorch path" in r.message]
     assert len(warnings) == 1
     assert "TIERZERO_ADAM_KERNEL=torch" in warnings[0].getMessage()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_unusable_cache_dir_gives_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(adam_build.ENV_CACHE, str(blocker))
+    monkeypatch.delenv(adam_build.ENV_DISABLE, raising=False)
+    kernel, reason = adam_build._try_compile()
+    assert kernel is None
+    assert "is not writable" in reason and "TIERZERO_CACHE_DIR" in reason
