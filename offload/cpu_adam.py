@@ -84,23 +84,28 @@ class CPUAdam(torch.optim.Optimizer):
     # ---- groups and state -------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the group fully (flags, hyper-parameters, params), then add it."""
         group = dict(param_group)
         if "adamw" in group:
             group["decoupled_weight_decay"] = bool(group.pop("adamw"))
+        params = group.get("params", [])
+        group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         where = f"param group {len(self.param_groups)}"
         _check_group_flags(group, where)
-        super().add_param_group(group)
-        added = self.param_groups[-1]
-        b1, b2 = added["betas"]
-        AdamHyper(lr=added["lr"], beta1=b1, beta2=b2, eps=added["eps"],
-                  weight_decay=added["weight_decay"])
-        for i, p in enumerate(added["params"]):
+        b1, b2 = group.get("betas", self.defaults["betas"])
+        AdamHyper(lr=group.get("lr", self.defaults["lr"]), beta1=b1, beta2=b2,
+                  eps=group.get("eps", self.defaults["eps"]),
+                  weight_decay=group.get("weight_decay", self.defaults["weight_decay"]))
+        for i, p in enumerate(group["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"CPUAdam {where} param {i} is a {type(p).__name__}, not a Tensor")
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 raise ValueError(
                     f"CPUAdam {where} param {i} is {p.dtype} on {p.device}"
                     f"{'' if p.is_contiguous() else ', not contiguous'}; "
                     "it needs contiguous float32 CPU tensors (keep bf16/fp16 copies as shadows)"
                 )
+        super().add_param_group(group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for i, group in enumerate(state_dict.get("param_groups", [])):

@@ -247,3 +247,14 @@ def test_bad_state_dict_and_shadow_named() -> None:
         opt.attach_shadow(p, torch.zeros(3))
     with pytest.raises(ValueError, match=r"shadow has shape \(4,\)"):
         opt.attach_shadow(p, torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_rejected_group_is_not_added() -> None:
+    opt = CPUAdam([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"param group 1 param 1 is torch\.float64"):
+        opt.add_param_group({"params": [torch.zeros(2), torch.zeros(2, dtype=torch.float64)]})
+    with pytest.raises(ValueError, match=r"eps=-1\.0"):
+        opt.add_param_group({"params": [torch.zeros(2)], "eps": -1.0})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": torch.zeros(2), "lr": 0.5})  # a lone tensor is accepted
+    assert opt.param_groups[1]["lr"] == 0.5 and len(opt.param_groups[1]["params"]) == 1
