@@ -189,8 +189,10 @@ class CPUAdam(torch.optim.Optimizer):
         pool = self._threads()
         for gi, group in enumerate(self.param_groups):
             b1, b2 = group["betas"]
-            hyper = AdamHyper(lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
-                              weight_decay=group["weight_decay"],
+            # float(): a group may hold 0-d tensors (torch allows a tensor lr).
+            hyper = AdamHyper(lr=float(group["lr"]), beta1=float(b1), beta2=float(b2),
+                              eps=float(group["eps"]),
+                              weight_decay=float(group["weight_decay"]),
                               adamw=bool(group["decoupled_weight_decay"]))
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -200,11 +202,13 @@ class CPUAdam(torch.optim.Optimizer):
                     raise ValueError(f"CPUAdam group {gi} param {pi}: sparse gradients are not "
                                      "supported; use torch.optim.SparseAdam")
                 state = self._state_of(p)
+                if not torch.is_tensor(state["step"]):  # e.g. an int from another optimizer
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 state["step"] += 1
                 entry = self._shadows.get(id(p))
                 adam_update(
                     p.detach(), state["exp_avg"], state["exp_avg_sq"], grad.detach().contiguous(),
-                    hyper=hyper, step=float(state["step"].item()), grad_scale=grad_scale,
+                    hyper=hyper, step=float(state["step"]), grad_scale=grad_scale,
                     shadow=entry[1] if entry is not None else None, threads=pool,
                     backend=self._backend,
                 )

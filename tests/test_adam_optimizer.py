@@ -258,3 +258,23 @@ def test_rejected_group_is_not_added() -> None:
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": torch.zeros(2), "lr": 0.5})  # a lone tensor is accepted
     assert opt.param_groups[1]["lr"] == 0.5 and len(opt.param_groups[1]["params"]) == 1
+
+
+def test_int_step_and_tensor_lr_from_a_foreign_state_dict() -> None:
+    p = torch.randn(50, requires_grad=True)
+    ref = p.detach().clone().requires_grad_()
+    opt = CPUAdam([p], lr=1e-2)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, foreach=False)
+    g = torch.randn(50)
+    p.grad, ref.grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["step"] = 1  # DeepSpeed-style plain int
+    saved["param_groups"][0]["lr"] = torch.tensor(1e-2)
+    opt.load_state_dict(saved)
+    p.grad, ref.grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+    assert float(opt.state[p]["step"]) == 2.0
+    assert (p - ref).abs().max().item() <= REL_TOL * ref.abs().max().item()
