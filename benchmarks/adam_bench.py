@@ -14,7 +14,10 @@ baselines, an AdamThreads pool of the same size for tierzero):
              needs (grad bf16->fp32 copy before, param fp32->bf16 copy after).
   bandwidth  an in-place streaming kernel (x.mul_(c) over 4 bytes/elt, read +
              write: 8 bytes per element) at the same thread count; the bound of
-             a variant is bandwidth / bytes it must touch per parameter:
+             a variant is bandwidth / bytes it must touch per parameter
+             ("%bound"); and a do-nothing C kernel over exactly the plain /
+             offloaded variant's streams (adam_bench_pattern.py), whose time
+             over a method's time is "%pattern":
              plain 28 B (read p, m, v, g fp32; write p, m, v), tierzero
              offloaded 28 B (read p, m, v + bf16 g; write p, m, v + bf16 p16),
              baseline offloaded 40 B (plain + 6 B per conversion pass).
@@ -46,6 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adam_bench_nvme import nvme_section
+from adam_bench_pattern import load as load_pattern
+from adam_bench_pattern import pattern_methods
 
 from offload import AdamHyper, AdamThreads, adam_update, kernel_status
 
@@ -87,7 +92,7 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
-def build_methods(n: int, threads: int, hyper: AdamHyper, pool: AdamThreads
+def build_methods(n: int, hyper: AdamHyper, pool: AdamThreads
                   ) -> tuple[dict[str, dict[str, Callable[[], None]]], list[str]]:
     """Per section, method name -> one step. Shares p/g tensors; each optimizer owns m/v."""
     notes: list[str] = []
@@ -132,7 +137,13 @@ def build_methods(n: int, threads: int, hyper: AdamHyper, pool: AdamThreads
             p16.copy_(param.detach())  # fp32 -> bf16 compute copy (a pass)
 
         offloaded[name + "+conv"] = pipeline
-    return {"plain": plain, "offloaded": offloaded}, notes
+    bandwidth = {"stream_inplace": stream_bandwidth(n)}
+    so, why = load_pattern()
+    if so is not None:
+        bandwidth.update(pattern_methods(so, pool, p=p, m=m, v=v, g32=g32, g16=g16, p16=p16))
+    else:
+        notes.append(why)
+    return {"plain": plain, "offloaded": offloaded, "bandwidth": bandwidth}, notes
 
 
 def stream_bandwidth(n: int) -> Callable[[], None]:
@@ -147,11 +158,9 @@ def stream_bandwidth(n: int) -> Callable[[], None]:
 def bench_threads(n: int, threads: int, repeats: int, hyper: AdamHyper) -> dict[str, Any]:
     torch.set_num_threads(threads)
     with AdamThreads(threads) as pool:
-        sections, notes = build_methods(n, threads, hyper, pool)
-        stream = stream_bandwidth(n)
+        sections, notes = build_methods(n, hyper, pool)
         flat = [(sec, name, fn) for sec, methods in sections.items()
                 for name, fn in methods.items()]
-        flat.append(("bandwidth", "stream_inplace", stream))
         times: dict[tuple[str, str], list[float]] = {(s, name): [] for s, name, _ in flat}
         for _, _, fn in flat:  # warm-up: first-touch state, JIT, page faults
             fn()
@@ -171,7 +180,9 @@ def bench_threads(n: int, threads: int, repeats: int, hyper: AdamHyper) -> dict[
             nbytes = BYTES["plain"] if sec == "plain" else (
                 BYTES["tz_offloaded"] if name == "tierzero" else BYTES["baseline_offloaded"])
             bound = bw / nbytes
+            pattern = med.get(("bandwidth", f"pattern_{sec}"))
             rows.append({
+                "frac_of_pattern": None if pattern is None else pattern / t,
                 "section": sec, "method": name, "threads": threads, "median_s": t,
                 "all_s": times[(sec, name)], "gparams_per_s": n / t / 1e9,
                 "bytes_per_param": nbytes, "bound_gparams_per_s": bound / 1e9,
@@ -186,11 +197,13 @@ def print_table(result: dict[str, Any]) -> None:
     for note in result["notes"]:
         print("   " + note)
     print(f"   {'section':<10}{'method':<22}{'median s':>10}{'Gparam/s':>10}{'bound':>8}"
-          f"{'%bound':>8}{'vs best base':>14}")
+          f"{'%bound':>8}{'%pattern':>10}{'vs best base':>14}")
     for r in result["rows"]:
+        pat = "-" if r["frac_of_pattern"] is None else f"{100 * r['frac_of_pattern']:.0f}%"
         print(f"   {r['section']:<10}{r['method']:<22}{r['median_s']:>10.4f}"
               f"{r['gparams_per_s']:>10.3f}{r['bound_gparams_per_s']:>8.3f}"
-              f"{100 * r['frac_of_bound']:>7.0f}%{r['speedup_vs_fastest_baseline']:>13.2f}x")
+              f"{100 * r['frac_of_bound']:>7.0f}%{pat:>10}"
+              f"{r['speedup_vs_fastest_baseline']:>13.2f}x")
 
 
 def main() -> None:
