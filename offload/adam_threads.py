@@ -12,11 +12,18 @@ Each thread streams its range once: the kernel keeps no intermediates, so
 there is nothing to tile for cache (the PyTorch fallback, which has
 intermediates, works in 64 Ki-element chunks instead; see adam_math.py).
 
-Work split: ``[0, n)`` is cut into ``parts`` contiguous ranges whose bounds
-are multiples of ``ALIGN`` elements. Part j always goes to worker j, and
-worker j is bound to node ``j * nodes // parts``; ``first_touch`` zero-fills a
-buffer with the same split, so on a multi-node machine every part of a buffer
-lives on the node of the thread that updates it.
+Work split: ``[0, n)`` is cut into chunks (about ``CHUNKS_PER_THREAD`` per
+thread, bounds multiples of ``ALIGN`` elements). Worker w is bound to node
+``w * nodes // threads``; chunk c belongs to the node of worker
+``c * threads // chunks`` (contiguous blocks of chunks per node). The threads
+bound to a node take its chunks from a shared queue, one at a time, so a
+thread slowed by another process (the swap I/O threads, a data loader, other
+ranks) takes fewer chunks instead of holding up the whole step, as a static
+one-range-per-thread split would. ``first_touch`` zero-fills a buffer with the
+same chunk-to-node map, so on a multi-node machine every chunk of a buffer
+lives on the node that updates it. (Measured on the loaded dev VM, 2 threads,
+50M params, interleaved: dynamic 0.78-0.82 vs static 0.78 G params/s median,
+with a lower worst case; the gain is robustness, not peak speed.)
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -36,6 +44,9 @@ logger = logging.getLogger(__name__)
 ALIGN = 32  # elements: 128 B of fp32, 64 B of bf16, so parts never share a cache line
 # Below this many elements per thread the dispatch (~20 us) costs more than it saves.
 MIN_PER_THREAD = 1 << 15
+# Chunks per thread: enough to rebalance around a descheduled thread, few enough that the
+# per-chunk cost (one ctypes call, ~2 us) stays far below a chunk's time.
+CHUNKS_PER_THREAD = 8
 
 
 def default_threads() -> int:
@@ -63,21 +74,31 @@ class AdamThreads:
         self._bound: dict[int, int] = {}  # worker thread id -> node it is bound to
         self._closed = False
 
-    def node_of_part(self, part: int, parts: int) -> int:
-        return part * self._nodes // parts
+    def node_of_worker(self, worker: int, users: int) -> int:
+        return worker * self._nodes // users
+
+    def node_of_chunk(self, chunk: int, chunks: int, users: int) -> int:
+        """The node whose workers take `chunk`: that of worker chunk*users//chunks, so every
+        node that has chunks also has a worker (even with fewer threads than nodes)."""
+        return self.node_of_worker(chunk * users // chunks, users)
 
     def split(self, n: int, min_per_thread: int = MIN_PER_THREAD) -> list[tuple[int, int]]:
-        """Contiguous ranges covering [0, n); deterministic for a given n."""
+        """Contiguous chunks covering [0, n); deterministic for a given n."""
         if n <= 0:
             return [(0, 0)]
-        parts = max(1, min(self.threads, n // max(1, min_per_thread)))
-        step = -(-n // parts)
-        step = -(-step // ALIGN) * ALIGN
+        users = max(1, min(self.threads, n // max(1, min_per_thread)))
+        if users == 1:
+            return [(0, n)]
+        step = -(-n // (users * CHUNKS_PER_THREAD))
+        step = max(-(-step // ALIGN) * ALIGN, ALIGN)
         return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     def run(self, n: int, fn: Callable[[int, int], None], min_per_thread: int = MIN_PER_THREAD
             ) -> None:
-        """Call fn(lo, hi) over a split of [0, n), in parallel; re-raise the first error."""
+        """Call fn(lo, hi) over the chunks of [0, n), in parallel; re-raise the first error.
+
+        Every chunk has finished (or was never started, after an error) when this returns.
+        """
         if self._closed:
             raise RuntimeError("AdamThreads is closed")
         ranges = self.split(n, min_per_thread)
@@ -87,31 +108,50 @@ class AdamThreads:
         pool = self._pool
         if pool is None:  # pragma: no cover - threads == 1 on one node is handled above
             raise RuntimeError("AdamThreads has no workers")
+        users = min(self.threads, len(ranges))
+        queues: list[deque[tuple[int, int]]] = [deque() for _ in range(self._nodes)]
+        for c, r in enumerate(ranges):
+            queues[self.node_of_chunk(c, len(ranges), users)].append(r)
+        failed = threading.Event()
         futures: list[Future[None]] = []
-        local = ranges[-1] if self._inline else None
-        remote = ranges[:-1] if self._inline else ranges
-        for j, (lo, hi) in enumerate(remote):
-            futures.append(pool.submit(self._work, self.node_of_part(j, len(ranges)), fn, lo, hi))
+        for w in range(users - 1 if self._inline else users):
+            node = self.node_of_worker(w, users)
+            futures.append(pool.submit(self._work, node, queues[node], fn, failed))
         error: BaseException | None = None
-        if local is not None:
+        if self._inline:  # one node: the caller takes chunks too
             try:
-                fn(*local)
+                self._drain(queues[0], fn, failed)
             except BaseException as exc:
                 error = exc
-        for fut in futures:  # wait for every part, even after an error: they use our buffers
+        for fut in futures:  # wait for every worker, even after an error: they use our buffers
             failure = fut.exception()
             if failure is not None and error is None:
                 error = failure
         if error is not None:
             raise error
 
-    def _work(self, node: int, fn: Callable[[int, int], None], lo: int, hi: int) -> None:
-        # The executor may hand part j to any worker, so a worker (re)binds when its node changes.
+    @staticmethod
+    def _drain(queue: deque[tuple[int, int]], fn: Callable[[int, int], None],
+               failed: threading.Event) -> None:
+        while not failed.is_set():
+            try:
+                lo, hi = queue.popleft()  # atomic in CPython: each chunk is taken once
+            except IndexError:
+                return
+            try:
+                fn(lo, hi)
+            except BaseException:
+                failed.set()  # the others stop taking chunks
+                raise
+
+    def _work(self, node: int, queue: deque[tuple[int, int]], fn: Callable[[int, int], None],
+              failed: threading.Event) -> None:
+        # The executor may run this on any worker, so a worker (re)binds when its node changes.
         ident = threading.get_ident()
         if self._nodes > 1 and self._bound.get(ident) != node:
             numa.bind_current_thread(node)
             self._bound[ident] = node
-        fn(lo, hi)
+        self._drain(queue, fn, failed)
 
     def first_touch(self, t: torch.Tensor) -> torch.Tensor:
         """Zero-fill a flat tensor with the same split the kernel uses (NUMA first touch)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -18,52 +19,89 @@ def test_split_covers_range_aligned() -> None:
             assert parts[0][0] == 0 and parts[-1][1] == n
             assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
             assert all(lo % adam_threads.ALIGN == 0 for lo, _ in parts)
-            assert len(parts) <= 3
+            assert len(parts) <= 3 * adam_threads.CHUNKS_PER_THREAD
 
 
-def test_worker_error_is_raised_after_all_parts_finish() -> None:
-    done: list[tuple[int, int]] = []
+def test_error_is_raised_after_every_running_chunk_finished() -> None:
+    active = [0]
+    calls = [0]
     lock = threading.Lock()
 
     def fn(lo: int, hi: int) -> None:
-        if lo == 0:
-            raise OSError("part 0 failed")
         with lock:
-            done.append((lo, hi))
+            active[0] += 1
+            calls[0] += 1
+        try:
+            time.sleep(0.002)
+            if lo == 0:
+                raise OSError("chunk 0 failed")
+        finally:
+            with lock:
+                active[0] -= 1
 
-    with AdamThreads(4) as pool, pytest.raises(OSError, match="part 0 failed"):
+    with AdamThreads(4) as pool, pytest.raises(OSError, match="chunk 0 failed"):
         pool.run(4 << 15, fn)
-    assert len(done) == 3  # the other parts still ran to completion
+    assert active[0] == 0  # nothing still touching the buffers
+    assert calls[0] < len(pool.split(4 << 15))  # the others stopped taking chunks
 
 
-def test_two_numa_nodes_bind_workers_and_first_touch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("nodes", "threads"), [(2, 4), (4, 2), (3, 3)])
+def test_numa_nodes_bind_workers_and_first_touch(
+    monkeypatch: pytest.MonkeyPatch, nodes: int, threads: int
+) -> None:
     binds: dict[int, int] = {}  # thread id -> node it was last bound to
 
     def bind(node: int) -> bool:
         binds[threading.get_ident()] = node
         return True
 
-    monkeypatch.setattr(adam_threads.numa, "node_count", lambda: 2)
+    monkeypatch.setattr(adam_threads.numa, "node_count", lambda: nodes)
     monkeypatch.setattr(adam_threads.numa, "bind_current_thread", bind)
-    seen: list[tuple[int, int]] = []  # (part start, node its thread was bound to)
+    seen: dict[int, int] = {}  # chunk start -> node its thread was bound to
     lock = threading.Lock()
     main = threading.get_ident()
 
     def fn(lo: int, hi: int) -> None:
-        assert threading.get_ident() != main, "on several nodes no part runs unbound"
+        assert threading.get_ident() != main, "on several nodes no chunk runs unbound"
         with lock:
-            seen.append((lo, binds[threading.get_ident()]))
+            assert lo not in seen, "a chunk ran twice"
+            seen[lo] = binds[threading.get_ident()]
 
-    with AdamThreads(4) as pool:
-        for _ in range(3):  # repeated runs: the executor may shuffle parts between workers
+    n = 40 << 15
+    with AdamThreads(threads) as pool:
+        chunks = pool.split(n)
+        users = min(threads, len(chunks))
+        want = {lo: pool.node_of_chunk(c, len(chunks), users)
+                for c, (lo, _) in enumerate(chunks)}
+        # Contiguous blocks of chunks per node, and every node with work is used.
+        assert list(want.values()) == sorted(want.values())
+        assert set(want.values()) == {pool.node_of_worker(w, users) for w in range(users)}
+        for _ in range(3):  # repeated runs: the executor may shuffle tasks between workers
             seen.clear()
-            pool.run(4 << 16, fn)
-            parts = pool.split(4 << 16)
-            want = {lo: pool.node_of_part(j, len(parts)) for j, (lo, _) in enumerate(parts)}
-            assert dict(seen) == want == {0: 0, 1 << 16: 0, 2 << 16: 1, 3 << 16: 1}
-        t = torch.full((4 << 16,), 7.0)
+            pool.run(n, fn)
+            assert seen == want
+        t = torch.full((n,), 7.0)
         pool.first_touch(t)
         assert not t.any()
+
+
+def test_slow_thread_takes_fewer_chunks() -> None:
+    # Dynamic chunking: a thread that stalls (as if descheduled) does not hold the others.
+    counts: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def fn(lo: int, hi: int) -> None:
+        ident = threading.get_ident()
+        with lock:
+            counts[ident] = counts.get(ident, 0) + 1
+            first = counts[ident] == 1 and len(counts) == 1
+        if first:
+            time.sleep(0.3)
+
+    with AdamThreads(2) as pool:
+        pool.run(2 << 16, fn)
+    assert sum(counts.values()) == len(pool.split(2 << 16)) == 2 * adam_threads.CHUNKS_PER_THREAD
+    assert sorted(counts.values()) == [1, 2 * adam_threads.CHUNKS_PER_THREAD - 1]
 
 
 def test_closed_pool_refuses_work() -> None:
