@@ -4,6 +4,6 @@ Knows modules and ranks; asks `offload` for residency. Public names are
 re-exported here; everything else is private to the package.
 """
 
-from engine.config import Config, ConfigError
+from engine.config import Config, ConfigError, load_config
 
-__all__: list[str] = ["Config", "ConfigError"]
+__all__: list[str] = ["Config", "ConfigError", "load_config"]
