@@ -29,6 +29,8 @@ def hints(cls: type[Any]) -> dict[str, Any]:
 def validate(config: Config) -> None:
     """Raise ConfigError for the first wrong value in `config`."""
     _check_fields(config, "")
+    if len(config.ignored_keys) != len(config.ignored_reasons):
+        raise ConfigError("ignored_reasons", "needs one reason per entry of ignored_keys")
     _check_offload(config)
     _check_optimizer(config)
     _check_scheduler(config)

@@ -58,9 +58,10 @@ IGNORED_TOP = {
     "load_universal_checkpoint": "tierzero's checkpoint format",
 }
 IGNORED_ZERO = {
-    "contiguous_gradients": "shards are always flat", "reduce_scatter": "always on",
+    "contiguous_gradients": "gradients are flat shards by design", "reduce_scatter": "always on",
     "allgather_partitions": "always on", "allgather_bucket_size": "units are the gather grain",
-    "use_multi_rank_bucket_allreduce": "not used", "sub_group_size": "the step is tiled by unit",
+    "use_multi_rank_bucket_allreduce": "not used",
+    "sub_group_size": "no equivalent; the optimizer step is pipelined per unit",
     "load_from_fp32_weights": "always", "elastic_checkpoint": "not supported",
     "ignore_unused_parameters": "unused parameters are always allowed",
     "legacy_stage1": "not supported", "round_robin_gradients": "not used",
@@ -224,8 +225,8 @@ def _aio(aio: Mapping[str, Any], out: Mapped) -> None:
                        ("thread_count", "nvme.threads"), ("intra_op_parallelism", "nvme.threads")):
         if ds in aio:
             out.set(native, aio[ds], f"aio.{ds}")
-    for ds, reason in (("single_submit", "requests are always batched per thread"),
-                       ("overlap_events", "completion is always overlapped"),
+    for ds, reason in (("single_submit", "libaio switch; tierzero's NVMe I/O has no equivalent"),
+                       ("overlap_events", "libaio switch; tierzero's NVMe I/O has no equivalent"),
                        ("use_gds", "GPUDirect Storage is not supported")):
         if ds in aio:
             out.ignore(f"aio.{ds}", reason)

@@ -19,6 +19,7 @@ class Mapped:
 
     native: dict[str, Any] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why each ignored key is not acted on
     origin: dict[str, str] = field(default_factory=dict)  # native key -> DeepSpeed key
 
     def set(self, native_key: str, value: Any, ds_key: str) -> None:
@@ -31,7 +32,7 @@ class Mapped:
 
     def ignore(self, ds_key: str, reason: str) -> None:
         self.ignored.append(ds_key)
-        log.info("DeepSpeed key %s accepted but not acted on (%s)", ds_key, reason)
+        self.reasons.append(reason)
 
 
 def section(data: Mapping[str, Any], key: str, prefix: str = "") -> Mapping[str, Any]:

@@ -14,10 +14,10 @@ OPT_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", 
             "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload",
             "cpuadam_cores_perc", "convert_grad_on_cpu", "max_in_nvme"}
 OPT_IGNORED = {
-    "fast_init": "state is created lazily, unit by unit",
+    "fast_init": "no equivalent setting",
     "super_offload": "Superchip-specific (not supported)",
-    "cpuadam_cores_perc": "CPU Adam uses the threads torch is given",
-    "convert_grad_on_cpu": "gradients are converted where they are reduced",
+    "cpuadam_cores_perc": "no equivalent setting (SuperOffload only)",
+    "convert_grad_on_cpu": "no equivalent setting",
     "max_in_nvme": "the NVMe budget is offload.budgets.nvme_bytes",
 }
 # Legacy booleans: key -> (the section they stand for, native class)

@@ -73,14 +73,17 @@ def from_mapping(data: Any, auto_values: Mapping[str, Any] | None = None) -> Con
     mapped = deepspeed.to_native(data, auto_values)
     try:
         config = native.build(Config, mapped.native, source="deepspeed",
-                              ignored_keys=tuple(mapped.ignored))
+                              ignored_keys=tuple(mapped.ignored),
+                              ignored_reasons=tuple(mapped.reasons))
     except ConfigError as exc:
         ds_key = mapped.origin.get(exc.key)
         if ds_key is None:
             raise
         raise ConfigError(ds_key, f"{exc.problem} (as tierzero's {exc.key})") from None
     if mapped.ignored:
-        log.warning("DeepSpeed keys accepted but not acted on: %s", ", ".join(mapped.ignored))
+        # The one report of them (config check prints them again, on request).
+        log.warning("DeepSpeed keys accepted but not acted on: %s", "; ".join(
+            f"{key} ({why})" for key, why in zip(mapped.ignored, mapped.reasons, strict=True)))
     return config
 
 
