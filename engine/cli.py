@@ -66,8 +66,23 @@ def _auto_values(pairs: Sequence[str]) -> dict[str, Any]:
         if not sep or not name:
             raise ConfigError("--auto", f"{pair!r} is not allowed; allowed: NAME=VALUE, e.g. "
                               "max_steps=1000")
-        auto[name.strip()] = yaml.safe_load(text)
+        auto[name.strip()] = _scalar(text.strip())
     return auto
+
+
+def _scalar(text: str) -> Any:
+    # A number or true/false/null as written on a command line ("3e-4" included).
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("null", "none"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_config,)

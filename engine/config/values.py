@@ -46,11 +46,11 @@ def split_optional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def describe(hint: Any, meta: Mapping[str, Any]) -> str:
-    """What a field accepts, in words, for error messages and docs."""
+def describe(hint: Any, meta: Mapping[str, Any], *, short: bool = False) -> str:
+    """What a field accepts, in words, for error messages and (`short`) docs."""
     inner, optional = split_optional(hint)
     if meta.get("unit") == "bytes":
-        text = f"a byte size ({BYTES_FORMS})"
+        text = "a byte size" if short else f"a byte size ({BYTES_FORMS})"
     elif typing.get_origin(inner) is Literal:
         text = "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
     elif inner is bool:
