@@ -212,3 +212,17 @@ def test_error_in_file_names_file_and_key(tmp_path: Path) -> None:
 
 def test_bad_source_type() -> None:
     assert "cannot load a config from 42" in error_of(42)
+
+
+def test_key_given_twice(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "dup.yaml"
+    yaml_file.write_text("zero: {stage: 3}\nseed: 1\nzero: {stage: 1}\n")
+    assert error_of(yaml_file) == (f"{yaml_file}: zero: given twice in one mapping (second at "
+                                   "line 3); keep one")
+    json_file = tmp_path / "dup.json"
+    json_file.write_text('{"fp16": {"enabled": true, "enabled": false}}')
+    assert error_of(json_file) == f"{json_file}: enabled: given twice in one JSON object; keep one"
+
+
+def test_choice_suggestion_ignores_case() -> None:
+    assert "(did you mean 'bf16'?)" in error_of({"precision": "BF16"})

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import engine
 from engine.config import values
@@ -78,3 +80,12 @@ def test_path_with_unset_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_did_you_mean() -> None:
     assert values.did_you_mean("stag", ["stage", "units"]) == " (did you mean 'stage'?)"
     assert values.did_you_mean("zzzz", ["stage", "units"]) == ""
+
+
+@given(st.integers(min_value=0, max_value=10**6),
+       st.sampled_from(["", "B", "KB", "MB", "GB", "KiB", "MiB", "GiB", "kib", "gb"]))
+def test_byte_size_strings_property(number: int, unit: str) -> None:
+    multiple = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10,
+                "mib": 1 << 20, "gib": 1 << 30}[unit.lower()]
+    assert values.coerce(f"{number}{unit}", int, BYTES, "k") == number * multiple
+    assert values.coerce(f"{number} {unit}".strip(), int, BYTES, "k") == number * multiple

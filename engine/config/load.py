@@ -81,8 +81,10 @@ def from_mapping(data: Any, auto_values: Mapping[str, Any] | None = None) -> Con
             raise
         raise ConfigError(ds_key, f"{exc.problem} (as tierzero's {exc.key})") from None
     if mapped.ignored:
-        # The one report of them (config check prints them again, on request).
-        log.warning("DeepSpeed keys accepted but not acted on: %s", "; ".join(
+        # The one report of them (config check prints them again, on request);
+        # every rank loads the config, so only rank 0 (torchrun's RANK) warns.
+        level = logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.DEBUG
+        log.log(level, "DeepSpeed keys accepted but not acted on: %s", "; ".join(
             f"{key} ({why})" for key, why in zip(mapped.ignored, mapped.reasons, strict=True)))
     return config
 
@@ -96,9 +98,37 @@ def _read(path: str) -> str:
                           f"{exc.strerror}); check the path", path) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError(str(key), f"given twice in one mapping (second at line {line}); "
+                                  "keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(key, "given twice in one JSON object; keep one")
+        out[key] = value
+    return out
+
+
 def _parse(text: str, file: str, *, is_json: bool) -> Any:
     try:
-        return json.loads(text) if is_json else yaml.safe_load(text)
+        if is_json:
+            return json.loads(text, object_pairs_hook=_no_duplicates)
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no arbitrary objects
+    except ConfigError as exc:
+        raise exc.in_file(file) from None
     except json.JSONDecodeError as exc:
         raise ConfigError("", f"not valid JSON: {exc.msg} at line {exc.lineno}, column "
                           f"{exc.colno}", file) from None

@@ -33,8 +33,9 @@ BYTES_FORMS = "an int, an integral float like 1e9, or a string like '5e8', '512M
 
 def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
     """' (did you mean 'x'?)' for the closest choice, or '' when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""
 
 
 def split_optional(hint: Any) -> tuple[Any, bool]:
