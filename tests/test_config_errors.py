@@ -160,8 +160,8 @@ def test_batch_not_derivable() -> None:
      "offload.optimizer.ratio: 0.5 (partial offload) needs zero.stage 3"),
     ({"scheduler": {"type": "warmup_cosine"}}, "scheduler.total_steps: required by "
      "scheduler.type 'warmup_cosine'"),
-    ({"scheduler": {"type": "warmup_linear", "warmup_steps": 10, "total_steps": 10}},
-     "scheduler.total_steps: 10 is not allowed; allowed: more than scheduler.warmup_steps (10)"),
+    ({"scheduler": {"type": "warmup_linear", "warmup_steps": 10, "total_steps": 9}},
+     "scheduler.total_steps: 9 is not allowed; allowed: at least scheduler.warmup_steps (10)"),
     ({"scheduler": {"min_lr": 1.0}}, "scheduler.min_lr: 1.0 is above optimizer.lr (0.001)"),
     ({"scheduler": {"warmup_start_lr": 1.0}}, "scheduler.warmup_start_lr: 1.0 is above"),
     ({"nvme": {"block_size": 1000}}, "nvme.block_size: 1000 is not allowed; allowed: a "
