@@ -139,7 +139,7 @@ def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) ->
     ds_optim.map_optimizer(data.get("optimizer"), out)
     ds_optim.map_scheduler(data.get("scheduler"), out)
     amp = section(data, "amp")
-    if amp.get("enabled"):
+    if values.coerce(amp.get("enabled", False), bool, {}, "amp.enabled"):
         raise ConfigError("amp.enabled", "true is not supported (apex AMP); use "
                           "\"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}")
     if "amp" in data:
@@ -174,9 +174,10 @@ def _precision(data: Mapping[str, Any], out: Mapped) -> int:
                        ("min_loss_scale", "min_scale")):
         if ds in fp16:
             out.set(f"precision.loss_scale.{native}", fp16[ds], f"fp16.{ds}")
-    for ds in ("auto_cast", "fp16_master_weights_and_grads"):
-        if ds in fp16:
-            out.ignore(f"fp16.{ds}", "master weights are always fp32")
+    if "auto_cast" in fp16:
+        out.ignore("fp16.auto_cast", "inputs are not cast; modules run in precision.dtype")
+    if "fp16_master_weights_and_grads" in fp16:
+        out.ignore("fp16.fp16_master_weights_and_grads", "master weights are always fp32")
     check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow",
                       "bf16_master_weights_and_grads", "bf16_optimizer_states"}, bf16_key)
     for ds in bf16:
