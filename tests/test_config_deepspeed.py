@@ -385,3 +385,58 @@ def test_detected_by_content_not_extension(tmp_path: Path) -> None:
     native_as_json.write_text(json.dumps({"zero": {"stage": 1}, "optimizer": {"lr": 1e-4}}))
     config = engine.load_config(native_as_json)
     assert (config.source, config.zero.stage) == ("native", 1)
+
+
+def test_older_offload_spellings() -> None:
+    config = engine.load_config(ds(bf16={"enabled": True}, zero_optimization={
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pipeline": True, "pipeline_write": False,
+                              "buffer_size": 1000, "max_in_nvme": 1e9}}))
+    opt = config.offload.optimizer
+    assert (opt.pipeline_read, opt.pipeline_write) == (True, False)
+    assert opt.buffer_bytes == 4000  # fp32 optimizer state, 4 bytes per element
+    assert "zero_optimization.offload_optimizer.max_in_nvme" in config.ignored_keys
+
+
+def test_reported_sub_keys() -> None:
+    config = engine.load_config(ds(
+        fp16={"enabled": True, "auto_cast": False},
+        optimizer={"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4,
+                                                 "last_batch_iteration": 10}},
+        aio={"use_gds": False}))
+    for key in ("fp16.auto_cast", "optimizer.params.torch_adam",
+                "scheduler.params.last_batch_iteration", "aio.use_gds"):
+        assert key in config.ignored_keys
+    bf16 = engine.load_config(ds(bf16={"enabled": True, "immediate_grad_update": True}))
+    assert bf16.ignored_keys == ("bf16.immediate_grad_update",)
+
+
+def test_default_last_batch_iteration_is_not_reported() -> None:
+    config = engine.load_config(ds(scheduler={"type": "WarmupLR", "params": {
+        "last_batch_iteration": -1}}))
+    assert config.ignored_keys == ()
+
+
+@pytest.mark.parametrize(("data", "start"), [
+    (ds(aio={"thread_count": 2, "intra_op_parallelism": 4}),
+     "aio.thread_count: 2 conflicts with aio.intra_op_parallelism = 4"),
+    (ds(zero_optimization={"stage": 3, "offload_param": "cpu"}),
+     "zero_optimization.offload_param: 'cpu' is not allowed; allowed: a JSON object or null"),
+    (ds(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                             "nvme_path": "/no/such/dir"}}),
+     "zero_optimization.offload_optimizer.nvme_path: '/no/such/dir' does not exist"),
+    (ds(zero_optimization={"stage": 3, "overlap_comm": "often"}),
+     "zero_optimization.overlap_comm: 'often' is not allowed; allowed: true or false"),
+    (ds(optimizer=["AdamW"]), "optimizer: ['AdamW'] is not allowed; allowed: a JSON object"),
+    (ds(amp={"enabled": "true"}), "amp.enabled: true is not supported"),
+])
+def test_more_deepspeed_errors(data: Any, start: str) -> None:
+    assert error_of(data).startswith(start)
+
+
+def test_null_offload_sections_mean_none() -> None:
+    config = engine.load_config(ds(zero_optimization={"stage": 3, "offload_param": None,
+                                                      "offload_optimizer": None}))
+    assert config.offload.params.device == config.offload.optimizer.device == "none"
+    assert engine.load_config(ds(amp={"enabled": "false"})).ignored_keys == ("amp",)
