@@ -37,6 +37,9 @@ def add_config(sub: Subparsers) -> None:
 
 
 def run_config_check(args: argparse.Namespace) -> int:
+    # This command prints the ignored DeepSpeed keys itself; the load-time
+    # warning would report them a second time.
+    logging.getLogger("engine.config.load").setLevel(logging.ERROR)
     try:
         auto = _auto_values(args.auto)
         config = load_config(args.file, auto_values=auto)

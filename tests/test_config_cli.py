@@ -45,6 +45,7 @@ def test_ignored_deepspeed_keys_listed(capsys: pytest.CaptureFixture[str]) -> No
     assert "# DeepSpeed keys accepted but not acted on:" in out
     assert "#   tensorboard (monitoring backend)" in out
     assert "#   zero_optimization.contiguous_gradients (" in out
+    assert out.count("tensorboard") == 1  # listed once, not also logged
 
 
 def test_auto_values_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -90,3 +91,4 @@ def test_module_entry_point_runs() -> None:
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "device: cpu" in done.stdout
+    assert done.stderr == ""
