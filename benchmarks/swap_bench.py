@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/swap_bench.py            # 4 GiB per direction, 3 repeats
     .venv/bin/python benchmarks/swap_bench.py --quick    # 512 MiB, finishes in seconds
 
-Each repeat runs every method once (order rotated per repeat) on the same file
+Each repeat runs every method once (in a new random order) on the same file
 system: each writes --size bytes, then reads them back. One untimed warm-up
 repeat first, so every method then overwrites blocks it has written before
 (writing into never-written extents is slower on ext4; all methods pay it
@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import resource
 import shutil
 import statistics
@@ -298,16 +299,21 @@ def main() -> None:
         times: dict[str, dict[str, list[float]]] = {m: {"write": [], "read": []} for m in methods}
         cpu: dict[str, dict[str, list[float]]] = {m: {"write": [], "read": []} for m in methods}
         order = list(methods)
+        shuffler = random.Random(0)
         for rep in range(a.repeats + 1):
-            for name in order[rep % len(order):] + order[:rep % len(order)]:
+            # A fresh random order per repeat: a fixed rotation keeps each method behind the
+            # same predecessor, whose leftover write-back (aiofiles!) then biases it.
+            shuffler.shuffle(order)
+            for name in order:
                 for direction in ("write", "read"):
+                    os.sync()  # untimed: flush what the previous method left dirty
                     c0 = cpu_seconds()
                     dt = methods[name](direction)
                     if rep > 0:  # rep 0 is the warm-up
                         times[name][direction].append(dt)
                         cpu[name][direction].append(cpu_seconds() - c0)
             if rep:
-                print(f"repeat {rep}: " + "  ".join(
+                print(f"repeat {rep} (order {','.join(order)}): " + "  ".join(
                     f"{m} w {size / times[m]['write'][-1] / 1e9:.2f} "
                     f"r {size / times[m]['read'][-1] / 1e9:.2f}" for m in order))
     finally:
