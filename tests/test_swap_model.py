@@ -15,6 +15,12 @@ from swap import SwapError, SwapFuture, SwapStore
 KEYS = ["a", "b", "c"]
 DTYPES = [torch.uint8, torch.float16, torch.float32, torch.int64]
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN bit patterns included), dtype and shape too."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
 op = st.one_of(
     st.tuples(st.just("write"), st.sampled_from(KEYS), st.sampled_from(DTYPES),
               st.integers(0, 20_000), st.integers(0, 255)),
@@ -65,13 +71,13 @@ def test_store_behaves_like_a_dict(program: list[tuple[object, ...]], block_kib:
                         raise AssertionError(f"delete of missing {key!r} did not raise")
             else:
                 for fut, want in checks:
-                    assert torch.equal(fut.wait(), want)
+                    assert same(fut.wait(), want)
                 checks.clear()
         for fut, want in checks:
             got = fut.wait()
-            assert got.dtype == want.dtype and torch.equal(got, want)
+            assert same(got, want)
         for key, want in model.items():
-            assert torch.equal(s.read(key).wait(), want)
+            assert same(s.read(key).wait(), want)
         assert sorted(s.keys()) == sorted(model)
         stats = s.stats()
         assert stats.write.failed == 0 and stats.read.failed == 0
