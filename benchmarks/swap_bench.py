@@ -256,6 +256,40 @@ class DeepSpeedMethod:
             self.handle.free_cpu_locked_tensor(b)
 
 
+def bench_aligned(out: Path) -> None:
+    """aligned_empty (over-allocate and slice) against an anonymous mmap + torch.frombuffer
+    and plain torch.empty: allocate 256 MiB and touch every page, interleaved, median of 5."""
+    import mmap  # noqa: PLC0415
+
+    n = 256 * MiB
+
+    def sliced() -> torch.Tensor:
+        return aligned_empty(n, torch.uint8)
+
+    def mapped() -> torch.Tensor:
+        return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
+
+    def plain() -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8)
+
+    ways: dict[str, Callable[[], torch.Tensor]] = {
+        "aligned_empty": sliced, "mmap_frombuffer": mapped, "torch_empty": plain}
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(5):
+        for name, make in ways.items():
+            t0 = time.perf_counter()
+            t = make()
+            t.fill_(1)
+            times[name].append(time.perf_counter() - t0)
+            del t
+    rows = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in rows.items():
+        print(f"{k:<16} {v * 1e3:8.1f} ms per 256 MiB allocate+touch ({n / v / 1e9:.2f} GB/s)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"allocate_touch_256MiB_seconds": rows}, indent=1))
+    print(f"wrote {out}")
+
+
 METHODS: dict[str, Callable[[Path, int, argparse.Namespace], Run]] = {
     "swapstore": SwapStoreMethod, "swapstore_verify": SwapStoreVerifyMethod,
     "pool": PoolMethod, "dd": DdMethod, "fio": FioMethod, "aiofiles": AiofilesMethod,
@@ -277,7 +311,12 @@ def main() -> None:
     p.add_argument("--tensor-mib", type=int, default=64, help="SwapStore tensor size")
     p.add_argument("--pool-threads", type=int, default=4)
     p.add_argument("--pool-request-mib", type=int, default=8)
+    p.add_argument("--aligned", action="store_true",
+                   help="only measure aligned_empty against mmap/torch.empty allocation")
     a = p.parse_args()
+    if a.aligned:
+        bench_aligned(a.out.with_name("swap_bench_aligned.json"))
+        return
     size = int((0.5 if a.quick else a.size_gib) * 2**30) // (64 * MiB) * 64 * MiB
     a.tensor_mib = min(a.tensor_mib, size // MiB)
     root = a.dir if a.dir is not None else Path(tempfile.mkdtemp(prefix="swap-bench-",
