@@ -305,7 +305,9 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="where the files go (deleted after)")
     p.add_argument("--out", type=Path, default=Path("bench_out/swap_bench.json"))
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--block-kib", type=int, default=1024, help="SwapStore block_size")
+    p.add_argument("--block-kib", type=int, default=8192,
+                   help="SwapStore block_size; default 8 MiB = the pool baseline's request size, "
+                   "so the ratio compares equal I/O patterns (the config default is 1 MiB)")
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--tensor-mib", type=int, default=64, help="SwapStore tensor size")

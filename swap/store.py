@@ -78,6 +78,8 @@ class SwapStore:
         check_int("queue_depth", queue_depth, 1, 1 << 16)
         check_int("threads", threads, 1, 256)
         check_int("reserve_bytes", reserve_bytes, 0, 1 << 62)
+        if not isinstance(verify, bool):
+            raise ValueError(f"SwapStore: verify must be True or False, not {verify!r}")
         if direct not in (None, True, False):
             raise ValueError(f"SwapStore: direct must be None, True or False, not {direct!r}")
         self.block_size = block_size
