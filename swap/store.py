@@ -78,6 +78,8 @@ class SwapStore:
         check_int("queue_depth", queue_depth, 1, 1 << 16)
         check_int("threads", threads, 1, 256)
         check_int("reserve_bytes", reserve_bytes, 0, 1 << 62)
+        if not isinstance(verify, bool):
+            raise ValueError(f"SwapStore: verify must be True or False, not {verify!r}")
         if direct not in (None, True, False):
             raise ValueError(f"SwapStore: direct must be None, True or False, not {direct!r}")
         self.block_size = block_size
@@ -179,6 +181,7 @@ class SwapStore:
         check_key(key)
         while True:
             with self._lock:
+                self._check_open(key)
                 chain = self._chains.get(key)
                 if chain is None:
                     entry = self._index.pop(key, None)
@@ -284,11 +287,12 @@ class SwapStore:
                     "unknown key: nothing is stored under it (its write failed?)",
                     path=self.path, key=req.key,
                 )
-            if entry.nbytes != req.nbytes:
+            out = req.future.tensor
+            if entry.nbytes != req.nbytes or entry.dtype != out.dtype:
                 raise SwapError(
-                    f"stored {entry.nbytes} bytes, the read buffer holds {req.nbytes} "
-                    "(the write it waited for failed, leaving older contents)",
-                    path=self.path, key=req.key,
+                    f"stored {entry.dtype} of {entry.nbytes} bytes, the read buffer is "
+                    f"{out.dtype} of {req.nbytes} bytes (the write this read waited for "
+                    "failed, leaving older contents)", path=self.path, key=req.key,
                 )
             req.entry = entry
             return
@@ -369,10 +373,9 @@ class SwapStore:
                 if not req.all_issued():
                     self._issuing.append(req)  # round-robin between requests in service
             error, bounced = self._io.run_block(req, index, wb)
-            if bounced:
-                self._traffic[req.op].add_bounced(bounced)
             done: list[Request] = []
             with self._lock:
+                self._traffic[req.op].bounced += bounced
                 req.completed += 1
                 if error is not None and req.error is None:
                     req.error = error

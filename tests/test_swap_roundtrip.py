@@ -108,7 +108,8 @@ def test_bad_arguments(store: SwapStore) -> None:
     ("kwargs", "match"),
     [({"block_size": 1000}, "block_size"), ({"block_size": 6000}, "multiple of 4096"),
      ({"queue_depth": 0}, "queue_depth"), ({"threads": 0}, "threads"),
-     ({"reserve_bytes": -1}, "reserve_bytes"), ({"direct": "yes"}, "direct")],
+     ({"reserve_bytes": -1}, "reserve_bytes"), ({"direct": "yes"}, "direct"),
+     ({"verify": 1}, "verify")],
 )
 def test_bad_settings(tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
