@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -70,6 +71,31 @@ def _hyper_struct(hyper: AdamHyper, step: float, grad_scale: float) -> HyperPara
     )
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """The scalars of one (hyper, step, grad_scale) and the backend, reusable for many tensors.
+
+    `adam_update` builds one per call; a caller updating many tensors with the same
+    scalars (CPUAdam, one group) builds it once with `prepare_step`.
+    """
+
+    hyper: AdamHyper
+    step: float
+    grad_scale: float
+    kernel: CompiledKernel | None  # None: the PyTorch path
+    struct: HyperParams | None  # the C argument block, when compiled
+
+
+def prepare_step(hyper: AdamHyper, step: float, grad_scale: float = 1.0,
+                 backend: Backend = "auto") -> PreparedStep:
+    if not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
+        raise ValueError(f"Adam grad_scale={grad_scale!r} is invalid; pass a finite float")
+    step_scalars(hyper, step)  # validates step
+    kernel = resolve_backend(backend)
+    struct = _hyper_struct(hyper, step, grad_scale) if kernel is not None else None
+    return PreparedStep(hyper, step, grad_scale, kernel, struct)
+
+
 def adam_update(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -88,13 +114,26 @@ def adam_update(
     `threads` spreads the work over a pool's workers (one thread when None).
     """
     check_flat(master, exp_avg, exp_avg_sq, grad, shadow)
-    if not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
-        raise ValueError(f"Adam grad_scale={grad_scale!r} is invalid; pass a finite float")
-    kernel = resolve_backend(backend)
+    prepared = prepare_step(hyper, step, grad_scale, backend)
+    run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads)
+
+
+def run_prepared(
+    prepared: PreparedStep,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    shadow: torch.Tensor | None = None,
+    threads: AdamThreads | None = None,
+) -> None:
+    """`adam_update` without the operand checks: the caller guarantees what check_flat checks."""
     n = master.numel()
     if n == 0:
         return
-    if kernel is None:
+    hyper, step, grad_scale = prepared.hyper, prepared.step, prepared.grad_scale
+    if prepared.kernel is None or prepared.struct is None:
         if threads is None:
             torch_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper, step=step,
                          grad_scale=grad_scale, shadow=shadow)
@@ -109,13 +148,12 @@ def adam_update(
         threads.run(n, torch_part)
         return
 
-    hp = _hyper_struct(hyper, step, grad_scale)
-    hp_ref = ctypes.byref(hp)
+    hp_ref = ctypes.byref(prepared.struct)
     ptrs = (master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr())
     gkind = _KIND[grad.dtype]
     out_ptr = shadow.data_ptr() if shadow is not None else None
     okind = _KIND[shadow.dtype] if shadow is not None else 0
-    step_fn = kernel.step
+    step_fn = prepared.kernel.step
 
     def part(lo: int, hi: int) -> None:
         rc = step_fn(ptrs[0], ptrs[1], ptrs[2], ptrs[3], gkind, out_ptr, okind, lo, hi, hp_ref)

@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-from .adam_kernel import Backend, adam_update, resolve_backend, to_low_precision
+from .adam_kernel import (
+    Backend,
+    PreparedStep,
+    prepare_step,
+    resolve_backend,
+    run_prepared,
+    to_low_precision,
+)
 from .adam_math import LOW_PRECISION, AdamHyper
 from .adam_threads import AdamThreads
 
@@ -194,6 +201,7 @@ class CPUAdam(torch.optim.Optimizer):
                               eps=float(group["eps"]),
                               weight_decay=float(group["weight_decay"]),
                               adamw=bool(group["decoupled_weight_decay"]))
+            steps: dict[float, PreparedStep] = {}
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -206,11 +214,25 @@ class CPUAdam(torch.optim.Optimizer):
                     state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 state["step"] += 1
                 entry = self._shadows.get(id(p))
-                adam_update(
-                    p.detach(), state["exp_avg"], state["exp_avg_sq"], grad.detach().contiguous(),
-                    hyper=hyper, step=float(state["step"]), grad_scale=grad_scale,
-                    shadow=entry[1] if entry is not None else None, threads=pool,
-                    backend=self._backend,
+                step = float(state["step"])
+                prepared = steps.get(step)
+                if prepared is None:  # params of a group normally share one step count
+                    prepared = prepare_step(hyper, step, grad_scale, self._backend)
+                    steps[step] = prepared
+                # A cheap re-check (the full one ran when the param was added): p.data may
+                # have been swapped since, and the C kernel trusts these sizes. Autograd keeps
+                # p.grad at p's shape, dtype and device.
+                shadow = entry[1] if entry is not None else None
+                if (p.dtype != torch.float32 or not p.is_contiguous()
+                        or state["exp_avg"].numel() != p.numel()
+                        or (shadow is not None and shadow.numel() != p.numel())):
+                    raise ValueError(
+                        f"CPUAdam group {gi} param {pi} changed since it was added (now "
+                        f"{p.dtype}, {tuple(p.shape)}, contiguous={p.is_contiguous()}); its "
+                        "state or shadow no longer fits; build a new optimizer")
+                run_prepared(
+                    prepared, p.detach(), state["exp_avg"], state["exp_avg_sq"],
+                    grad.detach().contiguous(), shadow=shadow, threads=pool,
                 )
         return loss
 

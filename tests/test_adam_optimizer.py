@@ -278,3 +278,14 @@ def test_int_step_and_tensor_lr_from_a_foreign_state_dict() -> None:
     ref_opt.step()
     assert float(opt.state[p]["step"]) == 2.0
     assert (p - ref).abs().max().item() <= REL_TOL * ref.abs().max().item()
+
+
+def test_param_swapped_after_adding_is_refused() -> None:
+    p = torch.zeros(4, requires_grad=True)
+    opt = CPUAdam([p])
+    p.grad = torch.ones(4)
+    opt.step()
+    p.data = torch.zeros(8)  # the kernel would run past the 4-element state
+    p.grad = torch.ones(8)
+    with pytest.raises(ValueError, match=r"group 0 param 0 changed since it was added"):
+        opt.step()
