@@ -5,14 +5,7 @@ Knows tensors, bytes and tiers; nothing of modules or ranks.
 
 from . import numa
 from .adam_build import kernel_status
-from .adam_kernel import (
-    Backend,
-    PreparedStep,
-    adam_update,
-    prepare_step,
-    run_prepared,
-    to_low_precision,
-)
+from .adam_kernel import Backend, adam_update, to_low_precision
 from .adam_math import AdamHyper
 from .adam_threads import AdamThreads
 from .cpu_adam import CPUAdam
@@ -33,7 +26,6 @@ __all__ = [
     "CPUAdam",
     "HostShardStore",
     "PipelineStats",
-    "PreparedStep",
     "ShardBuffers",
     "ShardLayout",
     "ShardStore",
@@ -43,7 +35,5 @@ __all__ = [
     "kernel_status",
     "numa",
     "pipelined_step",
-    "prepare_step",
-    "run_prepared",
     "to_low_precision",
 ]
