@@ -46,7 +46,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_adam_kernel.c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 # -ffp-contract=off: see [Note: Adam operation order] in _adam_kernel.c.
 # -fno-math-errno lets sqrtf vectorise; it does not change any result.
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
