@@ -21,6 +21,8 @@ baselines, an AdamThreads pool of the same size for tierzero):
              plain 28 B (read p, m, v, g fp32; write p, m, v), tierzero
              offloaded 28 B (read p, m, v + bf16 g; write p, m, v + bf16 p16),
              baseline offloaded 40 B (plain + 6 B per conversion pass).
+  subnormal  moments already subnormal and zero grads (long-unused rows): tierzero
+             vs fused AdamW at all threads, params/4 elements.
   nvme       (unless --skip-nvme) pipelined_step over a swap.SwapStore in
              --nvme-dir vs the Adam compute alone and the same I/O alone; the
              target is step <= 1.15 x max(adam, disk).
@@ -191,6 +193,50 @@ def bench_threads(n: int, threads: int, repeats: int, hyper: AdamHyper) -> dict[
     return {"threads": threads, "bandwidth_gb_s": bw / 1e9, "rows": rows, "notes": notes}
 
 
+def bench_subnormal(n: int, threads: int, repeats: int, hyper: AdamHyper) -> dict[str, Any]:
+    """Zero gradients, moments already subnormal (after a run of zero grads): see
+    [Note: subnormals] in offload/_adam_kernel.c. tierzero vs fused AdamW, interleaved."""
+    torch.set_num_threads(threads)
+    p = torch.randn(n)
+    m, v, g = torch.full((n,), 1e-40), torch.full((n,), 1e-40), torch.zeros(n)
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.clone()
+    fused = torch.optim.AdamW([param], fused=True, lr=hyper.lr, weight_decay=hyper.weight_decay)
+    fused.step()
+    step = [0]
+    with AdamThreads(threads) as pool:
+
+        def tz() -> None:
+            step[0] += 1
+            m.fill_(1e-40)  # keep the state subnormal (flushing would zero it after a step)
+            v.fill_(1e-40)
+            adam_update(p, m, v, g, hyper=hyper, step=1000 + step[0], threads=pool)
+
+        def base() -> None:
+            fused.state[param]["exp_avg"].fill_(1e-40)
+            fused.state[param]["exp_avg_sq"].fill_(1e-40)
+            fused.step()
+
+        def fill() -> None:
+            m.fill_(1e-40)
+            v.fill_(1e-40)
+
+        times: dict[str, list[float]] = {"tierzero": [], "torch_fused": [], "fill": []}
+        for r in range(repeats):
+            order = [("tierzero", tz), ("torch_fused", base), ("fill", fill)]
+            for name, fn in order[r % 3:] + order[:r % 3]:
+                times[name].append(timed(fn))
+    med = {k: statistics.median(ts) for k, ts in times.items()}
+    # Both methods include refilling m and v (two passes); "fill" times that alone.
+    res = {"threads": threads, "median_s": med,
+           "speedup": (med["torch_fused"] - med["fill"]) / max(med["tierzero"] - med["fill"],
+                                                               1e-9)}
+    print(f"\n== subnormal moments, zero grads, {threads} thread(s): tierzero "
+          f"{med['tierzero']:.4f} s, fused AdamW {med['torch_fused']:.4f} s (each incl. "
+          f"{med['fill']:.4f} s refill) -> {res['speedup']:.1f}x excluding the refill")
+    return res
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n== {result['threads']} thread(s): in-place stream bandwidth "
           f"{result['bandwidth_gb_s']:.1f} GB/s")
@@ -233,6 +279,7 @@ def main() -> None:
         res = bench_threads(args.params, t, args.repeats, hyper)
         print_table(res)
         out["results"].append(res)
+    out["subnormal"] = bench_subnormal(args.params // 4, max(counts), args.repeats, hyper)
     if not args.skip_nvme:
         out["nvme"] = nvme_section(Path(args.nvme_dir), n=args.nvme_params,
                                    shards=args.nvme_shards, threads=max(counts),
