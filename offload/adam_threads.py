@@ -28,6 +28,7 @@ with a lower worst case; the gain is robustness, not peak speed.)
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -49,6 +50,15 @@ MIN_PER_THREAD = 1 << 15
 CHUNKS_PER_THREAD = 8
 
 
+@functools.lru_cache(maxsize=1)
+def _log_placement(nodes: int) -> None:
+    if nodes > 1:
+        logger.info("CPU Adam threads are bound per NUMA node (%d nodes); chunks first-touched "
+                    "on the node that updates them", nodes)
+    else:
+        logger.info("CPU Adam thread binding is a no-op: one NUMA node (or no libnuma)")
+
+
 def default_threads() -> int:
     """CPUs this process may run on."""
     return len(os.sched_getaffinity(0))
@@ -63,6 +73,7 @@ class AdamThreads:
             raise ValueError(f"AdamThreads threads={threads!r} is invalid; need an int >= 1")
         self.threads = count
         self._nodes = numa.node_count()
+        _log_placement(self._nodes)
         # On one node the calling thread takes a part itself; on several, every part runs on a
         # bound worker so no part is updated from an arbitrary node.
         self._inline = self._nodes == 1
