@@ -40,6 +40,8 @@ __all__ = ["SwapStore"]
 
 log = logging.getLogger(__name__)
 
+WRITE_SHARE = 4  # while reads wait, every 4th block slot still goes to writes
+
 
 class SwapStore:
     """Tensors swapped to a scratch file under `directory`, by string key.
@@ -47,9 +49,9 @@ class SwapStore:
     Settings mirror the config's NVMe I/O section:
     block_size: bytes per I/O request; large payloads are split into blocks
         moved concurrently. A multiple of 4096, at most 1 GiB. Default 1 MiB.
-    queue_depth: requests (reads/writes) in service at once; their blocks are
-        interleaved so a small read is not stuck behind a huge write. Later
-        requests wait in submission order. Default 8.
+    queue_depth: requests (reads/writes) in service at once (regions
+        allocated, blocks handed to threads); later ones wait in submission
+        order. Block order: see [Note: swap I/O order]. Default 8.
     threads: I/O threads, each with one block request in flight. Default 4.
     verify: checksum every payload on write and check header and checksum on
         every read (cost: one CRC-32 pass, ~24 GB/s per core with `isal`).
@@ -102,7 +104,9 @@ class SwapStore:
         self._index: dict[str, Entry] = {}
         self._chains: dict[str, KeyChain] = {}
         self._runnable: deque[Request] = deque()  # dependencies done, waiting for service
-        self._issuing: deque[Request] = deque()  # in service with blocks left to hand out
+        # In service with blocks left to hand out, per direction, oldest first.
+        self._issuing: dict[Op, deque[Request]] = {"read": deque(), "write": deque()}
+        self._picks = 0
         self._in_service = 0
         self._generation = 0
         self._traffic = {"read": Traffic(), "write": Traffic()}
@@ -276,7 +280,7 @@ class SwapStore:
                 req.error = exc
                 self._finish_locked(req, done)
                 continue
-            self._issuing.append(req)
+            self._issuing[req.op].append(req)
             self._work_ready.notify(min(req.n_tasks, len(self._threads)))
 
     def _prepare_locked(self, req: Request) -> None:
@@ -359,19 +363,38 @@ class SwapStore:
 
     # ------------------------------------------------------------------ I/O threads
 
+    def _pick_block_locked(self) -> tuple[Request, int] | None:
+        """The next block to move. [Note: swap I/O order]
+
+        Reads come first (they are on the critical path: prefetch, optimizer state
+        in), but every WRITE_SHARE-th pick goes to a waiting write so writes never
+        starve. Within a direction the oldest request's blocks go out first, in
+        file order, so the drive sees sequential streams, and requests finish in
+        the order they were submitted (the order the engine needs them).
+        """
+        reads, writes = self._issuing["read"], self._issuing["write"]
+        if not reads and not writes:
+            return None
+        self._picks += 1
+        queue = writes if writes and (not reads or self._picks % WRITE_SHARE == 0) else reads
+        req = queue[0]
+        index = req.next_block
+        req.next_block += 1
+        if req.all_issued():
+            queue.popleft()
+        return req, index
+
     def _worker(self) -> None:
         wb = WorkerBuffers(self.block_size)
         while True:
             with self._lock:
-                while not self._issuing and not self._stopping:
+                picked = self._pick_block_locked()
+                while picked is None and not self._stopping:
                     self._work_ready.wait()
-                if not self._issuing:
+                    picked = self._pick_block_locked()
+                if picked is None:
                     return
-                req = self._issuing.popleft()
-                index = req.next_block
-                req.next_block += 1
-                if not req.all_issued():
-                    self._issuing.append(req)  # round-robin between requests in service
+                req, index = picked
             error, bounced = self._io.run_block(req, index, wb)
             done: list[Request] = []
             with self._lock:
@@ -379,8 +402,8 @@ class SwapStore:
                 req.completed += 1
                 if error is not None and req.error is None:
                     req.error = error
-                    if req in self._issuing:
-                        self._issuing.remove(req)
+                    if req in self._issuing[req.op]:
+                        self._issuing[req.op].remove(req)
                 last = req.all_issued() and req.completed == min(req.next_block, req.n_tasks)
                 if last and not req.finishing:
                     req.finishing = True
