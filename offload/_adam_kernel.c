@@ -8,10 +8,13 @@
  * [Note: Adam operation order]
  * Each element goes through exactly the operations torch.optim.Adam's
  * single-tensor path performs, in the same order and the same fp32 rounding,
- * so results match PyTorch to the last bit or within an ulp (tests state
- * the tolerance). The file is compiled with -ffp-contract=off: the compiler
- * may not fuse a*b+c on its own; where ATen's vectorised kernels use a fused
- * multiply-add (lerp, add with alpha) we call fmaf explicitly.
+ * so results match PyTorch within about an ulp per step (tests state the
+ * tolerance). The file is compiled with -ffp-contract=off: the compiler may
+ * not fuse a*b+c on its own; where ATen's vectorised kernels use a fused
+ * multiply-add (lerp, add with alpha, addcmul) we call fmaf explicitly.
+ * Remaining differences: ATen's vectorised sqrt is not correctly rounded
+ * (one ulp off on ~0.6% of inputs; ours is IEEE), its scalar tail does not
+ * fuse what its vector body fuses, and subnormals (see [Note: subnormals]).
  *
  *   g  = grad * grad_scale                       (only if grad_scale != 1)
  *   AdamW: p = p * (1 - lr*wd)                   (Tensor.mul_)

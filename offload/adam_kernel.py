@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from .adam_build import CompiledKernel, HyperParams, compiled_kernel
+from .adam_build import CompiledKernel, HyperParams, compiled_kernel, kernel_status
 from .adam_math import AdamHyper, check_flat, step_scalars, torch_update
 from .adam_threads import AdamThreads
 
@@ -39,8 +39,6 @@ def resolve_backend(backend: Backend) -> CompiledKernel | None:
         )
     kernel = compiled_kernel()
     if kernel is None and backend == "compiled":
-        from .adam_build import kernel_status
-
         raise RuntimeError(f"Adam backend='compiled' requested but unavailable: {kernel_status()}")
     return kernel
 
