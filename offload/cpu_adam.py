@@ -11,6 +11,11 @@ in a group dict it may be given as ``adamw`` or as ``decoupled_weight_decay``.
 A parameter may have a bf16/fp16 *shadow* (``attach_shadow``): a tensor of the
 same shape that receives the updated master rounded to nearest even in the
 same pass, as the compute copy of an offloaded model.
+
+    opt = CPUAdam(model.parameters(), lr=2e-5, weight_decay=0.01)   # fp32 CPU params
+    opt.attach_shadow(model.lm_head.weight, w16)                    # optional bf16 copy
+    loss.backward(); opt.step(grad_scale=1 / loss_scale); opt.zero_grad()
+    torch.save(opt.state_dict(), "opt.pt")   # loadable by torch.optim.AdamW, and back
 """
 
 from __future__ import annotations
