@@ -7,7 +7,8 @@ Sections, each at 1 thread and at all threads (torch.set_num_threads for the
 baselines, an AdamThreads pool of the same size for tierzero):
 
   plain      fp32 grad in, fp32 master/m/v updated:
-             tierzero adam_update vs torch.optim.AdamW(foreach=True),
+             tierzero adam_update (and its pure-PyTorch fallback) vs
+             torch.optim.AdamW(foreach=True),
              AdamW(fused=True) and DeepSpeedCPUAdam (if importable).
   offloaded  bf16 grad in, fp32 master/m/v updated, bf16 param out:
              tierzero's single pass vs each baseline plus the conversions it
@@ -127,8 +128,20 @@ def build_methods(n: int, hyper: AdamHyper, pool: AdamThreads
     else:
         notes.append(f"deepspeed skipped: {why}")
 
-    plain: dict[str, Callable[[], None]] = {"tierzero": tz_plain}
-    offloaded: dict[str, Callable[[], None]] = {"tierzero": tz_offloaded}
+    def fallback_plain() -> None:
+        counter[0] += 1
+        adam_update(p, m, v, g32, hyper=hyper, step=counter[0], threads=pool, backend="torch")
+
+    def fallback_offloaded() -> None:
+        counter[0] += 1
+        adam_update(p, m, v, g16, hyper=hyper, step=counter[0], shadow=p16, threads=pool,
+                    backend="torch")
+
+    # tierzero_fallback: the pure-PyTorch path used when no C compiler is available.
+    plain: dict[str, Callable[[], None]] = {"tierzero": tz_plain,
+                                            "tierzero_fallback": fallback_plain}
+    offloaded: dict[str, Callable[[], None]] = {"tierzero": tz_offloaded,
+                                                "tierzero_fallback": fallback_offloaded}
     for name, opt in baselines.items():
         plain[name] = opt.step  # type: ignore[assignment]
 
@@ -175,12 +188,13 @@ def bench_threads(n: int, threads: int, repeats: int, hyper: AdamHyper) -> dict[
     rows = []
     for sec in ("plain", "offloaded"):
         names = [name for s, name in med if s == sec]
-        base = [name for name in names if name != "tierzero"]
+        base = [name for name in names if not name.startswith("tierzero")]
         fastest = min(med[(sec, name)] for name in base)
         for name in names:
             t = med[(sec, name)]
             nbytes = BYTES["plain"] if sec == "plain" else (
-                BYTES["tz_offloaded"] if name == "tierzero" else BYTES["baseline_offloaded"])
+                BYTES["tz_offloaded"] if name.startswith("tierzero")
+                else BYTES["baseline_offloaded"])
             bound = bw / nbytes
             pattern = med.get(("bandwidth", f"pattern_{sec}"))
             rows.append({
