@@ -200,7 +200,11 @@ class SwapStore:
             wait_futures(pending)
 
     def close(self) -> None:
-        """Finish pending I/O, stop the threads, remove the swap files. Idempotent."""
+        """Finish pending I/O, stop the threads, remove the swap files. Idempotent.
+
+        A store never closed keeps its threads (and so itself) alive until the
+        interpreter exits, when its files are removed by a finalizer.
+        """
         with self._lock:
             if self._closed:
                 return
