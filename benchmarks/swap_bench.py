@@ -73,8 +73,8 @@ def machine(directory: Path) -> dict[str, str]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    fs = subprocess.run(["stat", "-f", "-c", "%T", str(directory)], capture_output=True,
-                        check=False, text=True).stdout.strip()
+    fs = subprocess.run(["df", "--output=fstype", str(directory)], capture_output=True,
+                        check=False, text=True).stdout.split()[-1]
     dev = subprocess.run(["df", "--output=source", str(directory)], capture_output=True,
                          check=False, text=True).stdout.split()[-1]
     load = os.getloadavg()

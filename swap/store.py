@@ -25,7 +25,7 @@ from types import TracebackType
 import torch
 
 from swap.aligned import ALIGN, aligned_empty
-from swap.allocator import ExtentAllocator, round_up
+from swap.allocator import round_up
 from swap.blockio import BlockIO, WorkerBuffers
 from swap.checks import check_int, check_key, check_matches, check_tensor
 from swap.errors import SwapError
@@ -34,6 +34,7 @@ from swap.future import Op, SwapFuture
 from swap.opening import open_data_file
 from swap.request import Entry, KeyChain, Request, byte_view, region_bytes
 from swap.scratch import check_free_space, open_scratch
+from swap.space import FileSpace
 from swap.stats import SwapStats, Traffic
 
 __all__ = ["SwapStore"]
@@ -98,7 +99,7 @@ class SwapStore:
             raise
         self.path = str(self._scratch.data_path)
         self._io = BlockIO(self._fileio, self._fd, self.path, direct=self.direct, verify=verify)
-        self._alloc = ExtentAllocator()
+        self._space = FileSpace(self._fileio, self._fd, self.path)
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)
         self._index: dict[str, Entry] = {}
@@ -115,7 +116,7 @@ class SwapStore:
         self._stopping = False
         if reserve_bytes:
             try:
-                self._grow_locked(round_up(reserve_bytes), key=None)
+                self._space.grow(round_up(reserve_bytes))
             except SwapError:
                 self._shutdown_files()
                 raise
@@ -194,13 +195,17 @@ class SwapStore:
                             "unknown key: cannot delete, nothing is stored under it",
                             path=self.path, key=key,
                         )
-                    self._alloc.free(entry.offset, entry.region_bytes)
+                    self._space.free(entry.offset, entry.region_bytes)
                     return
                 pending = [r.future for r in chain.pending()]
             wait_futures(pending)
 
     def close(self) -> None:
-        """Finish pending I/O, stop the threads, remove the swap files. Idempotent."""
+        """Finish pending I/O, stop the threads, remove the swap files. Idempotent.
+
+        A store never closed keeps its threads (and so itself) alive until the
+        interpreter exits, when its files are removed by a finalizer.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -239,8 +244,8 @@ class SwapStore:
             return SwapStats(
                 write=self._traffic["write"].snapshot(now),
                 read=self._traffic["read"].snapshot(now),
-                file_bytes=self._alloc.end,
-                used_bytes=self._alloc.used,
+                file_bytes=self._space.file_bytes,
+                used_bytes=self._space.used_bytes,
                 keys=len(self._index),
                 direct=self.direct,
             )
@@ -302,27 +307,8 @@ class SwapStore:
             return
         if req.entry is None:
             raise SwapError("internal: write without entry", path=self.path, key=req.key)
-        size = region_bytes(req.nbytes)
-        offset = self._alloc.alloc(size)
-        if offset is None:
-            self._grow_locked(size - self._alloc.tail_free(), key=req.key)
-            offset = self._alloc.alloc(size)
-        if offset is None:
-            raise SwapError("internal: allocation failed after growth", path=self.path,
-                            key=req.key)
+        offset = self._space.allocate(region_bytes(req.nbytes), key=req.key)
         req.entry = dataclasses.replace(req.entry, offset=offset)
-
-    def _grow_locked(self, size: int, *, key: str | None) -> None:
-        """Preallocate `size` more bytes at the end of the file (so writes never extend it)."""
-        start = self._alloc.end
-        try:
-            self._fileio.fallocate(self._fd, start, size)
-        except OSError as exc:
-            raise SwapError(
-                f"cannot grow the swap file from {start} to {start + size} bytes",
-                path=self.path, key=key, errno=exc.errno,
-            ) from exc
-        self._alloc.grow(size)
 
     def _finish_locked(self, req: Request, done: list[Request]) -> None:
         """Commit or roll back, release dependents; the future is set by _settle."""
@@ -332,9 +318,9 @@ class SwapStore:
                 old = self._index.get(req.key)
                 self._index[req.key] = entry
                 if old is not None:
-                    self._alloc.free(old.offset, old.region_bytes)
+                    self._space.free(old.offset, old.region_bytes)
             else:
-                self._alloc.free(entry.offset, entry.region_bytes)
+                self._space.free(entry.offset, entry.region_bytes)
         self._in_service -= 1
         self._traffic[req.op].end(time.perf_counter(), req.nbytes, failed=req.error is not None)
         chain = self._chains.get(req.key)
