@@ -203,7 +203,7 @@ def test_bad_hyper_named(kwargs: dict[str, float], match: str) -> None:
     gdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     start_step=st.integers(1, 10_000),
 )
-def test_compiled_matches_fallback_property(
+def test_compiled_matches_fallback_property(  # noqa: PLR0917 - hypothesis passes by keyword
     n: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     adamw: bool, grad_scale: float, gdtype: torch.dtype, start_step: int,
 ) -> None:
