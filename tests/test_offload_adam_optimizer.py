@@ -1,7 +1,7 @@
 """offload.CPUAdam as a torch.optim.Optimizer, against torch.optim.AdamW / Adam.
 
 Tolerance 1e-6 relative to the largest reference value per tensor, for the
-reason given in tests/test_adam_kernel.py (one-ulp sqrt/fma differences per
+reason given in tests/test_offload_adam_kernel.py (one-ulp sqrt/fma differences per
 step with the compiled kernel; the PyTorch backend is exact).
 """
 
