@@ -6,4 +6,9 @@ re-exported here; everything else is private to the package.
 
 from engine.config import Config, ConfigError
 
+from engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
+from engine.engine import ZeroEngine  # isort: skip
+from engine.initialize import initialize  # isort: skip
+
 __all__: list[str] = ["Config", "ConfigError"]
+__all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]

@@ -46,7 +46,12 @@ def register_owner(param: nn.Parameter, scheduler: Scheduler, unit: Unit, qname:
 
 
 def unregister_owner(param: nn.Parameter) -> None:
-    _OWNERS.pop(param, None)
+    _OWNERS.pop(param, None)  # type: ignore[no-untyped-call]
+
+
+def owner_of(param: object) -> _Owner | None:
+    owner = _OWNERS.get(param)  # type: ignore[no-untyped-call]
+    return owner if isinstance(owner, _Owner) else None
 
 
 def _not_gathered(owner: _Owner, func: Any) -> ParameterNotGatheredError:
@@ -74,7 +79,7 @@ class AccessGuard(TorchFunctionMode):
     @staticmethod
     def _check(a: object, func: Any) -> None:
         if isinstance(a, nn.Parameter) and a.numel() == 0:
-            owner = _OWNERS.get(a)
+            owner = owner_of(a)
             if owner is not None and not owner.unit.gathered:
                 raise _not_gathered(owner, func)
 
@@ -91,7 +96,7 @@ class GatheredParameters:
     def __init__(self, params: Iterable[nn.Parameter] | nn.Parameter,
                  modifier_rank: int | None = None, enabled: bool = True) -> None:
         plist = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._owners = [o for o in (_OWNERS.get(p) for p in plist) if o is not None]
+        self._owners = [o for o in (owner_of(p) for p in plist) if o is not None]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units: list[Unit] = []

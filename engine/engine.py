@@ -17,13 +17,13 @@ from torch.utils._pytree import tree_map
 
 from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.collectives import Comm
+from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
 from engine.optim import OptimizerFactory, build_optimizer, run_step
-from engine.precision import DynamicLossScaler, compute_dtype, has_overflow
+from engine.precision import LossScaler, compute_dtype, has_overflow
 from engine.schedule import Scheduler, Unit
-from engine.settings import EngineSettings
 from engine.shard_store import ShardStore
 from engine.units import UnitSpec, check_parameters_supported, discover_units
 
@@ -39,17 +39,19 @@ def _default_device() -> torch.device:
 class ZeroEngine:
     """Trains `module` with parameters, gradients and optimizer state partitioned over ranks."""
 
-    def __init__(self, module: nn.Module, settings: EngineSettings,
+    def __init__(self, module: nn.Module, config: Config,
                  optimizer_factory: OptimizerFactory, comm: Comm | None = None,
                  device: torch.device | None = None) -> None:
         self.module = module
-        self.settings = settings
         self.comm = comm or Comm()
+        # Batch sizes resolved for this world size (ConfigError when they do not fit).
+        self.config = config.check_world_size(self.comm.world_size)
         self.device = device or _default_device()
-        self.dtype = compute_dtype(settings.precision)
+        self.dtype = compute_dtype(config.precision.dtype)
+        self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
         check_parameters_supported(module)
-        specs = discover_units(module, list(settings.units) if settings.units else None,
-                               settings.unit_min_bytes)
+        specs = discover_units(module, list(config.zero.units) or None,
+                               config.zero.unit_min_bytes)
         # Validate on every rank before the first collective: a mismatch would hang.
         shape_sig = [len(specs)] + [sum(p.numel() for _, p in s.params) for s in specs]
         if not self.comm.all_equal(shape_sig):
@@ -67,12 +69,8 @@ class ZeroEngine:
         self._hooks = HookSet(self.scheduler)
         self._train_keys = [g.key for u in self.units for g in u.groups if g.trainable]
         self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
-        self.lr_scheduler = build_scheduler(
-            self.optimizer, settings.scheduler_type, settings.warmup_steps,
-            settings.total_steps, settings.min_lr_ratio)
-        self.loss_scaler = (DynamicLossScaler(settings.loss_scale_init,
-                                              settings.loss_scale_growth_interval,
-                                              settings.loss_scale_min)
+        self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
         self.micro_steps = 0
         self.global_steps = 0
@@ -95,12 +93,14 @@ class ZeroEngine:
         dtype_name = str(self.dtype).removeprefix("torch.")
         groups: list[FlatGroup] = [
             build_group(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}",
-                        named, self.dtype, trainable, self.comm, self.store, self.device)
+                        named, dtype=self.dtype, trainable=trainable, comm=self.comm,
+                        store=self.store, device=self.device)
             for trainable, named in sorted(by_kind.items(), reverse=True)
         ]
         nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8
         persistent = (not spec.is_root) and (
-            self.settings.stage < 3 or nbytes < self.settings.persistence_threshold_bytes)
+            self.config.zero.stage < 3
+            or nbytes < self.config.zero.persistence_threshold_bytes)
         trainable = tuple(p for _, p in spec.params if p.requires_grad)
         return Unit(index, spec.name, spec.module, spec.is_root, persistent, groups,
                     trainable, has_frozen=len(trainable) < len(spec.params))
@@ -136,17 +136,17 @@ class ZeroEngine:
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss; got shape {tuple(loss.shape)}")
-        scale = 1.0 / self.settings.gradient_accumulation_steps
+        scale = 1.0 / self.grad_accum
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.scheduler.begin_backward()
         try:
-            (loss.float() * scale).backward()
+            (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
         finally:
             self.scheduler.end_backward()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.settings.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.grad_accum == 0
 
     def step(self) -> None:
         """Call once per micro-step; the optimizer runs every gradient_accumulation_steps."""
@@ -181,7 +181,7 @@ class ZeroEngine:
             sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
         self.comm.all_reduce_sum(sq)
         norm = math.sqrt(float(sq.item()))
-        limit = self.settings.gradient_clipping
+        limit = self.config.gradient_clipping
         if limit > 0:
             coef = min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
             if coef < 1.0:

@@ -64,7 +64,7 @@ class FlatGroup:
 
 
 def build_group(
-    key: str, named: list[tuple[str, nn.Parameter]], dtype: torch.dtype, trainable: bool,
+    key: str, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype, trainable: bool,
     comm: Comm, store: ShardStore, device: torch.device,
 ) -> FlatGroup:
     """Lay out `named`, create this rank's shards in `store`, and leave the group released."""

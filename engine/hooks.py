@@ -46,7 +46,7 @@ class HookSet:
                 self._handles.append(unit.module.register_forward_hook(
                     _post_forward(scheduler, unit)))
             for p in unit.trainable:
-                self._handles.append(p.register_post_accumulate_grad_hook(
+                self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                     _post_accumulate(scheduler, unit)))
 
     def close(self) -> None:

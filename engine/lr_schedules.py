@@ -1,7 +1,13 @@
-"""Learning-rate schedules as `LambdaLR` multipliers of the optimizer's base lr.
+"""Learning-rate schedules (config `scheduler.*`) as `LambdaLR` multipliers of optimizer.lr.
 
-`step()` is called by the engine once per optimizer step (not per micro-step,
-and not on an fp16 step skipped for overflow).
+The engine calls `step()` once per optimizer step: not per micro-step, and
+not for an fp16 step skipped on overflow. Step t (0 before the first step):
+
+  warm-up (t < warmup_steps): warmup_start_lr -> lr, linear in t/warmup_steps
+      or, for warmup_shape "log", in log(t + 1) / log(warmup_steps) (DeepSpeed's
+      WarmupLR curve);
+  then constant: lr; warmup_linear: linear down to min_lr at total_steps;
+      warmup_cosine: half cosine down to min_lr at total_steps.
 """
 
 from __future__ import annotations
@@ -12,56 +18,42 @@ from collections.abc import Callable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("constant", "warmup_linear", "warmup_cosine")
+from engine.config import SchedulerConfig
 
 
-def lr_multiplier(
-    kind: str, warmup_steps: int, total_steps: int, min_ratio: float
-) -> Callable[[int], float]:
-    """Multiplier of the base lr at optimizer step `t` (0 before the first step).
+def lr_at(cfg: SchedulerConfig, peak: float) -> Callable[[int], float]:
+    """The learning rate at optimizer step t under `cfg`, peak `peak` (optimizer.lr)."""
+    warm, start = cfg.warmup_steps, cfg.warmup_start_lr
+    total = cfg.total_steps if cfg.total_steps is not None else warm
 
-    constant: 1. warmup_linear: linear 0 -> 1 over `warmup_steps`, then linear
-    down to `min_ratio` at `total_steps`. warmup_cosine: same warmup, then a
-    half cosine down to `min_ratio` at `total_steps`.
-    """
-    if kind not in SCHEDULES:
-        raise ValueError(f"scheduler type {kind!r} is not one of {list(SCHEDULES)}")
-    if warmup_steps < 0 or (kind != "constant" and total_steps < warmup_steps):
-        raise ValueError(f"scheduler needs 0 <= warmup_steps <= total_steps; got "
-                         f"warmup_steps={warmup_steps}, total_steps={total_steps}")
-    if not 0.0 <= min_ratio <= 1.0:
-        raise ValueError(f"scheduler min_ratio must be in [0, 1]; got {min_ratio}")
+    def warmup(t: int) -> float:
+        if cfg.warmup_shape == "log":
+            frac = math.log(t + 1) / math.log(warm) if warm > 1 else 1.0
+        else:
+            frac = t / warm
+        return start + (peak - start) * min(1.0, frac)
 
-    def warm(t: int) -> float | None:
-        if t < warmup_steps:
-            return (t + 1) / (warmup_steps + 1)
-        return None
+    def lr(t: int) -> float:
+        if t < warm:
+            return warmup(t)
+        if cfg.type == "constant":
+            return peak
+        frac = min(1.0, (t - warm) / max(1, total - warm))
+        if cfg.type == "warmup_linear":
+            return peak + (cfg.min_lr - peak) * frac
+        return cfg.min_lr + (peak - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
-    def constant(t: int) -> float:
-        w = warm(t) if warmup_steps else None
-        return 1.0 if w is None else w
-
-    def linear(t: int) -> float:
-        w = warm(t)
-        if w is not None:
-            return w
-        span = max(1, total_steps - warmup_steps)
-        frac = min(1.0, (t - warmup_steps) / span)
-        return 1.0 - (1.0 - min_ratio) * frac
-
-    def cosine(t: int) -> float:
-        w = warm(t)
-        if w is not None:
-            return w
-        span = max(1, total_steps - warmup_steps)
-        frac = min(1.0, (t - warmup_steps) / span)
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-    return {"constant": constant, "warmup_linear": linear, "warmup_cosine": cosine}[kind]
+    return lr
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, kind: str, warmup_steps: int, total_steps: int,
-    min_ratio: float,
-) -> LambdaLR:
-    return LambdaLR(optimizer, lr_multiplier(kind, warmup_steps, total_steps, min_ratio))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> LambdaLR:
+    """One LambdaLR over every param group; each group's own lr is its peak."""
+    peaks = [float(g["lr"]) for g in optimizer.param_groups]
+    curves = [lr_at(cfg, p) for p in peaks]
+    lambdas: list[Callable[[int], float]] = [
+        _ratio(c, p) for c, p in zip(curves, peaks, strict=True)]
+    return LambdaLR(optimizer, lambdas)
+
+
+def _ratio(curve: Callable[[int], float], peak: float) -> Callable[[int], float]:
+    return lambda t: curve(t) / peak

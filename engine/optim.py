@@ -18,7 +18,7 @@ from engine.shard_store import ShardStore
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
-_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Adam] | type[torch.optim.AdamW]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
 }
@@ -49,7 +49,7 @@ def factory_from_user(optimizer: object) -> OptimizerFactory:
         cls, defaults = type(optimizer), dict(optimizer.defaults)
         return lambda params: cls(params, **defaults)
     if callable(optimizer):
-        return optimizer  # type: ignore[no-any-return]
+        return optimizer
     raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable params -> "
                     f"Optimizer; got {type(optimizer).__name__}")
 

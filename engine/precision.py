@@ -1,10 +1,12 @@
-"""Compute dtypes and the dynamic loss scaler for fp16 training."""
+"""Compute dtypes and the fp16 loss scaler (config `precision.*`)."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+
+from engine.config import LossScaleConfig
 
 log = logging.getLogger(__name__)
 
@@ -15,44 +17,53 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    dtype = COMPUTE_DTYPES.get(precision)
+def compute_dtype(name: str) -> torch.dtype:
+    dtype = COMPUTE_DTYPES.get(name)
     if dtype is None:
-        raise ValueError(f"precision {precision!r} is not one of {sorted(COMPUTE_DTYPES)}")
+        raise ValueError(f"precision.dtype {name!r} is not one of {sorted(COMPUTE_DTYPES)}")
     return dtype
 
 
-class DynamicLossScaler:
-    """fp16 loss scaling: halve on overflow (the step is skipped), double after
-    `growth_interval` overflow-free steps, never below `min_scale`."""
+class LossScaler:
+    """fp16 loss scaling. An overflow always skips the step. Dynamic (value == 0): after
+    `hysteresis` overflows the scale halves (never below min_scale); after
+    `growth_interval` clean steps it doubles. Static (value > 0): the scale stays."""
 
-    def __init__(self, init_scale: float, growth_interval: int, min_scale: float) -> None:
-        if init_scale <= 0 or min_scale <= 0 or growth_interval < 1:
-            raise ValueError(
-                f"loss scaler needs init_scale > 0, min_scale > 0, growth_interval >= 1; got "
-                f"{init_scale}, {min_scale}, {growth_interval}")
-        self.scale = float(init_scale)
-        self.growth_interval = growth_interval
-        self.min_scale = float(min_scale)
+    def __init__(self, cfg: LossScaleConfig) -> None:
+        self.cfg = cfg
+        self.dynamic = cfg.value == 0
+        self.scale = float(cfg.value) if not self.dynamic else float(2**cfg.initial_scale_power)
+        self._hysteresis = cfg.hysteresis
         self._good_steps = 0
         self.overflows = 0
 
     def update(self, overflow: bool) -> None:
         if overflow:
-            old = self.scale
-            self.scale = max(self.scale / 2.0, self.min_scale)
-            self._good_steps = 0
             self.overflows += 1
-            log.warning("fp16 gradient overflow: optimizer step skipped, loss scale %g -> %g",
+            self._good_steps = 0
+            if not self.dynamic:
+                log.warning("fp16 gradient overflow: step skipped, static loss scale %g",
+                            self.scale)
+                return
+            if self._hysteresis > 1:
+                self._hysteresis -= 1
+                log.warning("fp16 gradient overflow: step skipped, loss scale %g kept "
+                            "(hysteresis %d left)", self.scale, self._hysteresis)
+                return
+            old = self.scale
+            self.scale = max(self.scale / 2.0, self.cfg.min_scale)
+            log.warning("fp16 gradient overflow: step skipped, loss scale %g -> %g",
                         old, self.scale)
             return
+        if self.cfg.consecutive_hysteresis:
+            self._hysteresis = self.cfg.hysteresis
+        if not self.dynamic:
+            return
         self._good_steps += 1
-        if self._good_steps >= self.growth_interval:
+        if self._good_steps >= self.cfg.growth_interval:
             self.scale *= 2.0
             self._good_steps = 0
-
-    def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "good_steps": self._good_steps, "overflows": self.overflows}
+            self._hysteresis = self.cfg.hysteresis
 
 
 def has_overflow(grads: list[torch.Tensor]) -> bool:

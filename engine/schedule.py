@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from engine.collectives import Comm
-from engine.hooks import register_pre_backward
 from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
+from engine.hooks import register_pre_backward
 from engine.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ class Scheduler:
             self.trace = order
         elif order != self.trace:
             self.trace_changes += 1
-            first = next((i for i, (a, b) in enumerate(zip(order, self.trace)) if a != b),
-                         min(len(order), len(self.trace)))
+            pairs = enumerate(zip(order, self.trace, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), min(len(order), len(self.trace)))
             log.info("unit order changed at position %d (recorded %d units, now %d); "
                      "re-recording the trace", first, len(self.trace), len(order))
             self.trace = order

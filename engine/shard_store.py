@@ -46,12 +46,11 @@ class ShardStore:
         param16 = master_init.to(device=self.device, dtype=compute_dtype, copy=True)
         tensors: dict[ShardKind, torch.Tensor] = {"param16": param16}
         if trainable:
-            f32 = {"dtype": torch.float32, "device": self.device}
             master = param16 if compute_dtype == torch.float32 else master_init.to(
                 device=self.device, dtype=torch.float32, copy=True)
-            tensors.update(master=master, grad=torch.zeros(n, **f32),  # type: ignore[arg-type]
-                           exp_avg=torch.zeros(n, **f32),  # type: ignore[arg-type]
-                           exp_avg_sq=torch.zeros(n, **f32))  # type: ignore[arg-type]
+            tensors["master"] = master
+            for kind in ("grad", "exp_avg", "exp_avg_sq"):
+                tensors[kind] = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._records[key] = _Record(n, tensors)
 
     def tensor(self, key: str, kind: ShardKind) -> torch.Tensor:
@@ -80,7 +79,7 @@ class ShardStore:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per shard kind (aliased tensors counted once)."""
-        out = {kind: 0 for kind in SHARD_KINDS}
+        out: dict[str, int] = {kind: 0 for kind in SHARD_KINDS}
         for rec in self._records.values():
             seen: set[int] = set()
             for kind, t in rec.tensors.items():

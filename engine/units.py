@@ -73,6 +73,11 @@ def _blocks_by_size(model: nn.Module, min_bytes: int) -> list[tuple[str, nn.Modu
     return sorted(found, key=lambda item: order[item[0]])
 
 
+def _no_split(model: nn.Module) -> list[str]:
+    names = getattr(model, "_no_split_modules", None)
+    return [str(n) for n in names] if isinstance(names, list | tuple | set) else []
+
+
 def _enclosing_block(module_name: str, block_of_path: dict[str, int]) -> int | None:
     parts = module_name.split(".") if module_name else []
     for k in range(len(parts), 0, -1):
@@ -101,9 +106,9 @@ def discover_units(
                 f"classes present include {sorted(present)[:20]}"
             )
         rule = f"zero.units {sorted(wanted)}"
-    elif getattr(model, "_no_split_modules", None):
-        blocks = _blocks_by_class(model, set(model._no_split_modules))
-        rule = f"model._no_split_modules {model._no_split_modules}"
+    elif _no_split(model):
+        blocks = _blocks_by_class(model, set(_no_split(model)))
+        rule = f"model._no_split_modules {_no_split(model)}"
     else:
         blocks = _blocks_by_size(model, unit_min_bytes)
         rule = f"size rule (>= {unit_min_bytes} bytes per unit)"

@@ -1,0 +1,166 @@
+"""Small models, configs and a plain-PyTorch reference trainer for the engine tests."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import (
+    BatchConfig,
+    Config,
+    OptimizerConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+
+VOCAB, DIM, SEQ = 64, 32, 8
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual: LayerNorm, two biased Linears."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, `n_blocks` blocks, final LayerNorm, biased head. Optional block skipping
+    (dynamic control flow) through `skip`."""
+
+    def __init__(self, n_blocks: int = 4, dim: int = DIM, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor,
+                skip: tuple[int, ...] = ()) -> torch.Tensor:
+        x = self.emb(ids)  # (B, T, C)
+        for i, blk in enumerate(self.blocks):
+            if i not in skip:
+                x = blk(x)
+        logits = self.head(self.norm(x)).float()  # (B, T, V)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1))
+
+
+def make_model(seed: int = 0, n_blocks: int = 4) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM(n_blocks)
+    with torch.no_grad():  # non-trivial LayerNorm affine params
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+    return model
+
+
+def make_batches(n: int, batch: int = 4, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable task (target = a fixed map of the token), so the loss falls fast."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append((ids, (ids * 5 + 1) % VOCAB))
+    return out
+
+
+def make_config(precision: str = "fp32", gas: int = 1, clip: float = 0.0, lr: float = 1e-2,
+                stage: int = 3, units: tuple[str, ...] = ("Block",),
+                persistence: int = 0, scheduler: SchedulerConfig | None = None) -> Config:
+    return Config(
+        precision=PrecisionConfig(dtype=precision),  # type: ignore[arg-type]
+        zero=ZeroConfig(stage=stage, units=units, persistence_threshold_bytes=persistence),
+        optimizer=OptimizerConfig(type="adamw", lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.1),
+        scheduler=scheduler or SchedulerConfig(),
+        batch=BatchConfig(gradient_accumulation_steps=gas),
+        gradient_clipping=clip,
+    )
+
+
+@dataclass
+class RefResult:
+    losses: list[float]  # mean over ranks of each micro-step's loss
+    params: dict[str, torch.Tensor]
+
+
+def reference_train(model: nn.Module, cfg: Config, batches_per_rank: list[list[tuple[
+        torch.Tensor, torch.Tensor]]], steps: int, skips: list[tuple[int, ...]] | None = None,
+                    ) -> RefResult:
+    """Plain PyTorch, DDP-equivalent: each micro-step's gradient is the mean over ranks of
+    grad(loss_r / gas); AdamW on full fp32 params; clip_grad_norm_ before each step."""
+    model = copy.deepcopy(model)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
+    gas = cfg.batch.gradient_accumulation_steps or 1
+    world = len(batches_per_rank)
+    losses: list[float] = []
+    for micro in range(steps * gas):
+        skip = skips[micro] if skips else ()
+        per_rank = [model(*batches_per_rank[r][micro], skip=skip) for r in range(world)]
+        total = torch.stack(per_rank).mean()
+        (total / gas).backward()
+        losses.append(float(total.detach()))
+        if (micro + 1) % gas == 0:
+            if cfg.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
+            opt.step()
+            opt.zero_grad()
+    return RefResult(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+def full_params(eng: object, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered, as fp32 copies (a collective on every rank)."""
+    import engine
+
+    out: dict[str, torch.Tensor] = {}
+    with engine.GatheredParameters(list(model.parameters())):
+        for k, v in model.named_parameters():
+            out[k] = v.detach().float().clone()
+    return out
+
+
+def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                 model: nn.Module | None = None, skips: list[tuple[int, ...]] | None = None,
+                 world_mean: bool = False) -> RefResult:
+    """Train `model` (default make_model()) with tierzero on this rank's `batches`."""
+    import engine
+    from engine.collectives import Comm
+
+    model = model if model is not None else make_model()
+    eng, _, _, _ = engine.initialize(model=model, config=cfg)
+    gas = cfg.batch.gradient_accumulation_steps or 1
+    comm = Comm()
+    losses: list[float] = []
+    for micro in range(steps * gas):
+        ids, tg = batches[micro]
+        loss = eng(ids, tg, skip=skips[micro] if skips else ())
+        eng.backward(loss)
+        eng.step()
+        val = loss.detach().float().reshape(1).clone()
+        if world_mean:
+            comm.all_reduce_sum(val)
+            val /= comm.world_size
+        losses.append(float(val))
+    params = full_params(eng, model)
+    eng.close()
+    return RefResult(losses, params)
+
+
+def rank_scenario(rank: int, precision: str, gas: int, clip: float, steps: int) -> RefResult:
+    """One rank's part of a two-rank run: its own batches (seed 1 + rank)."""
+    cfg = make_config(precision=precision, gas=gas, clip=clip)
+    return engine_train(cfg, make_batches(steps * gas, seed=1 + rank), steps, world_mean=True)
