@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import engine
+from engine.collectives import Comm
 from engine.config import (
     BatchConfig,
     Config,
@@ -18,6 +20,9 @@ from engine.config import (
 )
 
 VOCAB, DIM, SEQ = 64, 32, 8
+# fp32 parity tolerances; the reasons are in test_engine_parity.py's docstring.
+PARAM_ATOL = 1e-5
+LOSS_RTOL = 1e-6
 
 
 class Block(nn.Module):
@@ -34,8 +39,8 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Embedding, `n_blocks` blocks, final LayerNorm, biased head. Optional block skipping
-    (dynamic control flow) through `skip`."""
+    """Embedding, `n_blocks` blocks, final LayerNorm, biased head. `order` picks which blocks
+    run and in which order (dynamic control flow); default all, in order."""
 
     def __init__(self, n_blocks: int = 4, dim: int = DIM, vocab: int = VOCAB) -> None:
         super().__init__()
@@ -45,11 +50,10 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor,
-                skip: tuple[int, ...] = ()) -> torch.Tensor:
+                order: tuple[int, ...] | None = None) -> torch.Tensor:
         x = self.emb(ids)  # (B, T, C)
-        for i, blk in enumerate(self.blocks):
-            if i not in skip:
-                x = blk(x)
+        for i in range(len(self.blocks)) if order is None else order:
+            x = self.blocks[i](x)
         logits = self.head(self.norm(x)).float()  # (B, T, V)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            targets.reshape(-1))
@@ -76,7 +80,7 @@ def make_batches(n: int, batch: int = 4, seed: int = 1) -> list[tuple[torch.Tens
     return out
 
 
-def make_config(precision: str = "fp32", gas: int = 1, clip: float = 0.0, lr: float = 1e-2,
+def make_config(precision: str = "fp32", *, gas: int = 1, clip: float = 0.0, lr: float = 1e-2,
                 stage: int = 3, units: tuple[str, ...] = ("Block",),
                 persistence: int = 0, scheduler: SchedulerConfig | None = None) -> Config:
     return Config(
@@ -94,13 +98,16 @@ def make_config(precision: str = "fp32", gas: int = 1, clip: float = 0.0, lr: fl
 class RefResult:
     losses: list[float]  # mean over ranks of each micro-step's loss
     params: dict[str, torch.Tensor]
+    report: dict[str, object] | None = None  # engine.memory_report() at the end
 
 
-def reference_train(model: nn.Module, cfg: Config, batches_per_rank: list[list[tuple[
-        torch.Tensor, torch.Tensor]]], steps: int, skips: list[tuple[int, ...]] | None = None,
-                    ) -> RefResult:
+def reference_train(model: nn.Module, cfg: Config,
+                    batches_per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]], steps: int,
+                    orders: list[tuple[int, ...] | None] | None = None) -> RefResult:
     """Plain PyTorch, DDP-equivalent: each micro-step's gradient is the mean over ranks of
-    grad(loss_r / gas); AdamW on full fp32 params; clip_grad_norm_ before each step."""
+    grad(loss_r / gas); AdamW on full fp32 params; clip_grad_norm_ before each step.
+    A parameter no micro-step used gets a zero gradient (flat shards have no "None"
+    gradient, as in DeepSpeed), where torch.optim would skip it."""
     model = copy.deepcopy(model)
     o = cfg.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -109,12 +116,15 @@ def reference_train(model: nn.Module, cfg: Config, batches_per_rank: list[list[t
     world = len(batches_per_rank)
     losses: list[float] = []
     for micro in range(steps * gas):
-        skip = skips[micro] if skips else ()
-        per_rank = [model(*batches_per_rank[r][micro], skip=skip) for r in range(world)]
+        order = orders[micro] if orders else None
+        per_rank = [model(*batches_per_rank[r][micro], order=order) for r in range(world)]
         total = torch.stack(per_rank).mean()
         (total / gas).backward()
         losses.append(float(total.detach()))
         if (micro + 1) % gas == 0:
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             if cfg.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
             opt.step()
@@ -124,8 +134,6 @@ def reference_train(model: nn.Module, cfg: Config, batches_per_rank: list[list[t
 
 def full_params(eng: object, model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered, as fp32 copies (a collective on every rank)."""
-    import engine
-
     out: dict[str, torch.Tensor] = {}
     with engine.GatheredParameters(list(model.parameters())):
         for k, v in model.named_parameters():
@@ -134,12 +142,10 @@ def full_params(eng: object, model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
-                 model: nn.Module | None = None, skips: list[tuple[int, ...]] | None = None,
+                 *, model: nn.Module | None = None,
+                 orders: list[tuple[int, ...] | None] | None = None,
                  world_mean: bool = False) -> RefResult:
     """Train `model` (default make_model()) with tierzero on this rank's `batches`."""
-    import engine
-    from engine.collectives import Comm
-
     model = model if model is not None else make_model()
     eng, _, _, _ = engine.initialize(model=model, config=cfg)
     gas = cfg.batch.gradient_accumulation_steps or 1
@@ -147,7 +153,7 @@ def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     losses: list[float] = []
     for micro in range(steps * gas):
         ids, tg = batches[micro]
-        loss = eng(ids, tg, skip=skips[micro] if skips else ())
+        loss = eng(ids, tg, order=orders[micro] if orders else None)
         eng.backward(loss)
         eng.step()
         val = loss.detach().float().reshape(1).clone()
@@ -156,11 +162,25 @@ def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], 
             val /= comm.world_size
         losses.append(float(val))
     params = full_params(eng, model)
+    result = RefResult(losses, params, eng.memory_report())
     eng.close()
-    return RefResult(losses, params)
+    return result
 
 
 def rank_scenario(rank: int, precision: str, gas: int, clip: float, steps: int) -> RefResult:
     """One rank's part of a two-rank run: its own batches (seed 1 + rank)."""
     cfg = make_config(precision=precision, gas=gas, clip=clip)
     return engine_train(cfg, make_batches(steps * gas, seed=1 + rank), steps, world_mean=True)
+
+
+def assert_match(got_losses: list[float], got: dict[str, torch.Tensor],
+                 ref_losses: list[float], ref: dict[str, torch.Tensor]) -> None:
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses),
+                               rtol=LOSS_RTOL, atol=0.0)
+    assert got.keys() == ref.keys()
+    for k, want in ref.items():
+        torch.testing.assert_close(got[k], want, rtol=0.0, atol=PARAM_ATOL, msg=k)
+    # the run must have moved the parameters, or the comparison proves nothing
+    start = dict(make_model().named_parameters())
+    moved = max(float((ref[k] - start[k].detach()).abs().max()) for k in ref)
+    assert moved > 100 * PARAM_ATOL
