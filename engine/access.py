@@ -63,11 +63,17 @@ def _not_gathered(owner: _Owner, func: Any) -> ParameterNotGatheredError:
         f"zero.units together with the parameter's owner")
 
 
+_DATA = torch._C.TensorBase.__dict__["data"]  # the `.data` descriptor
+
+
 class AccessGuard(TorchFunctionMode):
     """Active only inside the engine's forward; see the module docstring."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+            # `param.data = ...`: the engine itself pointing a parameter at its view
+            return func(*args, **kwargs)
         for a in (*args, *kwargs.values()):
             if isinstance(a, list | tuple):
                 for b in a:
