@@ -1,6 +1,7 @@
 """Config: typed, frozen dataclasses loaded from native YAML/JSON or DeepSpeed JSON."""
 
 from engine.config.errors import ConfigError
+from engine.config.load import load_config
 from engine.config.schema import (
     BatchConfig,
     BudgetsConfig,
@@ -32,4 +33,5 @@ __all__ = [
     "PrecisionConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "load_config",
 ]

@@ -29,6 +29,8 @@ def hints(cls: type[Any]) -> dict[str, Any]:
 def validate(config: Config) -> None:
     """Raise ConfigError for the first wrong value in `config`."""
     _check_fields(config, "")
+    if len(config.ignored_keys) != len(config.ignored_reasons):
+        raise ConfigError("ignored_reasons", "needs one reason per entry of ignored_keys")
     _check_offload(config)
     _check_optimizer(config)
     _check_scheduler(config)
@@ -123,10 +125,11 @@ def _check_scheduler(config: Config) -> None:
         if sched.total_steps is None:
             raise ConfigError("scheduler.total_steps",
                               f"required by scheduler.type {sched.type!r}; set the last step of "
-                              "the decay (an integer > scheduler.warmup_steps)")
-        if sched.total_steps <= sched.warmup_steps:
+                              "the decay (an integer >= scheduler.warmup_steps)")
+        # Equal is legal, as in DeepSpeed: no decay phase, min_lr right after warm-up.
+        if sched.total_steps < sched.warmup_steps:
             raise ConfigError("scheduler.total_steps",
-                              f"{sched.total_steps} is not allowed; allowed: more than "
+                              f"{sched.total_steps} is not allowed; allowed: at least "
                               f"scheduler.warmup_steps ({sched.warmup_steps})")
     for key, value in (("warmup_start_lr", sched.warmup_start_lr), ("min_lr", sched.min_lr)):
         if value > lr:

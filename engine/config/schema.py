@@ -383,8 +383,11 @@ class Config:
         metadata=meta("which schema the file used: native or deepspeed", internal=True),
     )
     ignored_keys: tuple[str, ...] = field(
-        default=(),
-        metadata=meta("DeepSpeed keys accepted but not acted on (dotted paths)", internal=True),
+        default=(), metadata=meta("DeepSpeed keys accepted but not acted on (dotted paths)",
+                                  internal=True)
+    )
+    ignored_reasons: tuple[str, ...] = field(
+        default=(), metadata=meta("why each of ignored_keys is not acted on", internal=True)
     )
 
     def __post_init__(self) -> None:

@@ -33,8 +33,9 @@ BYTES_FORMS = "an int, an integral float like 1e9, or a string like '5e8', '512M
 
 def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
     """' (did you mean 'x'?)' for the closest choice, or '' when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean '{by_lower[close[0]]}'?)" if close else ""
 
 
 def split_optional(hint: Any) -> tuple[Any, bool]:
@@ -46,11 +47,11 @@ def split_optional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def describe(hint: Any, meta: Mapping[str, Any]) -> str:
-    """What a field accepts, in words, for error messages and docs."""
+def describe(hint: Any, meta: Mapping[str, Any], *, short: bool = False) -> str:
+    """What a field accepts, in words, for error messages and (`short`) docs."""
     inner, optional = split_optional(hint)
     if meta.get("unit") == "bytes":
-        text = f"a byte size ({BYTES_FORMS})"
+        text = "a byte size" if short else f"a byte size ({BYTES_FORMS})"
     elif typing.get_origin(inner) is Literal:
         text = "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
     elif inner is bool:
