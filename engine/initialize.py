@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from engine.collectives import Comm
-from engine.config import Config
+from engine.config import Config, load_config
+from engine.config.load import ConfigSource
 from engine.engine import ZeroEngine
 from engine.optim import factory_from_user, torch_adam_factory
 
@@ -24,15 +25,29 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _warn_unwired_offload(config: Config) -> None:
+    """Offload tiers are not wired into the engine yet: say so, never ignore it silently."""
+    asked = {f"offload.{cls}.device": getattr(config.offload, cls).device
+             for cls in ("params", "optimizer")}
+    asked = {k: v for k, v in asked.items() if v != "none"}
+    if asked:
+        log.warning("%s: offload is not wired into the engine yet; every shard stays in %s "
+                    "memory (numerics are unaffected, memory use is not reduced)",
+                    ", ".join(f"{k}={v!r}" for k, v in asked.items()),
+                    "device" if torch.cuda.is_available() else "CPU")
+
+
 def initialize(
     model: nn.Module,
-    config: Config,
+    config: Config | ConfigSource,
     model_parameters: Iterable[nn.Parameter] | None = None,
     optimizer: object | None = None,
     lr_scheduler: object | None = None,
 ) -> tuple[ZeroEngine, torch.optim.Optimizer, None, torch.optim.lr_scheduler.LRScheduler]:
     """Partition `model` over the ranks and return (engine, optimizer, None, scheduler).
 
+    `config`: an engine.Config, or anything engine.load_config takes (a path to
+    native YAML/JSON or DeepSpeed JSON, a mapping, None for the default).
     `model_parameters`: the parameters to train (others are frozen); default
     every parameter with requires_grad. `optimizer`: a torch Optimizer (rebuilt
     over the flat fp32 master shards with its defaults) or a callable
@@ -43,8 +58,8 @@ def initialize(
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module; got "
                         f"{type(model).__name__}")
     if not isinstance(config, Config):
-        raise TypeError(f"initialize(config=...) needs an engine.Config; got "
-                        f"{type(config).__name__}")
+        config = load_config(config)
+    _warn_unwired_offload(config)
     if lr_scheduler is not None:
         raise ValueError("initialize(lr_scheduler=...) is not supported: the schedule comes "
                          "from config.scheduler (constant, warmup_linear, warmup_cosine)")

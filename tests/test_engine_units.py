@@ -113,8 +113,8 @@ def test_no_grad_forward_releases_everything() -> None:
 
 
 def test_initialize_rejects_bad_arguments() -> None:
-    with pytest.raises(TypeError, match=r"engine\.Config"):
-        engine.initialize(model=make_model(), config={"zero": {"stage": 3}})  # type: ignore[arg-type]
+    with pytest.raises(engine.ConfigError, match="stage"):
+        engine.initialize(model=make_model(), config={"zero": {"stage": 7}})
     with pytest.raises(ValueError, match="lr_scheduler"):
         engine.initialize(model=make_model(), config=make_config(), lr_scheduler=object())
     with pytest.raises(ValueError, match="not parameters of model"):
@@ -134,3 +134,26 @@ def test_user_optimizer_is_rebuilt_over_master_shards() -> None:
 
 def test_block_classes_used_by_tests_exist() -> None:
     assert isinstance(make_model(), TinyLM) and issubclass(Block, nn.Module)
+
+
+def test_initialize_takes_native_and_deepspeed_config_mappings(
+        caplog: pytest.LogCaptureFixture) -> None:
+    native = {"zero": {"stage": 3, "units": ["Block"]}, "precision": "bf16",
+              "optimizer": {"type": "adam", "lr": 1e-3},
+              "batch": {"gradient_accumulation_steps": 2}}
+    eng, opt, _, _ = engine.initialize(model=make_model(), config=native)
+    assert eng.dtype == torch.bfloat16 and eng.grad_accum == 2
+    assert type(opt) is torch.optim.Adam and len(eng.units) == 5
+    eng.close()
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+          "fp16": {"enabled": True}, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with caplog.at_level("WARNING", logger="engine.initialize"):
+        eng, _, _, _ = engine.initialize(model=make_model(), config=ds)
+    assert eng.dtype == torch.float16 and eng.loss_scaler is not None
+    assert "offload.params.device='cpu'" in caplog.text and "not wired" in caplog.text
+    ids, tg = make_batches(1)[0]
+    eng.backward(eng(ids, tg))
+    eng.step()
+    eng.close()
