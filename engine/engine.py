@@ -110,8 +110,8 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward with its own signature; floating inputs are cast to
-        the compute dtype."""
+        """Run the model's forward with its own signature. Tensor inputs move to the
+        engine's device; floating ones are cast to the compute dtype."""
         self._check_open()
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
         grad_enabled = torch.is_grad_enabled()
@@ -126,9 +126,10 @@ class ZeroEngine:
         return out
 
     def _cast_input(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-            return x.to(self.dtype)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        dtype = self.dtype if x.is_floating_point() else x.dtype
+        return x.to(device=self.device, dtype=dtype, non_blocking=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss scale);

@@ -67,7 +67,7 @@ class ShardStore:
         rec = self._records.get(key)
         return rec is not None and kind in rec.tensors
 
-    def keys(self) -> list[str]:
+    def group_keys(self) -> list[str]:
         return list(self._records)
 
     def write_param16_from_master(self, key: str) -> None:

@@ -184,3 +184,18 @@ def assert_match(got_losses: list[float], got: dict[str, torch.Tensor],
     start = dict(make_model().named_parameters())
     moved = max(float((ref[k] - start[k].detach()).abs().max()) for k in ref)
     assert moved > 100 * PARAM_ATOL
+
+
+def comm_scenario(rank: int) -> dict[str, torch.Tensor]:
+    """Reduce-scatter through the backend's own op and through the all_reduce + slice
+    fallback (used where gloo lacks reduce_scatter); all-gather of a bf16 shard."""
+    comm = Comm()
+    full = torch.arange(2 * 256, dtype=torch.float32) * (rank + 1)  # rank r sends (r+1)*x
+    native = torch.empty(256)
+    comm.reduce_scatter_mean(native, full)
+    comm._reduce_scatter_native = False
+    fallback = torch.empty(256)
+    comm.reduce_scatter_mean(fallback, full)
+    gathered = torch.empty(2 * 4, dtype=torch.bfloat16)
+    comm.all_gather(gathered, torch.full((4,), float(rank), dtype=torch.bfloat16))
+    return {"native": native, "fallback": fallback, "gathered": gathered}

@@ -21,6 +21,7 @@ import torch
 from engine_dist import run_two_ranks
 from engine_helpers import (
     assert_match,
+    comm_scenario,
     engine_train,
     make_batches,
     make_config,
@@ -69,8 +70,16 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
         f"{p}-gas{g}": partial(rank_scenario, precision=p, gas=g, clip=0.5, steps=STEPS)
         for p, g in [("fp32", 1), ("fp32", 4), ("bf16", 1)]
     }
+    scenarios["comm"] = comm_scenario
     results = run_two_ranks(tmp_path, scenarios)
+    for rank in range(2):  # mean of x and 2x is 1.5x; rank r holds slice r
+        comm = results[rank]["comm"]
+        want = torch.arange(rank * 256, (rank + 1) * 256, dtype=torch.float32) * 1.5
+        assert torch.equal(comm["native"], want) and torch.equal(comm["fallback"], want)
+        assert comm["gathered"].tolist() == [0.0] * 4 + [1.0] * 4
     for name in scenarios:
+        if name == "comm":
+            continue
         r0, r1 = results[0][name], results[1][name]
         assert r0.losses == r1.losses  # world-mean losses agree on both ranks
         for k in r0.params:  # the gathered model is identical on both ranks
