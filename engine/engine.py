@@ -175,19 +175,21 @@ class ZeroEngine:
         self.scheduler.after_step()
         self.global_steps += 1
 
-    def _clip(self, grads: list[torch.Tensor]) -> float:
-        """Global L2 norm over every shard on every rank; scale grads down to the limit."""
+    def _clip(self, grads: list[torch.Tensor]) -> float | None:
+        """Global L2 norm over every shard on every rank; scale grads down to the limit.
+        Skipped (None) when clipping is off: the norm costs a pass over every gradient."""
+        limit = self.config.gradient_clipping
+        if limit <= 0:
+            return None
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
         self.comm.all_reduce_sum(sq)
         norm = math.sqrt(float(sq.item()))
-        limit = self.config.gradient_clipping
-        if limit > 0:
-            coef = min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        coef = min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
         return norm
 
     def zero_grad(self) -> None:

@@ -43,6 +43,8 @@ def initialize(
     model_parameters: Iterable[nn.Parameter] | None = None,
     optimizer: object | None = None,
     lr_scheduler: object | None = None,
+    *,
+    device: torch.device | str | None = None,
 ) -> tuple[ZeroEngine, torch.optim.Optimizer, None, torch.optim.lr_scheduler.LRScheduler]:
     """Partition `model` over the ranks and return (engine, optimizer, None, scheduler).
 
@@ -52,7 +54,8 @@ def initialize(
     every parameter with requires_grad. `optimizer`: a torch Optimizer (rebuilt
     over the flat fp32 master shards with its defaults) or a callable
     params -> Optimizer; default `config.optimizer`. The returned optimizer and
-    scheduler act on the master shards; the engine steps both.
+    scheduler act on the master shards; the engine steps both. `device`: where
+    shards and gathered parameters live; default the current CUDA device, else CPU.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...) needs a torch.nn.Module; got "
@@ -78,5 +81,6 @@ def initialize(
     opt = config.optimizer
     factory = (factory_from_user(optimizer) if optimizer is not None
                else torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay))
-    eng = ZeroEngine(model, config, factory, comm=Comm())
+    eng = ZeroEngine(model, config, factory, comm=Comm(),
+                     device=torch.device(device) if device is not None else None)
     return eng, eng.optimizer, None, eng.lr_scheduler

@@ -147,7 +147,7 @@ def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], 
                  world_mean: bool = False) -> RefResult:
     """Train `model` (default make_model()) with tierzero on this rank's `batches`."""
     model = model if model is not None else make_model()
-    eng, _, _, _ = engine.initialize(model=model, config=cfg)
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
     gas = cfg.batch.gradient_accumulation_steps or 1
     comm = Comm()
     losses: list[float] = []

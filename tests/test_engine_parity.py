@@ -48,7 +48,7 @@ def test_fp32_world1_matches_pytorch(gas: int) -> None:
 def test_clipping_is_active() -> None:
     """The clip limit used above is below the gradient norm, so clipping really runs."""
     cfg = make_config(clip=0.5)
-    eng, _, _, _ = engine.initialize(model=make_model(), config=cfg)
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
     ids, tg = make_batches(1)[0]
     eng.backward(eng(ids, tg))
     eng.step()

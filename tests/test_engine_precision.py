@@ -36,15 +36,15 @@ def test_loss_scaler_hysteresis_growth_and_floor() -> None:
     assert static.scale == 128.0
 
 
-def _fp16_config(hysteresis: int = 1, gas: int = 2) -> engine.Config:
-    cfg = make_config(precision="fp16", gas=gas)
+def _fp16_config(hysteresis: int = 1, gas: int = 2, clip: float = 0.0) -> engine.Config:
+    cfg = make_config(precision="fp16", gas=gas, clip=clip)
     ls = LossScaleConfig(initial_scale_power=16, growth_interval=1000, hysteresis=hysteresis)
     return dataclasses.replace(cfg, precision=PrecisionConfig(dtype="fp16", loss_scale=ls))
 
 
 def test_fp16_overflow_skips_step_and_halves_scale(caplog: pytest.LogCaptureFixture) -> None:
     model = make_model()
-    eng, opt, _, sched = engine.initialize(model=model, config=_fp16_config())
+    eng, opt, _, sched = engine.initialize(device="cpu", model=model, config=_fp16_config())
     (ids, tg), (ids2, tg2) = make_batches(2)
     with engine.GatheredParameters(list(model.parameters())):
         before = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -76,8 +76,8 @@ def test_fp16_gradients_are_unscaled() -> None:
     """The fp32 gradient shard after unscaling equals the fp32 engine's, within fp16 noise."""
     ids, tg = make_batches(1)[0]
     norms = []
-    for cfg in (make_config(), _fp16_config(gas=1)):
-        eng, _, _, _ = engine.initialize(model=make_model(), config=cfg)
+    for cfg in (make_config(clip=1e9), _fp16_config(gas=1, clip=1e9)):
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
         eng.backward(eng(ids, tg))
         eng.step()
         norms.append(eng.last_grad_norm)
@@ -114,7 +114,7 @@ def test_log_warmup_matches_deepspeed_curve() -> None:
 def test_engine_steps_schedule_once_per_optimizer_step() -> None:
     sched_cfg = SchedulerConfig(type="warmup_linear", warmup_steps=2, total_steps=6)
     cfg = dataclasses.replace(make_config(gas=2), scheduler=sched_cfg)
-    eng, opt, _, sched = engine.initialize(model=make_model(), config=cfg)
+    eng, opt, _, sched = engine.initialize(device="cpu", model=make_model(), config=cfg)
     curve = lr_at(sched_cfg, peak=cfg.optimizer.lr)
     seen = []
     for ids, tg in make_batches(8):

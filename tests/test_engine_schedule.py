@@ -24,7 +24,7 @@ from engine.flat_shard import SHARD_ALIGN
 def test_parameters_hold_no_storage_outside_a_gather() -> None:
     model = make_model()
     shapes = {k: p.shape for k, p in model.named_parameters()}
-    eng, _, _, _ = engine.initialize(model=model, config=make_config())
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=make_config())
     assert all(p.numel() == 0 for p in model.parameters())
     with engine.GatheredParameters(model.blocks[1].parameters()):
         for k, p in model.blocks[1].named_parameters():
@@ -52,7 +52,7 @@ class Peeking(nn.Module):
 
 def test_access_outside_unit_forward_names_param_and_fix() -> None:
     model = Peeking()
-    eng, _, _, _ = engine.initialize(model=model, config=make_config())
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=make_config())
     ids, tg = make_batches(1)[0]
     with pytest.raises(engine.ParameterNotGatheredError) as err:
         eng(ids, tg)
@@ -69,7 +69,8 @@ def test_access_outside_unit_forward_names_param_and_fix() -> None:
 
 def test_gathered_parameters_modifier_writes_shards() -> None:
     model = make_model()
-    eng, _, _, _ = engine.initialize(model=model, config=make_config(precision="bf16"))
+    eng, _, _, _ = engine.initialize(device="cpu", model=model,
+                                     config=make_config(precision="bf16"))
     with engine.GatheredParameters([model.blocks[2].up.bias], modifier_rank=0):
         before = model.blocks[2].down.weight.detach().float().clone()
         with torch.no_grad():
@@ -112,7 +113,7 @@ def test_stage_1_and_2_match_pytorch(stage: int) -> None:
 def test_persistent_units_stay_gathered_and_refresh_after_step() -> None:
     model = make_model()
     cfg = make_config(persistence=10**9)  # every block under the threshold
-    eng, _, _, _ = engine.initialize(model=model, config=cfg)
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
     ids, tg = make_batches(1)[0]
     eng.backward(eng(ids, tg))
     assert model.blocks[0].up.weight.numel() == DIM * 2 * DIM  # still gathered
@@ -127,7 +128,8 @@ def test_persistent_units_stay_gathered_and_refresh_after_step() -> None:
 def test_memory_report_is_element_arithmetic() -> None:
     model = make_model()
     sizes = {k: p.numel() for k, p in model.named_parameters()}
-    eng, _, _, _ = engine.initialize(model=model, config=make_config(precision="bf16"))
+    eng, _, _, _ = engine.initialize(device="cpu", model=model,
+                                     config=make_config(precision="bf16"))
     rep = eng.memory_report()
     per_unit = [sum(n for k, n in sizes.items() if k.startswith(f"blocks.{i}."))
                 for i in range(4)]
@@ -150,7 +152,7 @@ def test_memory_report_is_element_arithmetic() -> None:
 def test_param_values_survive_partitioning() -> None:
     model = make_model()
     want = {k: p.detach().clone() for k, p in model.named_parameters()}
-    eng, _, _, _ = engine.initialize(model=model, config=make_config())
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=make_config())
     with engine.GatheredParameters(list(model.parameters())):
         for k, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), want[k], rtol=0, atol=0)

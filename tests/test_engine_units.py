@@ -73,7 +73,8 @@ def test_frozen_parameters_are_not_trained() -> None:
     frozen = {"blocks.1.up.weight", "emb.weight"}
     train_params = [p for k, p in model.named_parameters() if k not in frozen]
     cfg = make_config(clip=0.5)
-    eng, _, _, _ = engine.initialize(model=model, config=cfg, model_parameters=train_params)
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg,
+                                     model_parameters=train_params)
     for k, p in ref_model.named_parameters():
         p.requires_grad_(k not in frozen)
     o = cfg.optimizer
@@ -101,7 +102,7 @@ def test_frozen_parameters_are_not_trained() -> None:
 
 def test_no_grad_forward_releases_everything() -> None:
     model = make_model()
-    eng, _, _, _ = engine.initialize(model=model, config=make_config())
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=make_config())
     ids, tg = make_batches(1)[0]
     with torch.no_grad():
         loss = eng.eval()(ids, tg)
@@ -114,18 +115,20 @@ def test_no_grad_forward_releases_everything() -> None:
 
 def test_initialize_rejects_bad_arguments() -> None:
     with pytest.raises(engine.ConfigError, match="stage"):
-        engine.initialize(model=make_model(), config={"zero": {"stage": 7}})
+        engine.initialize(device="cpu", model=make_model(), config={"zero": {"stage": 7}})
     with pytest.raises(ValueError, match="lr_scheduler"):
-        engine.initialize(model=make_model(), config=make_config(), lr_scheduler=object())
+        engine.initialize(device="cpu", model=make_model(), config=make_config(),
+                          lr_scheduler=object())
     with pytest.raises(ValueError, match="not parameters of model"):
-        engine.initialize(model=make_model(), config=make_config(),
+        engine.initialize(device="cpu", model=make_model(), config=make_config(),
                           model_parameters=[nn.Parameter(torch.zeros(2))])
 
 
 def test_user_optimizer_is_rebuilt_over_master_shards() -> None:
     model = make_model()
     user_opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.8, 0.9))
-    eng, opt, _, _ = engine.initialize(model=model, config=make_config(), optimizer=user_opt)
+    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=make_config(),
+                                       optimizer=user_opt)
     assert isinstance(opt, torch.optim.Adam) and opt.defaults["betas"] == (0.8, 0.9)
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {
         id(eng.store.tensor(k, "master")) for k in eng._train_keys}
@@ -141,7 +144,7 @@ def test_initialize_takes_native_and_deepspeed_config_mappings(
     native = {"zero": {"stage": 3, "units": ["Block"]}, "precision": "bf16",
               "optimizer": {"type": "adam", "lr": 1e-3},
               "batch": {"gradient_accumulation_steps": 2}}
-    eng, opt, _, _ = engine.initialize(model=make_model(), config=native)
+    eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(), config=native)
     assert eng.dtype == torch.bfloat16 and eng.grad_accum == 2
     assert type(opt) is torch.optim.Adam and len(eng.units) == 5
     eng.close()
@@ -150,7 +153,7 @@ def test_initialize_takes_native_and_deepspeed_config_mappings(
           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     with caplog.at_level("WARNING", logger="engine.initialize"):
-        eng, _, _, _ = engine.initialize(model=make_model(), config=ds)
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=ds)
     assert eng.dtype == torch.float16 and eng.loss_scaler is not None
     assert "offload.params.device='cpu'" in caplog.text and "not wired" in caplog.text
     ids, tg = make_batches(1)[0]
