@@ -32,7 +32,11 @@ def torch_adam_factory(
         raise ValueError(f"optimizer.type {kind!r} is not one of {sorted(_TORCH_OPTIMIZERS)}")
 
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # One fused kernel per step on CUDA (the baseline users compare against);
+        # multi-tensor foreach kernels on the CPU.
+        on_cuda = bool(params) and params[0].is_cuda
+        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                   fused=on_cuda or None, foreach=None if on_cuda else True)
 
     return make
 
@@ -65,8 +69,12 @@ def build_optimizer(
     if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and not any(
             g.get("amsgrad") for g in opt.param_groups):
         for k, m in zip(keys, masters, strict=True):
+            group = next(g for g in opt.param_groups if any(p is m for p in g["params"]))
+            # fused / capturable kernels keep the step count on the parameter's device
+            on_device = bool(group.get("fused") or group.get("capturable"))
             opt.state[m] = {
-                "step": torch.tensor(0.0),
+                "step": torch.zeros((), dtype=torch.float32,
+                                    device=m.device if on_device else torch.device("cpu")),
                 "exp_avg": store.tensor(k, "exp_avg"),
                 "exp_avg_sq": store.tensor(k, "exp_avg_sq"),
             }

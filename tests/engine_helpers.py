@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import engine
 from engine.collectives import Comm
@@ -48,12 +49,16 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
+        self.checkpointed = False  # recompute each block in backward (activation checkpointing)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor,
                 order: tuple[int, ...] | None = None) -> torch.Tensor:
         x = self.emb(ids)  # (B, T, C)
         for i in range(len(self.blocks)) if order is None else order:
-            x = self.blocks[i](x)
+            if self.checkpointed:
+                x = checkpoint(self.blocks[i], x, use_reentrant=False)
+            else:
+                x = self.blocks[i](x)
         logits = self.head(self.norm(x)).float()  # (B, T, V)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            targets.reshape(-1))
