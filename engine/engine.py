@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.collectives import Comm
 from engine.config import Config
-from engine.flat_shard import FlatGroup, build_group
+from engine.flat_shard import FlatGroup, build_group, release_group
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
 from engine.optim import OptimizerFactory, build_optimizer, run_step
@@ -244,9 +244,10 @@ class ZeroEngine:
         for unit in self.units:
             self.scheduler.ensure_gathered(unit)
             for g in unit.groups:
-                for s in g.slots:
-                    s.param.data = s.param.data.clone()
+                owned = [s.param.data.clone() for s in g.slots]
+                release_group(g)
+                for s, data in zip(g.slots, owned, strict=True):
+                    s.param.data = data
                     unregister_owner(s.param)
-                g.full.untyped_storage().resize_(0)
         self._hooks.close()
         self._closed = True

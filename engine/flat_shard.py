@@ -10,6 +10,9 @@ SHARD_ALIGN elements. Padding is zero in params and grads, so norms and the
 optimizer see zeros there. The full buffer exists only while the unit is
 gathered: its storage is resized to 0 on release, which also frees every view
 autograd saved of it, and resized back and refilled before backward uses them.
+With one rank and the `param16` shard already on the compute device, the shard
+*is* the full buffer: parameters view it directly, with no copy and no extra
+memory (`FlatGroup.base` says which tensor the views point into).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class FlatGroup:
     shard_numel: int
     world_size: int
     full: torch.Tensor = field(repr=False)  # 1D compute dtype, device; storage 0 when released
+    base: torch.Tensor | None = field(default=None, repr=False)  # what params view; None: released
 
     @property
     def padded_numel(self) -> int:
@@ -60,7 +64,7 @@ class FlatGroup:
 
     @property
     def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return self.base is not None
 
 
 def build_group(
@@ -93,13 +97,19 @@ def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
     """All-gather the shards into the full buffer and point each parameter at its view."""
+    shard = store.tensor(group.key, "param16")
     with torch.no_grad():
-        storage = group.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(group.padded_numel * group.full.element_size())
-        comm.all_gather(group.full, store.tensor(group.key, "param16"))
+        if comm.world_size == 1 and shard.device == group.full.device:
+            base = shard  # the shard is the whole buffer: view it, copy nothing
+        else:
+            base = group.full
+            storage = base.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(group.padded_numel * base.element_size())
+            comm.all_gather(base, shard)
         for s in group.slots:
-            s.param.data = group.full[s.offset:s.offset + s.numel].view(s.shape)
+            s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
+    group.base = base
 
 
 def release_group(group: FlatGroup) -> None:
@@ -107,7 +117,9 @@ def release_group(group: FlatGroup) -> None:
     empty = _empty_like_param(group.dtype, group.full.device)
     for s in group.slots:
         s.param.data = empty
-    group.full.untyped_storage().resize_(0)
+    if group.full.untyped_storage().nbytes():
+        group.full.untyped_storage().resize_(0)
+    group.base = None
 
 
 def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
@@ -123,7 +135,7 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
             for s in group.slots:
                 g = s.param.grad
                 if g is not None:
-                    grad_shard[s.offset:s.offset + s.numel].add_(g.reshape(-1).float())
+                    grad_shard[s.offset:s.offset + s.numel].add_(g.reshape(-1))  # upcasts
                     s.param.grad = None
             return
         full = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad_shard.device)

@@ -170,18 +170,22 @@ class Scheduler:
         """Full params edited on rank `src` (GatheredParameters) -> every rank's shards."""
         with torch.no_grad():
             for g in unit.groups:
-                self.comm.broadcast(g.full, src)
+                if g.base is None:
+                    raise RuntimeError(f"write_back: unit {unit.label!r} is not gathered")
+                self.comm.broadcast(g.base, src)
                 lo = self.comm.rank * g.shard_numel
-                mine = g.full[lo:lo + g.shard_numel]
+                mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
                 param16 = self.store.tensor(g.key, "param16")
                 if g.trainable:
                     master = self.store.tensor(g.key, "master")
                     if master is not param16:
-                        # Only edited elements replace the fp32 master; the rest keep
-                        # their full precision instead of a round trip through param16.
-                        changed = mine != param16
+                        # Only edited elements replace the fp32 master (param16 is always
+                        # master rounded, so a difference is an edit); the rest keep full
+                        # precision instead of a round trip through the compute dtype.
+                        changed = mine != master.to(mine.dtype)
                         master.copy_(torch.where(changed, mine.float(), master))
-                param16.copy_(mine)
+                if mine.data_ptr() != param16.data_ptr():
+                    param16.copy_(mine)
 
     # -- step ------------------------------------------------------------------
     def after_step(self) -> None:
