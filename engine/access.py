@@ -32,6 +32,7 @@ class _Owner:
     scheduler: Scheduler
     unit: Unit
     qname: str
+    numel: int  # true size; a zero-size parameter needs no gathering
 
 
 # The one process-wide table: which engine partitioned a parameter. DESIGN's
@@ -41,8 +42,9 @@ class _Owner:
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_owner(param: nn.Parameter, scheduler: Scheduler, unit: Unit, qname: str) -> None:
-    _OWNERS[param] = _Owner(scheduler, unit, qname)
+def register_owner(param: nn.Parameter, scheduler: Scheduler, unit: Unit, qname: str,
+                   numel: int) -> None:
+    _OWNERS[param] = _Owner(scheduler, unit, qname, numel)
 
 
 def unregister_owner(param: nn.Parameter) -> None:
@@ -86,7 +88,7 @@ class AccessGuard(TorchFunctionMode):
     def _check(a: object, func: Any) -> None:
         if isinstance(a, nn.Parameter) and a.numel() == 0:
             owner = owner_of(a)
-            if owner is not None and not owner.unit.gathered:
+            if owner is not None and owner.numel and not owner.unit.gathered:
                 raise _not_gathered(owner, func)
 
 

@@ -63,9 +63,10 @@ class ZeroEngine:
         self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
         self.root = self.units[-1]
         self.scheduler = Scheduler(self.units, self.comm, self.store)
-        for unit, spec in zip(self.units, specs, strict=True):
-            for qname, p in spec.params:
-                register_owner(p, self.scheduler, unit, qname)
+        for unit in self.units:
+            for g in unit.groups:
+                for s in g.slots:
+                    register_owner(s.param, self.scheduler, unit, s.qname, s.numel)
         self._hooks = HookSet(self.scheduler)
         self._train_keys = [g.key for u in self.units for g in u.groups if g.trainable]
         self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)

@@ -160,3 +160,33 @@ def test_initialize_takes_native_and_deepspeed_config_mappings(
     eng.backward(eng(ids, tg))
     eng.step()
     eng.close()
+
+
+class WithOddParams(nn.Module):
+    """A zero-size parameter and a non-contiguous (transposed) one in a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model(n_blocks=2)
+        self.inner.blocks[0].empty = nn.Parameter(torch.zeros(0))
+        self.inner.blocks[1].up.weight = nn.Parameter(
+            self.inner.blocks[1].up.weight.detach().t().contiguous().t())
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids, targets) + self.inner.blocks[0].empty.sum()
+
+
+def test_zero_size_and_non_contiguous_parameters_train() -> None:
+    model = WithOddParams()
+    assert not model.inner.blocks[1].up.weight.is_contiguous()
+    want = {k: p.detach().clone() for k, p in model.named_parameters()}
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=make_config())
+    with engine.GatheredParameters(list(model.parameters())):
+        for k, p in model.named_parameters():
+            assert torch.equal(p.detach(), want[k]), k
+    for ids, tg in make_batches(2):
+        loss = eng(ids, tg)
+        eng.backward(loss)
+        eng.step()
+        assert torch.isfinite(loss)
+    eng.close()
