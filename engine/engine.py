@@ -121,7 +121,7 @@ class ZeroEngine:
             with AccessGuard():
                 out = self.module(*args, **kwargs)
         except BaseException:
-            self.scheduler.end_backward()  # release everything; no backward will follow
+            self.scheduler.abort()  # release everything; no backward will follow
             raise
         self.scheduler.end_forward(self.root, grad_enabled)
         return out

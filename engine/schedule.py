@@ -160,6 +160,18 @@ class Scheduler:
             self._backward_hooks.clear()
             self._in_backward = False
 
+    def abort(self) -> None:
+        """A forward failed: release and forget this pass, with no collective (the other
+        ranks may not have failed) and no gradients touched."""
+        for h in self._backward_hooks:
+            h.remove()
+        self._backward_hooks.clear()
+        self._in_backward = False
+        for unit in self.units:
+            self.release(unit)
+            unit.fired.clear()
+            unit.reduced = False
+
     def _reduce(self, unit: Unit) -> None:
         for g in unit.groups:
             if g.trainable:
