@@ -4,7 +4,10 @@ What it measures: the engine's own overhead (hooks, gather/release, flat
 gradient shards, the step over master shards) on a model that fits anyway.
 Baselines in the same run, interleaved: plain PyTorch with torch.optim.AdamW
 (fused on CUDA, foreach on CPU), fp32; and for bf16, plain PyTorch under
-torch.autocast(bfloat16) with fp32 params. Each configuration runs `repeats`
+torch.autocast(bfloat16) with fp32 params ("plain"), plus plain PyTorch with
+the whole model cast to bf16 ("plain_bf16_params": the same kernels tierzero's
+bf16 compute runs, without fp32 master weights), which separates the cost of
+computing everything in bf16 from the engine's own overhead. Each configuration runs `repeats`
 rounds of `steps` timed optimizer steps after warm-up; the median of the rounds
 is reported. Offload is not wired into the engine yet (see issue 6), so this is
 not step_bench.py.
@@ -74,8 +77,10 @@ def machine() -> dict[str, object]:
 
 
 def plain_runner(model: nn.Module, dev: torch.device, bf16: bool,
-                 batch: tuple[torch.Tensor, torch.Tensor]) -> Callable[[], None]:
-    model = model.to(dev)
+                 batch: tuple[torch.Tensor, torch.Tensor],
+                 cast: bool = False) -> Callable[[], None]:
+    model = model.to(dev, dtype=torch.bfloat16 if cast else None)
+    bf16 = bf16 and not cast
     fused = dev.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
 
@@ -140,9 +145,14 @@ def main() -> None:
         base = Model(vocab, dim, n_blocks)
         n_params = sum(p.numel() for p in base.parameters())
         ref_model = Model(vocab, dim, n_blocks)
-        ref_model.load_state_dict(base.state_dict())
+        base_state = {k: v.clone() for k, v in base.state_dict().items()}
+        ref_model.load_state_dict(base_state)
         runners = {"plain": plain_runner(ref_model, dev, bf16, batch),
                    "tierzero": tierzero_runner(base, bf16, batch)}
+        if bf16:
+            cast_model = Model(vocab, dim, n_blocks)
+            cast_model.load_state_dict(base_state)
+            runners["plain_bf16_params"] = plain_runner(cast_model, dev, True, batch, cast=True)
         for r in runners.values():
             r()  # warm-up
         times: dict[str, list[float]] = {k: [] for k in runners}
@@ -151,11 +161,12 @@ def main() -> None:
                 times[name].append(timed(r, steps, dev))
         med = {k: statistics.median(v) for k, v in times.items()}
         label = "bf16" if bf16 else "fp32"
-        rows[label] = {"params": n_params, "step_s": med, "rounds_s": times,
-                       "ratio_tierzero_over_plain": med["tierzero"] / med["plain"]}
-        print(f"{label}: {n_params / 1e6:.1f}M params  plain {med['plain'] * 1e3:.1f} ms  "
-              f"tierzero {med['tierzero'] * 1e3:.1f} ms  ratio "
-              f"{med['tierzero'] / med['plain']:.3f}")
+        ratios = {f"tierzero_over_{k}": med["tierzero"] / v for k, v in med.items()
+                  if k != "tierzero"}
+        rows[label] = {"params": n_params, "step_s": med, "rounds_s": times, **ratios}
+        print(f"{label}: {n_params / 1e6:.1f}M params  "
+              + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()) + "  "
+              + "  ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     results["rows"] = rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

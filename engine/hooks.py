@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,10 +19,16 @@ if TYPE_CHECKING:
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
     """Tensors inside a module's output (tuples, dicts, dataclass-like model outputs)."""
+    out: list[torch.Tensor] = []
     leaves, _ = tree_flatten(output)
-    if not leaves and hasattr(output, "values"):  # Mapping-like outputs pytree does not know
-        leaves, _ = tree_flatten(list(output.values()))
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif isinstance(leaf, Mapping):  # mapping types pytree does not know (model outputs)
+            out.extend(output_tensors(list(leaf.values())))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out.extend(output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return out
 
 
 def register_pre_backward(

@@ -4,6 +4,8 @@ engine's handling of frozen parameters, no-grad forwards and bad arguments."""
 from __future__ import annotations
 
 import copy
+import dataclasses as dc
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from engine_helpers import (
 from torch import nn
 
 import engine
+from engine.hooks import output_tensors
 from engine.units import discover_units
 
 
@@ -190,3 +193,17 @@ def test_zero_size_and_non_contiguous_parameters_train() -> None:
         eng.step()
         assert torch.isfinite(loss)
     eng.close()
+
+
+def test_output_tensors_found_in_nested_outputs() -> None:
+    class Out(OrderedDict):  # like transformers' ModelOutput, unknown to pytree here
+        pass
+
+    @dc.dataclass
+    class Pair:
+        a: torch.Tensor
+        b: int
+
+    t1, t2, t3 = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    found = output_tensors((Out(x=t1, y=[t2, 3]), Pair(t3, 4), None))
+    assert [id(t) for t in found] == [id(t1), id(t2), id(t3)]
