@@ -62,7 +62,9 @@ class ZeroEngine:
         self.store = ShardStore(self.device)
         self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
         self.root = self.units[-1]
-        self.scheduler = Scheduler(self.units, self.comm, self.store)
+        self.scheduler = Scheduler(self.units, self.comm, self.store,
+                                   overlap_comm=config.zero.overlap_comm,
+                                   inflight_reduce_bytes=config.zero.reduce_bucket_bytes)
         for unit in self.units:
             for g in unit.groups:
                 for s in g.slots:
@@ -227,6 +229,7 @@ class ZeroEngine:
             "units": len(self.units),
             "persistent_units": sum(u.persistent for u in self.units),
             "trace_changes": self.scheduler.trace_changes,
+            "reductions_in_flight_peak": self.scheduler.inflight_peak,
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
             "skipped_steps": self.skipped_steps,
         }

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.collectives import Comm
+from engine.collectives import Comm, PendingReduce
 from engine.shard_store import ShardStore
 
 # Shards are whole multiples of 128 elements so vectorised Adam kernels and
@@ -122,12 +122,14 @@ def release_group(group: FlatGroup) -> None:
     group.base = None
 
 
-def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
+def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
     """Reduce-scatter the parameters' `.grad` (mean over ranks) into the fp32 shard accumulator.
 
     Consumes and clears each parameter's `.grad` (a missing one counts as
-    zero). With several ranks this is a collective: every rank must reduce the
-    same groups in the same order (see [Note: reduction order] in schedule.py).
+    zero). With one rank the gradients are added at once (None is returned);
+    with several this starts a collective and returns it in flight: the shard
+    holds the result only after `wait()`. Every rank must reduce the same
+    groups in the same order (see [Note: reduction order] in schedule.py).
     """
     grad_shard = store.tensor(group.key, "grad")  # 1D fp32, shard_numel
     with torch.no_grad():
@@ -137,7 +139,7 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
                 if g is not None:
                     grad_shard[s.offset:s.offset + s.numel].add_(g.reshape(-1))  # upcasts
                     s.param.grad = None
-            return
+            return None
         full = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad_shard.device)
         for s in group.slots:
             g = s.param.grad
@@ -145,5 +147,4 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
                 full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
                 s.param.grad = None
         mine = torch.empty_like(grad_shard)
-        comm.reduce_scatter_mean(mine, full)
-        grad_shard.add_(mine)
+        return comm.reduce_scatter_mean_async(mine, full, accumulate_into=grad_shard)

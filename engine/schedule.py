@@ -26,12 +26,13 @@ on the trace; the prefetch queue (offload/) will be driven by it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from engine.collectives import Comm
+from engine.collectives import Comm, PendingReduce
 from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from engine.hooks import register_pre_backward
 from engine.shard_store import ShardStore
@@ -68,10 +69,20 @@ class Unit:
 
 
 class Scheduler:
-    def __init__(self, units: list[Unit], comm: Comm, store: ShardStore) -> None:
+    def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
+                 overlap_comm: bool, inflight_reduce_bytes: int) -> None:
         self.units = units
         self.comm = comm
         self.store = store
+        # Gradient reductions run asynchronously behind backward (overlap_comm); their
+        # buffers (the full fp32 gradient of a group) stay alive until waited, so the
+        # bytes in flight are bounded (zero.reduce_bucket_bytes): before a reduction
+        # starts, the oldest are waited for until it fits. One reduction is always
+        # allowed, whatever its size.
+        self._overlap = overlap_comm
+        self._inflight_bound = inflight_reduce_bytes
+        self._inflight: deque[PendingReduce] = deque()
+        self.inflight_peak = 0  # most reductions in flight at once (overlap evidence)
         self.trace: list[int] | None = None  # unit indices in forward order, first micro-step
         self.trace_changes = 0
         self._order: list[int] = []
@@ -150,6 +161,7 @@ class Scheduler:
             for unit in self.units:
                 if unit.trainable and not unit.reduced:
                     self._reduce(unit)
+            self.wait_reductions()
             for unit in self.units:
                 self.release(unit)
                 unit.fired.clear()
@@ -167,6 +179,7 @@ class Scheduler:
             h.remove()
         self._backward_hooks.clear()
         self._in_backward = False
+        self.wait_reductions()  # already issued on every rank: complete them
         for unit in self.units:
             self.release(unit)
             unit.fired.clear()
@@ -174,9 +187,26 @@ class Scheduler:
 
     def _reduce(self, unit: Unit) -> None:
         for g in unit.groups:
-            if g.trainable:
-                reduce_group_grads(g, self.comm, self.store)
+            if not g.trainable:
+                continue
+            need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
+            while self._inflight and (
+                    sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):
+                self._inflight.popleft().wait()
+            pending = reduce_group_grads(g, self.comm, self.store)
+            if pending is None:
+                continue
+            if not self._overlap:
+                pending.wait()
+                continue
+            self._inflight.append(pending)
+            self.inflight_peak = max(self.inflight_peak, len(self._inflight))
         unit.reduced = True
+
+    def wait_reductions(self) -> None:
+        """Every gradient reduction started so far has landed in its shard."""
+        while self._inflight:
+            self._inflight.popleft().wait()
 
     def write_back(self, unit: Unit, src: int) -> None:
         """Full params edited on rank `src` (GatheredParameters) -> every rank's shards."""

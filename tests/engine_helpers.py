@@ -87,10 +87,12 @@ def make_batches(n: int, batch: int = 4, seed: int = 1) -> list[tuple[torch.Tens
 
 def make_config(precision: str = "fp32", *, gas: int = 1, clip: float = 0.0, lr: float = 1e-2,
                 stage: int = 3, units: tuple[str, ...] = ("Block",),
-                persistence: int = 0, scheduler: SchedulerConfig | None = None) -> Config:
+                persistence: int = 0, scheduler: SchedulerConfig | None = None,
+                overlap: bool = True, reduce_bucket: int = 1_000_000_000) -> Config:
     return Config(
         precision=PrecisionConfig(dtype=precision),  # type: ignore[arg-type]
-        zero=ZeroConfig(stage=stage, units=units, persistence_threshold_bytes=persistence),
+        zero=ZeroConfig(stage=stage, units=units, persistence_threshold_bytes=persistence,
+                        overlap_comm=overlap, reduce_bucket_bytes=reduce_bucket),
         optimizer=OptimizerConfig(type="adamw", lr=lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=0.1),
         scheduler=scheduler or SchedulerConfig(),
@@ -172,9 +174,11 @@ def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     return result
 
 
-def rank_scenario(rank: int, precision: str, gas: int, clip: float, steps: int) -> RefResult:
+def rank_scenario(rank: int, *, precision: str, gas: int, clip: float, steps: int,
+                  overlap: bool = True, reduce_bucket: int = 1_000_000_000) -> RefResult:
     """One rank's part of a two-rank run: its own batches (seed 1 + rank)."""
-    cfg = make_config(precision=precision, gas=gas, clip=clip)
+    cfg = make_config(precision=precision, gas=gas, clip=clip, overlap=overlap,
+                      reduce_bucket=reduce_bucket)
     return engine_train(cfg, make_batches(steps * gas, seed=1 + rank), steps, world_mean=True)
 
 

@@ -70,6 +70,12 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
         f"{p}-gas{g}": partial(rank_scenario, precision=p, gas=g, clip=0.5, steps=STEPS)
         for p, g in [("fp32", 1), ("fp32", 4), ("bf16", 1)]
     }
+    # gradient reductions: all in flight until the end of backward (above), one at a
+    # time (a 1-byte in-flight bound), and synchronous (overlap_comm off)
+    scenarios["fp32-gas2-tight"] = partial(rank_scenario, precision="fp32", gas=2, clip=0.5,
+                                           steps=STEPS // 2, reduce_bucket=1)
+    scenarios["fp32-gas2-sync"] = partial(rank_scenario, precision="fp32", gas=2, clip=0.5,
+                                          steps=STEPS // 2, overlap=False)
     scenarios["comm"] = comm_scenario
     results = run_two_ranks(tmp_path, scenarios)
     for rank in range(2):  # mean of x and 2x is 1.5x; rank r holds slice r
@@ -90,6 +96,15 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
         ref = reference_train(make_model(), cfg, per_rank, STEPS)
         got = results[0][f"fp32-gas{gas}"]
         assert_match(got.losses, got.params, ref.losses, ref.params)
+    cfg = make_config(gas=2, clip=0.5)
+    ref = reference_train(make_model(), cfg, [make_batches(STEPS, seed=1 + r) for r in range(2)],
+                          STEPS // 2)
+    for name in ("fp32-gas2-tight", "fp32-gas2-sync"):
+        got = results[0][name]
+        assert_match(got.losses, got.params, ref.losses, ref.params)
+    peaks = {name: results[0][name].report["reductions_in_flight_peak"]
+             for name in ("fp32-gas1", "fp32-gas2-tight", "fp32-gas2-sync")}
+    assert peaks == {"fp32-gas1": 5, "fp32-gas2-tight": 1, "fp32-gas2-sync": 0}
     ref = reference_train(make_model(), make_config(clip=0.5),
                           [make_batches(STEPS, seed=1 + r) for r in range(2)], STEPS)
     diff = (torch.tensor(results[0]["bf16-gas1"].losses) - torch.tensor(ref.losses)).abs().max()
