@@ -14,6 +14,7 @@ not step_bench.py.
 
     python benchmarks/engine_overhead.py --quick
     python benchmarks/engine_overhead.py --out bench_out/engine_overhead.json
+    python benchmarks/engine_overhead.py --threads 1   # shared CPU: compare CPU times
 """
 
 from __future__ import annotations
@@ -108,15 +109,17 @@ def tierzero_runner(model: nn.Module, bf16: bool,
     return step
 
 
-def timed(step: Callable[[], None], steps: int, dev: torch.device) -> float:
+def timed(step: Callable[[], None], steps: int, dev: torch.device) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per step. CPU time is the steadier
+    measure on a shared CPU machine; on CUDA, wall time is what counts."""
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def main() -> None:
@@ -124,7 +127,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, few steps (< 1 min)")
     ap.add_argument("--out", default="bench_out/engine_overhead.json")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         vocab, dim, n_blocks, bsz, seq, steps = 1024, 256, 4, 8, 64, 5
@@ -156,17 +163,27 @@ def main() -> None:
         for r in runners.values():
             r()  # warm-up
         times: dict[str, list[float]] = {k: [] for k in runners}
+        cpu: dict[str, list[float]] = {k: [] for k in runners}
         for _ in range(args.repeats):  # interleaved rounds
             for name, r in runners.items():
-                times[name].append(timed(r, steps, dev))
+                wall, proc = timed(r, steps, dev)
+                times[name].append(wall)
+                cpu[name].append(proc)
         med = {k: statistics.median(v) for k, v in times.items()}
+        med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
         label = "bf16" if bf16 else "fp32"
         ratios = {f"tierzero_over_{k}": med["tierzero"] / v for k, v in med.items()
                   if k != "tierzero"}
-        rows[label] = {"params": n_params, "step_s": med, "rounds_s": times, **ratios}
-        print(f"{label}: {n_params / 1e6:.1f}M params  "
+        cpu_ratios = {f"cpu_time_tierzero_over_{k}": med_cpu["tierzero"] / v
+                      for k, v in med_cpu.items() if k != "tierzero"}
+        rows[label] = {"params": n_params, "step_s": med, "rounds_s": times,
+                       "cpu_s": med_cpu, "cpu_rounds_s": cpu, **ratios, **cpu_ratios}
+        print(f"{label}: {n_params / 1e6:.1f}M params  wall: "
               + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()) + "  "
               + "  ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+        print(f"{label}: process CPU time: "
+              + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med_cpu.items()) + "  "
+              + "  ".join(f"{k} {v:.3f}" for k, v in cpu_ratios.items()))
     results["rows"] = rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
