@@ -65,7 +65,9 @@ def _not_gathered(owner: _Owner, func: Any) -> ParameterNotGatheredError:
         f"zero.units together with the parameter's owner")
 
 
-_DATA = torch._C.TensorBase.__dict__["data"]  # the `.data` descriptor
+# The `.data` descriptor (defined on torch's C tensor base class, whose name varies
+# between releases).
+_DATA = next(c.__dict__["data"] for c in torch.Tensor.__mro__ if "data" in c.__dict__)
 
 
 class AccessGuard(TorchFunctionMode):
