@@ -37,12 +37,20 @@ def add_config(sub: Subparsers) -> None:
 
 
 def run_config_check(args: argparse.Namespace) -> int:
+    # This command prints the ignored DeepSpeed keys itself; the load-time
+    # warning would report them a second time. Restored after: main() may run
+    # in a longer-lived process (tests, notebooks).
+    load_log = logging.getLogger("engine.config.load")
+    previous = load_log.level
+    load_log.setLevel(logging.ERROR)
     try:
         auto = _auto_values(args.auto)
         config = load_config(args.file, auto_values=auto)
     except ConfigError as exc:
         sys.stderr.write(f"tierzero config check: error: {exc}\n")
         return 1
+    finally:
+        load_log.setLevel(previous)
     where = args.file or "the embedded default (configs/default.yaml)"
     out = [f"# tierzero config resolved from {where} ({config.source} schema)",
            "# every key below is set; this output loads back as a native config"]

@@ -86,7 +86,9 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_entry_point_runs() -> None:
     done = subprocess.run([sys.executable, "-m", "engine.cli", "config", "check",
-                           "configs/zero3_cpu.yaml"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=False)
+                           "configs/deepspeed/zero2_cpu.json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "device: cpu" in done.stdout
+    assert done.stdout.count("tensorboard") == 1
+    assert done.stderr == ""  # ignored keys are listed on stdout, not logged a second time

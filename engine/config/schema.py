@@ -121,6 +121,11 @@ class ZeroConfig:
             unit="bytes",
         ),
     )
+    # The byte defaults below are DeepSpeed's element-count defaults x 2 bytes
+    # (bf16), so a native config and a converted DeepSpeed one start equal.
+    # Why a look-ahead bound: every unit fetched early holds device memory and
+    # a staging buffer until it runs; unbounded, prefetch would evict units
+    # that are needed sooner than the ones it brings in.
     prefetch_bytes: int = field(
         default=100_000_000,
         metadata=meta("look-ahead bound: parameter bytes fetched ahead of use", ge=0, unit="bytes"),
@@ -171,6 +176,8 @@ class ParamOffloadConfig:
     pin_memory: bool = field(
         default=True, metadata=meta("page-lock host buffers when CUDA is present")
     )
+    # buffer_count x buffer_bytes bounds the NVMe reads and writes in flight
+    # (and the pinned memory they pin): the I/O queue cannot outrun the host.
     buffer_count: int = field(
         default=5, metadata=meta("host staging buffers for NVMe transfers", gt=0)
     )
