@@ -31,6 +31,7 @@ from engine_helpers import (
 )
 
 import engine
+from engine.flat_shard import SHARD_ALIGN
 
 STEPS = 20
 LOW_PRECISION_LOSS_ATOL = 0.03
@@ -102,6 +103,18 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
     for name in ("fp32-gas2-tight", "fp32-gas2-sync"):
         got = results[0][name]
         assert_match(got.losses, got.params, ref.losses, ref.params)
+    # memory arithmetic on two ranks: each holds half of every padded flat buffer
+    sizes = {k: p.numel() for k, p in make_model().named_parameters()}
+    per_unit = [sum(n for k, n in sizes.items() if k.startswith(f"blocks.{i}."))
+                for i in range(4)]
+    per_unit.append(sum(n for k, n in sizes.items() if not k.startswith("blocks.")))
+    chunk = 2 * SHARD_ALIGN
+    padded = [-(-n // chunk) * chunk for n in per_unit]
+    for rank in range(2):
+        rep = results[rank]["fp32-gas1"].report
+        assert rep["world_size"] == 2 and rep["rank"] == rank
+        assert rep["shard_bytes"]["param16"] == 4 * sum(padded) // 2  # fp32: master aliases
+        assert rep["shard_bytes"]["exp_avg"] == 4 * sum(padded) // 2
     peaks = {name: results[0][name].report["reductions_in_flight_peak"]
              for name in ("fp32-gas1", "fp32-gas2-tight", "fp32-gas2-sync")}
     assert peaks == {"fp32-gas1": 5, "fp32-gas2-tight": 1, "fp32-gas2-sync": 0}
