@@ -81,6 +81,15 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("logging.level", "info", "debug", "debug", {}),
     ("logging.steps_per_print", 10, 5, 5, {}),
     ("logging.wall_clock_breakdown", False, True, True, {}),
+    ("train.model", "builtin:small", "builtin:tiny", "builtin:tiny", {}),
+    ("train.dataset", None, "~/data.txt", f"{HOME}/data.txt", {}),
+    ("train.steps", 40, "100", 100, {}),
+    ("train.seq_len", 128, 256.0, 256, {}),
+    ("train.checkpoint_interval", 0, 10, 10, {}),
+    ("train.checkpoint_dir", None, "$HOME/ckpt", f"{HOME}/ckpt", {}),
+    ("train.resume", False, "true", True, {}),
+    ("train.out_dir", "runs", "~/runs", f"{HOME}/runs", {}),
+    ("train.metrics_path", None, "m.jsonl", "m.jsonl", {}),
 ]
 
 

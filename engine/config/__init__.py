@@ -17,6 +17,7 @@ from engine.config.schema import (
     SchedulerConfig,
     ZeroConfig,
 )
+from engine.config.train import TrainConfig
 
 __all__ = [
     "BatchConfig",
@@ -32,6 +33,7 @@ __all__ = [
     "ParamOffloadConfig",
     "PrecisionConfig",
     "SchedulerConfig",
+    "TrainConfig",
     "ZeroConfig",
     "load_config",
 ]

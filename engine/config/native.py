@@ -31,7 +31,8 @@ T = TypeVar("T")
 
 # Top-level keys only the native schema has (optimizer, scheduler and
 # gradient_clipping are spelt the same in DeepSpeed JSON).
-TOP_ONLY = frozenset({"seed", "precision", "zero", "offload", "nvme", "batch", "logging"})
+TOP_ONLY = frozenset({"seed", "precision", "zero", "offload", "nvme", "batch", "logging",
+                      "train"})
 
 
 def user_fields(cls: type[Any]) -> list[dataclasses.Field[Any]]:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from engine.config import checks
 from engine.config.errors import ConfigError
+from engine.config.fields import meta
+from engine.config.train import TrainConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["none", "cpu", "nvme", "auto"]
@@ -31,31 +33,6 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 Source = Literal["native", "deepspeed"]
 
 MiB = 1 << 20
-
-
-def meta(
-    doc: str,
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    unit: Literal["bytes"] | None = None,
-    path: bool = False,
-    internal: bool = False,
-) -> dict[str, Any]:
-    """A field's metadata: one line of doc and its checks (see the module doc).
-
-    `internal` fields are filled in by the loader and never read from a file.
-    """
-    return {
-        "doc": doc,
-        "ge": ge,
-        "gt": gt,
-        "le": le,
-        "unit": unit,
-        "path": path,
-        "internal": internal,
-    }
 
 
 @dataclass(frozen=True)
@@ -385,6 +362,9 @@ class Config:
         default=0.0, metadata=meta("clip the global gradient norm to this; 0 = off", ge=0)
     )
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=meta("logging"))
+    train: TrainConfig = field(
+        default_factory=TrainConfig, metadata=meta("what `tierzero train` runs: model, data, steps")
+    )
     source: Source = field(
         default="native",
         metadata=meta("which schema the file used: native or deepspeed", internal=True),
