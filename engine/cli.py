@@ -16,6 +16,7 @@ import yaml
 
 from engine.config import ConfigError, load_config
 from engine.config.native import as_dict
+from engine.train.command import add_train
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
@@ -93,7 +94,7 @@ def _scalar(text: str) -> Any:
     return text
 
 
-COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_config,)
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_train, add_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

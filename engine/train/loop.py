@@ -1,0 +1,257 @@
+"""The training job behind `tierzero train`: build, partition, train, record.
+
+Composition in order (one place): checks on everything a user gave (before
+any work), process group, data, model, engine, probes, then the step loop.
+Rank 0 shows the progress bar, logs a line every logging.steps_per_print
+steps and writes the metrics file, the trace and the plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+import engine
+from engine.config import Config
+from engine.config.native import as_dict
+from engine.train.data import ByteBatches, load_bytes
+from engine.train.metrics import DiskCounter, MetricsWriter, StepRecord, log_line, tier_bytes
+from engine.train.model_source import build_model
+from engine.train.timeline import Timeline, UnitProbes
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(ValueError):
+    """A train setting that cannot be honoured; the message names it and the way out."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Command-line additions to config.train."""
+
+    trace_path: str | None = None  # Chrome trace-event JSON of the traced steps
+    trace_steps: tuple[int, int] = (2, 2)  # (first step, count), 1-based
+    plot_path: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    metrics_path: str
+    records: list[StepRecord] = field(default_factory=list)
+    trace_path: str | None = None
+    plot_path: str | None = None
+
+
+def check_settings(config: Config, options: TrainOptions) -> None:
+    """Refuse what cannot be done, before any work starts."""
+    tc = config.train
+    if tc.resume:
+        raise TrainError("train.resume: true is not supported yet: checkpoints (issue 7) are not "
+                         "implemented; set train.resume: false")
+    if tc.checkpoint_interval:
+        raise TrainError(f"train.checkpoint_interval: {tc.checkpoint_interval} asks for "
+                         "checkpoints, which are not implemented yet (issue 7); set it to 0")
+    first, count = options.trace_steps
+    if options.trace_path and (first < 1 or count < 1 or first > tc.steps):
+        raise TrainError(f"--trace-steps {first},{count}: needs FIRST >= 1, COUNT >= 1 and FIRST "
+                         f"<= train.steps ({tc.steps})")
+    for flag, path in (("--trace", options.trace_path), ("--plot", options.plot_path)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if parent is not None and not os.path.isdir(parent):
+            raise TrainError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if options.plot_path:
+        from engine.train.plot import require_matplotlib
+        require_matplotlib()
+
+
+def _init_process_group() -> bool:
+    """Join the torchrun group when launched by torchrun; True if this call created it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def _mean_over_ranks(value: float, world_size: int) -> float:
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / world_size
+
+
+def _run_dir(config: Config, rank0: bool) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(config.train.out_dir, f"{stamp}-{os.getpid()}")
+    if rank0:
+        os.makedirs(path, exist_ok=False)
+    return path
+
+
+def run(config: Config, options: TrainOptions) -> TrainResult:
+    check_settings(config, options)
+    created_group = _init_process_group()
+    try:
+        return _train(config, options)
+    finally:
+        if created_group:
+            dist.destroy_process_group()
+
+
+def _train(config: Config, options: TrainOptions) -> TrainResult:
+    tc = config.train
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    config = config.check_world_size(world)
+    micro = config.batch.micro_batch_size or 1
+    accum = config.batch.gradient_accumulation_steps or 1
+    tokens, source = load_bytes(tc.dataset)
+    batches = ByteBatches(tokens, tc.seq_len, micro, seed=config.seed, rank=rank, source=source)
+
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    t0 = time.perf_counter()
+    model = build_model(tc.model, tc.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    eng, _, _, _ = engine.initialize(model=model, config=config)
+    log.info("model %s: %.1fM parameters, %d units, built and partitioned in %.1f s",
+             tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
+
+    rank0 = rank == 0
+    run_dir = _run_dir(config, rank0)
+    metrics_path = tc.metrics_path or os.path.join(run_dir, "metrics.jsonl")
+    result = TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
+                         plot_path=options.plot_path)
+    timeline = Timeline()
+    probes = UnitProbes([(u.label, u.module) for u in eng.units if not u.is_root], timeline)
+    disk = DiskCounter()
+    writer = MetricsWriter(metrics_path) if rank0 else None
+    try:
+        if writer:
+            writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),
+                                     world=world, source=source))
+        with logging_redirect_tqdm():
+            bar = tqdm(range(1, tc.steps + 1), desc="train", unit="step",
+                       disable=not (rank0 and options.progress))
+            for step in bar:
+                first, count = options.trace_steps
+                timeline.recording = bool(options.trace_path) and first <= step < first + count
+                record = _one_step(eng, batches, probes, timeline=timeline, disk=disk,
+                                   step=step, accum=accum, world=world)
+                result.records.append(record)
+                bar.set_postfix(loss=f"{record.loss:.3f}")
+                if writer:
+                    writer.write(record.as_json())
+                if rank0 and (step % config.logging.steps_per_print == 0 or step == tc.steps):
+                    log.info("%s", log_line(record, tc.steps))
+            bar.close()
+        if writer:
+            writer.write(_summary(result.records))
+    finally:
+        probes.close()
+        eng.close()
+        if writer:
+            writer.close()
+    if rank0:
+        _write_outputs(result, timeline)
+    return result
+
+
+def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, *,
+              timeline: Timeline, disk: DiskCounter, step: int, accum: int,
+              world: int) -> StepRecord:
+    start = time.perf_counter()
+    wait_before = probes.wait_s
+    losses: list[float] = []
+    optimizer_s = 0.0
+    n_tokens = 0
+    with timeline.span("step", f"step {step}"):
+        for _ in range(accum):
+            x, y = batches.next()  # (B, T) inputs and next-byte labels
+            n_tokens += x.numel()
+            with timeline.span("forward", "forward"):
+                out = eng(input_ids=x)
+            logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(logits.device).flatten())
+            with timeline.span("backward", "backward"):
+                eng.backward(loss)
+            losses.append(float(loss.item()))
+            boundary = eng.is_gradient_accumulation_boundary()
+            t_opt = time.perf_counter()
+            with timeline.span("optimizer", "adam" if boundary else "accumulate"):
+                eng.step()
+            optimizer_s += time.perf_counter() - t_opt
+    step_s = time.perf_counter() - start
+    wait_s = probes.wait_s - wait_before
+    read, written = disk.delta()
+    now, peak = tier_bytes(eng.memory_report())
+    total_tokens = n_tokens * world
+    return StepRecord(
+        step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
+        lr=eng.get_lr()[0], tokens=total_tokens, tokens_per_s=total_tokens / step_s,
+        step_s=step_s, compute_s=max(0.0, step_s - optimizer_s - wait_s), wait_s=wait_s,
+        optimizer_s=optimizer_s, tier_bytes=now, tier_peak_bytes=peak,
+        nvme_read_bytes=read, nvme_written_bytes=written,
+        nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
+        rss_bytes=disk.rss())
+
+
+def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
+                source: str) -> dict[str, Any]:
+    tree = as_dict(config)
+    for key in ("source", "ignored_keys", "ignored_reasons"):
+        tree.pop(key, None)
+    return {"event": "run", "started": datetime.now(timezone.utc).isoformat(),
+            "model": model, "parameters": n_params, "units": units, "world_size": world,
+            "dataset": source, "config": tree,
+            "machine": {"cpu": platform.processor() or platform.machine(),
+                        "cores": os.cpu_count(), "torch": torch.__version__,
+                        "cuda": torch.cuda.is_available()}}
+
+
+def _summary(records: list[StepRecord]) -> dict[str, Any]:
+    if not records:
+        return {"event": "end", "steps": 0}
+    return {"event": "end", "steps": len(records), "first_loss": records[0].loss,
+            "last_loss": records[-1].loss,
+            "mean_tokens_per_s": sum(r.tokens for r in records) / sum(r.step_s for r in records),
+            "total_s": sum(r.step_s for r in records),
+            "wait_s": sum(r.wait_s for r in records),
+            "nvme_read_bytes": sum(r.nvme_read_bytes for r in records),
+            "nvme_written_bytes": sum(r.nvme_written_bytes for r in records)}
+
+
+def _write_outputs(result: TrainResult, timeline: Timeline) -> None:
+    if result.trace_path:
+        timeline.write(result.trace_path)
+        log.info("trace: %s (%d events; open in ui.perfetto.dev or chrome://tracing)",
+                 result.trace_path, len(timeline.events))
+    if result.plot_path:
+        from engine.train.plot import plot_run
+        plot_run(result.records, result.plot_path)
+        log.info("plot: %s", result.plot_path)
+    log.info("metrics: %s", result.metrics_path)
+
+
+def with_steps(config: Config, steps: int | None) -> Config:
+    """config with train.steps replaced (the --steps flag)."""
+    if steps is None:
+        return config
+    if steps < 1:
+        raise TrainError(f"--steps {steps}: allowed: an int >= 1")
+    return replace(config, train=replace(config.train, steps=steps))

@@ -1,0 +1,139 @@
+"""Per-step metrics of `tierzero train`: the record, its log line, the JSONL file.
+
+[Note: metrics file] One JSON object per line. The first has "event": "run"
+(model, parameter count, units, config, machine), then one "event": "step"
+per optimizer step with the fields of StepRecord, and a last "event": "end"
+with the summary. Every byte figure is an int, every time is seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import IO, Any
+
+import psutil
+
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int  # 1-based optimizer step
+    loss: float  # mean over micro-steps (and ranks)
+    lr: float
+    tokens: int  # tokens consumed by this step over all ranks
+    tokens_per_s: float
+    step_s: float  # wall time of the whole step
+    compute_s: float  # forward + backward, minus the gather waits
+    wait_s: float  # blocked on parameters being gathered (I/O included, once tiered)
+    optimizer_s: float  # the engine's optimizer step
+    tier_bytes: dict[str, int]  # tier -> bytes held on this rank now
+    tier_peak_bytes: dict[str, int]  # tier -> peak so far
+    nvme_read_bytes: int  # this process's block-device reads during the step
+    nvme_written_bytes: int
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    rss_bytes: int  # resident memory of this process
+
+    def as_json(self) -> dict[str, Any]:
+        return {"event": "step", **dataclasses.asdict(self)}
+
+
+def tier_bytes(report: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """(current, peak) bytes per tier from `engine.memory_report()`.
+
+    A report with a "tiers" entry (the tier manager's MemoryReport, or its dict
+    form) is read as is. Without one every shard and gathered parameter is in
+    the engine's device memory (CPU memory on a CPU-only machine), because the
+    engine does not route shards through the tiers yet.
+    """
+    tiers = report.get("tiers")
+    if tiers is not None:
+        current = tiers["current"] if isinstance(tiers, dict) else tiers.current
+        peak = tiers["peak"] if isinstance(tiers, dict) else tiers.peak
+        return ({t: int(current.get(t, 0)) for t in TIERS}, {t: int(peak.get(t, 0)) for t in TIERS})
+    shards = int(report["shard_bytes_total"])
+    now = dict.fromkeys(TIERS, 0)
+    peak = dict.fromkeys(TIERS, 0)
+    now["device"] = shards + int(report["gathered_bytes"])
+    peak["device"] = shards + int(report["gathered_peak_bytes"])
+    return now, peak
+
+
+class DiskCounter:
+    """Bytes this process read from and wrote to block devices (Linux /proc/self/io).
+
+    Counts what really reached the disk (page-cache hits are not reads), which
+    is what NVMe offload costs; None where the platform has no I/O counters.
+    """
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self._last = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            io = self._proc.io_counters()  # type: ignore[attr-defined,unused-ignore]
+        except (AttributeError, psutil.Error, NotImplementedError):
+            return None
+        return int(io.read_bytes), int(io.write_bytes)
+
+    def delta(self) -> tuple[int, int]:
+        now = self._read()
+        if now is None or self._last is None:
+            return 0, 0
+        read, written = now[0] - self._last[0], now[1] - self._last[1]
+        self._last = now
+        return read, written
+
+    def rss(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def log_line(r: StepRecord, total_steps: int) -> str:
+    # per tier: bytes now / peak
+    tiers = ", ".join(f"{t} {human_bytes(r.tier_bytes[t])}/{human_bytes(r.tier_peak_bytes[t])}"
+                      for t in TIERS)
+    return (f"step {r.step}/{total_steps} | loss {r.loss:.4f} | lr {r.lr:.2e} | "
+            f"{r.tokens_per_s:,.0f} tok/s | {r.step_s:.3f} s = compute {r.compute_s:.3f} + "
+            f"wait {r.wait_s:.3f} + optimizer {r.optimizer_s:.3f} | now/peak {tiers} | "
+            f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s")
+
+
+class MetricsWriter:
+    """Appends JSON lines and flushes each, so a crashed run keeps what it measured."""
+
+    def __init__(self, path: str) -> None:
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self.path = path
+        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"metrics file {self.path} is closed")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,77 @@
+"""`train.model` -> an nn.Module: a built-in size, or a Hugging Face config.
+
+`builtin:<size>` builds engine.models.TinyLM (byte vocabulary). A path to a
+Hugging Face `config.json` (or a directory holding one) builds that
+architecture with fresh weights through `transformers` (the `hf` extra); its
+vocabulary must cover the 256 byte tokens. Loading pretrained weights needs
+`engine.load_pretrained`, which does not exist yet: a directory with weight
+files is refused rather than silently trained from scratch.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from torch import nn
+
+from engine.models import SIZES, VOCAB, TinyLM, TinyLMConfig
+
+
+class ModelError(ValueError):
+    """`train.model` names something that cannot be built; the message says what is allowed."""
+
+
+def describe_sizes() -> str:
+    return ", ".join(f"builtin:{name}" for name in SIZES)
+
+
+def builtin_config(spec: str) -> TinyLMConfig:
+    size = spec.removeprefix("builtin:")
+    if size not in SIZES:
+        raise ModelError(f"train.model: unknown built-in size {size!r}; allowed: "
+                         f"{describe_sizes()}, or a Hugging Face config.json / model directory")
+    return SIZES[size]
+
+
+def build_model(spec: str, seq_len: int) -> nn.Module:
+    """The module `spec` names, with seq_len checked against its context length."""
+    if spec.startswith("builtin:") or spec in SIZES:
+        cfg = builtin_config(spec if spec.startswith("builtin:") else f"builtin:{spec}")
+        if seq_len > cfg.max_seq_len:
+            raise ModelError(f"train.seq_len {seq_len} exceeds {spec}'s context of "
+                             f"{cfg.max_seq_len} tokens; lower train.seq_len")
+        return TinyLM(cfg)
+    return _hf_model(spec, seq_len)
+
+
+def _hf_model(path: str, seq_len: int) -> nn.Module:
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise ModelError(f"train.model: {path!r} is neither a built-in size ({describe_sizes()}) "
+                         "nor a Hugging Face config.json or a directory holding one")
+    if os.path.isdir(path):
+        weights = [f for pattern in ("*.safetensors", "*.bin")
+                   for f in glob.glob(os.path.join(path, pattern))]
+        if weights:
+            raise ModelError(f"train.model: {path!r} holds weights ({os.path.basename(weights[0])}"
+                             ", ...); loading pretrained weights needs engine.load_pretrained, "
+                             "which is not available yet; point train.model at the config.json "
+                             "to train the architecture from scratch")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelError(f"train.model: {path!r} is a Hugging Face config, which needs the "
+                         "transformers package: pip install 'tierzero[hf]'") from exc
+    hf_config = transformers.AutoConfig.from_pretrained(config_file)
+    vocab = getattr(hf_config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < VOCAB:
+        raise ModelError(f"train.model: {config_file} has vocab_size {vocab}; byte-level "
+                         f"training needs at least {VOCAB}")
+    context = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        raise ModelError(f"train.seq_len {seq_len} exceeds max_position_embeddings {context} "
+                         f"of {config_file}; lower train.seq_len")
+    model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
+        hf_config)
+    return model
