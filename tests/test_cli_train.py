@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
+from cli_helpers import read_metrics, write_config
 
 import engine
 from engine.cli import main
@@ -18,27 +18,6 @@ from engine.models import SIZES, TinyLM
 from engine.train import KINDS, ByteBatches, StepRecord, load_bytes
 
 STEP_FIELDS = set(StepRecord.__dataclass_fields__)
-
-
-def write_config(tmp_path: Path, **train: Any) -> Path:
-    """fp32, no offload, the tiny model: small enough for a unit test, exact enough to compare."""
-    cfg = {
-        "seed": 3,
-        "precision": "fp32",
-        "optimizer": {"type": "adamw", "lr": 3.0e-3, "weight_decay": 0.01},
-        "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
-        "logging": {"steps_per_print": 1},
-        "train": {"model": "builtin:tiny", "steps": 6, "seq_len": 32,
-                  "out_dir": str(tmp_path / "runs"), **train},
-    }
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def read_metrics(tmp_path: Path) -> list[dict[str, Any]]:
-    (path,) = (tmp_path / "runs").glob("*/metrics.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def reference_losses(steps: int, *, seed: int, lr: float, wd: float, batch: int,

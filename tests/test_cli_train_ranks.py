@@ -1,0 +1,40 @@
+"""`torchrun -m engine.cli train` with two gloo ranks: one metrics file, losses over both ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import read_metrics, write_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.multiproc
+def test_two_ranks_with_torchrun(tmp_path: Path) -> None:
+    config = write_config(tmp_path, steps=3)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "engine.cli", "train", str(config), "--no-progress"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(tmp_path)  # exactly one run directory: rank 0 writes, rank 1 does not
+    assert rows[0]["world_size"] == 2
+    steps = [r for r in rows if r["event"] == "step"]
+    assert len(steps) == 3
+    assert all(r["tokens"] == 2 * 2 * 32 for r in steps)  # 2 ranks x micro batch 2 x 32 tokens
+    assert json.dumps(rows[-1]).startswith('{"event": "end"')
