@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from engine.bench.command import add_bench
 from engine.config import ConfigError, load_config
 from engine.config.native import as_dict
 from engine.train.command import add_train
@@ -94,7 +95,7 @@ def _scalar(text: str) -> Any:
     return text
 
 
-COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_train, add_config)
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_train, add_bench, add_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

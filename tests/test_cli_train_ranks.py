@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import read_metrics, write_config
 
 ROOT = Path(__file__).resolve().parent.parent

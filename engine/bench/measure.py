@@ -1,0 +1,125 @@
+"""What `tierzero bench` measures: memory copy bandwidth, NVMe write/read through
+swap.SwapStore at the configured path, and CPU Adam speed (offload.CPUAdam).
+
+Each figure is the median of `repeats` timed runs after one untimed warm-up.
+NVMe reads use the store's O_DIRECT path where the file system supports it
+(recorded as `direct`), so they measure the drive, not the page cache.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from offload import CPUAdam
+from swap import SwapStore, aligned_empty
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    memory_bytes: int = 256 * MiB
+    nvme_bytes: int = 1024 * MiB
+    nvme_chunk_bytes: int = 64 * MiB
+    adam_params: int = 1 << 24
+    repeats: int = 3
+
+
+QUICK = BenchSizes(memory_bytes=64 * MiB, nvme_bytes=128 * MiB, nvme_chunk_bytes=32 * MiB,
+                   adam_params=1 << 22, repeats=3)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    memory_copy_gbps: float  # (read + write bytes) / s of a large tensor copy
+    nvme_write_gbps: float
+    nvme_read_gbps: float
+    nvme_path: str
+    nvme_direct: bool  # O_DIRECT in use (reads came from the drive, not the page cache)
+    adam_params_per_s: float  # fp32 AdamW elements updated per second (offload.CPUAdam)
+    adam_threads: int
+    sizes: dict[str, int]
+    machine: dict[str, Any]
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults, file growth, kernel compilation
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def nvme_bandwidth(path: str, sizes: BenchSizes, *, block_size: int, threads: int,
+                   queue_depth: int) -> tuple[float, float, bool]:
+    """(write GB/s, read GB/s, direct) through a SwapStore in a scratch dir under `path`."""
+    chunks = max(1, sizes.nvme_bytes // sizes.nvme_chunk_bytes)
+    bufs = [aligned_empty(sizes.nvme_chunk_bytes) for _ in range(chunks)]
+    for i, b in enumerate(bufs):
+        b.fill_(i % 251)
+    total = chunks * sizes.nvme_chunk_bytes
+    with SwapStore(path, block_size=block_size, threads=threads, queue_depth=queue_depth,
+                   reserve_bytes=total) as store:
+
+        def write() -> None:
+            for f in [store.write(f"bench/{i}", b) for i, b in enumerate(bufs)]:
+                f.wait()
+
+        def read() -> None:
+            for f in [store.read(f"bench/{i}", out=b) for i, b in enumerate(bufs)]:
+                f.wait()
+
+        t_write = _median_time(write, sizes.repeats)
+        t_read = _median_time(read, sizes.repeats)
+        direct = bool(store.direct)
+    return total / t_write / 1e9, total / t_read / 1e9, direct
+
+
+def adam_speed(n: int, repeats: int) -> tuple[float, int]:
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    opt = CPUAdam([param], lr=1e-3, weight_decay=0.01)
+    t = _median_time(opt.step, repeats)
+    return n / t, torch.get_num_threads()
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def run_bench(path: str, sizes: BenchSizes, *, block_size: int, threads: int,
+              queue_depth: int) -> BenchResult:
+    mem = memory_bandwidth(sizes.memory_bytes, sizes.repeats)
+    write, read, direct = nvme_bandwidth(path, sizes, block_size=block_size, threads=threads,
+                                         queue_depth=queue_depth)
+    adam, adam_threads = adam_speed(sizes.adam_params, sizes.repeats)
+    return BenchResult(memory_copy_gbps=mem, nvme_write_gbps=write, nvme_read_gbps=read,
+                       nvme_path=path, nvme_direct=direct, adam_params_per_s=adam,
+                       adam_threads=adam_threads, sizes=asdict(sizes), machine=machine())

@@ -1,0 +1,46 @@
+"""`tierzero bench`: measures, prints, saves JSON where `plan` looks; bad paths refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.bench import results_path
+from engine.cli import main
+
+
+def test_bench_quick_saves_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path / "cache"))
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--path", str(swap_dir), "--nvme-mib", "8",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for label in ("memory copy", "NVMe write", "NVMe read", "CPU Adam", "saved:"):
+        assert label in printed
+    saved = json.loads(Path(results_path()).read_text())
+    assert saved == json.loads(out.read_text())
+    assert Path(results_path()).parent == tmp_path / "cache"
+    for key in ("memory_copy_gbps", "nvme_write_gbps", "nvme_read_gbps", "adam_params_per_s"):
+        assert saved[key] > 0
+    assert saved["nvme_path"] == str(swap_dir) and isinstance(saved["nvme_direct"], bool)
+    assert saved["sizes"]["nvme_bytes"] == 8 << 20
+    assert {"cpu", "cores", "torch"} <= set(saved["machine"])
+    assert list(swap_dir.iterdir()) == []  # the store removed its scratch files
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--path", "/no/such/dir"], "--path: '/no/such/dir' does not exist"),
+    (["--nvme-mib", "0"], "--nvme-mib: 0 is not allowed"),
+])
+def test_bench_bad_arguments(args: list[str], needle: str, tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "--quick", *args]) == 1
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()
