@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 run: setup
-	$(BIN)/tierzero config check
+	$(BIN)/tierzero train
 
 lint: setup
 	$(BIN)/ruff check engine offload swap tests benchmarks
