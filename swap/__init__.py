@@ -3,4 +3,9 @@
 Knows files, offsets, bytes and futures; nothing of tensors' meaning.
 """
 
-__all__: list[str] = []
+from swap.aligned import ALIGN, aligned_empty, is_aligned
+from swap.errors import SwapError
+from swap.fileio import FileIO
+from swap.future import SwapFuture
+
+__all__ = ["ALIGN", "FileIO", "SwapError", "SwapFuture", "aligned_empty", "is_aligned"]
