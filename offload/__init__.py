@@ -1,8 +1,74 @@
 """offload: memory tiers, budgets, placement, buffer pools, prefetch queue, CPU Adam.
 
 Knows tensors, bytes and tiers; nothing of modules or ranks.
+
+Tier manager API (offload/manager.py has the walk-through)::
+
+    settings = TierSettings(homes={"param16": "none", "master": "nvme", ...},
+                            budgets=Budgets(device=..., host=..., nvme=...))
+    mgr = TierManager([ShardSpec(key, cls, numel, dtype), ...], settings, swap=store)
+    mgr.place(key, tensor).wait()
+    mgr.set_order([(key, "device"), ...])        # drives prefetch and eviction
+    view = mgr.fetch(key, "device").wait()       # 1D view; valid until release()
+    mgr.release(key); mgr.evict(key); mgr.memory_report()
 """
 
 from . import numa
+from .budget import TierBudgets, memlock_limit, resolve_budgets
+from .errors import BudgetError, OffloadError, PlanError, TransferError
+from .manager import TierManager
+from .placement import Plan, plan_placement
+from .pool import BufferPool, HostAllocator, PoolBuffer
+from .prefetch import Prefetcher
+from .report import MemoryReport
+from .residency import TRANSITIONS, Op, Role, ShardRecord, ShardSpec, State
+from .settings import (
+    TENSOR_CLASSES,
+    TIERS,
+    Budgets,
+    OffloadDevice,
+    PoolSettings,
+    PrefetchSettings,
+    SettingsError,
+    TensorClass,
+    Tier,
+    TierSettings,
+)
+from .transfer import SwapBackend, Transfer
 
-__all__ = ["numa"]
+__all__ = [
+    "TENSOR_CLASSES",
+    "TIERS",
+    "TRANSITIONS",
+    "BudgetError",
+    "Budgets",
+    "BufferPool",
+    "HostAllocator",
+    "MemoryReport",
+    "OffloadDevice",
+    "OffloadError",
+    "Op",
+    "Plan",
+    "PlanError",
+    "PoolBuffer",
+    "PoolSettings",
+    "PrefetchSettings",
+    "Prefetcher",
+    "Role",
+    "SettingsError",
+    "ShardRecord",
+    "ShardSpec",
+    "State",
+    "SwapBackend",
+    "TensorClass",
+    "Tier",
+    "TierBudgets",
+    "TierManager",
+    "TierSettings",
+    "Transfer",
+    "TransferError",
+    "memlock_limit",
+    "numa",
+    "plan_placement",
+    "resolve_budgets",
+]
