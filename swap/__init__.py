@@ -7,5 +7,17 @@ from swap.aligned import ALIGN, aligned_empty, is_aligned
 from swap.errors import SwapError
 from swap.fileio import FileIO
 from swap.future import SwapFuture
+from swap.stats import DirectionStats, SwapStats
+from swap.store import SwapStore
 
-__all__ = ["ALIGN", "FileIO", "SwapError", "SwapFuture", "aligned_empty", "is_aligned"]
+__all__ = [
+    "ALIGN",
+    "DirectionStats",
+    "FileIO",
+    "SwapError",
+    "SwapFuture",
+    "SwapStats",
+    "SwapStore",
+    "aligned_empty",
+    "is_aligned",
+]

@@ -1,0 +1,167 @@
+"""Moving one block of one request between a caller's buffer and the data file.
+
+Runs on the store's I/O threads, outside the store lock. With O_DIRECT, a
+block goes straight from/to the caller's memory when the buffer is
+ALIGN-aligned and the block length is a multiple of ALIGN; otherwise (an
+unaligned caller buffer, or the last partial page of a payload) it goes
+through the thread's own aligned bounce buffer, zero-padded to ALIGN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swap.aligned import ALIGN, aligned_empty
+from swap.allocator import round_up
+from swap.errors import SwapError
+from swap.fileio import FileIO
+from swap.header import HEADER_BYTES, Header, combine_block_crcs, crc32, dtype_name
+from swap.request import Request
+
+__all__ = ["BlockIO", "WorkerBuffers"]
+
+
+class WorkerBuffers:
+    """One I/O thread's aligned scratch memory: a bounce block and a header page."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bounce = aligned_empty(block_size, torch.uint8)  # 1D uint8, ALIGN-aligned
+        self.bounce_view = self.bounce.numpy().data
+        self.header = aligned_empty(HEADER_BYTES, torch.uint8)  # 1D uint8, one page
+        self.header_view = self.header.numpy().data
+
+
+class BlockIO:
+    """Block reads/writes and header steps against one open data file."""
+
+    def __init__(self, fileio: FileIO, fd: int, path: str, *, direct: bool, verify: bool) -> None:
+        self.fileio = fileio
+        self.fd = fd
+        self.path = path
+        self.direct = direct  # fd was opened with O_DIRECT
+        self.verify = verify  # CRCs computed on write, header and CRCs checked on read
+        self.checksum = verify
+
+    def _bounce(self, req: Request, length: int) -> bool:
+        return self.direct and (not req.direct_buffer or length % ALIGN != 0)
+
+    def write_block(self, req: Request, index: int, wb: WorkerBuffers) -> int:
+        """Write block `index` of `req`; return bytes copied through the bounce buffer."""
+        start, length = req.block(index)
+        if length == 0:
+            return 0
+        if req.entry is None:
+            raise SwapError("internal: write has no region", path=self.path, key=req.key)
+        src = req.view[start : start + length]
+        if self.checksum:
+            req.crcs[index] = crc32(src, 0)
+        offset = req.entry.offset + HEADER_BYTES + start
+        if self._bounce(req, length):
+            padded = round_up(length)
+            wb.bounce[:length].copy_(req.data[start : start + length])
+            wb.bounce[length:padded].zero_()
+            self._pwrite_all(req, wb.bounce_view[:padded], offset)
+            return length
+        self._pwrite_all(req, src, offset)
+        return 0
+
+    def read_block(self, req: Request, index: int, wb: WorkerBuffers) -> int:
+        """Read block `index` of `req` into the caller's buffer; return bounced bytes."""
+        start, length = req.block(index)
+        if length == 0:
+            return 0
+        if req.entry is None:
+            raise SwapError("internal: read has no region", path=self.path, key=req.key)
+        offset = req.entry.offset + HEADER_BYTES + start
+        bounced = 0
+        if self._bounce(req, length):
+            self._pread_all(req, wb.bounce_view[: round_up(length)], offset, length)
+            req.data[start : start + length].copy_(wb.bounce[:length])
+            bounced = length
+        else:
+            self._pread_all(req, req.view[start : start + length], offset, length)
+        if self.verify:
+            req.crcs[index] = crc32(req.view[start : start + length], 0)
+        return bounced
+
+    def write_header(self, req: Request, wb: WorkerBuffers) -> None:
+        """After every payload block landed: the header commits the region on disk."""
+        entry = req.entry
+        if entry is None:
+            raise SwapError("internal: write has no region", path=self.path, key=req.key)
+        Header(
+            key=req.key, generation=entry.generation, nbytes=entry.nbytes,
+            dtype=dtype_name(entry.dtype), shape=entry.shape, checksum=entry.checksum,
+            block_size=req.block_size,
+        ).pack_into(wb.header_view)
+        self._pwrite_all(req, wb.header_view, entry.offset)
+
+    def payload_checksum(self, req: Request) -> int | None:
+        return combine_block_crcs(req.crcs) if self.checksum else None
+
+    def verify_read(self, req: Request, wb: WorkerBuffers) -> None:
+        """Read the region header and check it and the payload CRCs against the index."""
+        entry = req.entry
+        if entry is None:
+            raise SwapError("internal: read has no region", path=self.path, key=req.key)
+        self._pread_all(req, wb.header_view, entry.offset, HEADER_BYTES)
+        try:
+            header = Header.unpack(wb.header_view)
+        except ValueError as exc:
+            raise SwapError(
+                f"swap file corrupted: region header at offset {entry.offset} is invalid "
+                f"({exc})", path=self.path, key=req.key,
+            ) from exc
+        expect = (req.key, entry.generation, entry.nbytes, dtype_name(entry.dtype), entry.shape)
+        seen = (header.key, header.generation, header.nbytes, header.dtype, header.shape)
+        if seen != expect:
+            raise SwapError(
+                f"swap file corrupted: region header at offset {entry.offset} says "
+                f"(key, generation, nbytes, dtype, shape) = {seen}, expected {expect}",
+                path=self.path, key=req.key,
+            )
+        if entry.checksum is not None:
+            got = combine_block_crcs(req.crcs)
+            if got != entry.checksum:
+                raise SwapError(
+                    f"swap file corrupted: payload checksum {got:#010x} != {entry.checksum:#010x} "
+                    f"written ({entry.nbytes} bytes at offset {entry.offset + HEADER_BYTES})",
+                    path=self.path, key=req.key,
+                )
+
+    def _pwrite_all(self, req: Request, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            try:
+                n = self.fileio.pwrite(self.fd, buf[done:], offset + done)
+            except OSError as exc:
+                raise SwapError(
+                    f"write of {len(buf)} bytes at offset {offset} failed",
+                    path=self.path, key=req.key, errno=exc.errno,
+                ) from exc
+            if n <= 0:
+                raise SwapError(
+                    f"short write: {done} of {len(buf)} bytes at offset {offset}",
+                    path=self.path, key=req.key,
+                )
+            done += n
+
+    def _pread_all(self, req: Request, buf: memoryview, offset: int, need: int) -> None:
+        """Read into `buf` (length >= need, padded for O_DIRECT) until `need` bytes came."""
+        got = 0
+        while got < need:
+            try:
+                n = self.fileio.pread(self.fd, buf[got:], offset + got)
+            except OSError as exc:
+                raise SwapError(
+                    f"read of {len(buf)} bytes at offset {offset} failed",
+                    path=self.path, key=req.key, errno=exc.errno,
+                ) from exc
+            if n <= 0:
+                raise SwapError(
+                    f"short read: file ends after {got} of {need} bytes at offset {offset} "
+                    "(swap file truncated?)",
+                    path=self.path, key=req.key,
+                )
+            got += n
+

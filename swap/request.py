@@ -1,0 +1,95 @@
+"""The records the store keeps: stored entries, in-flight requests, per-key chains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from swap.allocator import round_up
+from swap.future import Op, SwapFuture
+from swap.header import HEADER_BYTES
+
+__all__ = ["Entry", "KeyChain", "Request", "byte_view"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed key: where its region is and what its header says."""
+
+    offset: int  # region start in the data file, ALIGN-aligned
+    nbytes: int  # payload bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    generation: int
+    checksum: int | None
+
+    @property
+    def region_bytes(self) -> int:
+        return region_bytes(self.nbytes)
+
+
+def region_bytes(nbytes: int) -> int:
+    return HEADER_BYTES + round_up(nbytes)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor sharing its memory (no copy)."""
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+@dataclass(eq=False)
+class Request:
+    """One write or read, from submission to completion.
+
+    Life: waiting on `deps_left` earlier requests of the same key -> runnable ->
+    in service (blocks issued to the I/O threads, round-robin with the other
+    requests in service, at most `queue_depth` of them) -> finished (future set).
+    """
+
+    op: Op
+    key: str
+    future: SwapFuture
+    data: torch.Tensor  # 1D uint8 view of the caller's tensor, CPU, contiguous
+    view: memoryview  # the same bytes, for os.pwrite / os.preadv
+    generation: int  # write: the generation it creates; read: unused (0)
+    direct_buffer: bool  # caller's buffer is ALIGN-aligned (O_DIRECT without a bounce)
+    block_size: int
+    deps_left: int = 0
+    dependents: list[Request] = field(default_factory=list)
+    entry: Entry | None = None  # write: the entry it commits; read: the entry it reads
+    next_block: int = 0  # next block to hand to an I/O thread
+    completed: int = 0  # blocks finished (or skipped after an error)
+    finishing: bool = False
+    crcs: list[int] = field(default_factory=list)  # per-block CRC-32, block order
+    error: BaseException | None = None
+    started: float = 0.0  # perf_counter when it entered service
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    @property
+    def n_tasks(self) -> int:
+        """Blocks to move; at least 1 so an empty payload still gets its header step."""
+        return max(1, -(-self.nbytes // self.block_size))
+
+    def block(self, index: int) -> tuple[int, int]:
+        """(payload offset, length) of block `index`; length 0 for an empty payload."""
+        start = index * self.block_size
+        return start, max(0, min(self.block_size, self.nbytes - start))
+
+    def all_issued(self) -> bool:
+        return self.error is not None or self.next_block >= self.n_tasks
+
+
+@dataclass
+class KeyChain:
+    """Pending requests of one key, for ordering (see SwapStore's ordering rules)."""
+
+    last_write: Request | None = None
+    readers: list[Request] = field(default_factory=list)  # reads since last_write
+
+    def pending(self) -> list[Request]:
+        return ([self.last_write] if self.last_write else []) + list(self.readers)

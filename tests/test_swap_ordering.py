@@ -1,0 +1,134 @@
+"""Concurrency and ordering of SwapStore requests; space reuse; stats."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from swap_helpers import SlowIO
+
+from swap import SwapStore, aligned_empty
+
+
+def test_many_keys_from_several_threads(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with SwapStore(tmp_path, verify=True, block_size=1 << 16, threads=4, queue_depth=4) as s:
+
+        def client(cid: int) -> None:
+            try:
+                rng = random.Random(cid)
+                mine: dict[str, torch.Tensor] = {}
+                for step in range(30):
+                    key = f"c{cid}/k{rng.randrange(6)}"
+                    if rng.random() < 0.6 or key not in mine:
+                        t = torch.full((rng.randrange(1, 50_000),), float(cid * 1000 + step))
+                        s.write(key, t)  # not waited: the next read must see it
+                        mine[key] = t
+                    else:
+                        got = s.read(key).wait()
+                        assert torch.equal(got, mine[key]), key
+                for key, t in mine.items():
+                    assert torch.equal(s.read(key).wait(), t), key
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        st = s.stats()
+        assert st.write.failed == 0 and st.read.failed == 0
+        assert st.keys == len(s.keys()) <= 30
+
+
+def test_same_key_writes_apply_in_order_and_reads_see_the_latest(tmp_path: Path) -> None:
+    # Slow writes widen the window: without ordering, a later small write could land
+    # before an earlier big one, and a read could see old bytes.
+    with SwapStore(tmp_path, fileio=SlowIO(write_delay=0.002), block_size=1 << 16,
+                   threads=4, verify=True) as s:
+        versions = [torch.full((n,), float(v)) for v, n in enumerate([300_000, 10, 70_000, 5])]
+        futures = [s.write("k", t) for t in versions]
+        read_future = s.read("k")
+        got = read_future.wait()
+        assert all(f.done() for f in futures)
+        assert torch.equal(got, versions[-1])
+        # read, then overwrite without waiting: the read still sees the old value
+        r1 = s.read("k")
+        w = s.write("k", torch.full((5,), 99.0))
+        assert torch.equal(r1.wait(), versions[-1])
+        w.wait()
+        assert torch.equal(s.read("k").wait(), torch.full((5,), 99.0))
+
+
+def test_different_keys_interleave_small_read_not_stuck_behind_big_write(tmp_path: Path) -> None:
+    # 2 threads, each block of the big write takes >= 5 ms: 64 blocks need >= 160 ms.
+    # A small read submitted right after must finish long before (round-robin service).
+    with SwapStore(tmp_path, fileio=SlowIO(write_delay=0.005), block_size=1 << 16,
+                   threads=2, queue_depth=4) as s:
+        s.write("small", torch.ones(100)).wait()
+        big = s.write("big", aligned_empty(64 << 16, torch.uint8).zero_())
+        t0 = time.perf_counter()
+        small = s.read("small").wait()
+        small_s = time.perf_counter() - t0
+        assert not big.done()
+        big.wait()
+        big_s = time.perf_counter() - t0
+    assert torch.equal(small, torch.ones(100))
+    assert small_s < big_s / 4, (small_s, big_s)
+
+
+def test_delete_frees_space_for_reuse(tmp_path: Path) -> None:
+    with SwapStore(tmp_path, verify=True) as s:
+        for i in range(4):
+            s.write(f"k{i}", torch.zeros(1 << 20)).wait()
+        full = s.stats()
+        assert full.used_bytes == 4 * (4096 + (4 << 20))
+        s.delete("k1")
+        s.delete("k2")
+        assert "k1" not in s and "k0" in s
+        assert s.stats().used_bytes == 2 * (4096 + (4 << 20))
+        # the freed (coalesced) hole takes a key twice as big without growing the file
+        s.write("big", torch.ones(2 << 20)).wait()
+        after = s.stats()
+        assert after.file_bytes == full.file_bytes
+        assert torch.equal(s.read("big").wait(), torch.ones(2 << 20))
+        # overwriting a key reuses space too: copy-on-write then free of the old region
+        for _ in range(5):
+            s.write("k0", torch.zeros(1 << 20)).wait()
+        assert s.stats().file_bytes <= full.file_bytes + 4096 + (4 << 20)
+
+
+def test_delete_waits_for_pending_io(tmp_path: Path) -> None:
+    with SwapStore(tmp_path, fileio=SlowIO(write_delay=0.01), block_size=1 << 16) as s:
+        fut = s.write("k", torch.zeros(1 << 18))
+        s.delete("k")
+        assert fut.done() and fut.exception() is None
+        assert "k" not in s and s.stats().used_bytes == 0
+
+
+def test_stats_count_bytes_and_time(tmp_path: Path) -> None:
+    with SwapStore(tmp_path) as s:
+        s.write("a", torch.zeros(1000, dtype=torch.float64)).wait()
+        s.read("a").wait()
+        s.read("a").wait()
+        st = s.stats()
+    assert (st.write.requests, st.write.bytes) == (1, 8000)
+    assert (st.read.requests, st.read.bytes) == (2, 16000)
+    assert st.write.busy_seconds > 0 and st.read.busy_seconds > 0
+    assert st.read.gbps > 0
+
+
+def test_closed_store_refuses_work_and_close_is_idempotent(tmp_path: Path) -> None:
+    s = SwapStore(tmp_path)
+    pending = s.write("k", torch.zeros(1 << 20))
+    s.close()
+    assert pending.done()  # close finished pending I/O first
+    s.close()
+    with pytest.raises(Exception, match="closed"):
+        s.write("k", torch.zeros(1))
