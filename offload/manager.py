@@ -189,7 +189,8 @@ class TierManager(ResidencyCore):
             self._settle_all()
             return self._acct.report(
                 mismatches=self._pf.mismatches,
-                pool=(self._pool.count, self._pool.buffer_bytes, self._pool.peak_in_use))
+                pool=(self._pool.count, self._pool.buffer_bytes, self._pool.in_use,
+                      self._pool.peak_in_use))
 
     def audit(self) -> None:
         """Re-derive byte counts from the records and check every invariant; raise if broken."""

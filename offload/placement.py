@@ -85,8 +85,11 @@ def plan_placement(
     auto = [s for s in specs if settings.homes[s.cls] == "auto"]
     order = sorted(auto, key=lambda s: (s.nbytes > settings.persist_bytes,
                                         TENSOR_CLASSES.index(s.cls), s.nbytes))
-    biggest_below = max((s.nbytes for s in specs if fixed.get(s.key) != "device"), default=0)
-    device_reserve = biggest_below
+    # room for one cache of the largest shard the engine gathers to the device
+    # (param16 in forward/backward, grad on its way down); optimizer state is
+    # consumed on the host and never needs device room.
+    device_reserve = max((s.nbytes for s in specs if s.cls in ("param16", "grad")
+                          and fixed.get(s.key) != "device"), default=0)
     pin = device.type == "cuda" and settings.pool.pin_memory
     pool_reserved = 0
     homes: dict[str, Tier] = {}
@@ -134,34 +137,32 @@ def _pool_shape(
         )
     pf = settings.prefetch
     want = settings.pool.buffer_count or math.ceil((pf.nvme_bytes + pf.device_bytes) / buf) + 2
+    if not final:  # auto placement reserves the full pool before filling the host
+        return want, buf, pin
     host_room = budgets.host - _sum(specs, homes, "host")
     count = min(want, max(0, host_room) // buf)
+    if 1 <= count < want:
+        log.warning("host budget is tight: the NVMe pool gets %d buffers of %d bytes instead of "
+                    "%d; fewer transfers can be in flight (slower, not failing)", count, buf, want)
     limit = memlock_limit()
     if pin and limit is not None and limit // buf < count:
         if limit // buf >= 1:
-            if final:
-                log.warning("ulimit -l is %d bytes: the pinned pool is cut to %d buffers "
-                            "(wanted %d); raise the memlock limit for more in flight",
-                            limit, limit // buf, count)
+            log.warning("ulimit -l is %d bytes: the pinned pool is cut to %d buffers "
+                        "(wanted %d); raise the memlock limit for more in flight",
+                        limit, limit // buf, count)
             count = limit // buf
         else:
-            if final:
-                log.warning("ulimit -l is %d bytes, less than one %d-byte pool buffer: the "
-                            "pool stays pageable (slower copies); raise the memlock limit "
-                            "to pin it", limit, buf)
+            log.warning("ulimit -l is %d bytes, less than one %d-byte pool buffer: the "
+                        "pool stays pageable (slower copies); raise the memlock limit "
+                        "to pin it", limit, buf)
             pin = False
     if count < 1:
-        if not final:
-            return 1, buf, pin
         raise PlanError(
             f"tier host is short by {buf - host_room} bytes: the NVMe staging pool needs at least "
             f"one {buf}-byte buffer but the host budget ({budgets.host}) minus host-homed shards "
             f"({_sum(specs, homes, 'host')}) leaves {host_room}; raise the host budget or move "
             "classes to nvme"
         )
-    if final and count < want:
-        log.warning("host budget is tight: the NVMe pool gets %d buffers of %d bytes instead of "
-                    "%d; fewer transfers can be in flight (slower, not failing)", count, buf, want)
     return count, buf, pin
 
 

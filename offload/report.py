@@ -34,6 +34,7 @@ class MemoryReport:
     order_mismatches: int  # fetches that did not follow the recorded order
     pool_buffers: int
     pool_buffer_bytes: int
+    pool_in_use: int  # buffers taken now (host caches of NVMe shards, staging)
     pool_peak_in_use: int
 
     def lines(self) -> list[str]:
@@ -91,7 +92,7 @@ class Accounting:
             self.moved[direction] += nbytes
             self.transfers[direction] += 1
 
-    def report(self, *, mismatches: int, pool: tuple[int, int, int]) -> MemoryReport:
+    def report(self, *, mismatches: int, pool: tuple[int, int, int, int]) -> MemoryReport:
         return MemoryReport(
             budget=dict(self.budget),
             current={t: self.current(t) for t in TIERS},
@@ -109,5 +110,6 @@ class Accounting:
             order_mismatches=mismatches,
             pool_buffers=pool[0],
             pool_buffer_bytes=pool[1],
-            pool_peak_in_use=pool[2],
+            pool_in_use=pool[2],
+            pool_peak_in_use=pool[3],
         )
