@@ -328,7 +328,8 @@ class ResidencyCore:
         best_score = (-math.inf, 0.0)
         for other in self._records.values():
             copy = other.copies[tier]
-            if other is rec or copy.role is Role.HOME or copy.drop_when_clean:
+            if (other is rec or copy.role is Role.HOME or copy.drop_when_clean
+                    or copy.state not in (State.CLEAN, State.DIRTY)):
                 continue
             chain = [other.copies[t] for t in TIERS[: TIERS.index(tier) + 1]]
             chain = [c for c in chain if c.state is not State.ABSENT]

@@ -9,7 +9,9 @@
     mgr.evict(key)                         # drop caches, writing dirty data down first
     mgr.memory_report()
 
-Residency follows [Note: residency model] in offload/residency.py. Thread
+Residency follows [Note: residency model] in offload/residency.py. A failed
+transfer raises TransferError from its ``wait()`` and, once, from the manager
+call that settles it; the copy it was filling is dropped. Thread
 safety: every public method takes one lock; waits on transfers and for room
 release it. Budgets are enforced when room is taken: a demand fetch evicts the
 unused cache whose next use is furthest away (clean first, dirty ones are
