@@ -44,11 +44,11 @@ def test_bad_settings_name_the_field(kwargs: dict[str, object], needle: str) -> 
 
 
 def test_bad_pool_and_prefetch_values() -> None:
-    with pytest.raises(SettingsError, match="pool.buffer_count = 0"):
+    with pytest.raises(SettingsError, match=r"pool\.buffer_count = 0"):
         PoolSettings(buffer_count=0)
-    with pytest.raises(SettingsError, match="budgets.host = -1"):
+    with pytest.raises(SettingsError, match=r"budgets\.host = -1"):
         Budgets(host=-1)
-    with pytest.raises(SettingsError, match="prefetch.nvme_bytes"):
+    with pytest.raises(SettingsError, match=r"prefetch\.nvme_bytes"):
         PrefetchSettings(nvme_bytes=-5)
 
 
