@@ -105,6 +105,8 @@ class ResidencyCore:
         view = copy.data
         if view is None:
             raise OffloadError(f"internal: {copy.tier} copy has no buffer")
+        if view.is_cuda:  # [Note: device buffers]
+            view.record_stream(torch.cuda.current_stream(view.device))
         t = copy.transfer
         if copy.state is State.LOADING and t is not None:
             out = Transfer(view, t.nbytes, t.direction, t.wait, t.done)
@@ -266,7 +268,7 @@ class ResidencyCore:
             copy.slot, copy.data = slot, slot.view(spec)
             t = self._mover.read(spec.key, copy.data)
         else:
-            copy.data = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
+            copy.data = self._mover.empty_device(spec.numel, spec.dtype)
             self._acct.add(tier, spec.cls, spec.nbytes)
             after = src.transfer if src.state in (State.LOADING, State.FILLING) else None
             t = self._mover.copy(self._need_data(src), copy.data, "host_to_device", after=after)

@@ -73,7 +73,7 @@ class TierManager(ResidencyCore):
                 home.data.copy_(src)
                 transition(rec, rec.home, Op.FILLED)
                 return Transfer.completed(home.data)
-            home.data = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
+            home.data = self._mover.empty_device(spec.numel, spec.dtype)
             home.transfer = self._mover.copy(src, home.data, "host_to_device")
             self._busy.add(key)
             return home.transfer

@@ -13,6 +13,12 @@ finished data) and the worker thread waits for the copy's own event before the
 future completes (so ``wait()`` means the bytes have landed). On a CPU-only
 machine the "device" is CPU memory and the copy is a plain ``copy_`` on the
 same worker thread, so the same ordering holds.
+
+[Note: device buffers]
+Device copies are allocated on the H2D copy stream, so the caching allocator
+never hands the copy a block that kernels on another stream still use. Each
+fetch records the caller's stream on the buffer (``record_stream``) so the
+block is not reused after eviction until that stream's work on it is done.
 """
 
 from __future__ import annotations
@@ -142,9 +148,12 @@ class Mover:
         """Copy ``src`` into ``dst`` (same numel and dtype) after ``after`` completes."""
         stream = self._streams.get(direction)
         ready: torch.cuda.Event | None = None
-        if stream is not None:
-            # fence: the copy starts after everything queued so far on the
-            # caller's stream (the compute that produced or last read the data)
+        if stream is not None and direction == "device_to_host":
+            # fence: a write-back starts after everything queued so far on the
+            # caller's stream (the compute that produced the data). H2D copies
+            # need none: their source is host data and their destination was
+            # allocated on the copy stream (empty_device), so they never wait
+            # for compute and overlap it.
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self.device))
 
@@ -166,6 +175,13 @@ class Mover:
         pool = self._h2d_pool if direction == "host_to_device" else self._d2h_pool
         nbytes = dst.numel() * dst.element_size()
         return Transfer.of_future(dst, nbytes, direction, pool.submit(run))
+
+    def empty_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer owned by the H2D copy stream (see [Note: device buffers])."""
+        if self.device.type != "cuda":
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self._streams["host_to_device"]):
+            return torch.empty(numel, dtype=dtype, device=self.device)
 
     def read(self, key: str, out: torch.Tensor) -> Transfer:
         """NVMe -> host: fill ``out`` from the swap store."""
