@@ -148,12 +148,11 @@ class Mover:
         """Copy ``src`` into ``dst`` (same numel and dtype) after ``after`` completes."""
         stream = self._streams.get(direction)
         ready: torch.cuda.Event | None = None
-        if stream is not None and direction == "device_to_host":
-            # fence: a write-back starts after everything queued so far on the
-            # caller's stream (the compute that produced the data). H2D copies
-            # need none: their source is host data and their destination was
-            # allocated on the copy stream (empty_device), so they never wait
-            # for compute and overlap it.
+        if stream is not None and src.device.type == "cuda":
+            # fence: a copy out of device memory starts after everything queued
+            # so far on the caller's stream (the compute that produced the data).
+            # Copies from host need none: their destination was allocated on
+            # the copy stream (empty_device), so they never wait for compute.
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self.device))
 
