@@ -1,6 +1,18 @@
 """swap: the NVMe tier. Swap files, aligned asynchronous reads and writes.
 
 Knows files, offsets, bytes and futures; nothing of tensors' meaning.
+
+    from swap import SwapStore, aligned_empty
+    with SwapStore("/local_nvme", block_size=1 << 20, threads=4, verify=True) as store:
+        buf = aligned_empty(n, torch.float32)      # page-aligned: O_DIRECT, no copy
+        store.write("unit3/exp_avg", buf).wait()   # SwapFuture; buf is held until done
+        store.read("unit3/exp_avg", out=buf).wait()
+        store.delete("unit3/exp_avg")
+        store.stats()                              # bytes, busy seconds per direction
+
+Every I/O failure is a `SwapError` naming the file and the key; bad arguments
+raise ValueError/TypeError before any work. Files: see [Note: swap file
+layout] in swap/header.py and the scratch-file rules in swap/scratch.py.
 """
 
 from swap.aligned import ALIGN, aligned_empty, is_aligned

@@ -9,6 +9,8 @@ through the thread's own aligned bounce buffer, zero-padded to ALIGN.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from swap.aligned import ALIGN, aligned_empty
@@ -41,6 +43,43 @@ class BlockIO:
         self.direct = direct  # fd was opened with O_DIRECT
         self.verify = verify  # CRCs computed on write, header and CRCs checked on read
         self.checksum = verify
+
+    def run_block(
+        self, req: Request, index: int, wb: WorkerBuffers
+    ) -> tuple[SwapError | None, int]:
+        """Move one block; return (its error or None, bytes that went through the bounce)."""
+        try:
+            if req.op == "write":
+                return None, self.write_block(req, index, wb)
+            return None, self.read_block(req, index, wb)
+        except SwapError as exc:
+            return exc, 0
+        except Exception as exc:  # an I/O thread must never die silently
+            err = SwapError(f"unexpected error in swap I/O thread: {exc!r}", path=self.path,
+                            key=req.key)
+            err.__cause__ = exc
+            return err, 0
+
+    def finalize(self, req: Request, wb: WorkerBuffers) -> None:
+        """Last step of a request, on the thread that finished its last block: a write's
+        checksum and header (the on-disk commit), a read's verification."""
+        if req.error is not None:
+            return
+        try:
+            if req.op == "write":
+                if req.entry is not None:
+                    req.entry = dataclasses.replace(req.entry, checksum=self.payload_checksum(req))
+                req.crcs = []
+                self.write_header(req, wb)
+            elif self.verify:
+                self.verify_read(req, wb)
+        except SwapError as exc:
+            req.error = exc
+        except Exception as exc:
+            err = SwapError(f"unexpected error finishing swap I/O: {exc!r}", path=self.path,
+                            key=req.key)
+            err.__cause__ = exc
+            req.error = err
 
     def _bounce(self, req: Request, length: int) -> bool:
         return self.direct and (not req.direct_buffer or length % ALIGN != 0)

@@ -45,8 +45,11 @@ class ScratchFiles:
     lock_path: Path
     data_path: Path
     lock_fd: int
+    owner_pid: int  # a forked child inherits this object but must not remove the files
 
     def remove(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return
         for path in (self.data_path, self.lock_path):
             try:
                 path.unlink()
@@ -158,4 +161,4 @@ def open_scratch(directory: str | os.PathLike[str]) -> ScratchFiles:
         os.close(fd)
         tmp_path.unlink(missing_ok=True)
         raise SwapError("cannot lock the swap lock file", path=tmp_path, errno=exc.errno) from exc
-    return ScratchFiles(subdir, lock_path, subdir / (stem + DATA_SUFFIX), fd)
+    return ScratchFiles(subdir, lock_path, subdir / (stem + DATA_SUFFIX), fd, os.getpid())

@@ -60,9 +60,6 @@ class Traffic:
         else:
             self.bytes += nbytes
 
-    def add_bounced(self, nbytes: int) -> None:
-        self.bounced += nbytes  # int += under the GIL; exactness is not needed here
-
     def snapshot(self, now: float) -> DirectionStats:
         busy = self.busy + (now - self.since if self.active else 0.0)
         return DirectionStats(self.requests, self.failed, self.bytes, busy, self.bounced)

@@ -27,10 +27,10 @@ import torch
 from swap.aligned import ALIGN, aligned_empty
 from swap.allocator import ExtentAllocator, round_up
 from swap.blockio import BlockIO, WorkerBuffers
+from swap.checks import check_int, check_key, check_matches, check_tensor
 from swap.errors import SwapError
 from swap.fileio import FileIO
 from swap.future import Op, SwapFuture
-from swap.header import MAX_KEY_BYTES, MAX_NDIM
 from swap.opening import open_data_file
 from swap.request import Entry, KeyChain, Request, byte_view, region_bytes
 from swap.scratch import check_free_space, open_scratch
@@ -72,12 +72,14 @@ class SwapStore:
         reserve_bytes: int = 0,
         fileio: FileIO | None = None,
     ) -> None:
-        _check_int("block_size", block_size, ALIGN, 1 << 30)
+        check_int("block_size", block_size, ALIGN, 1 << 30)
         if block_size % ALIGN:
             raise ValueError(f"SwapStore: block_size {block_size} must be a multiple of {ALIGN}")
-        _check_int("queue_depth", queue_depth, 1, 1 << 16)
-        _check_int("threads", threads, 1, 256)
-        _check_int("reserve_bytes", reserve_bytes, 0, 1 << 62)
+        check_int("queue_depth", queue_depth, 1, 1 << 16)
+        check_int("threads", threads, 1, 256)
+        check_int("reserve_bytes", reserve_bytes, 0, 1 << 62)
+        if not isinstance(verify, bool):
+            raise ValueError(f"SwapStore: verify must be True or False, not {verify!r}")
         if direct not in (None, True, False):
             raise ValueError(f"SwapStore: direct must be None, True or False, not {direct!r}")
         self.block_size = block_size
@@ -129,8 +131,8 @@ class SwapStore:
 
     def write(self, key: str, tensor: torch.Tensor) -> SwapFuture:
         """Store `tensor`'s bytes under `key` (replacing earlier contents once done)."""
-        _check_key(key)
-        _check_tensor(key, tensor, "write")
+        check_key(key)
+        check_tensor(key, tensor, "write")
         data = byte_view(tensor)
         fut = SwapFuture("write", key, tensor)
         done: list[Request] = []
@@ -151,7 +153,7 @@ class SwapStore:
 
     def read(self, key: str, out: torch.Tensor | None = None) -> SwapFuture:
         """Read `key` into `out` (or a new page-aligned tensor); the future yields it."""
-        _check_key(key)
+        check_key(key)
         done: list[Request] = []
         with self._lock:
             self._check_open(key)
@@ -161,8 +163,8 @@ class SwapStore:
                 raise SwapError("unknown key: nothing is stored under it", path=self.path, key=key)
             if out is None:
                 out = aligned_empty(latest.shape, latest.dtype)
-            _check_tensor(key, out, "read")
-            _check_matches(key, out, latest)
+            check_tensor(key, out, "read")
+            check_matches(key, out, latest)
             fut = SwapFuture("read", key, out)
             req = self._new_request("read", key, fut, byte_view(out), 0)
             chain = self._chains.setdefault(key, KeyChain())
@@ -176,9 +178,10 @@ class SwapStore:
 
     def delete(self, key: str) -> None:
         """Forget `key` and free its space, after its pending reads/writes finish."""
-        _check_key(key)
+        check_key(key)
         while True:
             with self._lock:
+                self._check_open(key)
                 chain = self._chains.get(key)
                 if chain is None:
                     entry = self._index.pop(key, None)
@@ -284,11 +287,12 @@ class SwapStore:
                     "unknown key: nothing is stored under it (its write failed?)",
                     path=self.path, key=req.key,
                 )
-            if entry.nbytes != req.nbytes:
+            out = req.future.tensor
+            if entry.nbytes != req.nbytes or entry.dtype != out.dtype:
                 raise SwapError(
-                    f"stored {entry.nbytes} bytes, the read buffer holds {req.nbytes} "
-                    "(the write it waited for failed, leaving older contents)",
-                    path=self.path, key=req.key,
+                    f"stored {entry.dtype} of {entry.nbytes} bytes, the read buffer is "
+                    f"{out.dtype} of {req.nbytes} bytes (the write this read waited for "
+                    "failed, leaving older contents)", path=self.path, key=req.key,
                 )
             req.entry = entry
             return
@@ -368,9 +372,10 @@ class SwapStore:
                 req.next_block += 1
                 if not req.all_issued():
                     self._issuing.append(req)  # round-robin between requests in service
-            error = self._run_block(req, index, wb)
+            error, bounced = self._io.run_block(req, index, wb)
             done: list[Request] = []
             with self._lock:
+                self._traffic[req.op].bounced += bounced
                 req.completed += 1
                 if error is not None and req.error is None:
                     req.error = error
@@ -381,49 +386,10 @@ class SwapStore:
                     req.finishing = True
                 else:
                     continue
-            self._finalize(req, wb)
+            self._io.finalize(req, wb)
             with self._lock:
                 self._finish_locked(req, done)
             self._settle(done)
-
-    def _run_block(self, req: Request, index: int, wb: WorkerBuffers) -> BaseException | None:
-        try:
-            if req.op == "write":
-                bounced = self._io.write_block(req, index, wb)
-            else:
-                bounced = self._io.read_block(req, index, wb)
-        except SwapError as exc:
-            return exc
-        except Exception as exc:  # an I/O thread must never die silently
-            err = SwapError(f"unexpected error in swap I/O thread: {exc!r}", path=self.path,
-                            key=req.key)
-            err.__cause__ = exc
-            return err
-        if bounced:
-            self._traffic[req.op].add_bounced(bounced)
-        return None
-
-    def _finalize(self, req: Request, wb: WorkerBuffers) -> None:
-        """Last step of a request, on the thread that finished its last block."""
-        if req.error is not None:
-            return
-        try:
-            if req.op == "write":
-                if req.entry is not None:
-                    req.entry = dataclasses.replace(
-                        req.entry, checksum=self._io.payload_checksum(req)
-                    )
-                req.crcs = []
-                self._io.write_header(req, wb)
-            elif self.verify:
-                self._io.verify_read(req, wb)
-        except SwapError as exc:
-            req.error = exc
-        except Exception as exc:
-            err = SwapError(f"unexpected error finishing swap I/O: {exc!r}", path=self.path,
-                            key=req.key)
-            err.__cause__ = exc
-            req.error = err
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -438,41 +404,3 @@ class SwapStore:
             log.warning("closing swap file %s failed: %s", self.path, exc)
         self._finalizer()
 
-
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"SwapStore: {name} must be an int in [{lo}, {hi}], got {value!r}")
-
-
-def _check_key(key: object) -> None:
-    if not isinstance(key, str) or not key:
-        raise TypeError(f"swap key must be a non-empty str, got {key!r}")
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise ValueError(f"swap key {key[:40]!r}... is longer than {MAX_KEY_BYTES} utf-8 bytes")
-
-
-def _check_tensor(key: str, tensor: object, op: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"swap {op} of key {key!r}: expected a torch.Tensor, got {type(tensor)}")
-    problems = []
-    if tensor.device.type != "cpu":
-        problems.append(f"device is {tensor.device} (must be cpu)")
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        problems.append(f"layout {tensor.layout} (must be a dense strided tensor)")
-    elif not tensor.is_contiguous():
-        problems.append("not contiguous (call .contiguous() first)")
-    if tensor.is_conj() or tensor.is_neg():
-        problems.append("has a lazy conj/neg bit (call .resolve_conj()/.resolve_neg() first)")
-    if tensor.dim() > MAX_NDIM:
-        problems.append(f"{tensor.dim()} dims (at most {MAX_NDIM})")
-    if problems:
-        raise ValueError(f"swap {op} of key {key!r}: tensor " + "; ".join(problems))
-
-
-def _check_matches(key: str, out: torch.Tensor, stored: Entry) -> None:
-    if out.dtype != stored.dtype or out.numel() * out.element_size() != stored.nbytes:
-        raise ValueError(
-            f"swap read of key {key!r}: out is {out.dtype} with {out.numel()} elements, "
-            f"the stored tensor is {stored.dtype} of shape {stored.shape}; pass a buffer of "
-            "that dtype and number of elements"
-        )

@@ -126,3 +126,18 @@ def test_orphan_data_file_without_lock_is_stale(tmp_path: Path) -> None:
     removed = clean_stale(sub)
     assert removed == [orphan] and unrelated.exists()
     os.remove(unrelated)
+
+
+def test_forked_child_exit_does_not_remove_parent_files(tmp_path: Path) -> None:
+    with SwapStore(tmp_path) as s:
+        s.write("k", torch.ones(100)).wait()
+        pid = os.fork()
+        if pid == 0:  # child: a normal exit runs atexit handlers (finalizers)
+            import atexit  # noqa: PLC0415
+
+            atexit._run_exitfuncs()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        assert Path(s.path).exists()
+        assert torch.equal(s.read("k").wait(), torch.ones(100))

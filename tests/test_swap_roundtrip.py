@@ -108,7 +108,8 @@ def test_bad_arguments(store: SwapStore) -> None:
     ("kwargs", "match"),
     [({"block_size": 1000}, "block_size"), ({"block_size": 6000}, "multiple of 4096"),
      ({"queue_depth": 0}, "queue_depth"), ({"threads": 0}, "threads"),
-     ({"reserve_bytes": -1}, "reserve_bytes"), ({"direct": "yes"}, "direct")],
+     ({"reserve_bytes": -1}, "reserve_bytes"), ({"direct": "yes"}, "direct"),
+     ({"verify": 1}, "verify")],
 )
 def test_bad_settings(tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -137,3 +138,24 @@ def test_aligned_buffers_go_direct_without_copies(tmp_path: Path) -> None:
     assert torch.equal(out, src)
     assert st.write.bounced_bytes == 0 and st.read.bounced_bytes == 0
     assert st.write.bytes == st.read.bytes == 4 << 20
+
+
+@pytest.mark.cuda
+def test_pinned_buffers_round_trip_to_the_gpu(tmp_path: Path) -> None:
+    # The offload tier's path: pinned host buffer <-> NVMe, then host <-> device.
+    n = (3 << 20) + 5  # not a multiple of the page: exercises the padded tail
+    with SwapStore(tmp_path, verify=True, block_size=1 << 20) as s:
+        src_gpu = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        pinned = aligned_empty(n, torch.bfloat16, pin_memory=True)
+        assert pinned.is_pinned() and is_aligned(pinned)
+        pinned.copy_(src_gpu, non_blocking=True)
+        torch.cuda.synchronize()
+        s.write("p", pinned).wait()
+        # a pinned buffer from torch's caching host allocator (alignment not promised)
+        back = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+        s.read("p", out=back).wait()
+        on_gpu = back.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu, src_gpu)
+        st = s.stats()
+    assert st.write.bounced_bytes <= 4096  # aligned pinned source: only the tail page
