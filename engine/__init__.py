@@ -4,4 +4,6 @@ Knows modules and ranks; asks `offload` for residency. Public names are
 re-exported here; everything else is private to the package.
 """
 
-__all__: list[str] = []
+from engine.config import Config, ConfigError, load_config
+
+__all__: list[str] = ["Config", "ConfigError", "load_config"]

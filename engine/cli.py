@@ -1,0 +1,116 @@
+"""The `tierzero` command line: one function per subcommand, registered in COMMANDS.
+
+To add a subcommand, write `add_<name>(subparsers)` that adds its parser and
+sets `run=<function(args) -> exit code>`, and append it to COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import yaml
+
+from engine.config import ConfigError, load_config
+from engine.config.native import as_dict
+
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+def add_config(sub: Subparsers) -> None:
+    config = sub.add_parser("config", help="inspect and validate configs")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = config_sub.add_parser(
+        "check", help="print the resolved config (every default filled in) or the error",
+        description="Load FILE (native YAML/JSON or DeepSpeed JSON; omitted = the embedded "
+        "default), print it as native YAML with every default filled in and list the "
+        "DeepSpeed keys that were accepted but not acted on. Exit 1 on a bad config.",
+    )
+    check.add_argument("file", nargs="?", metavar="FILE", help="config file; omit for the default")
+    check.add_argument("--auto", action="append", default=[], metavar="NAME=VALUE",
+                       help="a Hugging Face training argument for DeepSpeed 'auto' values, "
+                       "e.g. --auto learning_rate=2e-5 --auto max_steps=1000 (repeatable)")
+    check.set_defaults(run=run_config_check)
+
+
+def run_config_check(args: argparse.Namespace) -> int:
+    # This command prints the ignored DeepSpeed keys itself; the load-time
+    # warning would report them a second time. Restored after: main() may run
+    # in a longer-lived process (tests, notebooks).
+    load_log = logging.getLogger("engine.config.load")
+    previous = load_log.level
+    load_log.setLevel(logging.ERROR)
+    try:
+        auto = _auto_values(args.auto)
+        config = load_config(args.file, auto_values=auto)
+    except ConfigError as exc:
+        sys.stderr.write(f"tierzero config check: error: {exc}\n")
+        return 1
+    finally:
+        load_log.setLevel(previous)
+    where = args.file or "the embedded default (configs/default.yaml)"
+    out = [f"# tierzero config resolved from {where} ({config.source} schema)",
+           "# every key below is set; this output loads back as a native config"]
+    tree = as_dict(config)
+    del tree["source"], tree["ignored_keys"], tree["ignored_reasons"]
+    out.append(yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip())
+    if config.ignored_keys:
+        out.append("# DeepSpeed keys accepted but not acted on:")
+        out.extend(f"#   {key} ({why})"
+                   for key, why in zip(config.ignored_keys, config.ignored_reasons, strict=True))
+    elif config.source == "deepspeed":
+        out.append("# DeepSpeed keys accepted but not acted on: none")
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+def _auto_values(pairs: Sequence[str]) -> dict[str, Any]:
+    auto: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError("--auto", f"{pair!r} is not allowed; allowed: NAME=VALUE, e.g. "
+                              "max_steps=1000")
+        auto[name.strip()] = _scalar(text.strip())
+    return auto
+
+
+def _scalar(text: str) -> Any:
+    # A number or true/false/null as written on a command line ("3e-4" included).
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("null", "none"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_config,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierzero", description="ZeRO-3 training with GPU / host / NVMe offload.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    code: int = args.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

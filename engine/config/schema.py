@@ -1,0 +1,412 @@
+"""The config tree: typed, frozen dataclasses, one field and one doc per knob.
+
+This file is the single source of truth for every key's name, type, default and
+allowed range. The native parser (native.py), the DeepSpeed mapping
+(deepspeed.py), `tierzero config check` and docs/config.md all read it.
+
+Each knob is a `field(default=..., metadata=meta(doc, ...))`; the metadata
+carries the doc line, numeric bounds (`ge`, `gt`, `le`), `unit="bytes"` for byte sizes
+(which accept "512MiB", "5e8", 1e9) and `path=True` for file system paths
+(`~` and `$VARS` are expanded). Building a `Config` validates the whole tree
+once (checks.py), naming the dotted key path of anything wrong; after that it
+is immutable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.config import checks
+from engine.config.errors import ConfigError
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+Device = Literal["none", "cpu", "nvme", "auto"]
+OptimizerType = Literal["adamw", "adam"]
+SchedulerType = Literal["constant", "warmup_linear", "warmup_cosine"]
+WarmupShape = Literal["linear", "log"]
+DirectIO = Literal["auto", "on", "off"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+Source = Literal["native", "deepspeed"]
+
+MiB = 1 << 20
+
+
+def meta(
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    unit: Literal["bytes"] | None = None,
+    path: bool = False,
+    internal: bool = False,
+) -> dict[str, Any]:
+    """A field's metadata: one line of doc and its checks (see the module doc).
+
+    `internal` fields are filled in by the loader and never read from a file.
+    """
+    return {
+        "doc": doc,
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "unit": unit,
+        "path": path,
+        "internal": internal,
+    }
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 loss scaling (read only when precision.dtype is fp16)."""
+
+    value: float = field(default=0.0, metadata=meta("static loss scale; 0 = dynamic scaling", ge=0))
+    initial_scale_power: int = field(
+        default=16, metadata=meta("dynamic scaling starts at 2**initial_scale_power", ge=0)
+    )
+    growth_interval: int = field(
+        default=1000, metadata=meta("steps without overflow before the scale doubles", gt=0)
+    )
+    hysteresis: int = field(
+        default=2, metadata=meta("overflows tolerated before the scale is halved", gt=0)
+    )
+    consecutive_hysteresis: bool = field(
+        default=False,
+        metadata=meta("refill the hysteresis budget only after an overflow-free step"),
+    )
+    min_scale: float = field(
+        default=1.0, metadata=meta("the dynamic scale never drops below this", gt=0)
+    )
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute precision. A bare string (`precision: bf16`) sets `dtype`."""
+
+    dtype: Dtype = field(
+        default="bf16",
+        metadata=meta("dtype of gathered params and activations; master weights are fp32"),
+    )
+    loss_scale: LossScaleConfig = field(
+        default_factory=LossScaleConfig, metadata=meta("fp16 loss scaling")
+    )
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Partitioning and the gather/release schedule."""
+
+    stage: int = field(
+        default=3,
+        metadata=meta(
+            "0 = plain data parallel, 1 = optimizer state, 2 = + gradients, 3 = + parameters",
+            ge=0,
+            le=3,
+        ),
+    )
+    units: tuple[str, ...] = field(
+        default=(),
+        metadata=meta(
+            "module class names gathered as one unit; empty = the model's _no_split_modules, "
+            "else the size rule (unit_min_bytes)"
+        ),
+    )
+    unit_min_bytes: int = field(
+        default=16 * MiB,
+        metadata=meta(
+            "size rule: smallest submodules holding at least this many parameter bytes",
+            gt=0,
+            unit="bytes",
+        ),
+    )
+    # The byte defaults below are DeepSpeed's element-count defaults x 2 bytes
+    # (bf16), so a native config and a converted DeepSpeed one start equal.
+    # Why a look-ahead bound: every unit fetched early holds device memory and
+    # a staging buffer until it runs; unbounded, prefetch would evict units
+    # that are needed sooner than the ones it brings in.
+    prefetch_bytes: int = field(
+        default=100_000_000,
+        metadata=meta("look-ahead bound: parameter bytes fetched ahead of use", ge=0, unit="bytes"),
+    )
+    max_live_bytes: int = field(
+        default=2_000_000_000,
+        metadata=meta(
+            "gathered parameter bytes resident per device before release", ge=0, unit="bytes"
+        ),
+    )
+    persistence_threshold_bytes: int = field(
+        default=200_000,
+        metadata=meta(
+            "parameters smaller than this stay gathered (not partitioned)", ge=0, unit="bytes"
+        ),
+    )
+    max_reuse_distance_bytes: int = field(
+        default=2_000_000_000,
+        metadata=meta(
+            "a gathered unit is kept if it is reused within this many parameter bytes",
+            ge=0,
+            unit="bytes",
+        ),
+    )
+    overlap_comm: bool = field(
+        default=True, metadata=meta("overlap gradient reduction with backward")
+    )
+    reduce_bucket_bytes: int = field(
+        default=1_000_000_000,
+        metadata=meta("gradient bytes reduced per collective", gt=0, unit="bytes"),
+    )
+    gather_16bit_weights_on_model_save: bool = field(
+        default=False, metadata=meta("gather full compute-dtype weights when saving the model")
+    )
+
+
+@dataclass(frozen=True)
+class ParamOffloadConfig:
+    """Home tier of the compute-dtype parameter shards (stage 3 only)."""
+
+    device: Device = field(
+        default="none",
+        metadata=meta("none = accelerator memory, cpu, nvme, auto = planner decides"),
+    )
+    path: str | None = field(
+        default=None, metadata=meta("swap directory for nvme (and auto); must exist", path=True)
+    )
+    pin_memory: bool = field(
+        default=True, metadata=meta("page-lock host buffers when CUDA is present")
+    )
+    # buffer_count x buffer_bytes bounds the NVMe reads and writes in flight
+    # (and the pinned memory they pin): the I/O queue cannot outrun the host.
+    buffer_count: int = field(
+        default=5, metadata=meta("host staging buffers for NVMe transfers", gt=0)
+    )
+    buffer_bytes: int | None = field(
+        default=None,
+        metadata=meta(
+            "bytes per staging buffer; null = the largest unit shard", gt=0, unit="bytes"
+        ),
+    )
+    max_in_cpu_bytes: int = field(
+        default=2_000_000_000,
+        metadata=meta("with nvme: parameter bytes also cached in host memory", ge=0, unit="bytes"),
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadConfig:
+    """Home tier of fp32 master weights, gradients and Adam moments."""
+
+    device: Device = field(
+        default="none",
+        metadata=meta("none = accelerator memory, cpu, nvme, auto = planner decides"),
+    )
+    path: str | None = field(
+        default=None, metadata=meta("swap directory for nvme (and auto); must exist", path=True)
+    )
+    pin_memory: bool = field(
+        default=True, metadata=meta("page-lock host buffers when CUDA is present")
+    )
+    buffer_count: int = field(
+        default=4, metadata=meta("host staging buffers for NVMe transfers", gt=0)
+    )
+    buffer_bytes: int | None = field(
+        default=None,
+        metadata=meta(
+            "bytes per staging buffer; null = the largest unit shard", gt=0, unit="bytes"
+        ),
+    )
+    ratio: float = field(
+        default=1.0,
+        metadata=meta(
+            "fraction of optimizer state updated on the CPU; the rest stays on the device",
+            gt=0,
+            le=1,
+        ),
+    )
+    pipeline_read: bool = field(
+        default=True, metadata=meta("read the next unit's state during the current update")
+    )
+    pipeline_write: bool = field(
+        default=True, metadata=meta("write the previous unit's state during the current update")
+    )
+
+
+@dataclass(frozen=True)
+class BudgetsConfig:
+    """Per-tier byte budgets; null = detected at run time by offload."""
+
+    device_bytes: int | None = field(
+        default=None, metadata=meta("accelerator memory budget", gt=0, unit="bytes")
+    )
+    host_bytes: int | None = field(
+        default=None, metadata=meta("host memory budget (pinned and pageable)", gt=0, unit="bytes")
+    )
+    nvme_bytes: int | None = field(
+        default=None, metadata=meta("swap file space budget", gt=0, unit="bytes")
+    )
+    host_reserve_bytes: int | None = field(
+        default=None,
+        metadata=meta("host memory left free for the OS and data loading", ge=0, unit="bytes"),
+    )
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where each tensor class lives. `{device, path, ...}` at this level sets both classes."""
+
+    params: ParamOffloadConfig = field(
+        default_factory=ParamOffloadConfig, metadata=meta("compute-dtype parameter shards")
+    )
+    optimizer: OptimizerOffloadConfig = field(
+        default_factory=OptimizerOffloadConfig,
+        metadata=meta("master weights, gradients, Adam moments"),
+    )
+    budgets: BudgetsConfig = field(
+        default_factory=BudgetsConfig, metadata=meta("per-tier byte budgets")
+    )
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """I/O settings of the NVMe tier (swap.SwapStore)."""
+
+    block_size: int = field(
+        default=1 * MiB,
+        metadata=meta("bytes per I/O request; a multiple of 4096", gt=0, unit="bytes"),
+    )
+    queue_depth: int = field(default=8, metadata=meta("I/O requests in flight per thread", gt=0))
+    threads: int = field(default=4, metadata=meta("I/O worker threads", gt=0))
+    direct_io: DirectIO = field(
+        default="auto",
+        metadata=meta(
+            "O_DIRECT: auto = use it where the file system supports it, on = require, off"
+        ),
+    )
+    verify: bool = field(
+        default=False, metadata=meta("checksum every block written and check it on read")
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam on the CPU (offload.CPUAdam)."""
+
+    type: OptimizerType = field(
+        default="adamw", metadata=meta("adamw = decoupled weight decay, adam = L2 in the gradient")
+    )
+    lr: float = field(default=1e-3, metadata=meta("peak learning rate", gt=0))
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.999), metadata=meta("moment decay rates, each in [0, 1)")
+    )
+    eps: float = field(default=1e-8, metadata=meta("added to the denominator", gt=0))
+    weight_decay: float = field(default=0.0, metadata=meta("weight decay coefficient", ge=0))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Learning-rate schedule, stepped once per optimizer step."""
+
+    type: SchedulerType = field(
+        default="constant",
+        metadata=meta(
+            "constant = warm up then hold lr; warmup_linear / warmup_cosine = warm up then decay "
+            "to min_lr at total_steps"
+        ),
+    )
+    warmup_steps: int = field(
+        default=0, metadata=meta("steps from warmup_start_lr to optimizer.lr", ge=0)
+    )
+    warmup_shape: WarmupShape = field(
+        default="linear", metadata=meta("warm-up curve: linear or log (DeepSpeed's)")
+    )
+    warmup_start_lr: float = field(default=0.0, metadata=meta("learning rate at step 0", ge=0))
+    total_steps: int | None = field(
+        default=None, metadata=meta("last step of the decay; required by the decaying types", gt=0)
+    )
+    min_lr: float = field(default=0.0, metadata=meta("learning rate reached at total_steps", ge=0))
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Batch sizes; global = micro x accumulation x world size (checked at initialize)."""
+
+    micro_batch_size: int | None = field(
+        default=None, metadata=meta("samples per rank per forward; null = derived, else 1", gt=0)
+    )
+    gradient_accumulation_steps: int | None = field(
+        default=None,
+        metadata=meta("micro-batches per optimizer step; null = derived, else 1", gt=0),
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata=meta("samples per optimizer step over all ranks; null = not checked", gt=0),
+    )
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the engine logs."""
+
+    level: LogLevel = field(default="info", metadata=meta("log level of tierzero's loggers"))
+    steps_per_print: int = field(
+        default=10, metadata=meta("log loss, lr and throughput every this many steps", gt=0)
+    )
+    wall_clock_breakdown: bool = field(
+        default=False, metadata=meta("log forward/backward/step/I-O timings per step")
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole config. Build it with engine.load_config(path | dict | None)."""
+
+    seed: int = field(
+        default=0, metadata=meta("seed for torch, numpy and Python's random on every rank", ge=0)
+    )
+    precision: PrecisionConfig = field(
+        default_factory=PrecisionConfig, metadata=meta("compute precision")
+    )
+    zero: ZeroConfig = field(
+        default_factory=ZeroConfig, metadata=meta("partitioning and gather/release schedule")
+    )
+    offload: OffloadConfig = field(
+        default_factory=OffloadConfig, metadata=meta("tier of each tensor class, budgets")
+    )
+    nvme: NvmeConfig = field(default_factory=NvmeConfig, metadata=meta("NVMe I/O settings"))
+    optimizer: OptimizerConfig = field(
+        default_factory=OptimizerConfig, metadata=meta("Adam hyper-parameters")
+    )
+    scheduler: SchedulerConfig = field(
+        default_factory=SchedulerConfig, metadata=meta("learning-rate schedule")
+    )
+    batch: BatchConfig = field(default_factory=BatchConfig, metadata=meta("batch sizes"))
+    gradient_clipping: float = field(
+        default=0.0, metadata=meta("clip the global gradient norm to this; 0 = off", ge=0)
+    )
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=meta("logging"))
+    source: Source = field(
+        default="native",
+        metadata=meta("which schema the file used: native or deepspeed", internal=True),
+    )
+    ignored_keys: tuple[str, ...] = field(
+        default=(), metadata=meta("DeepSpeed keys accepted but not acted on (dotted paths)",
+                                  internal=True)
+    )
+    ignored_reasons: tuple[str, ...] = field(
+        default=(), metadata=meta("why each of ignored_keys is not acted on", internal=True)
+    )
+
+    def __post_init__(self) -> None:
+        checks.validate(self)
+
+    def check_world_size(self, world_size: int) -> Config:
+        """Resolve the batch sizes for `world_size` ranks; ConfigError if they do not fit.
+
+        Returns a config whose batch fields are all set (micro x accumulation x
+        world_size == global), following DeepSpeed's rules for the unset ones.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError("world_size", f"{world_size!r} is not allowed; allowed: an int >= 1")
+        batch = checks.resolve_batch(self.batch, world_size)
+        return dataclasses.replace(self, batch=batch)
