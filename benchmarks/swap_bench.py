@@ -224,7 +224,7 @@ class AiofilesMethod:
 class DeepSpeedMethod:
     def __init__(self, d: Path, size: int, a: argparse.Namespace) -> None:
         try:
-            from deepspeed.ops.op_builder import (  # type: ignore[import-not-found]  # noqa: PLC0415
+            from deepspeed.ops.op_builder import (  # type: ignore[import-not-found]
                 AsyncIOBuilder,
             )
         except ImportError as exc:
@@ -259,7 +259,7 @@ class DeepSpeedMethod:
 def bench_aligned(out: Path) -> None:
     """aligned_empty (over-allocate and slice) against an anonymous mmap + torch.frombuffer
     and plain torch.empty: allocate 256 MiB and touch every page, interleaved, median of 5."""
-    import mmap  # noqa: PLC0415
+    import mmap
 
     n = 256 * MiB
 

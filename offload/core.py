@@ -40,6 +40,10 @@ def _device_of(settings: TierSettings) -> torch.device:
     return torch.device("cpu")
 
 
+def spec_key(rec: ShardRecord) -> str:
+    return rec.spec.key
+
+
 class ResidencyCore:
     """State and mechanics shared by the TierManager's public methods."""
 
@@ -167,8 +171,12 @@ class ResidencyCore:
                 if copy.users or copy.pinned:
                     copy.drop_when_clean = False
                     continue
-                if any(rec.copies[t].state is not State.ABSENT for t in TIERS[:TIERS.index(tier)]):
-                    continue  # inclusive: faster copies go first
+                faster = [rec.copies[t] for t in TIERS[: TIERS.index(tier)]
+                          if rec.copies[t].state is not State.ABSENT]
+                if faster:  # inclusive: faster copies go first, unless they stay
+                    if not any(c.drop_when_clean for c in faster):
+                        copy.drop_when_clean = False
+                    continue
                 if copy.state is State.CLEAN:
                     self._drop(rec, tier)
                     changed = True
@@ -227,6 +235,9 @@ class ResidencyCore:
             copy = rec.copies[t]
             if copy.state is State.ABSENT:
                 continue
+            if copy.write_held:
+                raise OffloadError(f"fetch({spec_key(rec)!r}, {tier!r}): the {t} copy is held "
+                                   "writable and may be half written; release it first")
             self._wait_settled(rec, t)
             if copy.state is State.DIRTY:
                 self._wait_settled(rec, rec.below(t))
@@ -249,6 +260,11 @@ class ResidencyCore:
         src = rec.copies[below]
         if src.state is State.ABSENT and not self._bring(rec, below, demand=demand):
             return False
+        if src.write_held:  # its holder may still be writing: a copy now would be stale
+            if not demand:
+                return False
+            raise OffloadError(f"fetch({spec_key(rec)!r}, {tier!r}): the {below} copy is held "
+                               "writable; release it before fetching the shard to a faster tier")
         if below == "nvme" and src.state is State.FILLING:  # a write-back is landing
             if not demand:
                 return False

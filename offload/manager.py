@@ -82,7 +82,10 @@ class TierManager(ResidencyCore):
         """Bring the shard to ``tier``; ``wait()`` gives a 1D view, valid until release().
 
         ``writable=True`` marks a cache dirty (it is written down before being
-        dropped) and first drops faster caches, which would turn stale.
+        dropped) and first drops faster caches, which would turn stale. Until all
+        holders of a copy fetched writable have released it, it is never the
+        source of another copy: fetching the shard to a faster tier, or a slower
+        one that needs it flushed, raises OffloadError (prefetch skips it).
         """
         with self._lock:
             rec = self._rec(key)
@@ -99,8 +102,10 @@ class TierManager(ResidencyCore):
             else:
                 self._acct.hits += 1
             copy.users += 1
-            copy.drop_when_clean = False
+            for t in TIERS[TIERS.index(tier):]:  # used again: a pending eviction is void
+                rec.copies[t].drop_when_clean = False
             copy.touch()
+            copy.write_held = copy.write_held or writable
             if writable and copy.role is Role.CACHE:
                 if copy.state is State.LOADING:
                     copy.modify_on_load = True
@@ -118,7 +123,9 @@ class TierManager(ResidencyCore):
             if not held:
                 raise OffloadError(f"release({key!r}, {tier!r}): the shard is not held there; "
                                    "call release() once per fetch()")
-            rec.copies[held[0]].users -= 1
+            copy = rec.copies[held[0]]
+            copy.users -= 1
+            copy.write_held = copy.write_held and copy.users > 0
             self._settle_all()
             self._pump()
             self._cond.notify_all()
@@ -183,8 +190,12 @@ class TierManager(ResidencyCore):
                 pending = next((self._records[k] for k in sorted(self._busy)), None)
                 if pending is None:
                     return
-                copy = next(c for c in pending.copies.values() if c.transfer is not None)
-                self._wait_transfer(self._need(copy.transfer))
+                waiting = next((c.transfer for c in pending.copies.values()
+                                if c.transfer is not None), None)
+                if waiting is None:
+                    raise OffloadError(f"internal: shard {pending.spec.key!r} is marked busy "
+                                       "with nothing in flight")
+                self._wait_transfer(waiting, stall=False)
 
     def memory_report(self) -> MemoryReport:
         with self._lock:

@@ -115,6 +115,7 @@ class Copy:
     slot: PoolBuffer | None = None  # the pool buffer behind ``data`` (NVMe shards' host cache)
     transfer: Transfer | None = None  # in flight into or out of this copy
     users: int = 0  # holders between fetch() and release()
+    write_held: bool = False  # fetched writable and not yet fully released: not a source
     pinned: bool = False  # persistent: never evicted by pressure
     drop_when_clean: bool = False  # evict() asked for it; dropped once written back
     modify_on_load: bool = False  # fetched writable while loading: MODIFY once LOADED

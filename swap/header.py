@@ -73,7 +73,7 @@ MAX_KEY_BYTES = _CRC_AT - _FIXED.size - 8 * MAX_NDIM
 
 def _pick_crc32() -> Callable[[bytes | memoryview, int], int]:
     try:
-        from isal import isal_zlib  # noqa: PLC0415 (optional dependency)
+        from isal import isal_zlib
     except ImportError:
         log.info("isal not installed: payload checksums use zlib.crc32 (about 2 GB/s per core)")
         return zlib.crc32

@@ -133,7 +133,7 @@ def test_forked_child_exit_does_not_remove_parent_files(tmp_path: Path) -> None:
         s.write("k", torch.ones(100)).wait()
         pid = os.fork()
         if pid == 0:  # child: a normal exit runs atexit handlers (finalizers)
-            import atexit  # noqa: PLC0415
+            import atexit
 
             atexit._run_exitfuncs()
             os._exit(0)

@@ -261,3 +261,19 @@ def test_a_failed_read_raises_and_frees_the_buffer(tmp_path: Path) -> None:
         io.fail = False
         assert torch.equal(mgr.fetch("p0", "host").wait(), data["p0"])
         mgr.release("p0")
+
+
+def test_prefetch_never_copies_a_copy_being_written(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path)
+    with mgr:
+        mgr.set_order([("g0", "host"), ("g0", "device")])  # device copy prefetched at once
+        view = mgr.fetch("g0", "host", writable=True).wait()  # drops the stale device copy
+        assert mgr._records["g0"].copies["device"].state is State.ABSENT  # not re-prefetched
+        view.fill_(5.0)
+        with pytest.raises(OffloadError, match="held writable"):
+            mgr.fetch("g0", "device")
+        mgr.release("g0")  # now the device window may load it: from the written data
+        got = mgr.fetch("g0", "device").wait()
+        assert torch.equal(got, torch.full((N,), 5.0))
+        mgr.release("g0")
+        mgr.audit()

@@ -66,8 +66,9 @@ class TierMachine(RuleBasedStateMachine):
     def fetch_check(self, key: str, tier: str, modify: bool) -> None:
         if tier not in self._tiers(key):
             return
-        # writing below a held/pinned faster cache would make it stale: refused by design
-        modify = modify and not (tier == "host" and self._busy(key))
+        # writing below a held/pinned faster cache would make it stale, and a copy written
+        # while others hold it counts as written until all release: both refused by design
+        modify = modify and not self._busy(key)
         view = self.mgr.fetch(key, tier, writable=modify).wait()  # type: ignore[arg-type]
         assert torch.equal(view, self.shadow[key]), f"{key} on {tier} differs from its shadow"
         if modify:
