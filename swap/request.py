@@ -44,8 +44,8 @@ class Request:
     """One write or read, from submission to completion.
 
     Life: waiting on `deps_left` earlier requests of the same key -> runnable ->
-    in service (blocks issued to the I/O threads, round-robin with the other
-    requests in service, at most `queue_depth` of them) -> finished (future set).
+    in service (blocks handed to the I/O threads, see [Note: swap I/O order];
+    at most `queue_depth` requests in service) -> finished (future set).
     """
 
     op: Op

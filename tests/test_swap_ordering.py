@@ -83,6 +83,35 @@ def test_different_keys_interleave_small_read_not_stuck_behind_big_write(tmp_pat
     assert small_s < big_s / 4, (small_s, big_s)
 
 
+def test_same_direction_requests_finish_in_submission_order(tmp_path: Path) -> None:
+    # Oldest request's blocks go first: the engine's prefetch order is its need order.
+    finished: list[str] = []
+    with SwapStore(tmp_path, fileio=SlowIO(read_delay=0.002), block_size=1 << 16,
+                   threads=3, queue_depth=8) as s:
+        data = aligned_empty(16 << 16, torch.uint8).zero_()
+        for i in range(4):
+            s.write(f"k{i}", data).wait()
+        futs = [s.read(f"k{i}", out=aligned_empty(16 << 16, torch.uint8)) for i in range(4)]
+        for f in futs:
+            f.add_done_callback(lambda f: finished.append(f.key))  # type: ignore[attr-defined]
+        for f in futs:
+            f.wait()
+    assert finished == ["k0", "k1", "k2", "k3"]
+
+
+def test_writes_are_not_starved_by_reads(tmp_path: Path) -> None:
+    # Reads have priority, but a write still gets every 4th block slot.
+    with SwapStore(tmp_path, fileio=SlowIO(read_delay=0.003, write_delay=0.003),
+                   block_size=1 << 16, threads=2, queue_depth=8) as s:
+        s.write("r", aligned_empty(32 << 16, torch.uint8).zero_()).wait()
+        reads = [s.read("r", out=aligned_empty(32 << 16, torch.uint8)) for _ in range(6)]
+        write = s.write("w", aligned_empty(8 << 16, torch.uint8).zero_())
+        write.wait()
+        assert not reads[-1].done()  # the write finished while reads were still queued
+        for r in reads:
+            r.wait()
+
+
 def test_delete_frees_space_for_reuse(tmp_path: Path) -> None:
     with SwapStore(tmp_path, verify=True) as s:
         for i in range(4):
