@@ -264,7 +264,7 @@ def test_a_failed_read_raises_and_frees_the_buffer(tmp_path: Path) -> None:
 
 
 def test_prefetch_never_copies_a_copy_being_written(tmp_path: Path) -> None:
-    mgr, data = make(tmp_path)
+    mgr, _ = make(tmp_path)
     with mgr:
         mgr.set_order([("g0", "host"), ("g0", "device")])  # device copy prefetched at once
         view = mgr.fetch("g0", "host", writable=True).wait()  # drops the stale device copy
