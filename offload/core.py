@@ -323,7 +323,10 @@ class ResidencyCore:
                     if victim.copies[t].state is not State.ABSENT:
                         victim.copies[t].drop_when_clean = True
                 self._acct.evictions += 1
-                self._advance(victim)
+                self._advance(victim)  # clean: dropped now; dirty: its write-back starts
+                pending = self._freeing(tier) if demand else None
+                if pending is not None:  # wait for it before choosing another victim
+                    self._wait_transfer(pending)
                 continue
             if not demand:
                 return False

@@ -9,15 +9,29 @@
     mgr.evict(key)                         # drop caches, writing dirty data down first
     mgr.memory_report()
 
-Residency follows [Note: residency model] in offload/residency.py. A failed
-transfer raises TransferError from its ``wait()`` and, once, from the manager
-call that settles it; the copy it was filling is dropped. Thread
-safety: every public method takes one lock; waits on transfers and for room
-release it. Budgets are enforced when room is taken: a demand fetch evicts the
-unused cache whose next use is furthest away (clean first, dirty ones are
-written down), waits for transfers that free room, then for other holders to
-release, and raises BudgetError after ``wait_timeout_s``. Prefetch never waits:
-it only takes free room or evicts clean caches used later than its own shard.
+Residency follows [Note: residency model] in offload/residency.py.
+
+Budgets are enforced when room is taken. A demand fetch evicts the unused,
+unpinned cache whose next use (in the order given to set_order) is furthest
+away, least recently used first among ties; a dirty victim is written down
+first. If nothing is evictable it waits for in-flight write-backs, then for
+other threads to release, and raises BudgetError after ``wait_timeout_s``
+naming the holders. A single shard larger than a tier fails at once. Prefetch
+never waits: it takes free room or evicts clean caches used later than its own
+shard, and stops issuing for a tier at the first shard that does not fit.
+
+Accounting: device bytes are device copies; host bytes are host-homed shards
+plus the whole NVMe staging pool (host caches of NVMe shards live inside it);
+nvme bytes are NVMe-homed shards.
+
+Write-backs chain one tier at a time (device -> host -> nvme); each next step
+is issued by the manager call that sees the previous one land, and
+``synchronize()`` drives every chain to the end. A failed transfer raises
+TransferError from its ``wait()`` and, once, from the manager call that settles
+it; a cache it was filling is dropped, a write-back's source stays dirty.
+
+Threads: every public method takes one lock; waits on transfers and for room
+release it. Views returned by fetch are valid until the matching release().
 """
 
 from __future__ import annotations
@@ -159,7 +173,7 @@ class TierManager(ResidencyCore):
                     self._acct.evictions += 1
             self._advance(rec)
 
-    def pin(self, key: str, tier: Tier) -> Transfer:
+    def pin(self, key: str, tier: Tier = "device") -> Transfer:
         """Fetch to ``tier`` and keep the copy there (persistent) until unpin()."""
         out = self.fetch(key, tier)
         with self._lock:
@@ -168,7 +182,7 @@ class TierManager(ResidencyCore):
             rec.copies[tier].users -= 1  # the pin holds it, not a fetch
         return out
 
-    def unpin(self, key: str, tier: Tier) -> None:
+    def unpin(self, key: str, tier: Tier = "device") -> None:
         with self._lock:
             self._rec(key).copies[tier].pinned = False
             self._cond.notify_all()
@@ -242,10 +256,12 @@ class TierManager(ResidencyCore):
         """Finish in-flight work, stop the workers and free the pool."""
         if self._closed:
             return
-        self.synchronize()
-        self._mover.close()
-        self._pool.close()
         self._closed = True
+        try:
+            self.synchronize()
+        finally:  # a failed transfer is raised, but the workers still stop
+            self._mover.close()
+            self._pool.close()
 
     def __enter__(self) -> TierManager:
         return self

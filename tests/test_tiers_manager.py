@@ -277,3 +277,24 @@ def test_prefetch_never_copies_a_copy_being_written(tmp_path: Path) -> None:
         assert torch.equal(got, torch.full((N,), 5.0))
         mgr.release("g0")
         mgr.audit()
+
+
+def test_pressure_evicts_one_dirty_cache_not_all(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path, device_caches=3)
+    with mgr:
+        for k in ("g0", "g1", "g2"):
+            mgr.fetch(k, "device", writable=True).wait().add_(1)
+            mgr.release(k)
+        before = mgr.memory_report()
+        assert torch.equal(mgr.fetch("g3", "device").wait(), data["g3"])
+        mgr.release("g3")
+        rep = mgr.memory_report()
+        assert rep.evictions - before.evictions == 1
+        assert rep.moved["device_to_host"] - before.moved["device_to_host"] == 4 * N
+        on_device = [k for k in ("g0", "g1", "g2")
+                     if mgr._records[k].copies["device"].state is State.DIRTY]
+        assert len(on_device) == 2
+        gone = ({"g0", "g1", "g2"} - set(on_device)).pop()
+        assert torch.equal(mgr.fetch(gone, "host").wait(), data[gone] + 1)  # written back
+        mgr.release(gone)
+        mgr.audit()

@@ -163,6 +163,6 @@ class TierMachine(RuleBasedStateMachine):
 
 
 TierMachine.TestCase.settings = settings(
-    max_examples=30, stateful_step_count=30, deadline=None,
+    max_examples=60, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_tier_machine = TierMachine.TestCase
