@@ -40,10 +40,6 @@ def _device_of(settings: TierSettings) -> torch.device:
     return torch.device("cpu")
 
 
-def spec_key(rec: ShardRecord) -> str:
-    return rec.spec.key
-
-
 class ResidencyCore:
     """State and mechanics shared by the TierManager's public methods."""
 
@@ -236,7 +232,7 @@ class ResidencyCore:
             if copy.state is State.ABSENT:
                 continue
             if copy.write_held:
-                raise OffloadError(f"fetch({spec_key(rec)!r}, {tier!r}): the {t} copy is held "
+                raise OffloadError(f"fetch({rec.spec.key!r}, {tier!r}): the {t} copy is held "
                                    "writable and may be half written; release it first")
             self._wait_settled(rec, t)
             if copy.state is State.DIRTY:
@@ -263,7 +259,7 @@ class ResidencyCore:
         if src.write_held:  # its holder may still be writing: a copy now would be stale
             if not demand:
                 return False
-            raise OffloadError(f"fetch({spec_key(rec)!r}, {tier!r}): the {below} copy is held "
+            raise OffloadError(f"fetch({rec.spec.key!r}, {tier!r}): the {below} copy is held "
                                "writable; release it before fetching the shard to a faster tier")
         if below == "nvme" and src.state is State.FILLING:  # a write-back is landing
             if not demand:

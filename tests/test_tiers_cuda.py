@@ -94,3 +94,15 @@ def test_write_back_is_fenced_after_the_writing_kernel(tmp_path: Path) -> None:
             host = mgr.fetch("p0", "host").wait()
             assert float(host.min()) == 7.0 and float(host.max()) == 7.0
             mgr.release("p0")
+
+
+def test_device_budget_is_detected_from_free_memory(tmp_path: Path) -> None:
+    from offload import Budgets as B
+    from offload import resolve_budgets
+
+    dev = torch.device("cuda", 0)
+    free, total = torch.cuda.mem_get_info(dev)
+    got = resolve_budgets(B(device=None, host=1 << 30, device_reserve=1 << 30), dev,
+                          str(tmp_path), needs_nvme=True)
+    assert 0 < got.device <= free - (1 << 30) + (64 << 20)  # other allocations may come and go
+    assert got.device < total and got.nvme > 0
