@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -50,7 +51,11 @@ class ResidencyCore:
         self.settings = settings
         self.device = _device_of(settings)
         needs_nvme = swap is not None or "nvme" in settings.homes.values()
-        budgets = resolve_budgets(settings.budgets, self.device, settings.swap_path,
+        swap_path = settings.swap_path
+        store_file = getattr(swap, "path", None)  # SwapStore.path: its scratch file
+        if swap_path is None and isinstance(store_file, (str, os.PathLike)):
+            swap_path = os.path.dirname(os.fspath(store_file))
+        budgets = resolve_budgets(settings.budgets, self.device, swap_path,
                                   needs_nvme=needs_nvme)
         self.plan = plan_placement(specs, settings, budgets, self.device)
         if self.plan.pool_count and swap is None:

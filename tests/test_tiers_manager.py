@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tiers_util import cpu_settings, data_for, store
 from offload import (
     TRANSITIONS,
     BudgetError,
+    Budgets,
     OffloadError,
     Op,
     Role,
@@ -298,3 +300,14 @@ def test_pressure_evicts_one_dirty_cache_not_all(tmp_path: Path) -> None:
         assert torch.equal(mgr.fetch(gone, "host").wait(), data[gone] + 1)  # written back
         mgr.release(gone)
         mgr.audit()
+
+
+def test_nvme_budget_is_detected_at_the_swap_store(tmp_path: Path) -> None:
+    sp = [ShardSpec("a", "master", N, torch.float32)]
+    settings = dataclasses.replace(cpu_settings({"master": "nvme"}, device=0, host=1 << 20),
+                                   budgets=Budgets(device=0, host=1 << 20))  # nvme: detect
+    with store(tmp_path) as s, TierManager(sp, settings, swap=s) as mgr:
+        assert mgr.memory_report().budget["nvme"] > 0
+        mgr.place("a", torch.ones(N)).wait()
+        assert torch.equal(mgr.fetch("a", "host").wait(), torch.ones(N))
+        mgr.release("a")
