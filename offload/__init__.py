@@ -14,9 +14,15 @@ Tier manager API (offload/manager.py has the walk-through)::
 """
 
 from . import numa
+from .adam_build import kernel_status
+from .adam_kernel import Backend, adam_update, to_low_precision
+from .adam_math import AdamHyper
+from .adam_threads import AdamThreads
 from .budget import TierBudgets, memlock_limit, resolve_budgets
+from .cpu_adam import CPUAdam
 from .errors import BudgetError, OffloadError, PlanError, TransferError
 from .manager import TierManager
+from .pipelined_adam import PipelineStats, pipelined_step
 from .placement import Plan, plan_placement
 from .pool import BufferPool, HostAllocator, PoolBuffer
 from .prefetch import Prefetcher
@@ -34,20 +40,34 @@ from .settings import (
     Tier,
     TierSettings,
 )
-from .transfer import SwapBackend, Transfer
+from .shard_store import (
+    HostShardStore,
+    ShardBuffers,
+    ShardLayout,
+    ShardStore,
+    SwapShardStore,
+    Transfer,
+)
+from .transfer import SwapBackend, TierTransfer
 
 __all__ = [
     "TENSOR_CLASSES",
     "TIERS",
     "TRANSITIONS",
+    "AdamHyper",
+    "AdamThreads",
+    "Backend",
     "BudgetError",
     "Budgets",
     "BufferPool",
+    "CPUAdam",
     "HostAllocator",
+    "HostShardStore",
     "MemoryReport",
     "OffloadDevice",
     "OffloadError",
     "Op",
+    "PipelineStats",
     "Plan",
     "PlanError",
     "PoolBuffer",
@@ -56,19 +76,28 @@ __all__ = [
     "Prefetcher",
     "Role",
     "SettingsError",
+    "ShardBuffers",
+    "ShardLayout",
     "ShardRecord",
     "ShardSpec",
+    "ShardStore",
     "State",
     "SwapBackend",
+    "SwapShardStore",
     "TensorClass",
     "Tier",
     "TierBudgets",
     "TierManager",
     "TierSettings",
+    "TierTransfer",
     "Transfer",
     "TransferError",
+    "adam_update",
+    "kernel_status",
     "memlock_limit",
     "numa",
+    "pipelined_step",
     "plan_placement",
     "resolve_budgets",
+    "to_low_precision",
 ]

@@ -27,7 +27,7 @@ from .prefetch import Prefetcher
 from .report import Accounting
 from .residency import TRANSIENT, Copy, Op, Role, ShardRecord, ShardSpec, State, transition
 from .settings import TIERS, Tier, TierSettings
-from .transfer import Mover, SwapBackend, Transfer
+from .transfer import Mover, SwapBackend, TierTransfer
 
 log = logging.getLogger(__name__)
 _FINISH = {State.LOADING: Op.LOADED, State.STORING: Op.STORED, State.FILLING: Op.FILLED}
@@ -97,7 +97,7 @@ class ResidencyCore:
                                f"{rec.home}; use {rec.home} or a faster tier")
 
     @staticmethod
-    def _need(t: Transfer | None) -> Transfer:
+    def _need(t: TierTransfer | None) -> TierTransfer:
         if t is None:
             raise OffloadError("internal: a transient copy has no transfer")
         return t
@@ -106,7 +106,7 @@ class ResidencyCore:
         with self._stat_lock:
             self._acct.stall_s += seconds
 
-    def _user_transfer(self, copy: Copy) -> Transfer:
+    def _user_transfer(self, copy: Copy) -> TierTransfer:
         view = copy.data
         if view is None:
             raise OffloadError(f"internal: {copy.tier} copy has no buffer")
@@ -114,13 +114,13 @@ class ResidencyCore:
             view.record_stream(torch.cuda.current_stream(view.device))
         t = copy.transfer
         if copy.state is State.LOADING and t is not None:
-            out = Transfer(view, t.nbytes, t.direction, t.wait, t.done)
+            out = TierTransfer(view, t.nbytes, t.direction, t.wait, t.done)
         else:
-            out = Transfer.completed(view)
+            out = TierTransfer.completed(view)
         out.on_stall = self._add_stall
         return out
 
-    def _wait_transfer(self, t: Transfer, *, stall: bool = True) -> None:
+    def _wait_transfer(self, t: TierTransfer, *, stall: bool = True) -> None:
         """Wait for ``t`` with the lock released, then settle what finished."""
         start = time.perf_counter()
         self._lock.release()
@@ -201,7 +201,7 @@ class ResidencyCore:
         copy.drop_when_clean = copy.modify_on_load = False
         self._cond.notify_all()
 
-    def _store(self, rec: ShardRecord, tier: Tier) -> Transfer:
+    def _store(self, rec: ShardRecord, tier: Tier) -> TierTransfer:
         """Write the dirty cache on ``tier`` one tier down."""
         copy = rec.copies[tier]
         below = rec.below(tier)
@@ -367,7 +367,7 @@ class ResidencyCore:
                 best, best_score = other, score
         return best
 
-    def _freeing(self, tier: Tier) -> Transfer | None:
+    def _freeing(self, tier: Tier) -> TierTransfer | None:
         """An in-flight transfer whose completion lets an eviction free room on ``tier``."""
         for key in sorted(self._busy):
             rec = self._records[key]

@@ -47,7 +47,7 @@ from .errors import OffloadError
 from .report import MemoryReport
 from .residency import Op, Role, State, transition
 from .settings import TIERS, Tier
-from .transfer import Transfer
+from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class TierManager(ResidencyCore):
     def home_of(self, key: str) -> Tier:
         return self._rec(key).home
 
-    def place(self, key: str, data: torch.Tensor) -> Transfer:
+    def place(self, key: str, data: torch.Tensor) -> TierTransfer:
         """Copy a shard's first data to its home tier; wait() before reusing ``data``."""
         with self._lock:
             rec = self._rec(key, placed=False)
@@ -86,13 +86,13 @@ class TierManager(ResidencyCore):
                 home.data = self._alloc.empty(spec.nbytes).view(spec.dtype)
                 home.data.copy_(src)
                 transition(rec, rec.home, Op.FILLED)
-                return Transfer.completed(home.data)
+                return TierTransfer.completed(home.data)
             home.data = self._mover.empty_device(spec.numel, spec.dtype)
             home.transfer = self._mover.copy(src, home.data, "host_to_device")
             self._busy.add(key)
             return home.transfer
 
-    def fetch(self, key: str, tier: Tier, *, writable: bool = False) -> Transfer:
+    def fetch(self, key: str, tier: Tier, *, writable: bool = False) -> TierTransfer:
         """Bring the shard to ``tier``; ``wait()`` gives a 1D view, valid until release().
 
         ``writable=True`` marks a cache dirty (it is written down before being
@@ -173,7 +173,7 @@ class TierManager(ResidencyCore):
                     self._acct.evictions += 1
             self._advance(rec)
 
-    def pin(self, key: str, tier: Tier = "device") -> Transfer:
+    def pin(self, key: str, tier: Tier = "device") -> TierTransfer:
         """Fetch to ``tier`` and keep the copy there (persistent) until unpin()."""
         out = self.fetch(key, tier)
         with self._lock:

@@ -25,7 +25,7 @@ class MemoryReport:
     peak_by_class: dict[Tier, dict[TensorClass, int]]
     moved: dict[Direction, int]  # bytes per direction since start
     transfers: dict[Direction, int]  # number of transfers per direction
-    stall_s: float  # seconds callers blocked in Transfer.wait() on fetches
+    stall_s: float  # seconds callers blocked in TierTransfer.wait() on fetches
     hits: int  # fetches that found their copy present or already in flight
     misses: int  # fetches that had to start a transfer
     prefetches: int  # transfers started by the prefetch queue

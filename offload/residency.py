@@ -25,7 +25,7 @@ from .settings import TIERS, TensorClass, Tier
 
 if TYPE_CHECKING:
     from .pool import PoolBuffer
-    from .transfer import Transfer
+    from .transfer import TierTransfer
 
 
 class State(enum.Enum):
@@ -113,7 +113,7 @@ class Copy:
     state: State = State.ABSENT
     data: torch.Tensor | None = None  # 1D, spec dtype; None on nvme (lives in swap)
     slot: PoolBuffer | None = None  # the pool buffer behind ``data`` (NVMe shards' host cache)
-    transfer: Transfer | None = None  # in flight into or out of this copy
+    transfer: TierTransfer | None = None  # in flight into or out of this copy
     users: int = 0  # holders between fetch() and release()
     write_held: bool = False  # fetched writable and not yet fully released: not a source
     pinned: bool = False  # persistent: never evicted by pressure

@@ -1,7 +1,7 @@
 """Asynchronous transfers between tiers, and the one place that makes the
 threads and CUDA streams that run them.
 
-A :class:`Transfer` holds its destination buffer and its completion together:
+A :class:`TierTransfer` holds its destination buffer and its completion together:
 ``wait()`` returns the buffer once the bytes are there (or raises
 TransferError), ``done()`` never blocks. The source buffer must stay alive
 until then; the TierManager guarantees that by keeping the copy it read from
@@ -62,7 +62,7 @@ class SwapBackend(Protocol):
     def delete(self, key: str) -> None: ...
 
 
-class Transfer:
+class TierTransfer:
     """One asynchronous move of ``nbytes`` into ``buffer``."""
 
     __slots__ = ("_done", "_wait", "buffer", "direction", "nbytes", "on_stall")
@@ -84,20 +84,20 @@ class Transfer:
         self.on_stall: Callable[[float], None] | None = None
 
     @classmethod
-    def completed(cls, buffer: torch.Tensor) -> Transfer:
+    def completed(cls, buffer: torch.Tensor) -> TierTransfer:
         """A transfer that has nothing left to do."""
         return cls(buffer, 0, None, lambda: None, lambda: True)
 
     @classmethod
     def of_future(
         cls, buffer: torch.Tensor, nbytes: int, direction: Direction, fut: Future[object]
-    ) -> Transfer:
+    ) -> TierTransfer:
         return cls(buffer, nbytes, direction, fut.result, fut.done)
 
     @classmethod
     def of_swap(
         cls, buffer: torch.Tensor, nbytes: int, direction: Direction, fut: SwapFuture
-    ) -> Transfer:
+    ) -> TierTransfer:
         return cls(buffer, nbytes, direction, fut.wait, fut.done)
 
     def done(self) -> bool:
@@ -143,8 +143,8 @@ class Mover:
         src: torch.Tensor,
         dst: torch.Tensor,
         direction: Literal["host_to_device", "device_to_host"],
-        after: Transfer | None = None,
-    ) -> Transfer:
+        after: TierTransfer | None = None,
+    ) -> TierTransfer:
         """Copy ``src`` into ``dst`` (same numel and dtype) after ``after`` completes."""
         stream = self._streams.get(direction)
         ready: torch.cuda.Event | None = None
@@ -173,7 +173,7 @@ class Mover:
 
         pool = self._h2d_pool if direction == "host_to_device" else self._d2h_pool
         nbytes = dst.numel() * dst.element_size()
-        return Transfer.of_future(dst, nbytes, direction, pool.submit(run))
+        return TierTransfer.of_future(dst, nbytes, direction, pool.submit(run))
 
     def empty_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A device buffer owned by the H2D copy stream (see [Note: device buffers])."""
@@ -182,15 +182,15 @@ class Mover:
         with torch.cuda.stream(self._streams["host_to_device"]):
             return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def read(self, key: str, out: torch.Tensor) -> Transfer:
+    def read(self, key: str, out: torch.Tensor) -> TierTransfer:
         """NVMe -> host: fill ``out`` from the swap store."""
         nbytes = out.numel() * out.element_size()
-        return Transfer.of_swap(out, nbytes, "nvme_to_host", self._store().read(key, out=out))
+        return TierTransfer.of_swap(out, nbytes, "nvme_to_host", self._store().read(key, out=out))
 
-    def write(self, key: str, src: torch.Tensor) -> Transfer:
+    def write(self, key: str, src: torch.Tensor) -> TierTransfer:
         """Host -> NVMe: write ``src`` to the swap store under ``key``."""
         nbytes = src.numel() * src.element_size()
-        return Transfer.of_swap(src, nbytes, "host_to_nvme", self._store().write(key, src))
+        return TierTransfer.of_swap(src, nbytes, "host_to_nvme", self._store().write(key, src))
 
     def delete(self, key: str) -> None:
         self._store().delete(key)

@@ -1,0 +1,257 @@
+"""ZeroEngine: the training API over partitioned units (forward, backward, step).
+
+Composition happens in `ZeroEngine.__init__`, in order: ranks, units, flat
+shards in the shard store, scheduler, hooks, optimizer, lr schedule, loss
+scaler.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from engine.access import AccessGuard, register_owner, unregister_owner
+from engine.collectives import Comm
+from engine.config import Config
+from engine.flat_shard import FlatGroup, build_group, release_group
+from engine.hooks import HookSet
+from engine.lr_schedules import build_scheduler
+from engine.optim import OptimizerFactory, build_optimizer, run_step
+from engine.precision import LossScaler, compute_dtype, has_overflow
+from engine.schedule import Scheduler, Unit
+from engine.shard_store import ShardStore
+from engine.units import UnitSpec, check_parameters_supported, discover_units
+
+log = logging.getLogger(__name__)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ZeroEngine:
+    """Trains `module` with parameters, gradients and optimizer state partitioned over ranks."""
+
+    def __init__(self, module: nn.Module, config: Config,
+                 optimizer_factory: OptimizerFactory, comm: Comm | None = None,
+                 device: torch.device | None = None) -> None:
+        self.module = module
+        self.comm = comm or Comm()
+        # Batch sizes resolved for this world size (ConfigError when they do not fit).
+        self.config = config.check_world_size(self.comm.world_size)
+        self.device = device or _default_device()
+        self.dtype = compute_dtype(config.precision.dtype)
+        self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
+        check_parameters_supported(module)
+        specs = discover_units(module, list(config.zero.units) or None,
+                               config.zero.unit_min_bytes)
+        # Validate on every rank before the first collective: a mismatch would hang.
+        shape_sig = [len(specs)] + [sum(p.numel() for _, p in s.params) for s in specs]
+        if not self.comm.all_equal(shape_sig):
+            raise ValueError("ranks built different units (parameter counts per unit "
+                             f"{shape_sig} on rank {self.comm.rank}); every rank must build "
+                             "the same model with the same zero.units")
+        self._move_buffers()
+        self.store = ShardStore(self.device)
+        self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
+        self.root = self.units[-1]
+        self.scheduler = Scheduler(self.units, self.comm, self.store,
+                                   overlap_comm=config.zero.overlap_comm,
+                                   inflight_reduce_bytes=config.zero.reduce_bucket_bytes)
+        for unit in self.units:
+            for g in unit.groups:
+                for s in g.slots:
+                    register_owner(s.param, self.scheduler, unit, s.qname, s.numel)
+        self._hooks = HookSet(self.scheduler)
+        self._train_keys = [g.key for u in self.units for g in u.groups if g.trainable]
+        self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
+        self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
+        self.loss_scaler = (LossScaler(config.precision.loss_scale)
+                            if self.dtype == torch.float16 else None)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._closed = False
+
+    # -- construction -------------------------------------------------------------
+    def _move_buffers(self) -> None:
+        for mod in self.module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    mod._buffers[name] = buf.to(self.device)
+
+    def _build_unit(self, index: int, spec: UnitSpec) -> Unit:
+        by_kind: dict[bool, list[tuple[str, nn.Parameter]]] = {}
+        for qname, p in spec.params:
+            by_kind.setdefault(p.requires_grad, []).append((qname, p))
+        label = spec.name or "<root>"
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        groups: list[FlatGroup] = [
+            build_group(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}",
+                        named, dtype=self.dtype, trainable=trainable, comm=self.comm,
+                        store=self.store, device=self.device)
+            for trainable, named in sorted(by_kind.items(), reverse=True)
+        ]
+        nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8
+        persistent = (not spec.is_root) and (
+            self.config.zero.stage < 3
+            or nbytes < self.config.zero.persistence_threshold_bytes)
+        trainable = tuple(p for _, p in spec.params if p.requires_grad)
+        return Unit(index, spec.name, spec.module, spec.is_root, persistent, groups,
+                    trainable, has_frozen=len(trainable) < len(spec.params))
+
+    # -- training API -------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward with its own signature. Tensor inputs move to the
+        engine's device; floating ones are cast to the compute dtype."""
+        self._check_open()
+        args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        grad_enabled = torch.is_grad_enabled()
+        self.scheduler.begin_forward(self.root)
+        try:
+            with AccessGuard():
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            self.scheduler.abort()  # release everything; no backward will follow
+            raise
+        self.scheduler.end_forward(self.root, grad_enabled)
+        return out
+
+    def _cast_input(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        dtype = self.dtype if x.is_floating_point() else x.dtype
+        return x.to(device=self.device, dtype=dtype, non_blocking=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss scale);
+        gradients land, averaged over ranks, in this rank's fp32 gradient shards."""
+        self._check_open()
+        if loss.numel() != 1:
+            raise ValueError(f"backward() needs a scalar loss; got shape {tuple(loss.shape)}")
+        scale = 1.0 / self.grad_accum
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        self.scheduler.begin_backward()
+        try:
+            (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
+        finally:
+            self.scheduler.end_backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def step(self) -> None:
+        """Call once per micro-step; the optimizer runs every gradient_accumulation_steps."""
+        self._check_open()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        grads = [self.store.tensor(k, "grad") for k in self._train_keys]
+        if self.loss_scaler is not None:
+            flag = torch.tensor([1.0 if has_overflow(grads) else 0.0], device=self.device)
+            self.comm.all_reduce_sum(flag)
+            if flag.item() > 0:
+                self.loss_scaler.update(overflow=True)
+                self.skipped_steps += 1
+                self.zero_grad()
+                return
+            for g in grads:
+                g.mul_(1.0 / self.loss_scaler.scale)
+            self.loss_scaler.update(overflow=False)
+        self.last_grad_norm = self._clip(grads)
+        run_step(self.optimizer, self.store, self._train_keys)
+        self.lr_scheduler.step()
+        self.zero_grad()
+        self.scheduler.after_step()
+        self.global_steps += 1
+
+    def _clip(self, grads: list[torch.Tensor]) -> float | None:
+        """Global L2 norm over every shard on every rank; scale grads down to the limit.
+        Skipped (None) when clipping is off: the norm costs a pass over every gradient."""
+        limit = self.config.gradient_clipping
+        if limit <= 0:
+            return None
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+        self.comm.all_reduce_sum(sq)
+        norm = math.sqrt(float(sq.item()))
+        coef = min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def zero_grad(self) -> None:
+        for k in self._train_keys:
+            self.store.tensor(k, "grad").zero_()
+        for u in self.units:
+            for p in u.trainable:
+                p.grad = None
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes on this rank, from element counts: shards by kind, gathered params now and
+        at peak, and what the unpartitioned model would hold."""
+        shards = self.store.nbytes()
+        full_params = sum(g.numel for u in self.units for g in u.groups) * (
+            torch.finfo(self.dtype).bits // 8)
+        return {
+            "rank": self.comm.rank,
+            "world_size": self.comm.world_size,
+            "shard_bytes": shards,
+            "shard_bytes_total": sum(shards.values()),
+            "gathered_bytes": self.scheduler.gathered_bytes(),
+            "gathered_peak_bytes": self.scheduler.gathered_peak_bytes,
+            "full_model_param_bytes": full_params,
+            "units": len(self.units),
+            "persistent_units": sum(u.persistent for u in self.units),
+            "trace_changes": self.scheduler.trace_changes,
+            "reductions_in_flight_peak": self.scheduler.inflight_peak,
+            "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    # -- lifecycle ----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is closed; build a new one with engine.initialize()")
+
+    def close(self) -> None:
+        """Remove hooks and leave every parameter gathered (usable as a plain module).
+
+        Idempotent."""
+        if self._closed:
+            return
+        for unit in self.units:
+            self.scheduler.ensure_gathered(unit)
+            for g in unit.groups:
+                owned = [s.param.data.clone() for s in g.slots]
+                release_group(g)
+                for s, data in zip(g.slots, owned, strict=True):
+                    s.param.data = data
+                    unregister_owner(s.param)
+        self._hooks.close()
+        self._closed = True

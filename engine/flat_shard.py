@@ -1,0 +1,150 @@
+"""A unit's parameters flattened per (dtype, trainable) into padded buffers, rank r owning slice r.
+
+[Note: flat layout] For a group of parameters p_0..p_k (module order):
+
+    full buffer  | p_0 | p_1 | ... | p_k | zero pad |     padded_numel elements
+    shards       | rank 0 | rank 1 | ... | rank W-1 |    shard_numel each
+
+`padded_numel` = W * shard_numel and `shard_numel` is a multiple of
+SHARD_ALIGN elements. Padding is zero in params and grads, so norms and the
+optimizer see zeros there. The full buffer exists only while the unit is
+gathered: its storage is resized to 0 on release, which also frees every view
+autograd saved of it, and resized back and refilled before backward uses them.
+With one rank and the `param16` shard already on the compute device, the shard
+*is* the full buffer: parameters view it directly, with no copy and no extra
+memory (`FlatGroup.base` says which tensor the views point into).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.collectives import Comm, PendingReduce
+from engine.shard_store import ShardStore
+
+# Shards are whole multiples of 128 elements so vectorised Adam kernels and
+# aligned I/O never see a ragged tail.
+SHARD_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter sits in its group's full buffer."""
+
+    qname: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+@dataclass
+class FlatGroup:
+    """One flat buffer of a unit: layout, gathered buffer, and the bridge to the shard store."""
+
+    key: str  # "<unit name>/<dtype>/<trainable|frozen>", the shard store key
+    slots: tuple[ParamSlot, ...]
+    dtype: torch.dtype  # compute dtype of the gathered buffer
+    trainable: bool
+    shard_numel: int
+    world_size: int
+    full: torch.Tensor = field(repr=False)  # 1D compute dtype, device; storage 0 when released
+    base: torch.Tensor | None = field(default=None, repr=False)  # what params view; None: released
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def gathered(self) -> bool:
+        return self.base is not None
+
+
+def build_group(
+    key: str, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype, trainable: bool,
+    comm: Comm, store: ShardStore, device: torch.device,
+) -> FlatGroup:
+    """Lay out `named`, create this rank's shards in `store`, and leave the group released."""
+    slots, offset = [], 0
+    for qname, p in named:
+        slots.append(ParamSlot(qname, p, p.shape, offset, p.numel()))
+        offset += p.numel()
+    chunk = SHARD_ALIGN * comm.world_size
+    padded = max(chunk, -(-offset // chunk) * chunk)
+    shard_numel = padded // comm.world_size
+    with torch.no_grad():
+        flat = torch.zeros(padded, dtype=torch.float32)  # fp32 initial values, host, transient
+        for s in slots:
+            flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        mine = flat[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
+        store.add(key, mine, dtype, trainable)
+    full = torch.empty(padded, dtype=dtype, device=device)
+    group = FlatGroup(key, tuple(slots), dtype, trainable, shard_numel, comm.world_size, full)
+    release_group(group)
+    return group
+
+
+def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
+    """All-gather the shards into the full buffer and point each parameter at its view."""
+    shard = store.tensor(group.key, "param16")
+    with torch.no_grad():
+        if comm.world_size == 1 and shard.device == group.full.device:
+            base = shard  # the shard is the whole buffer: view it, copy nothing
+        else:
+            base = group.full
+            storage = base.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(group.padded_numel * base.element_size())
+            comm.all_gather(base, shard)
+        for s in group.slots:
+            s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
+    group.base = base
+
+
+def release_group(group: FlatGroup) -> None:
+    """Point parameters at size-0 tensors and free the full buffer's storage."""
+    empty = _empty_like_param(group.dtype, group.full.device)
+    for s in group.slots:
+        s.param.data = empty
+    if group.full.untyped_storage().nbytes():
+        group.full.untyped_storage().resize_(0)
+    group.base = None
+
+
+def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
+    """Reduce-scatter the parameters' `.grad` (mean over ranks) into the fp32 shard accumulator.
+
+    Consumes and clears each parameter's `.grad` (a missing one counts as
+    zero). With one rank the gradients are added at once (None is returned);
+    with several this starts a collective and returns it in flight: the shard
+    holds the result only after `wait()`. Every rank must reduce the same
+    groups in the same order (see [Note: reduction order] in schedule.py).
+    """
+    grad_shard = store.tensor(group.key, "grad")  # 1D fp32, shard_numel
+    with torch.no_grad():
+        if comm.world_size == 1:
+            for s in group.slots:
+                g = s.param.grad
+                if g is not None:
+                    grad_shard[s.offset:s.offset + s.numel].add_(g.reshape(-1))  # upcasts
+                    s.param.grad = None
+            return None
+        full = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad_shard.device)
+        for s in group.slots:
+            g = s.param.grad
+            if g is not None:
+                full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+                s.param.grad = None
+        mine = torch.empty_like(grad_shard)
+        return comm.reduce_scatter_mean_async(mine, full, accumulate_into=grad_shard)

@@ -1,0 +1,97 @@
+"""The seam between the engine and whatever updates the fp32 master shards.
+
+The engine hands the optimizer one fp32 master tensor per trainable flat
+group and, before each step, points its `.grad` at the fp32 gradient shard.
+Adam-family optimizers get their `exp_avg` / `exp_avg_sq` pre-seeded from the
+shard store, so optimizer state lives where the store puts it ([Note: shard
+residency]). Any `torch.optim.Optimizer` over flat tensors fits here:
+`offload.CPUAdam` drops in as another `OptimizerFactory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.shard_store import ShardStore
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Adam] | type[torch.optim.AdamW]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+}
+
+
+def torch_adam_factory(
+    kind: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> OptimizerFactory:
+    cls = _TORCH_OPTIMIZERS.get(kind)
+    if cls is None:
+        raise ValueError(f"optimizer.type {kind!r} is not one of {sorted(_TORCH_OPTIMIZERS)}")
+
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        # One fused kernel per step on CUDA (the baseline users compare against);
+        # multi-tensor foreach kernels on the CPU.
+        on_cuda = bool(params) and params[0].is_cuda
+        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                   fused=on_cuda or None, foreach=None if on_cuda else True)
+
+    return make
+
+
+def factory_from_user(optimizer: object) -> OptimizerFactory:
+    """`optimizer=` of initialize(): a callable `params -> Optimizer`, or an Optimizer built
+    over the model's parameters, rebuilt over the master shards with the same defaults."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer.param_groups) != 1:
+            raise ValueError(
+                f"optimizer= has {len(optimizer.param_groups)} param groups; the engine "
+                "rebuilds it over flat master shards and supports one group. Pass a callable "
+                "params -> Optimizer instead")
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        return lambda params: cls(params, **defaults)
+    if callable(optimizer):
+        return optimizer
+    raise TypeError(f"optimizer= must be a torch.optim.Optimizer or a callable params -> "
+                    f"Optimizer; got {type(optimizer).__name__}")
+
+
+def build_optimizer(
+    factory: OptimizerFactory, store: ShardStore, keys: Sequence[str]
+) -> torch.optim.Optimizer:
+    masters = [store.tensor(k, "master") for k in keys]
+    opt = factory(masters)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer factory returned {type(opt).__name__}, expected a "
+                        "torch.optim.Optimizer")
+    if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and not any(
+            g.get("amsgrad") for g in opt.param_groups):
+        for k, m in zip(keys, masters, strict=True):
+            group = next(g for g in opt.param_groups if any(p is m for p in g["params"]))
+            # fused / capturable kernels keep the step count on the parameter's device
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            opt.state[m] = {
+                "step": torch.zeros((), dtype=torch.float32,
+                                    device=m.device if on_device else torch.device("cpu")),
+                "exp_avg": store.tensor(k, "exp_avg"),
+                "exp_avg_sq": store.tensor(k, "exp_avg_sq"),
+            }
+    return opt
+
+
+def run_step(
+    opt: torch.optim.Optimizer, store: ShardStore, keys: Sequence[str]
+) -> None:
+    """One optimizer step over the masters, then param16 <- master."""
+    masters = [store.tensor(k, "master") for k in keys]
+    for k, m in zip(keys, masters, strict=True):
+        m.grad = store.tensor(k, "grad")
+    try:
+        opt.step()
+    finally:
+        for m in masters:
+            m.grad = None
+    for k in keys:
+        store.write_param16_from_master(k)

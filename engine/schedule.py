@@ -1,0 +1,240 @@
+"""The gather/release scheduler: what the module and autograd hooks delegate to.
+
+Per training micro-step:
+  forward   root gathered by the engine; each block unit gathered by its
+            pre-hook, released by its post-hook (unless persistent), and
+            given a pre-backward hook on its outputs;
+  backward  a unit is re-gathered when the first gradient reaches its
+            outputs; once every trainable parameter of the unit has its
+            `.grad`, the gradients are reduce-scattered into the fp32 shard
+            and the unit is released; `end_backward` reduces what is left
+            and releases everything that is not persistent.
+
+[Note: reduction order] With several ranks every reduction is a collective,
+so all ranks must reduce the same groups in the same order. Early reductions
+follow autograd's completion order, identical on every rank when the ranks
+run the same graph (as in DDP and DeepSpeed, control flow must not differ
+across ranks within a step); the end-of-backward pass reduces every group
+not yet reduced in fixed unit order, including groups without gradients.
+
+[Note: unit order trace] The order of unit forwards in the first micro-step
+is recorded; every later forward is checked against it and, on a change
+(dynamic control flow), logged and re-recorded. Correctness never depends
+on the trace; the prefetch queue (offload/) will be driven by it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.collectives import Comm, PendingReduce
+from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
+from engine.hooks import register_pre_backward
+from engine.shard_store import ShardStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Unit:
+    """Runtime state of one unit (engine-owned; nothing is stored on the user's module)."""
+
+    index: int
+    name: str  # qualified module name; "" for the root
+    module: nn.Module
+    is_root: bool
+    persistent: bool  # stays gathered (small, or stage 1/2)
+    groups: list[FlatGroup]
+    trainable: tuple[nn.Parameter, ...]
+    has_frozen: bool
+    stale: bool = False  # gathered copy predates the last optimizer step
+    fired: set[int] = field(default_factory=set)  # ids of params whose grad arrived this backward
+    reduced: bool = False  # grads of this backward already reduce-scattered
+
+    @property
+    def gathered(self) -> bool:
+        return all(g.gathered for g in self.groups)
+
+    def gathered_bytes(self) -> int:
+        return sum(g.padded_numel * g.full.element_size() for g in self.groups if g.gathered)
+
+    @property
+    def label(self) -> str:
+        return self.name or "<root>"
+
+
+class Scheduler:
+    def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
+                 overlap_comm: bool, inflight_reduce_bytes: int) -> None:
+        self.units = units
+        self.comm = comm
+        self.store = store
+        # Gradient reductions run asynchronously behind backward (overlap_comm); their
+        # buffers (the full fp32 gradient of a group) stay alive until waited, so the
+        # bytes in flight are bounded (zero.reduce_bucket_bytes): before a reduction
+        # starts, the oldest are waited for until it fits. One reduction is always
+        # allowed, whatever its size.
+        self._overlap = overlap_comm
+        self._inflight_bound = inflight_reduce_bytes
+        self._inflight: deque[PendingReduce] = deque()
+        self.inflight_peak = 0  # most reductions in flight at once (overlap evidence)
+        self.trace: list[int] | None = None  # unit indices in forward order, first micro-step
+        self.trace_changes = 0
+        self._order: list[int] = []
+        self._in_backward = False
+        self._backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.gathers = 0  # unit gathers issued (for tests and the memory report)
+        self.gathered_peak_bytes = 0
+
+    # -- residency -------------------------------------------------------------
+    def ensure_gathered(self, unit: Unit) -> None:
+        if unit.gathered and not unit.stale:
+            return
+        for g in unit.groups:
+            gather_group(g, self.comm, self.store)
+        unit.stale = False
+        self.gathers += 1
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes())
+
+    def release(self, unit: Unit) -> None:
+        if unit.persistent:
+            return
+        for g in unit.groups:
+            if g.gathered:
+                release_group(g)
+
+    # -- forward ---------------------------------------------------------------
+    def begin_forward(self, root: Unit) -> None:
+        self._order = []
+        self.ensure_gathered(root)
+
+    def pre_forward(self, unit: Unit) -> None:
+        if not self._in_backward:
+            self._order.append(unit.index)
+        self.ensure_gathered(unit)
+
+    def post_forward(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
+        if self._in_backward:
+            return  # recomputation inside backward: the unit's backward still needs it
+        needs_grad = [t for t in tensors if t.requires_grad]
+        if needs_grad and torch.is_grad_enabled():
+            self._backward_hooks.append(register_pre_backward(needs_grad, self, unit))
+        self.release(unit)
+
+    def end_forward(self, root: Unit, grad_enabled: bool) -> None:
+        order = self._order
+        if self.trace is None:
+            self.trace = order
+        elif order != self.trace:
+            self.trace_changes += 1
+            pairs = enumerate(zip(order, self.trace, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), min(len(order), len(self.trace)))
+            log.info("unit order changed at position %d (recorded %d units, now %d); "
+                     "re-recording the trace", first, len(self.trace), len(order))
+            self.trace = order
+        if not grad_enabled:
+            self.release(root)  # no backward will follow this forward
+
+    # -- backward --------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._in_backward = True
+
+    def pre_backward(self, unit: Unit) -> None:
+        self.ensure_gathered(unit)
+
+    def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
+        unit.fired.add(id(param))
+        if unit.is_root or unit.has_frozen or unit.reduced:
+            return  # root and units with frozen params wait for end_backward
+        if len(unit.fired) == len(unit.trainable):
+            self._reduce(unit)
+            self.release(unit)
+
+    def end_backward(self) -> None:
+        """Reduce every group not yet reduced (fixed order), release, reset per-pass state."""
+        try:
+            for unit in self.units:
+                if unit.trainable and not unit.reduced:
+                    self._reduce(unit)
+            self.wait_reductions()
+            for unit in self.units:
+                self.release(unit)
+                unit.fired.clear()
+                unit.reduced = False
+        finally:
+            for h in self._backward_hooks:
+                h.remove()
+            self._backward_hooks.clear()
+            self._in_backward = False
+
+    def abort(self) -> None:
+        """A forward failed: release and forget this pass, with no collective (the other
+        ranks may not have failed) and no gradients touched."""
+        for h in self._backward_hooks:
+            h.remove()
+        self._backward_hooks.clear()
+        self._in_backward = False
+        self.wait_reductions()  # already issued on every rank: complete them
+        for unit in self.units:
+            self.release(unit)
+            unit.fired.clear()
+            unit.reduced = False
+
+    def _reduce(self, unit: Unit) -> None:
+        for g in unit.groups:
+            if not g.trainable:
+                continue
+            need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
+            while self._inflight and (
+                    sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):
+                self._inflight.popleft().wait()
+            pending = reduce_group_grads(g, self.comm, self.store)
+            if pending is None:
+                continue
+            if not self._overlap:
+                pending.wait()
+                continue
+            self._inflight.append(pending)
+            self.inflight_peak = max(self.inflight_peak, len(self._inflight))
+        unit.reduced = True
+
+    def wait_reductions(self) -> None:
+        """Every gradient reduction started so far has landed in its shard."""
+        while self._inflight:
+            self._inflight.popleft().wait()
+
+    def write_back(self, unit: Unit, src: int) -> None:
+        """Full params edited on rank `src` (GatheredParameters) -> every rank's shards."""
+        with torch.no_grad():
+            for g in unit.groups:
+                if g.base is None:
+                    raise RuntimeError(f"write_back: unit {unit.label!r} is not gathered")
+                self.comm.broadcast(g.base, src)
+                lo = self.comm.rank * g.shard_numel
+                mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
+                param16 = self.store.tensor(g.key, "param16")
+                if g.trainable:
+                    master = self.store.tensor(g.key, "master")
+                    if master is not param16:
+                        # Only edited elements replace the fp32 master (param16 is always
+                        # master rounded, so a difference is an edit); the rest keep full
+                        # precision instead of a round trip through the compute dtype.
+                        changed = mine != master.to(mine.dtype)
+                        master.copy_(torch.where(changed, mine.float(), master))
+                if mine.data_ptr() != param16.data_ptr():
+                    param16.copy_(mine)
+
+    # -- step ------------------------------------------------------------------
+    def after_step(self) -> None:
+        """Shards changed: gathered copies (persistent units) must be refreshed before use."""
+        for unit in self.units:
+            if unit.gathered:
+                unit.stale = True
+
+    def gathered_bytes(self) -> int:
+        return sum(u.gathered_bytes() for u in self.units)

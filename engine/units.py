@@ -1,0 +1,156 @@
+"""Which modules become units: the grain at which parameters are gathered and released.
+
+Rule, first match wins:
+1. the module class names listed in config (`zero.units`);
+2. the model's own `_no_split_modules` (Hugging Face transformer blocks);
+3. a size rule: the smallest submodules holding at least `unit_min_bytes` of
+   parameters (a module qualifies when it reaches the bound and none of its
+   children does), so any model gets useful units.
+Everything not inside a chosen module belongs to the root unit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A unit before partitioning: its module, its name and the parameters it owns."""
+
+    name: str  # qualified module name; "" for the root unit
+    module: nn.Module
+    params: tuple[tuple[str, nn.Parameter], ...]  # (qualified parameter name, parameter)
+    is_root: bool
+
+
+def _param_bytes(module: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _blocks_by_class(model: nn.Module, classes: set[str]) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []
+    for name, mod in model.named_modules():
+        if name and any(name.startswith(prefix + ".") for prefix in inside):
+            continue  # a block nested in a block belongs to the outer one
+        if type(mod).__name__ in classes and mod is not model:
+            found.append((name, mod))
+            inside.append(name)
+    return found
+
+
+def _blocks_by_size(model: nn.Module, min_bytes: int) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, mod: nn.Module) -> bool:
+        """Visit children first; returns True when `mod` or a descendant became a unit."""
+        child_hit = False
+        for cname, child in mod.named_children():
+            if visit(f"{prefix}.{cname}" if prefix else cname, child):
+                child_hit = True
+        if child_hit or mod is model:
+            return child_hit
+        if _param_bytes(mod) >= min_bytes:
+            found.append((prefix, mod))
+            return True
+        return False
+
+    visit("", model)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(found, key=lambda item: order[item[0]])
+
+
+def _no_split(model: nn.Module) -> list[str]:
+    names = getattr(model, "_no_split_modules", None)
+    return [str(n) for n in names] if isinstance(names, list | tuple | set) else []
+
+
+def _enclosing_block(module_name: str, block_of_path: dict[str, int]) -> int | None:
+    parts = module_name.split(".") if module_name else []
+    for k in range(len(parts), 0, -1):
+        hit = block_of_path.get(".".join(parts[:k]))
+        if hit is not None:
+            return hit
+    return None
+
+
+def discover_units(
+    model: nn.Module, class_names: list[str] | None, unit_min_bytes: int
+) -> list[UnitSpec]:
+    """Split `model` into block units plus a root unit (last) holding everything else.
+
+    Each parameter is owned by exactly one unit: the first (in module order)
+    whose subtree holds it; a parameter tied across units goes to the root.
+    """
+    if class_names:
+        wanted = set(class_names)
+        blocks = _blocks_by_class(model, wanted)
+        present = {type(m).__name__ for _, m in model.named_modules()}
+        missing = sorted(wanted - present)
+        if missing:
+            raise ValueError(
+                f"zero.units names module classes {missing} that the model does not contain; "
+                f"classes present include {sorted(present)[:20]}"
+            )
+        rule = f"zero.units {sorted(wanted)}"
+    elif _no_split(model):
+        blocks = _blocks_by_class(model, set(_no_split(model)))
+        rule = f"model._no_split_modules {_no_split(model)}"
+    else:
+        blocks = _blocks_by_size(model, unit_min_bytes)
+        rule = f"size rule (>= {unit_min_bytes} bytes per unit)"
+
+    # Which block holds each parameter directly, through every path that reaches it.
+    block_of_path = {name: i for i, (name, _) in enumerate(blocks)}
+    owners: dict[int, set[int | None]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        block = _enclosing_block(mname, block_of_path)
+        for p in mod._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(block)
+    block_params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in blocks]
+    root_params: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for qname, p in model.named_parameters():  # deduplicates tied parameters
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        where = owners.get(id(p), {None})
+        only = next(iter(where))
+        if len(where) == 1 and only is not None:
+            block_params[only].append((qname, p))
+        else:
+            root_params.append((qname, p))  # outside every block, or tied across units
+    specs = [
+        UnitSpec(name, mod, tuple(params), is_root=False)
+        for (name, mod), params in zip(blocks, block_params, strict=True)
+        if params
+    ]
+    specs.append(UnitSpec("", model, tuple(root_params), is_root=True))
+    log.info("units: %d blocks by %s, root unit holds %d parameters",
+             len(specs) - 1, rule, len(root_params))
+    return specs
+
+
+def check_parameters_supported(model: nn.Module) -> None:
+    """Reject parameter layouts the flat shards cannot hold, naming the parameter."""
+    for name, p in model.named_parameters():
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"parameter {name!r} has layout {p.layout}; only dense strided "
+                             "parameters can be partitioned")
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point "
+                             "parameters can be partitioned")

@@ -1,0 +1,199 @@
+/* tierzero CPU Adam: one pass over a flat fp32 shard.
+ *
+ * Built at first use by offload/adam_build.py with the system C compiler
+ * (no torch headers, so it compiles in about a second) and called through
+ * ctypes on tensor data pointers; ctypes releases the GIL, so Python threads
+ * run disjoint [lo, hi) ranges of one shard in parallel.
+ *
+ * [Note: Adam operation order]
+ * Each element goes through exactly the operations torch.optim.Adam's
+ * single-tensor path performs, in the same order and the same fp32 rounding,
+ * so results match PyTorch within about an ulp per step (tests state the
+ * tolerance). The file is compiled with -ffp-contract=off: the compiler may
+ * not fuse a*b+c on its own; where ATen's vectorised kernels use a fused
+ * multiply-add (lerp, add with alpha, addcmul) we call fmaf explicitly.
+ * Remaining differences: ATen's vectorised sqrt is not correctly rounded
+ * (one ulp off on ~0.6% of inputs; ours is IEEE), its scalar tail does not
+ * fuse what its vector body fuses, and subnormals (see [Note: subnormals]).
+ *
+ *   g  = grad * grad_scale                       (only if grad_scale != 1)
+ *   AdamW: p = p * (1 - lr*wd)                   (Tensor.mul_)
+ *   Adam:  g = fma(p, wd, g)                     (grad.add(p, alpha=wd))
+ *   m  = fma(w', g - m, small ? m : g)           (Tensor.lerp_, w = 1-beta1,
+ *                                                  w' = small ? w : w-1)
+ *   v  = v * beta2;  v = fma((1-beta2) * g, g, v)  (mul_, addcmul_)
+ *   d  = sqrt(v) / sqrt(bc2) + eps               (sqrt, div, add_)
+ *   p  = p + ((-lr/bc1) * m) / d                 (addcdiv_)
+ *   out16 = round_to_nearest_even(p)             (Tensor.to(bf16/fp16))
+ *
+ * Memory traffic per element: read p, m, v, g; write p, m, v and out16.
+ * Nothing is read or written twice.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* [Note: subnormals]
+ * Moments of parameters that get zero gradients for a while (embedding rows of
+ * rare tokens) decay geometrically and become subnormal (m after ~800 steps at
+ * beta1 = 0.9); on x86 every operation on a subnormal takes a microcode assist:
+ * measured 17x slower steps (torch's fused AdamW is equally slow). The kernel
+ * therefore runs with flush-to-zero and denormals-are-zero set in this thread's
+ * MXCSR and restores it on return. Only values below 1.2e-38 are affected, and
+ * with eps >= 1e-38 their effect on the parameter update is below 1e-30 -- far
+ * inside the tolerance against torch. The fp16 -> fp32 conversion (VCVTPH2PS)
+ * and the bf16 paths are integer/convert ops that keep fp16 subnormals intact
+ * (tested). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+static inline unsigned tz_enter(void) {
+    unsigned old = _mm_getcsr();
+    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return old;
+}
+static inline void tz_leave(unsigned old) { _mm_setcsr(old); }
+#else
+static inline unsigned tz_enter(void) { return 0; }
+static inline void tz_leave(unsigned old) { (void)old; }
+#endif
+
+typedef struct {
+    float grad_scale;  /* 1.0f: no scaling */
+    float decay;       /* AdamW: 1 - lr*wd */
+    float wd;          /* Adam (L2): weight decay added to the gradient */
+    float w;           /* lerp weight 1 - beta1 */
+    float w_coeff;     /* w if |w| < 0.5 else w - 1 */
+    int   w_small;     /* |w| < 0.5 */
+    float beta2;
+    float one_minus_beta2;
+    float bc2_sqrt;    /* sqrt(1 - beta2^step) */
+    float eps;
+    float neg_step_size; /* -lr / (1 - beta1^step) */
+    int   decoupled;   /* 1: AdamW, 0: Adam with L2 */
+    int   apply_decay; /* weight_decay != 0 */
+    int   apply_scale; /* grad_scale != 1 */
+} tz_adam_hp;
+
+/* Version of the argument layout above; adam_build.py checks it. */
+int tz_adam_abi_version(void) { return 2; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as c10::BFloat16 does; NaN becomes the quiet NaN 0x7fc0. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(is_nan ? 0x7fc0u : rounded);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 x = (_Float16)f; /* IEEE round to nearest even */
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+}
+
+/* grad kinds: 0 fp32, 1 bf16, 2 fp16;  out kinds: 0 none, 1 bf16, 2 fp16 */
+static inline __attribute__((always_inline)) void adam_range(
+    float *restrict p, float *restrict m, float *restrict v, const void *restrict gptr,
+    void *restrict optr, int64_t lo, int64_t hi, const tz_adam_hp *hp,
+    const int gkind, const int okind, const int decoupled, const int apply_decay,
+    const int apply_scale, const int w_small) {
+    const float *restrict g32 = (const float *)gptr;
+    const uint16_t *restrict g16 = (const uint16_t *)gptr;
+    uint16_t *restrict o16 = (uint16_t *)optr;
+    const float scale = hp->grad_scale, decay = hp->decay, wd = hp->wd;
+    const float wc = hp->w_coeff, b2 = hp->beta2, omb2 = hp->one_minus_beta2;
+    const float bc2s = hp->bc2_sqrt, eps = hp->eps, nss = hp->neg_step_size;
+    for (int64_t i = lo; i < hi; ++i) {
+        float g = gkind == 0 ? g32[i] : gkind == 1 ? bf16_to_f32(g16[i]) : f16_to_f32(g16[i]);
+        if (apply_scale) g = g * scale;
+        float pi = p[i];
+        if (apply_decay) {
+            if (decoupled) pi = pi * decay;
+            else g = fmaf(pi, wd, g);
+        }
+        float mi = m[i];
+        mi = fmaf(wc, g - mi, w_small ? mi : g);
+        float vi = v[i] * b2;
+        vi = fmaf(omb2 * g, g, vi);
+        float d = sqrtf(vi) / bc2s + eps;
+        pi = pi + (nss * mi) / d;
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (okind == 1) o16[i] = f32_to_bf16(pi);
+        else if (okind == 2) o16[i] = f32_to_f16(pi);
+    }
+}
+
+/* One specialised loop per (grad kind, out kind, decay mode, scale, lerp branch):
+ * every flag is a compile-time constant inside, so each loop vectorises cleanly. */
+#define TZ_FLAGS(G, O)                                                                    \
+    static void adam_##G##_##O(float *p, float *m, float *v, const void *g, void *o,    \
+                               int64_t lo, int64_t hi, const tz_adam_hp *hp) {          \
+        int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                     \
+        int s = hp->apply_scale, ws = hp->w_small;                                      \
+        if (mode == 0 && !s && ws) adam_range(p, m, v, g, o, lo, hi, hp, G, O, 0, 0, 0, 1); \
+        else if (mode == 2 && !s && ws) adam_range(p, m, v, g, o, lo, hi, hp, G, O, 1, 1, 0, 1); \
+        else if (mode == 0 && s && ws) adam_range(p, m, v, g, o, lo, hi, hp, G, O, 0, 0, 1, 1); \
+        else if (mode == 2 && s && ws) adam_range(p, m, v, g, o, lo, hi, hp, G, O, 1, 1, 1, 1); \
+        else if (mode == 1 && ws) adam_range(p, m, v, g, o, lo, hi, hp, G, O, 0, 1, s, 1);  \
+        else adam_range(p, m, v, g, o, lo, hi, hp, G, O, mode == 2, mode != 0, s, 0);    \
+    }
+
+TZ_FLAGS(0, 0)
+TZ_FLAGS(0, 1)
+TZ_FLAGS(0, 2)
+TZ_FLAGS(1, 0)
+TZ_FLAGS(1, 1)
+TZ_FLAGS(1, 2)
+TZ_FLAGS(2, 0)
+TZ_FLAGS(2, 1)
+TZ_FLAGS(2, 2)
+
+typedef void (*tz_adam_fn)(float *, float *, float *, const void *, void *, int64_t, int64_t,
+                           const tz_adam_hp *);
+
+static const tz_adam_fn TZ_TABLE[3][3] = {
+    {adam_0_0, adam_0_1, adam_0_2},
+    {adam_1_0, adam_1_1, adam_1_2},
+    {adam_2_0, adam_2_1, adam_2_2},
+};
+
+/* Update elements [lo, hi) in place. Returns 0, or -1 for a bad kind (the
+ * Python side validates first; this is a last line of defence). */
+int tz_adam_step(float *p, float *m, float *v, const void *g, int gkind, void *out, int okind,
+                 int64_t lo, int64_t hi, const tz_adam_hp *hp) {
+    if (gkind < 0 || gkind > 2 || okind < 0 || okind > 2 || (okind != 0 && out == 0)) return -1;
+    unsigned mxcsr = tz_enter(); /* see [Note: subnormals] */
+    TZ_TABLE[gkind][okind](p, m, v, g, out, lo, hi, hp);
+    tz_leave(mxcsr);
+    return 0;
+}
+
+/* Convert fp32 to bf16 (okind 1) or fp16 (okind 2), round to nearest even. */
+int tz_f32_to_16(const float *src, void *dst, int okind, int64_t lo, int64_t hi) {
+    uint16_t *o = (uint16_t *)dst;
+    if (okind == 1) {
+        for (int64_t i = lo; i < hi; ++i) o[i] = f32_to_bf16(src[i]);
+    } else if (okind == 2) {
+        for (int64_t i = lo; i < hi; ++i) o[i] = f32_to_f16(src[i]);
+    } else {
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,191 @@
+"""`adam_update`: one Adam/AdamW step over a flat shard, in one pass over memory.
+
+Inputs are contiguous CPU tensors of equal length: fp32 ``master``,
+``exp_avg`` and ``exp_avg_sq`` (updated in place), a gradient in fp32, bf16 or
+fp16 (read only, multiplied by ``grad_scale`` on the fly for loss scaling or
+clipping), and optionally a bf16/fp16 ``shadow`` that receives the new master
+rounded to nearest even, bit-identical to ``master.to(shadow.dtype)``.
+
+Backends: ``"compiled"`` is the C kernel (offload/_adam_kernel.c, built at
+first use, see adam_build.py); ``"torch"`` is the same arithmetic in PyTorch
+ops (adam_math.torch_update); ``"auto"`` takes the compiled kernel when it
+could be built and otherwise the PyTorch path (the reason is logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .adam_build import CompiledKernel, HyperParams, compiled_kernel, kernel_status
+from .adam_math import AdamHyper, check_flat, step_scalars, torch_update
+from .adam_threads import AdamThreads
+
+Backend = Literal["auto", "compiled", "torch"]
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def resolve_backend(backend: Backend) -> CompiledKernel | None:
+    """The compiled kernel to use, or None for the PyTorch path; errors on an unknown name."""
+    if backend == "torch":
+        return None
+    if backend not in ("auto", "compiled"):
+        raise ValueError(
+            f"Adam backend={backend!r} is unknown; allowed: 'auto', 'compiled', 'torch'"
+        )
+    kernel = compiled_kernel()
+    if kernel is None and backend == "compiled":
+        raise RuntimeError(f"Adam backend='compiled' requested but unavailable: {kernel_status()}")
+    return kernel
+
+
+def _hyper_struct(hyper: AdamHyper, step: float, grad_scale: float) -> HyperParams:
+    # Every scalar is computed in double as torch does, then rounded to fp32 once, as
+    # ATen does when it turns a Python scalar into the op's compute type.
+    s = step_scalars(hyper, step)
+    w = 1 - hyper.beta1
+    small = abs(w) < 0.5
+    w32 = ctypes.c_float(w).value
+    return HyperParams(
+        grad_scale=grad_scale,
+        decay=s.decay,
+        wd=hyper.weight_decay,
+        w=w,
+        # ATen's vector lerp computes weight - 1 in fp32 from the fp32 weight.
+        w_coeff=w32 if small else ctypes.c_float(w32 - 1.0).value,
+        w_small=int(small),
+        beta2=hyper.beta2,
+        one_minus_beta2=1 - hyper.beta2,
+        bc2_sqrt=s.bc2_sqrt,
+        eps=hyper.eps,
+        neg_step_size=-s.step_size,
+        decoupled=int(hyper.adamw),
+        apply_decay=int(hyper.weight_decay != 0),
+        apply_scale=int(grad_scale != 1.0),
+    )
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """The scalars of one (hyper, step, grad_scale) and the backend, reusable for many tensors.
+
+    `adam_update` builds one per call; a caller updating many tensors with the same
+    scalars (CPUAdam, one group) builds it once with `prepare_step`.
+    """
+
+    hyper: AdamHyper
+    step: float
+    grad_scale: float
+    kernel: CompiledKernel | None  # None: the PyTorch path
+    struct: HyperParams | None  # the C argument block, when compiled
+
+
+def prepare_step(hyper: AdamHyper, step: float, grad_scale: float = 1.0,
+                 backend: Backend = "auto") -> PreparedStep:
+    if not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
+        raise ValueError(f"Adam grad_scale={grad_scale!r} is invalid; pass a finite float")
+    step_scalars(hyper, step)  # validates step
+    kernel = resolve_backend(backend)
+    struct = _hyper_struct(hyper, step, grad_scale) if kernel is not None else None
+    return PreparedStep(hyper, step, grad_scale, kernel, struct)
+
+
+def adam_update(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    hyper: AdamHyper,
+    step: float,
+    grad_scale: float = 1.0,
+    shadow: torch.Tensor | None = None,
+    threads: AdamThreads | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """Apply one Adam/AdamW update in place; `step` counts this update (1 on the first).
+
+    `threads` spreads the work over a pool's workers (one thread when None).
+    """
+    check_flat(master, exp_avg, exp_avg_sq, grad, shadow)
+    prepared = prepare_step(hyper, step, grad_scale, backend)
+    run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads)
+
+
+def run_prepared(
+    prepared: PreparedStep,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    shadow: torch.Tensor | None = None,
+    threads: AdamThreads | None = None,
+) -> None:
+    """`adam_update` without the operand checks: the caller guarantees what check_flat checks."""
+    n = master.numel()
+    if n == 0:
+        return
+    hyper, step, grad_scale = prepared.hyper, prepared.step, prepared.grad_scale
+    if prepared.kernel is None or prepared.struct is None:
+        if threads is None:
+            torch_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper, step=step,
+                         grad_scale=grad_scale, shadow=shadow)
+            return
+
+        def torch_part(lo: int, hi: int) -> None:
+            torch_update(master.view(-1)[lo:hi], exp_avg.view(-1)[lo:hi],
+                         exp_avg_sq.view(-1)[lo:hi], grad.view(-1)[lo:hi], hyper=hyper,
+                         step=step, grad_scale=grad_scale,
+                         shadow=None if shadow is None else shadow.view(-1)[lo:hi])
+
+        threads.run(n, torch_part)
+        return
+
+    hp_ref = ctypes.byref(prepared.struct)
+    ptrs = (master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr())
+    gkind = _KIND[grad.dtype]
+    out_ptr = shadow.data_ptr() if shadow is not None else None
+    okind = _KIND[shadow.dtype] if shadow is not None else 0
+    step_fn = prepared.kernel.step
+
+    def part(lo: int, hi: int) -> None:
+        rc = step_fn(ptrs[0], ptrs[1], ptrs[2], ptrs[3], gkind, out_ptr, okind, lo, hi, hp_ref)
+        if rc != 0:
+            raise RuntimeError(
+                f"tz_adam_step rejected its arguments (rc={rc}, kinds {gkind}/{okind})"
+            )
+
+    if threads is None:
+        part(0, n)
+    else:
+        threads.run(n, part)
+
+
+def to_low_precision(src: torch.Tensor, dst: torch.Tensor, threads: AdamThreads | None = None,
+                     backend: Backend = "auto") -> None:
+    """dst = src rounded to dst's dtype (bf16/fp16, nearest even), for refreshing a shadow copy."""
+    if src.dtype != torch.float32 or dst.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"to_low_precision needs fp32 -> bf16/fp16, got {src.dtype} -> {dst.dtype}"
+        )
+    if src.numel() != dst.numel() or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("to_low_precision needs contiguous tensors with the same numel")
+    kernel = resolve_backend(backend)
+    if kernel is None:
+        dst.view(-1).copy_(src.view(-1))
+        return
+    to16 = kernel.to_16
+    sp, dp, ok = src.data_ptr(), dst.data_ptr(), _KIND[dst.dtype]
+
+    def part(lo: int, hi: int) -> None:
+        to16(sp, dp, ok, lo, hi)
+
+    if threads is None:
+        part(0, src.numel())
+    else:
+        threads.run(src.numel(), part)

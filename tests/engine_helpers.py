@@ -1,0 +1,210 @@
+"""Small models, configs and a plain-PyTorch reference trainer for the engine tests."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import engine
+from engine.collectives import Comm
+from engine.config import (
+    BatchConfig,
+    Config,
+    OptimizerConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+
+VOCAB, DIM, SEQ = 64, 32, 8
+# fp32 parity tolerances; the reasons are in test_engine_parity.py's docstring.
+PARAM_ATOL = 1e-5
+LOSS_RTOL = 1e-6
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual: LayerNorm, two biased Linears."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, `n_blocks` blocks, final LayerNorm, biased head. `order` picks which blocks
+    run and in which order (dynamic control flow); default all, in order."""
+
+    def __init__(self, n_blocks: int = 4, dim: int = DIM, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.checkpointed = False  # recompute each block in backward (activation checkpointing)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor,
+                order: tuple[int, ...] | None = None) -> torch.Tensor:
+        x = self.emb(ids)  # (B, T, C)
+        for i in range(len(self.blocks)) if order is None else order:
+            if self.checkpointed:
+                x = checkpoint(self.blocks[i], x, use_reentrant=False)
+            else:
+                x = self.blocks[i](x)
+        logits = self.head(self.norm(x)).float()  # (B, T, V)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1))
+
+
+def make_model(seed: int = 0, n_blocks: int = 4) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM(n_blocks)
+    with torch.no_grad():  # non-trivial LayerNorm affine params
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+    return model
+
+
+def make_batches(n: int, batch: int = 4, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable task (target = a fixed map of the token), so the loss falls fast."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+        out.append((ids, (ids * 5 + 1) % VOCAB))
+    return out
+
+
+def make_config(precision: str = "fp32", *, gas: int = 1, clip: float = 0.0, lr: float = 1e-2,
+                stage: int = 3, units: tuple[str, ...] = ("Block",),
+                persistence: int = 0, scheduler: SchedulerConfig | None = None,
+                overlap: bool = True, reduce_bucket: int = 1_000_000_000) -> Config:
+    return Config(
+        precision=PrecisionConfig(dtype=precision),  # type: ignore[arg-type]
+        zero=ZeroConfig(stage=stage, units=units, persistence_threshold_bytes=persistence,
+                        overlap_comm=overlap, reduce_bucket_bytes=reduce_bucket),
+        optimizer=OptimizerConfig(type="adamw", lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.1),
+        scheduler=scheduler or SchedulerConfig(),
+        batch=BatchConfig(gradient_accumulation_steps=gas),
+        gradient_clipping=clip,
+    )
+
+
+@dataclass
+class RefResult:
+    losses: list[float]  # mean over ranks of each micro-step's loss
+    params: dict[str, torch.Tensor]
+    report: dict[str, object] | None = None  # engine.memory_report() at the end
+
+
+def reference_train(model: nn.Module, cfg: Config,
+                    batches_per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]], steps: int,
+                    orders: list[tuple[int, ...] | None] | None = None) -> RefResult:
+    """Plain PyTorch, DDP-equivalent: each micro-step's gradient is the mean over ranks of
+    grad(loss_r / gas); AdamW on full fp32 params; clip_grad_norm_ before each step.
+    A parameter no micro-step used gets a zero gradient (flat shards have no "None"
+    gradient, as in DeepSpeed), where torch.optim would skip it."""
+    model = copy.deepcopy(model)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
+    gas = cfg.batch.gradient_accumulation_steps or 1
+    world = len(batches_per_rank)
+    losses: list[float] = []
+    for micro in range(steps * gas):
+        order = orders[micro] if orders else None
+        per_rank = [model(*batches_per_rank[r][micro], order=order) for r in range(world)]
+        total = torch.stack(per_rank).mean()
+        (total / gas).backward()
+        losses.append(float(total.detach()))
+        if (micro + 1) % gas == 0:
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if cfg.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
+            opt.step()
+            opt.zero_grad()
+    return RefResult(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+def full_params(eng: object, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered, as fp32 copies (a collective on every rank)."""
+    out: dict[str, torch.Tensor] = {}
+    with engine.GatheredParameters(list(model.parameters())):
+        for k, v in model.named_parameters():
+            out[k] = v.detach().float().clone()
+    return out
+
+
+def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                 *, model: nn.Module | None = None,
+                 orders: list[tuple[int, ...] | None] | None = None,
+                 world_mean: bool = False) -> RefResult:
+    """Train `model` (default make_model()) with tierzero on this rank's `batches`."""
+    model = model if model is not None else make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    gas = cfg.batch.gradient_accumulation_steps or 1
+    comm = Comm()
+    losses: list[float] = []
+    for micro in range(steps * gas):
+        ids, tg = batches[micro]
+        loss = eng(ids, tg, order=orders[micro] if orders else None)
+        eng.backward(loss)
+        eng.step()
+        val = loss.detach().float().reshape(1).clone()
+        if world_mean:
+            comm.all_reduce_sum(val)
+            val /= comm.world_size
+        losses.append(float(val))
+    params = full_params(eng, model)
+    result = RefResult(losses, params, eng.memory_report())
+    eng.close()
+    return result
+
+
+def rank_scenario(rank: int, *, precision: str, gas: int, clip: float, steps: int,
+                  overlap: bool = True, reduce_bucket: int = 1_000_000_000) -> RefResult:
+    """One rank's part of a two-rank run: its own batches (seed 1 + rank)."""
+    cfg = make_config(precision=precision, gas=gas, clip=clip, overlap=overlap,
+                      reduce_bucket=reduce_bucket)
+    return engine_train(cfg, make_batches(steps * gas, seed=1 + rank), steps, world_mean=True)
+
+
+def assert_match(got_losses: list[float], got: dict[str, torch.Tensor],
+                 ref_losses: list[float], ref: dict[str, torch.Tensor]) -> None:
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses),
+                               rtol=LOSS_RTOL, atol=0.0)
+    assert got.keys() == ref.keys()
+    for k, want in ref.items():
+        torch.testing.assert_close(got[k], want, rtol=0.0, atol=PARAM_ATOL, msg=k)
+    # the run must have moved the parameters, or the comparison proves nothing
+    start = dict(make_model().named_parameters())
+    moved = max(float((ref[k] - start[k].detach()).abs().max()) for k in ref)
+    assert moved > 100 * PARAM_ATOL
+
+
+def comm_scenario(rank: int) -> dict[str, torch.Tensor]:
+    """Reduce-scatter through the backend's own op and through the all_reduce + slice
+    fallback (used where gloo lacks reduce_scatter); all-gather of a bf16 shard."""
+    comm = Comm()
+    full = torch.arange(2 * 256, dtype=torch.float32) * (rank + 1)  # rank r sends (r+1)*x
+    native = torch.empty(256)
+    comm.reduce_scatter_mean(native, full)
+    comm._reduce_scatter_native = False
+    fallback = torch.empty(256)
+    comm.reduce_scatter_mean(fallback, full)
+    gathered = torch.empty(2 * 4, dtype=torch.bfloat16)
+    comm.all_gather(gathered, torch.full((4,), float(rank), dtype=torch.bfloat16))
+    return {"native": native, "fallback": fallback, "gathered": gathered}
