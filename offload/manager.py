@@ -59,6 +59,11 @@ class TierManager(ResidencyCore):
     def home_of(self, key: str) -> Tier:
         return self._rec(key).home
 
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1D host tensor allocated like the manager's own: aligned, pinned when it pins."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._alloc.empty(numel * itemsize).view(dtype)
+
     def place(self, key: str, data: torch.Tensor) -> TierTransfer:
         """Copy a shard's first data to its home tier; wait() before reusing ``data``."""
         with self._lock:
