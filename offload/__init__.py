@@ -48,6 +48,7 @@ from .shard_store import (
     SwapShardStore,
     Transfer,
 )
+from .tier_store import TierShardStore
 from .transfer import SwapBackend, TierTransfer
 
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "TierBudgets",
     "TierManager",
     "TierSettings",
+    "TierShardStore",
     "TierTransfer",
     "Transfer",
     "TransferError",

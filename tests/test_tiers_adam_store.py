@@ -14,9 +14,9 @@ from offload import (
     ShardLayout,
     ShardSpec,
     TierManager,
+    TierShardStore,
     pipelined_step,
 )
-from offload.tier_store import TierShardStore
 from swap import SwapStore
 
 NUMELS = (1000, 0, 4097, 33, 7000, 5)
