@@ -90,7 +90,7 @@ class SwapStore:
         self.verify = verify
         self._fileio = fileio if fileio is not None else FileIO()
         self._scratch = open_scratch(directory)
-        self._finalizer = weakref.finalize(self, self._scratch.remove)  # interpreter exit
+        self._finalizer = weakref.finalize(self, self._scratch.remove)  # exit, or failed init
         try:
             check_free_space(self._scratch.subdir, round_up(reserve_bytes))
             self._fd, self.direct = open_data_file(self._fileio, self._scratch.data_path, direct)
@@ -127,6 +127,12 @@ class SwapStore:
         ]
         for t in self._threads:
             t.start()
+        # At interpreter exit, finish pending I/O and stop the threads while the
+        # interpreter still runs: a daemon thread frozen at finalization inside
+        # torch's C++ copy aborts the process. Runs before the scratch finalizer
+        # above (finalizers run newest first) and holds the store until exit,
+        # as its threads do anyway.
+        self._exit_hook = weakref.finalize(self, self.close)
         log.info(
             "swap store %s: direct=%s block_size=%d queue_depth=%d threads=%d verify=%s",
             self.path, self.direct, block_size, queue_depth, threads, verify,
@@ -204,8 +210,11 @@ class SwapStore:
         """Finish pending I/O, stop the threads, remove the swap files. Idempotent.
 
         A store never closed keeps its threads (and so itself) alive until the
-        interpreter exits, when its files are removed by a finalizer.
+        interpreter exits, when a finalizer closes it. In a forked child this
+        is a no-op: the I/O threads and the files belong to the parent.
         """
+        if os.getpid() != self._scratch.owner_pid:
+            return
         with self._lock:
             if self._closed:
                 return

@@ -68,7 +68,7 @@ def test_same_key_writes_apply_in_order_and_reads_see_the_latest(tmp_path: Path)
 
 def test_different_keys_interleave_small_read_not_stuck_behind_big_write(tmp_path: Path) -> None:
     # 2 threads, each block of the big write takes >= 5 ms: 64 blocks need >= 160 ms.
-    # A small read submitted right after must finish long before (round-robin service).
+    # A small read submitted right after must finish long before (reads go first).
     with SwapStore(tmp_path, fileio=SlowIO(write_delay=0.005), block_size=1 << 16,
                    threads=2, queue_depth=4) as s:
         s.write("small", torch.ones(100)).wait()
