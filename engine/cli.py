@@ -17,6 +17,7 @@ import yaml
 from engine.bench.command import add_bench
 from engine.config import ConfigError, load_config
 from engine.config.native import as_dict
+from engine.plan.command import add_plan
 from engine.train.command import add_train
 
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -95,7 +96,7 @@ def _scalar(text: str) -> Any:
     return text
 
 
-COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_train, add_bench, add_config)
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_train, add_plan, add_bench, add_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,182 @@
+"""`tierzero plan`: will this model fit on this machine, where, and how fast.
+
+Machine figures come from flags, else detection (CUDA free memory, available
+RAM, free space at the NVMe path), and speeds from flags, else the file
+`tierzero bench` saved. A model that fits under no choice exits 1 naming, per
+choice, the short tier and by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+import psutil
+import torch
+import yaml
+
+from engine.bench.command import results_path
+from engine.config import ConfigError
+from engine.config.values import parse_bytes
+from engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend
+from engine.plan.shapes import ModelShape, model_shape
+from engine.train.metrics import human_bytes
+from engine.train.model_source import ModelError
+from offload.settings import TENSOR_CLASSES, TIERS
+
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+def add_plan(sub: Subparsers) -> None:
+    plan = sub.add_parser(
+        "plan", help="bytes per tier for each offload choice, what fits, predicted step time",
+        description="Run the tier manager's placement on the model's units (built on meta "
+        "tensors) for offload none / cpu / nvme / auto and print bytes per tensor class per "
+        "tier, which fit, NVMe traffic and a predicted step time from measured bandwidths.",
+    )
+    plan.add_argument("--model", required=True,
+                      help="builtin:<size>, a Hugging Face config.json or its directory, or a "
+                      "parameter count (7e9, 40B)")
+    plan.add_argument("--layers", type=int, default=32,
+                      help="blocks a parameter count is split into (default 32)")
+    plan.add_argument("--precision", choices=sorted(DTYPES), default="bf16")
+    plan.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    for name, what in (("device-mem", "accelerator memory per rank (default: free CUDA memory)"),
+                       ("host-mem", "host memory for tierzero per rank (default: available RAM)"),
+                       ("nvme-size", "swap space per rank (default: free space at --nvme-path)")):
+        plan.add_argument(f"--{name}", metavar="BYTES", help=what + "; e.g. 80GB, 512GiB")
+    plan.add_argument("--nvme-path", default="/var/tmp", help="swap directory (default /var/tmp)")
+    plan.add_argument("--bench", metavar="FILE",
+                      help=f"bandwidths saved by tierzero bench (default {results_path()})")
+    for name in ("nvme-read-gbps", "nvme-write-gbps", "copy-gbps", "adam-params-per-s"):
+        plan.add_argument(f"--{name}", type=float, metavar="X")
+    plan.add_argument("--write", metavar="FILE", help="write the recommended config here (YAML)")
+    plan.set_defaults(run=run_plan)
+
+
+def _bytes(flag: str, text: str | None) -> int | None:
+    return None if text is None else parse_bytes(text, flag, int, {"unit": "bytes"})
+
+
+def detect_machine(args: argparse.Namespace) -> tuple[Machine, list[str]]:
+    notes: list[str] = []
+    device = _bytes("--device-mem", args.device_mem)
+    cuda = torch.cuda.is_available()
+    if device is None:
+        if not cuda:
+            raise ConfigError("--device-mem", "no CUDA device here to measure; give the "
+                              "accelerator memory of the machine to plan for, e.g. 80GB")
+        device = int(torch.cuda.mem_get_info()[0])
+        notes.append("device memory: detected (free CUDA memory)")
+    host = _bytes("--host-mem", args.host_mem)
+    if host is None:
+        host = int(psutil.virtual_memory().available)
+        notes.append("host memory: detected (available RAM)")
+    nvme = _bytes("--nvme-size", args.nvme_size)
+    if nvme is None:
+        if not os.path.isdir(args.nvme_path):
+            raise ConfigError("--nvme-path", f"'{args.nvme_path}' is not a directory; give an "
+                              "existing swap directory or --nvme-size")
+        nvme = int(shutil.disk_usage(args.nvme_path).free)
+        notes.append(f"nvme space: detected (free at {args.nvme_path})")
+    speeds = _bench_speeds(args, notes)
+    return Machine(device, host, nvme, cuda or args.device_mem is not None, **speeds), notes
+
+
+def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, float | None]:
+    path = args.bench or results_path()
+    saved: dict[str, Any] = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        notes.append(f"speeds not given on the command line: from {path}")
+    elif args.bench:
+        raise ConfigError("--bench", f"'{path}' does not exist; run tierzero bench first")
+    pick = {"nvme_read_gbps": args.nvme_read_gbps or saved.get("nvme_read_gbps"),
+            "nvme_write_gbps": args.nvme_write_gbps or saved.get("nvme_write_gbps"),
+            "copy_gbps": args.copy_gbps or saved.get("memory_copy_gbps"),
+            "adam_params_per_s": args.adam_params_per_s or saved.get("adam_params_per_s")}
+    return {k: (float(v) if v is not None else None) for k, v in pick.items()}
+
+
+def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: argparse.Namespace,
+           notes: list[str]) -> str:
+    out = [f"model: {shape.name}: {shape.parameters / 1e9:.2f}B parameters, "
+           f"{len(shape.units)} units; {args.precision}, world size {args.world_size} "
+           "(bytes per rank)",
+           f"machine: device {human_bytes(machine.device_bytes)}, host "
+           f"{human_bytes(machine.host_bytes)}, nvme {human_bytes(machine.nvme_bytes)}"]
+    out += [f"  {n}" for n in notes]
+    head = ["offload", "tier", *TENSOR_CLASSES, "reserve/pool", "total", "budget", "fits"]
+    rows = [head]
+    for p in plans:
+        if not p.fits:
+            rows.append([p.choice, "-", *["-"] * len(TENSOR_CLASSES), "-", "-", "-", "no"])
+            continue
+        for tier in TIERS:
+            budget = {"device": machine.device_bytes, "host": machine.host_bytes,
+                      "nvme": machine.nvme_bytes}[tier]
+            rows.append([p.choice if tier == "device" else "", tier,
+                         *[human_bytes(p.by_tier[tier][c]) for c in TENSOR_CLASSES],
+                         human_bytes(p.overhead[tier]), human_bytes(p.total(tier)),
+                         human_bytes(budget), "yes" if tier == "device" else ""])
+    out.append(_table(rows))
+    rows = [["offload", "NVMe read/step", "NVMe written/step", "written/1,000 steps",
+             "copies/step", "CPU Adam params", "predicted step"]]
+    for p in plans:
+        if p.fits:
+            rows.append([p.choice, human_bytes(p.nvme_read), human_bytes(p.nvme_written),
+                         human_bytes(1000 * p.nvme_written), human_bytes(p.copied),
+                         f"{p.adam_params / 1e9:.2f}B",
+                         f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"])
+    out.append(_table(rows))
+    out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
+    out.append("predicted step: max(NVMe, copies, CPU Adam) with full overlap; compute is not "
+               "modelled, so real steps are at least this long")
+    return "\n".join(out)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, Any]:
+    offload: dict[str, Any] = {"device": best.choice}
+    if best.choice in ("nvme", "auto"):
+        offload["path"] = os.path.abspath(args.nvme_path)
+    return {"precision": args.precision, "zero": {"stage": 3}, "offload": offload}
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        if args.world_size < 1:
+            raise ConfigError("--world-size", f"{args.world_size} is not allowed; allowed: >= 1")
+        shape = model_shape(args.model, layers=args.layers)
+        machine, notes = detect_machine(args)
+        plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision)
+    except (ConfigError, ModelError) as exc:
+        sys.stderr.write(f"tierzero plan: error: {exc}\n")
+        return 1
+    text = render(shape, plans, machine, args, notes)
+    best = recommend(plans)
+    if best is None:
+        sys.stdout.write(text + "\n")
+        sys.stderr.write("tierzero plan: error: the model fits under no offload choice; give "
+                         "the machine more memory or NVMe space, or more ranks (--world-size)\n")
+        return 1
+    config = recommended_config(best, args)
+    text += f"\nrecommended: offload {best.choice}\n" + yaml.safe_dump(config, sort_keys=False)
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        text += f"written: {args.write}\n"
+    sys.stdout.write(text)
+    return 0

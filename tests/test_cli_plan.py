@@ -1,0 +1,148 @@
+"""`tierzero plan`: Llama-shaped 7B / 40B / 70B and a parameter count, bytes per tier checked
+against hand arithmetic; what fits; the CLI's table, --write and errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import engine
+from engine.cli import main
+from engine.plan import Machine, model_shape, plan_all, recommend
+
+GB = 10**9
+BIG = Machine(device_bytes=80 * GB, host_bytes=2000 * GB, nvme_bytes=8000 * GB, cuda=True,
+              nvme_read_gbps=6.0, nvme_write_gbps=5.0, copy_gbps=25.0, adam_params_per_s=2e9)
+
+
+def llama_params(shape: tuple[int, int, int, int, int, int]) -> int:
+    """Hand count: attention q, o (h x h) and k, v (h x kv_dim), SwiGLU MLP (3 x h x inter),
+    two RMSNorm weights per layer; untied embedding and head; final norm."""
+    hidden, inter, layers, heads, kv, vocab = shape
+    kv_dim = hidden // heads * kv
+    layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
+    return layers * layer + 2 * vocab * hidden + hidden
+
+
+LLAMAS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
+    "7b": (4096, 11008, 32, 32, 32, 32000),
+    "40b": (8192, 22016, 56, 64, 8, 32000),
+    "70b": (8192, 28672, 80, 64, 8, 32000),
+}
+
+
+def llama_config(tmp_path: Path, name: str) -> str:
+    hidden, inter, layers, heads, kv, vocab = LLAMAS[name]
+    path = tmp_path / f"llama-{name}.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False}))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", list(LLAMAS))
+def test_llama_bytes_per_tier(name: str, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    shape = model_shape(llama_config(tmp_path, name))
+    params = llama_params(LLAMAS[name])
+    assert shape.parameters == params
+    assert params == {"7b": 6_738_415_616, "70b": 68_976_648_192}.get(name, params)  # published
+    assert len(shape.units) == LLAMAS[name][2] + 1  # one unit per decoder layer + the root
+    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16")}
+    cpu = plans["cpu"]
+    assert cpu.fits
+    # Offload cpu: every class homed on the host; bf16 param16 = 2 bytes, the rest fp32.
+    assert cpu.by_tier["host"] == {"param16": 2 * params, "grad": 4 * params,
+                                   "master": 4 * params, "exp_avg": 4 * params,
+                                   "exp_avg_sq": 4 * params}
+    assert sum(cpu.by_tier["device"].values()) == sum(cpu.by_tier["nvme"].values()) == 0
+    # The device keeps room for one unit's gradient in flight: the largest unit's fp32 grad.
+    assert cpu.overhead["device"] == 4 * max(n for _, n in shape.units)
+    # Per step: param16 copied in twice (forward, backward), the gradient out once.
+    assert cpu.copied == 2 * 2 * params + 4 * params
+    nvme = plans["nvme"]
+    assert nvme.fits and sum(nvme.by_tier["nvme"].values()) == 18 * params
+    # NVMe: param16 read twice, written once; grad, master, moments read and written once.
+    assert nvme.nvme_read == 2 * 2 * params + 4 * 4 * params
+    assert nvme.nvme_written == 2 * params + 4 * 4 * params
+    assert plans["none"].fits == (18 * params <= 80 * GB)
+
+
+def test_parameter_count_world_size_two() -> None:
+    shape = model_shape("7e9", layers=32)
+    assert shape.parameters == 7 * GB and len(shape.units) == 32
+    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="bf16")}
+    per_unit = math.ceil(7 * GB / 32 / 2)  # each rank owns ceil(unit / world) elements
+    assert plans["cpu"].by_tier["host"]["master"] == 32 * per_unit * 4
+    assert plans["cpu"].by_tier["host"]["param16"] == 32 * per_unit * 2
+    # Offload none: 18 bytes per element on the device, 3.5B elements per rank = 63 GB < 80 GB.
+    assert plans["none"].fits and plans["none"].total("device") == 18 * 32 * per_unit
+    one_rank = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16")}
+    assert "tier device is short by 46000000000 bytes" in (one_rank["none"].error or "")
+    fp32 = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="fp32")}
+    assert fp32["cpu"].by_tier["host"]["param16"] == 0  # fp32: the master is the parameter
+    assert recommend(list(plans.values())) is not None
+
+
+def test_predicted_time_and_recommendation() -> None:
+    shape = model_shape("1e9", layers=8)
+    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16")}
+    assert plans["none"].fits and plans["none"].step_s == 0.0  # nothing moves
+    assert recommend(list(plans.values())) is plans["none"]
+    cpu = plans["cpu"]
+    # max(copies / 25 GB/s, CPU Adam over 1e9 params at 2e9/s)
+    assert cpu.step_s == pytest.approx(max(cpu.copied / 25e9, 1e9 / 2e9))
+
+
+def plan_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+MACHINE = ["--device-mem", "80GB", "--host-mem", "512GB", "--nvme-size", "4TB",
+           "--nvme-read-gbps", "6", "--nvme-write-gbps", "5", "--copy-gbps", "25",
+           "--adam-params-per-s", "2e9"]
+
+
+def test_cli_40b_table_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "rec.yaml"
+    code, out, _ = plan_cli(["--model", "40B", *MACHINE, "--nvme-path", str(tmp_path),
+                             "--write", str(out_file)], capsys)
+    assert code == 0
+    assert "40.00B parameters" in out
+    assert "none: does not fit: tier device is short by" in out
+    assert "cpu: does not fit: tier host is short by" in out  # 720 GB > 512 GB of RAM
+    assert "written/1,000 steps" in out and "predicted step" in out
+    written: dict[str, Any] = yaml.safe_load(out_file.read_text())
+    assert written["offload"]["device"] in ("auto", "nvme")
+    assert engine.load_config(str(out_file)).zero.stage == 3  # loads as a real config
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--model", "builtin:huge", *MACHINE], "unknown built-in size 'huge'"),
+    (["--model", "/no/config.json", *MACHINE], "unknown model"),
+    (["--model", "7B", "--world-size", "0", *MACHINE], "--world-size: 0 is not allowed"),
+    (["--model", "7B", "--device-mem", "lots", "--host-mem", "1GB", "--nvme-size", "1GB"],
+     "--device-mem"),
+])
+def test_cli_bad_arguments(args: list[str], needle: str,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = plan_cli(args, capsys)
+    assert code == 1 and needle in err
+
+
+def test_cli_fits_nowhere(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = plan_cli(["--model", "70B", "--device-mem", "8GB", "--host-mem", "16GB",
+                               "--nvme-size", "100GB"], capsys)
+    assert code == 1
+    assert "fits under no offload choice" in err
+    for choice in ("none", "cpu", "nvme", "auto"):
+        assert f"{choice}: does not fit: tier" in out
