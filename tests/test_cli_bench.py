@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.bench import results_path
 from engine.cli import main
@@ -31,6 +32,8 @@ def test_bench_quick_saves_results(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert saved["sizes"]["nvme_bytes"] == 8 << 20
     assert {"cpu", "cores", "torch"} <= set(saved["machine"])
     assert list(swap_dir.iterdir()) == []  # the store removed its scratch files
+    if not torch.cuda.is_available():
+        assert saved["h2d_gbps"] is None and saved["d2h_gbps"] is None
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -44,3 +47,13 @@ def test_bench_bad_arguments(args: list[str], needle: str, tmp_path: Path,
     assert main(["bench", "--quick", *args]) == 1
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.cuda
+def test_bench_measures_device_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TIERZERO_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "--quick", "--path", str(tmp_path), "--nvme-mib", "8"]) == 0
+    assert "host -> device (pinned)" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["h2d_gbps"] > 1 and saved["d2h_gbps"] > 1  # any PCIe link does > 1 GB/s

@@ -130,3 +130,17 @@ def test_embedded_default_names_the_built_in_model() -> None:
     assert cfg.train.model == "builtin:small" and cfg.train.dataset is None
     assert 20e6 < SIZES["small"].num_parameters < 50e6  # "a few tens of millions"
     assert cfg.offload.params.device == cfg.offload.optimizer.device == "nvme"
+
+
+@pytest.mark.cuda
+def test_train_on_cuda_matches_cpu(tmp_path: Path) -> None:
+    """The same short fp32 run on the GPU (the engine's default device there) and the plain
+    PyTorch reference on the CPU: equal up to kernel differences (TF32 is off by default for
+    matmuls in PyTorch; reductions still differ in order, hence 1e-3)."""
+    config = write_config(tmp_path)
+    assert main(["train", str(config), "--no-progress"]) == 0
+    rows = read_metrics(tmp_path)
+    assert rows[0]["machine"]["cuda"] is True
+    ours = [r["loss"] for r in rows if r["event"] == "step"]
+    ref = reference_losses(6, seed=3, lr=3.0e-3, wd=0.01, batch=2, seq_len=32)
+    assert ours == pytest.approx(ref, rel=1e-3, abs=1e-4)

@@ -69,6 +69,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         (f"CPU Adam ({result.adam_threads} threads)",
          f"{result.adam_params_per_s / 1e6:.0f} M params/s"),
     ]
+    if result.h2d_gbps is not None and result.d2h_gbps is not None:
+        rows.append(("host -> device (pinned)", f"{result.h2d_gbps:.2f} GB/s"))
+        rows.append(("device -> host (pinned)", f"{result.d2h_gbps:.2f} GB/s"))
     width = max(len(r[0]) for r in rows)
     out = [f"{name:<{width}}  {value}" for name, value in rows]
     for target in [results_path()] + ([args.out] if args.out else []):

@@ -1,5 +1,6 @@
 """What `tierzero bench` measures: memory copy bandwidth, NVMe write/read through
-swap.SwapStore at the configured path, and CPU Adam speed (offload.CPUAdam).
+swap.SwapStore at the configured path, CPU Adam speed (offload.CPUAdam) and, with
+CUDA, pinned host <-> device copy bandwidth.
 
 Each figure is the median of `repeats` timed runs after one untimed warm-up.
 NVMe reads use the store's O_DIRECT path where the file system supports it
@@ -45,6 +46,8 @@ class BenchResult:
     nvme_path: str
     nvme_direct: bool  # O_DIRECT in use (reads came from the drive, not the page cache)
     adam_params_per_s: float  # fp32 AdamW elements updated per second (offload.CPUAdam)
+    h2d_gbps: float | None  # pinned host -> CUDA device copies; None without CUDA
+    d2h_gbps: float | None
     adam_threads: int
     sizes: dict[str, int]
     machine: dict[str, Any]
@@ -94,6 +97,24 @@ def nvme_bandwidth(path: str, sizes: BenchSizes, *, block_size: int, threads: in
     return total / t_write / 1e9, total / t_read / 1e9, direct
 
 
+def device_copy_bandwidth(nbytes: int, repeats: int) -> tuple[float | None, float | None]:
+    """(host->device, device->host) GB/s with a pinned host buffer; (None, None) without CUDA."""
+    if not torch.cuda.is_available():
+        return None, None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return nbytes / _median_time(h2d, repeats) / 1e9, nbytes / _median_time(d2h, repeats) / 1e9
+
+
 def adam_speed(n: int, repeats: int) -> tuple[float, int]:
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n)
@@ -120,6 +141,8 @@ def run_bench(path: str, sizes: BenchSizes, *, block_size: int, threads: int,
     write, read, direct = nvme_bandwidth(path, sizes, block_size=block_size, threads=threads,
                                          queue_depth=queue_depth)
     adam, adam_threads = adam_speed(sizes.adam_params, sizes.repeats)
+    h2d, d2h = device_copy_bandwidth(sizes.memory_bytes, sizes.repeats)
     return BenchResult(memory_copy_gbps=mem, nvme_write_gbps=write, nvme_read_gbps=read,
                        nvme_path=path, nvme_direct=direct, adam_params_per_s=adam,
-                       adam_threads=adam_threads, sizes=asdict(sizes), machine=machine())
+                       adam_threads=adam_threads, h2d_gbps=h2d, d2h_gbps=d2h,
+                       sizes=asdict(sizes), machine=machine())

@@ -98,7 +98,10 @@ def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, float
         raise ConfigError("--bench", f"'{path}' does not exist; run tierzero bench first")
     pick = {"nvme_read_gbps": args.nvme_read_gbps or saved.get("nvme_read_gbps"),
             "nvme_write_gbps": args.nvme_write_gbps or saved.get("nvme_write_gbps"),
-            "copy_gbps": args.copy_gbps or saved.get("memory_copy_gbps"),
+            # host <-> device: the measured PCIe copy with CUDA; the CPU stand-in's device
+            # tier is host memory, so its copies run at memory copy speed
+            "copy_gbps": args.copy_gbps or saved.get("h2d_gbps") or saved.get(
+                "memory_copy_gbps"),
             "adam_params_per_s": args.adam_params_per_s or saved.get("adam_params_per_s")}
     return {k: (float(v) if v is not None else None) for k, v in pick.items()}
 
