@@ -144,3 +144,15 @@ def test_train_on_cuda_matches_cpu(tmp_path: Path) -> None:
     ours = [r["loss"] for r in rows if r["event"] == "step"]
     ref = reference_losses(6, seed=3, lr=3.0e-3, wd=0.01, batch=2, seq_len=32)
     assert ours == pytest.approx(ref, rel=1e-3, abs=1e-4)
+
+
+def test_gradient_accumulation(tmp_path: Path) -> None:
+    """Two micro-batches per step: twice the tokens, one optimizer step per record."""
+    config = write_config(tmp_path, steps=2)
+    text = config.read_text().replace("gradient_accumulation_steps: 1",
+                                      "gradient_accumulation_steps: 2")
+    config.write_text(text)
+    assert main(["train", str(config), "--no-progress"]) == 0
+    steps = [r for r in read_metrics(tmp_path) if r["event"] == "step"]
+    assert [r["tokens"] for r in steps] == [2 * 2 * 32] * 2
+    assert all(r["optimizer_s"] > 0 for r in steps)
