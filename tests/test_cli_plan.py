@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 import engine
@@ -146,3 +147,10 @@ def test_cli_fits_nowhere(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fits under no offload choice" in err
     for choice in ("none", "cpu", "nvme", "auto"):
         assert f"{choice}: does not fit: tier" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine detects its device memory")
+def test_cli_needs_device_memory_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = plan_cli(["--model", "7B", "--host-mem", "64GB", "--nvme-size", "1TB"], capsys)
+    assert code == 1
+    assert "--device-mem: no CUDA device here to measure" in err
