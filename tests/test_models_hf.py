@@ -61,9 +61,12 @@ def _data(n: int, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
 
 
-def _train_both(model: nn.Module, steps: int, data: list[torch.Tensor],
+Run = tuple[engine.ZeroEngine, nn.Module, list[float], list[float]]  # engine, ref, losses
+
+
+def _train_both(model: nn.Module, steps: int, data: list[torch.Tensor], *,
                 prepare: Callable[[nn.Module], None] | None = None,
-                lr: float = 1e-2, units: tuple[str, ...] = (), sgd: bool = False) -> tuple[engine.ZeroEngine, nn.Module, list[float], list[float]]:
+                lr: float = 1e-2, units: tuple[str, ...] = (), sgd: bool = False) -> Run:
     """`steps` optimizer steps of AdamW + clipping on the engine and on a plain copy."""
     ref = copy.deepcopy(model)
     if prepare is not None:
