@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from engine_dist import run_two_ranks
 from engine_helpers import LOSS_RTOL, PARAM_ATOL
 from torch import nn
 
@@ -211,3 +213,55 @@ def test_module_called_twice_and_tied_weights() -> None:
     eng, ref, losses, ref_losses = _train_both(model, 6, _data(2), units=("Sequential",))
     assert [u.name for u in eng.units] == ["block", ""]
     _assert_parity(eng, model, ref, losses, ref_losses)
+
+
+def lora_rank_scenario(rank: int) -> dict[str, object]:
+    """One rank of a two-rank LoRA + HF checkpointing run: its own batches (seed 1 + rank)."""
+    model = _llama(tied=True)
+    _add_lora(model)
+    cfg = engine.load_config({"zero": {"stage": 3, "persistence_threshold_bytes": 0},
+                              "precision": "fp32", "gradient_clipping": 1.0,
+                              "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1}})
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    g = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+        out = eng(input_ids=ids, labels=ids)
+        eng.backward(out.loss)
+        eng.step()
+        val = out.loss.detach().reshape(1).clone()
+        eng.comm.all_reduce_sum(val)
+        losses.append(float(val) / 2)
+    with engine.GatheredParameters(list(model.parameters())):
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    eng.close()
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.multiproc
+def test_lora_checkpointing_two_ranks(tmp_path: Path) -> None:
+    """On two ranks released units really free their storage, so recomputation in backward
+    must re-gather the frozen base weights; compared with DDP-style plain PyTorch."""
+    res = run_two_ranks(tmp_path, {"lora": lora_rank_scenario})
+    ref = _llama(tied=True)
+    _add_lora(ref)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1)
+    gens = [torch.Generator().manual_seed(1 + r) for r in range(2)]
+    ref_losses = []
+    for _ in range(3):
+        batches = [torch.randint(0, VOCAB, (2, 16), generator=gens[r]) for r in range(2)]
+        loss = torch.stack([ref(input_ids=b, labels=b).loss for b in batches]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    for rank in range(2):
+        got = res[rank]["lora"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
+                                   rtol=LOSS_RTOL, atol=0.0)
+        for k, q in ref.named_parameters():
+            torch.testing.assert_close(got["params"][k], q.detach(), rtol=0.0,
+                                       atol=PARAM_ATOL, msg=k)
