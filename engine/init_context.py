@@ -97,6 +97,11 @@ def _gather(rec: _Record, dtype: torch.dtype, comm: Comm) -> torch.Tensor:
     """The full flattened values (1D, numel) from every rank's slice: an all-gather."""
     if rec.shard is None:
         raise RuntimeError("internal: gather of a live parameter")
+    if comm.backend == "nccl":  # NCCL moves CUDA tensors only; the shards stay on host
+        dev = torch.device("cuda", torch.cuda.current_device())
+        full = torch.empty(rec.chunk * comm.world_size, dtype=dtype, device=dev)
+        comm.all_gather(full, rec.shard.to(dev))
+        return full[:rec.numel].cpu()
     full = torch.empty(rec.chunk * comm.world_size, dtype=dtype)
     comm.all_gather(full, rec.shard)
     return full[:rec.numel]
