@@ -73,6 +73,29 @@ def _engine_slots(module: nn.Module) -> dict[int, tuple[FlatGroup, ParamSlot]]:
     return out
 
 
+def _align_prefix(module: nn.Module, tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """Checkpoint keys in the module's naming. A Hugging Face checkpoint of the base model
+    (`layers.0...`) loads into the model with a head (`model.layers.0...`) and the other
+    way round: the variant (as is, `base_model_prefix.` added, or removed) that matches
+    the most parameter and buffer names wins, applied to every key alike."""
+    prefix = getattr(module, "base_model_prefix", "")
+    if not isinstance(prefix, str) or not prefix:
+        return tensors
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in module.named_buffers()}
+    p = prefix + "."
+    variants = {
+        "as is": dict(tensors),
+        "added": {p + k: e for k, e in tensors.items()},
+        "removed": {k.removeprefix(p): e for k, e in tensors.items()},
+    }
+    best = max(variants, key=lambda v: (len(names & set(variants[v])), v == "as is"))
+    if best != "as is":
+        log.info("load_pretrained: checkpoint keys %s the model's base_model_prefix %r",
+                 best, prefix)
+    return variants[best]
+
+
 def _check(module: nn.Module, tensors: dict[str, TensorEntry], strict: bool,
            slots: dict[int, tuple[FlatGroup, ParamSlot]]) -> tuple[_Params, _Buffers]:
     """Match checkpoint keys to parameters and buffers; every problem is raised at once."""
@@ -159,7 +182,7 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
         raise TypeError(f"load_pretrained needs an nn.Module or a ZeroEngine; got "
                         f"{type(model_or_engine).__name__}")
     files = checkpoint_files(Path(path))
-    tensors = list_tensors(files)
+    tensors = _align_prefix(module, list_tensors(files))
     slots = _engine_slots(module)
     matched, buf_matched = _check(module, tensors, strict, slots)
     param_of = {id(e): p for e, p in matched}

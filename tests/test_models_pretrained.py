@@ -160,7 +160,14 @@ def two_rank_scenario(rank: int, path: str) -> dict[str, object]:
     report = engine.load_pretrained(eng, path)
     got = _gathered(model)
     eng.close()
-    return {"params": got, "bytes_read": report.bytes_read}
+    with engine.Init(config=_cfg()):  # into Init shards, then handed to an engine
+        init_model = make_model(seed=0)
+    init_report = engine.load_pretrained(init_model, path)
+    eng, _, _, _ = engine.initialize(model=init_model, config=_cfg(), device="cpu")
+    init_got = _gathered(init_model)
+    eng.close()
+    return {"params": got, "bytes_read": report.bytes_read, "init_params": init_got,
+            "init_bytes_read": init_report.bytes_read}
 
 
 @pytest.mark.multiproc
@@ -175,9 +182,11 @@ def test_two_ranks_read_only_their_slices(tmp_path: Path) -> None:
         got = res[r]["load"]
         for k, v in got["params"].items():
             assert torch.equal(v, sd[k].bfloat16().float()), (r, k)
+            assert torch.equal(got["init_params"][k], sd[k].bfloat16().float()), (r, k)
         # half the model each, plus at most one partial row per tensor at a slice edge
-        assert got["bytes_read"] <= total / 2 + 2 * len(sd) * largest_row, got["bytes_read"]
-        assert got["bytes_read"] < 0.75 * total
+        for key in ("bytes_read", "init_bytes_read"):
+            assert got[key] <= total / 2 + 2 * len(sd) * largest_row, (key, got[key])
+            assert got[key] < 0.75 * total
 
 
 _MEMORY_CHILD = textwrap.dedent("""
@@ -228,3 +237,33 @@ def test_peak_memory_bounded_by_largest_tensor(tmp_path: Path) -> None:
     assert peak_read == tensor and bytes_read == n * tensor
     # bound: the one tensor in flight, plus allocator slack (16 MiB); the whole model is 96 MiB
     assert growth < tensor + 16 * 2**20, growth
+
+
+@pytest.mark.parametrize("source", ["causal-lm", "base-model"])
+def test_hf_save_pretrained_roundtrip(tmp_path: Path, source: str) -> None:
+    """A checkpoint written by transformers' own save_pretrained (sharded safetensors with
+    index; or the base model without its head, keys lacking `model.`) loads into a tied
+    Llama under the engine; the gathered values equal the saved model's exactly."""
+    transformers = pytest.importorskip("transformers")
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=True)
+        return transformers.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]
+
+    src = build(3)
+    saved = src if source == "causal-lm" else src.model
+    saved.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "model.safetensors.index.json" in files
+    model = build(0)
+    cfg = engine.load_config({"zero": {"stage": 3}, "precision": "fp32"})
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    engine.load_pretrained(eng, tmp_path / "hf")
+    got = _gathered(model)
+    for k, v in src.named_parameters():
+        assert torch.equal(got[k], v.detach()), k
+    eng.close()
