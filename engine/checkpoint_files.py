@@ -126,14 +126,15 @@ def _bin_open(file: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def list_tensors(files: list[Path]) -> dict[str, TensorEntry]:
-    """Every tensor of the checkpoint by name, from headers; duplicates are an error."""
+def list_tensors(files: list[Path], reader: SliceReader) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint by name, from headers; duplicates are an error.
+    `.bin` files are opened (memory-mapped) once, through `reader`."""
     out: dict[str, TensorEntry] = {}
     for file in files:
         if file.suffix == ".safetensors":
             entries = _safetensors_entries(file)
         else:
-            sd = _bin_open(file)
+            sd = reader.bin_file(file)
             entries = [TensorEntry(k, file, tuple(v.shape)) for k, v in sd.items()
                        if isinstance(v, torch.Tensor)]
         for e in entries:
@@ -177,12 +178,17 @@ class SliceReader:
         self.peak_read_bytes = max(self.peak_read_bytes, out.numel() * out.element_size())
         return out
 
+    def bin_file(self, file: Path) -> dict[str, torch.Tensor]:
+        """The state dict of a `.bin` file, memory-mapped, opened once."""
+        sd = self._bin.get(file)
+        if sd is None:
+            sd = self._bin[file] = _bin_open(file)
+        return sd
+
     def _read(self, entry: TensorEntry, lo: int, hi: int) -> torch.Tensor:
         if entry.file.suffix != ".safetensors":
-            sd = self._bin.get(entry.file)
-            if sd is None:
-                sd = self._bin[entry.file] = _bin_open(entry.file)
-            return sd[entry.name].reshape(-1)[lo:hi].clone()  # pages in [lo, hi) only
+            flat = self.bin_file(entry.file)[entry.name].reshape(-1)
+            return flat[lo:hi].clone()  # pages in only [lo, hi) of the mapping
         f = self._st.get(entry.file)
         if f is None:
             f = self._st[entry.file] = self._stack.enter_context(

@@ -182,12 +182,12 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
         raise TypeError(f"load_pretrained needs an nn.Module or a ZeroEngine; got "
                         f"{type(model_or_engine).__name__}")
     files = checkpoint_files(Path(path))
-    tensors = _align_prefix(module, list_tensors(files))
-    slots = _engine_slots(module)
-    matched, buf_matched = _check(module, tensors, strict, slots)
-    param_of = {id(e): p for e, p in matched}
-    total = 0
     with torch.no_grad(), SliceReader() as reader:
+        tensors = _align_prefix(module, list_tensors(files, reader))
+        slots = _engine_slots(module)
+        matched, buf_matched = _check(module, tensors, strict, slots)
+        param_of = {id(e): p for e, p in matched}
+        total = 0
         for entry in iter_ranges([e for e, _ in matched]):
             p = param_of[id(entry)]
             hit = slots.get(id(p))

@@ -190,53 +190,61 @@ def test_two_ranks_read_only_their_slices(tmp_path: Path) -> None:
 
 
 _MEMORY_CHILD = textwrap.dedent("""
-    import sys, threading, time
+    import os, resource, sys
     import torch
     import engine
     from safetensors.torch import save_file
     path, n, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
-    def rss_anon() -> int:
+    def vm_data() -> int:
         for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
+            if line.startswith("VmData:"):
                 return int(line.split()[1]) * 1024
-        raise RuntimeError("no RssAnon")
+        raise RuntimeError("no VmData")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(n)])
     sd = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
-    save_file(sd, path)
+    if path.endswith(".bin"):
+        torch.save(sd, path)
+    else:
+        save_file(sd, path)
     del sd
     eng, _, _, _ = engine.initialize(model=model, config={"zero": {"stage": 3},
         "precision": "fp32"}, device="cpu")
-    peak, stop = [rss_anon()], []
-    base = peak[0]
-    def sample() -> None:
-        while not stop:
-            peak.append(rss_anon())
-            time.sleep(0.0005)
-    t = threading.Thread(target=sample)
-    t.start()
+    tensor = dim * dim * 4
+    # the file's mapping counts towards RLIMIT_DATA; beyond it: two tensors + 16 MiB
+    limit = vm_data() + os.path.getsize(path) + 2 * tensor + 16 * 2**20
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
     rep = engine.load_pretrained(eng, path)
-    stop.append(1)
-    t.join()
-    print(max(peak) - base, rep.peak_read_bytes, rep.bytes_read)
+    try:  # control: the materialising path (file mapped + whole model copied) does not fit
+        torch.empty(os.path.getsize(path) + n * tensor, dtype=torch.uint8).fill_(1)
+        control = "fits"
+    except RuntimeError:
+        control = "refused"
+    print(rep.peak_read_bytes, rep.bytes_read, control)
 """)
 
 
-def test_peak_memory_bounded_by_largest_tensor(tmp_path: Path) -> None:
-    """Anonymous RSS (the file's pages are mapped, not counted) sampled while 24 tensors of
-    4 MiB load: the growth stays near one tensor, far from the 96 MiB total."""
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+def test_peak_memory_bounded_by_largest_tensor(tmp_path: Path, suffix: str) -> None:
+    """24 tensors of 4 MiB load under an RLIMIT_DATA of (data now + the file's mapping +
+    two tensors + 16 MiB): the load succeeds, while the bytes of the materialising path (file
+    mapped + the 96 MiB model copied) do not fit under the same limit (it really bites)."""
     n, dim = 24, 1024
     out = subprocess.run(
-        [sys.executable, "-c", _MEMORY_CHILD, str(tmp_path / "m.safetensors"), str(n), str(dim)],
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    growth, peak_read, bytes_read = (int(x) for x in out.stdout.split())
+        [sys.executable, "-c", _MEMORY_CHILD, str(tmp_path / f"m{suffix}"), str(n), str(dim)],
+        capture_output=True, text=True, check=False, cwd=ROOT, timeout=120,
+        # A fixed glibc mmap threshold: with the default dynamic one, freed 4 MiB blocks
+        # may stay in the heap (and in VmData) while the next ones come from fresh pages,
+        # which measured the allocator's fragmentation (1 run in 3 failed), not the loader.
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+             "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak_read, bytes_read, control = out.stdout.split()
     tensor = dim * dim * 4
-    assert peak_read == tensor and bytes_read == n * tensor
-    # bound: the one tensor in flight, plus allocator slack (16 MiB); the whole model is 96 MiB
-    assert growth < tensor + 16 * 2**20, growth
+    assert int(peak_read) == tensor and int(bytes_read) == n * tensor
+    assert control == "refused"
 
 
 @pytest.mark.parametrize("source", ["causal-lm", "base-model"])
