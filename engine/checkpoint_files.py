@@ -36,9 +36,12 @@ class PretrainedLoadError(ValueError):
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One checkpoint tensor, or (with `pieces`) one made of several laid end to end."""
+
     name: str
     file: Path
     shape: tuple[int, ...]
+    pieces: tuple[tuple[TensorEntry, int], ...] = ()  # (part, its first flat index)
 
     @property
     def numel(self) -> int:
@@ -186,6 +189,10 @@ class SliceReader:
         return sd
 
     def _read(self, entry: TensorEntry, lo: int, hi: int) -> torch.Tensor:
+        if entry.pieces:
+            parts = [self._read(part, max(lo, at) - at, min(hi, at + part.numel) - at)
+                     for part, at in entry.pieces if at < hi and at + part.numel > lo]
+            return torch.cat(parts)
         if entry.file.suffix != ".safetensors":
             flat = self.bin_file(entry.file)[entry.name].reshape(-1)
             return flat[lo:hi].clone()  # pages in only [lo, hi) of the mapping

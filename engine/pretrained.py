@@ -35,6 +35,7 @@ from engine.checkpoint_files import (
 )
 from engine.engine import ZeroEngine
 from engine.flat_shard import FlatGroup, ParamSlot
+from engine.hf_layouts import map_legacy_moe
 from engine.init_context import local_slice
 from engine.shard_store import ShardStore
 
@@ -184,6 +185,7 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
     files = checkpoint_files(Path(path))
     with torch.no_grad(), SliceReader() as reader:
         tensors = _align_prefix(module, list_tensors(files, reader))
+        tensors = map_legacy_moe({n for n, _ in module.named_parameters()}, tensors)
         slots = _engine_slots(module)
         matched, buf_matched = _check(module, tensors, strict, slots)
         param_of = {id(e): p for e, p in matched}

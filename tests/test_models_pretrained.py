@@ -17,6 +17,7 @@ import pytest
 import torch
 from engine_dist import run_two_ranks
 from engine_helpers import make_model
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import engine
@@ -275,3 +276,43 @@ def test_hf_save_pretrained_roundtrip(tmp_path: Path, source: str) -> None:
     for k, v in src.named_parameters():
         assert torch.equal(got[k], v.detach()), k
     eng.close()
+
+
+def test_mixtral_per_expert_checkpoint_loads_into_fused_experts(tmp_path: Path) -> None:
+    """transformers 5 saves Mixtral per expert (w1/w2/w3) while its model fuses the experts;
+    load_pretrained maps the layout, reading each expert's rows as a slice."""
+    pytest.importorskip("transformers")
+    import test_models_hf as hf
+
+    src = hf._mixtral()
+    src.save_pretrained(tmp_path / "mix")
+    with safe_open(str(tmp_path / "mix" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in set(f.keys())
+    torch.manual_seed(5)
+    model = type(src)(src.config)
+    cfg = engine.load_config({"zero": {"stage": 3}, "precision": "fp32"})
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    engine.load_pretrained(eng, tmp_path / "mix")
+    got = _gathered(model)
+    for k, v in src.named_parameters():
+        assert torch.equal(got[k], v.detach()), k
+    eng.close()
+
+
+def test_composite_tensor_reads_any_range(tmp_path: Path) -> None:
+    from engine.checkpoint_files import SliceReader, list_tensors
+    from engine.hf_layouts import map_legacy_moe
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"m.block_sparse_moe.experts.{e}.{w}.weight": torch.randn(3, 5, generator=g)
+          for e in range(2) for w in ("w1", "w3")}
+    save_file(sd, str(tmp_path / "x.safetensors"))
+    with SliceReader() as reader:
+        entries = map_legacy_moe({"m.mlp.experts.gate_up_proj"},
+                                 list_tensors([tmp_path / "x.safetensors"], reader))
+        fused = entries["m.mlp.experts.gate_up_proj"]
+        assert fused.shape == (2, 6, 5) and len(entries) == 1
+        want = torch.cat([sd[f"m.block_sparse_moe.experts.{e}.{w}.weight"].reshape(-1)
+                          for e in range(2) for w in ("w1", "w3")])
+        for lo, hi in [(0, 60), (7, 8), (14, 16), (13, 47), (44, 46), (59, 60)]:
+            assert torch.equal(reader.read(fused, lo, hi), want[lo:hi]), (lo, hi)
