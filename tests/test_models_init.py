@@ -53,7 +53,11 @@ def init_scenario(rank: int) -> dict[str, object]:
                        for p in model.parameters())
     got = _train(model, cfg, rank)
     want = _train(make_model(n_blocks=N_BLOCKS), cfg, rank)
-    return {"got": got, "want": want, "placeholders": placeholders,
+    torch.manual_seed(3)  # odd sizes: rank 1's slice is shorter than rank 0's (7*5 = 35)
+    with engine.Init(config=_cfg(max_live=0)):
+        odd = torch.nn.Linear(7, 5)
+    odd_values = {k: full_values(p, Comm()).clone() for k, p in odd.named_parameters()}
+    return {"got": got, "want": want, "placeholders": placeholders, "odd": odd_values,
             "peak_live": ini.peak_live_bytes, "gathers": ini.gathers}
 
 
@@ -110,6 +114,11 @@ def test_init_two_ranks_train_equal_to_plain_build(tmp_path: Path) -> None:
         assert r["got"]["losses"] == r["want"]["losses"]
         for k, want in r["want"]["params"].items():
             assert torch.equal(r["got"]["params"][k], want), (rank, k)
+    torch.manual_seed(3)
+    odd = torch.nn.Linear(7, 5)
+    for rank in range(2):
+        for k, p in odd.named_parameters():
+            assert torch.equal(results[rank]["init"]["odd"][k], p.detach().reshape(-1)), k
     start = dict(ref.named_parameters())
     moved = max(float((results[0]["init"]["got"]["params"][k] - start[k].detach()).abs().max())
                 for k in start)
