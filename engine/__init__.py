@@ -9,6 +9,10 @@ from engine.config import Config, ConfigError, load_config
 from engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
 from engine.engine import ZeroEngine  # isort: skip
 from engine.initialize import initialize  # isort: skip
+from engine.init_context import Init  # isort: skip
+from engine.checkpoint_files import PretrainedLoadError  # isort: skip
+from engine.pretrained import LoadReport, load_pretrained  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
+__all__ += ["Init", "LoadReport", "PretrainedLoadError", "load_pretrained"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
@@ -133,5 +133,16 @@ class GatheredParameters:
         if self.modifier_rank is not None and exc_type is None:
             for unit in self._units:
                 sched[id(unit)].write_back(unit, self.modifier_rank)
+        if torch.is_grad_enabled() and _in_engine_forward():
+            # Inside a training forward autograd may have saved views of these
+            # parameters: the scheduler releases the units after their gradients are
+            # reduced or at the end of backward, as for any unit used in the forward.
+            return
         for unit in self._opened:
             sched[id(unit)].release(unit)
+
+
+def _in_engine_forward() -> bool:
+    """True inside `ZeroEngine.forward` (its AccessGuard is on the torch function mode stack)."""
+    stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    return any(isinstance(m, AccessGuard) for m in stack)

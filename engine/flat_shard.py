@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.collectives import Comm, PendingReduce
+from engine.init_context import forget, full_values
 from engine.shard_store import ShardStore
 
 # Shards are whole multiples of 128 elements so vectorised Adam kernels and
@@ -79,11 +80,17 @@ def build_group(
     chunk = SHARD_ALIGN * comm.world_size
     padded = max(chunk, -(-offset // chunk) * chunk)
     shard_numel = padded // comm.world_size
+    lo, hi = comm.rank * shard_numel, (comm.rank + 1) * shard_numel
     with torch.no_grad():
-        flat = torch.zeros(padded, dtype=torch.float32)  # fp32 initial values, host, transient
+        mine = torch.zeros(shard_numel, dtype=torch.float32)  # fp32 initial values, host
         for s in slots:
-            flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        mine = flat[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
+            # A parameter built under engine.Init is gathered here, one at a time (a
+            # collective: every rank visits every slot in the same order).
+            values = full_values(s.param, comm)  # 1D, s.numel
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if b > a:
+                mine[a - lo:b - lo].copy_(values[a - s.offset:b - s.offset])
+            forget(s.param)
         store.add(key, mine, dtype, trainable)
     full = torch.empty(padded, dtype=dtype, device=device)
     group = FlatGroup(key, tuple(slots), dtype, trainable, shard_numel, comm.world_size, full)

@@ -1,0 +1,267 @@
+"""Hugging Face architectures from tiny configs (nothing downloaded) train under tierzero
+with parity to plain PyTorch: Llama untied, GPT-2 (tied head, Conv1D), Mixtral with
+experts that get no tokens, LoRA on a frozen base with HF gradient checkpointing.
+
+Tolerances are those of test_engine_parity.py (fp32 everywhere: the engine computes the
+same ops on the same values, differing only in reduction order of gradient sums):
+losses rtol 1e-6, parameters atol 1e-5.
+
+GPT-2 and Mixtral train with SGD + momentum, not AdamW: some of their parameters have an
+analytically zero gradient (GPT-2's key bias: softmax ignores a shift shared by all keys;
+a router's rows for unselected experts: top-k weights are renormalised), so their computed
+gradient is rounding noise (~1e-9), which Adam normalises into lr-sized steps of random
+sign; any change in summation order then shows as a 1e-4 parameter difference (measured:
+GPT-2 c_attn.bias, Mixtral layer-1 router). SGD keeps noise at noise size."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from engine_dist import run_two_ranks
+from engine_helpers import LOSS_RTOL, PARAM_ATOL
+from torch import nn
+
+import engine
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 128
+
+
+def _llama(tied: bool) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=tied, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                  n_positions=32, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg)  # type: ignore[no-any-return]
+
+
+def _mixtral() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="eager")
+    return transformers.MixtralForCausalLM(cfg)  # type: ignore[no-any-return]
+
+
+def _data(n: int, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+Run = tuple[engine.ZeroEngine, nn.Module, list[float], list[float]]  # engine, ref, losses
+
+
+def _train_both(model: nn.Module, steps: int, data: list[torch.Tensor], *,
+                prepare: Callable[[nn.Module], None] | None = None,
+                lr: float = 1e-2, units: tuple[str, ...] = (), sgd: bool = False) -> Run:
+    """`steps` optimizer steps of AdamW + clipping on the engine and on a plain copy."""
+    ref = copy.deepcopy(model)
+    if prepare is not None:
+        prepare(model)
+        prepare(ref)
+    cfg = engine.load_config({"zero": {"stage": 3, "persistence_threshold_bytes": 0,
+                                       "units": list(units)},
+                              "precision": "fp32", "gradient_clipping": 1.0,
+                              "optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.1}})
+    def make_opt(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if sgd:
+            return torch.optim.SGD(params, lr=lr * 10, momentum=0.9, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu", optimizer=make_opt)
+    opt = make_opt([p for p in ref.parameters() if p.requires_grad])
+    losses, ref_losses = [], []
+    for step in range(steps):
+        ids = data[step % len(data)]
+        out = eng(input_ids=ids, labels=ids)
+        eng.backward(out.loss)
+        eng.step()
+        losses.append(float(out.loss.detach()))
+        r = ref(input_ids=ids, labels=ids)
+        r.loss.backward()
+        ref_losses.append(float(r.loss.detach()))
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return eng, ref, losses, ref_losses
+
+
+def _assert_parity(eng: engine.ZeroEngine, model: nn.Module, ref: nn.Module,
+                   losses: list[float], ref_losses: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               rtol=LOSS_RTOL, atol=0.0)
+    with engine.GatheredParameters(list(model.parameters())):
+        got = dict(model.named_parameters())
+        for k, q in ref.named_parameters():
+            torch.testing.assert_close(got[k].detach(), q.detach(), rtol=0.0, atol=PARAM_ATOL,
+                                       msg=k)
+    assert losses[-1] < losses[0]
+    eng.close()
+
+
+@pytest.mark.parametrize("arch", ["llama-untied", "gpt2"])
+def test_hf_parity(arch: str) -> None:
+    model = _llama(tied=False) if arch == "llama-untied" else _gpt2()
+    eng, ref, losses, ref_losses = _train_both(model, 6, _data(2), sgd=arch == "gpt2")
+    blocks = "model.layers" if arch.startswith("llama") else "transformer.h"
+    assert [u.name for u in eng.units] == [f"{blocks}.0", f"{blocks}.1", ""]
+    if arch == "gpt2":  # tied head and Conv1D blocks
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+    else:
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+    _assert_parity(eng, model, ref, losses, ref_losses)
+
+
+def test_mixtral_parity_with_idle_experts() -> None:
+    model = _mixtral()
+    # 3 tokens, top-2 of 8 experts: at least 2 experts idle per layer. (Top-1 would give
+    # the router no gradient: its one weight is normalised to 1.)
+    data = _data(2, batch=1, seq=3)
+    with torch.no_grad():
+        out = copy.deepcopy(model)(input_ids=data[0], output_router_logits=True)
+    for logits in out.router_logits:  # per layer, (tokens, experts)
+        used = set(logits.topk(2, dim=-1).indices.flatten().tolist())
+        assert len(used) <= 6  # some experts get no token in this step
+    eng, ref, losses, ref_losses = _train_both(model, 6, data, sgd=True)
+    _assert_parity(eng, model, ref, losses, ref_losses)
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + B(A(x)) * scale, base frozen (the LoRA recipe, without peft)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # nonzero, so A gets gradients at once
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale  # type: ignore[no-any-return]
+
+
+def _add_lora(model: nn.Module) -> None:
+    torch.manual_seed(1)
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        for name in ("q_proj", "v_proj"):
+            setattr(layer.self_attn, name, LoRALinear(getattr(layer.self_attn, name)))
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    model.gradient_checkpointing_enable(  # type: ignore[operator]
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+
+def test_lora_with_hf_checkpointing_parity() -> None:
+    """The LoRA + activation checkpointing + ZeRO-3 case: recompute in backward re-gathers
+    the frozen base weights; only the adapters get gradient and optimizer state."""
+    model = _llama(tied=True)
+    eng, ref, losses, ref_losses = _train_both(model, 5, _data(2), prepare=_add_lora)
+    assert model.model.gradient_checkpointing
+    trainable = [g for u in eng.units for g in u.groups if g.trainable]
+    frozen = [g for u in eng.units for g in u.groups if not g.trainable]
+    assert trainable and frozen
+    for g in frozen:  # no grad, master or moments for frozen groups
+        for kind in ("grad", "master", "exp_avg", "exp_avg_sq"):
+            assert not eng.store.has(g.key, kind)
+    report = eng.memory_report()["shard_bytes"]
+    assert report["exp_avg"] == sum(g.shard_numel * 4 for g in trainable)
+    _assert_parity(eng, model, ref, losses, ref_losses)
+
+
+class _Twice(nn.Module):
+    """One block called twice per forward, plus a tied input/output embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.block = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU())
+        self.other = nn.Linear(32, 32)
+        self.head = nn.Linear(32, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> object:
+        x = self.emb(input_ids)
+        x = x + self.block(x)
+        x = self.other(x)
+        x = x + self.block(x)  # second call of the same unit
+        logits = self.head(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+def test_module_called_twice_and_tied_weights() -> None:
+    torch.manual_seed(0)
+    model = _Twice()
+    eng, ref, losses, ref_losses = _train_both(model, 6, _data(2), units=("Sequential",))
+    assert [u.name for u in eng.units] == ["block", ""]
+    _assert_parity(eng, model, ref, losses, ref_losses)
+
+
+def lora_rank_scenario(rank: int) -> dict[str, object]:
+    """One rank of a two-rank LoRA + HF checkpointing run: its own batches (seed 1 + rank)."""
+    model = _llama(tied=True)
+    _add_lora(model)
+    cfg = engine.load_config({"zero": {"stage": 3, "persistence_threshold_bytes": 0},
+                              "precision": "fp32", "gradient_clipping": 1.0,
+                              "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1}})
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    g = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+        out = eng(input_ids=ids, labels=ids)
+        eng.backward(out.loss)
+        eng.step()
+        val = out.loss.detach().reshape(1).clone()
+        eng.comm.all_reduce_sum(val)
+        losses.append(float(val) / 2)
+    with engine.GatheredParameters(list(model.parameters())):
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    eng.close()
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.multiproc
+def test_lora_checkpointing_two_ranks(tmp_path: Path) -> None:
+    """On two ranks released units really free their storage, so recomputation in backward
+    must re-gather the frozen base weights; compared with DDP-style plain PyTorch."""
+    res = run_two_ranks(tmp_path, {"lora": lora_rank_scenario})
+    ref = _llama(tied=True)
+    _add_lora(ref)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1)
+    gens = [torch.Generator().manual_seed(1 + r) for r in range(2)]
+    ref_losses = []
+    for _ in range(3):
+        batches = [torch.randint(0, VOCAB, (2, 16), generator=gens[r]) for r in range(2)]
+        loss = torch.stack([ref(input_ids=b, labels=b).loss for b in batches]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    for rank in range(2):
+        got = res[rank]["lora"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
+                                   rtol=LOSS_RTOL, atol=0.0)
+        for k, q in ref.named_parameters():
+            torch.testing.assert_close(got["params"][k], q.detach(), rtol=0.0,
+                                       atol=PARAM_ATOL, msg=k)
