@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -107,12 +106,34 @@ def test_hf_config_model(tmp_path: Path) -> None:
     assert type(model).__name__ == "LlamaForCausalLM"
     with pytest.raises(ModelError, match="exceeds max_position_embeddings 64"):
         build_model(str(tmp_path / "llama" / "config.json"), 128)
-    (tmp_path / "llama" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelError, match=r"engine\.load_pretrained, which is not available yet"):
-        build_model(str(tmp_path / "llama"), 32)
     small = json.loads((tmp_path / "llama" / "config.json").read_text())
     small["vocab_size"] = 100
-    os.remove(tmp_path / "llama" / "model.safetensors")
     (tmp_path / "llama" / "config.json").write_text(json.dumps(small))
     with pytest.raises(ModelError, match="vocab_size 100; byte-level training needs at least 256"):
         build_model(str(tmp_path / "llama"), 32)
+
+
+def test_hf_pretrained_directory_is_loaded(tmp_path: Path) -> None:
+    """A model directory with weights is fine-tuned from them: the first step's loss is the
+    saved model's loss on the first batch (fp32, computed here in plain PyTorch)."""
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from cli_helpers import read_metrics
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(123)  # weights unlike what the job's own seed would draw
+    saved = transformers.AutoModelForCausalLM.from_config(cfg)
+    for p in saved.parameters():
+        p.data.normal_(0, 0.2)
+    saved.save_pretrained(tmp_path / "ckpt")
+    config = write_config(tmp_path, model=str(tmp_path / "ckpt"), steps=1)
+    assert main(["train", str(config), "--no-progress"]) == 0
+    first = next(r for r in read_metrics(tmp_path) if r["event"] == "step")
+    tokens, source = load_bytes(None)
+    x, y = ByteBatches(tokens, 32, 2, seed=3, rank=0, source=source).next()
+    with torch.no_grad():
+        ref = F.cross_entropy(saved(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+    # fp32 both sides, the same weights and batch: equal up to summation order.
+    assert first["loss"] == pytest.approx(ref, rel=1e-5)

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+import engine
 from engine.config import ConfigError, load_config
 from engine.train.data import DataError
 from engine.train.loop import TrainError, TrainOptions, run, with_steps
@@ -56,7 +57,8 @@ def run_train(args: argparse.Namespace) -> int:
                                plot_path=args.plot, progress=not args.no_progress)
         logging.getLogger("engine").setLevel(config.logging.level.upper())
         run(config, options)
-    except (ConfigError, TrainError, DataError, ModelError, PlotError) as exc:
+    except (ConfigError, TrainError, DataError, ModelError, PlotError,
+            engine.PretrainedLoadError) as exc:
         sys.stderr.write(f"tierzero train: error: {exc}\n")
         return 1
     return 0

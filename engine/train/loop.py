@@ -27,7 +27,7 @@ from engine.config import Config
 from engine.config.native import as_dict
 from engine.train.data import ByteBatches, load_bytes
 from engine.train.metrics import DiskCounter, MetricsWriter, StepRecord, log_line, tier_bytes
-from engine.train.model_source import build_model
+from engine.train.model_source import build_model, pretrained_dir
 from engine.train.timeline import Timeline, UnitProbes
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,11 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     model = build_model(tc.model, tc.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     eng, _, _, _ = engine.initialize(model=model, config=config)
+    weights = pretrained_dir(tc.model)
+    if weights is not None:
+        loaded = engine.load_pretrained(eng, weights)
+        log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
+                 weights, loaded.tensors, loaded.bytes_read)
     log.info("model %s: %.1fM parameters, %d units, built and partitioned in %.1f s",
              tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
 

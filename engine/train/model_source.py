@@ -1,11 +1,12 @@
 """`train.model` -> an nn.Module: a built-in size, or a Hugging Face config.
 
 `builtin:<size>` builds engine.models.TinyLM (byte vocabulary). A path to a
-Hugging Face `config.json` (or a directory holding one) builds that
-architecture with fresh weights through `transformers` (the `hf` extra); its
-vocabulary must cover the 256 byte tokens. Loading pretrained weights needs
-`engine.load_pretrained`, which does not exist yet: a directory with weight
-files is refused rather than silently trained from scratch.
+Hugging Face `config.json` builds that architecture with fresh weights through
+`transformers` (the `hf` extra); a model directory that also holds weight
+files (`*.safetensors`, `*.bin`) is fine-tuned from them: the training job
+loads them with `engine.load_pretrained` once the model is partitioned
+(`pretrained_dir` says whether there are any). The vocabulary must cover the
+256 byte tokens.
 """
 
 from __future__ import annotations
@@ -45,19 +46,20 @@ def build_model(spec: str, seq_len: int) -> nn.Module:
     return _hf_model(spec, seq_len)
 
 
+def pretrained_dir(spec: str) -> str | None:
+    """`spec` when it is a model directory holding weight files, else None."""
+    if spec.startswith("builtin:") or spec in SIZES or not os.path.isdir(spec):
+        return None
+    weights = [f for pattern in ("*.safetensors", "*.bin")
+               for f in glob.glob(os.path.join(spec, pattern))]
+    return spec if weights else None
+
+
 def _hf_model(path: str, seq_len: int) -> nn.Module:
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(config_file):
         raise ModelError(f"train.model: {path!r} is neither a built-in size ({describe_sizes()}) "
                          "nor a Hugging Face config.json or a directory holding one")
-    if os.path.isdir(path):
-        weights = [f for pattern in ("*.safetensors", "*.bin")
-                   for f in glob.glob(os.path.join(path, pattern))]
-        if weights:
-            raise ModelError(f"train.model: {path!r} holds weights ({os.path.basename(weights[0])}"
-                             ", ...); loading pretrained weights needs engine.load_pretrained, "
-                             "which is not available yet; point train.model at the config.json "
-                             "to train the architecture from scratch")
     try:
         import transformers
     except ImportError as exc:
