@@ -9,6 +9,9 @@ from engine.config import Config, ConfigError, load_config
 from engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
 from engine.engine import ZeroEngine  # isort: skip
 from engine.initialize import initialize  # isort: skip
+from engine.checkpoint_layout import CheckpointError  # isort: skip
+from engine.consolidate import consolidate, consolidate_to_safetensors  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
+__all__ += ["CheckpointError", "consolidate", "consolidate_to_safetensors"]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from engine import checkpoint, checkpoint_load
 from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.collectives import Comm
 from engine.config import Config
@@ -233,6 +235,19 @@ class ZeroEngine:
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
             "skipped_steps": self.skipped_steps,
         }
+
+    # -- checkpoints (engine/checkpoint.py, engine/checkpoint_load.py) -------------
+    def save_checkpoint(self, directory: str | Path, tag: str | None = None,
+                        client_state: Any = None) -> Path:
+        """Save every rank's shards and state to `directory/tag` and point `latest` at it."""
+        self._check_open()
+        return checkpoint.save_checkpoint(self, directory, tag, client_state)
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None,
+                        *, verify: bool = True) -> tuple[Path, Any]:
+        """Resume from `directory/tag` (default `latest`); returns (path, client_state)."""
+        self._check_open()
+        return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
 
     # -- lifecycle ----------------------------------------------------------------
     def _check_open(self) -> None:
