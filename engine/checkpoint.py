@@ -204,7 +204,8 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     error = None
     if eng.comm.rank == 0:
         try:
-            _publish(eng, root, temp, tag, layouts, digests, client_bytes)
+            _publish(eng, root, temp, tag, layouts=layouts, digests=digests,
+                     client_bytes=client_bytes)
         except (OSError, CheckpointError, ValueError) as exc:
             error = f"publishing {final}: {exc}"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
@@ -212,7 +213,7 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     return final
 
 
-def _publish(eng: ZeroEngine, root: Path, temp: Path, tag: str, layouts: list[GroupLayout],
+def _publish(eng: ZeroEngine, root: Path, temp: Path, tag: str, *, layouts: list[GroupLayout],
              digests: list[dict[str, int]], client_bytes: bytes | None) -> None:
     files = {rank_file(r): d for r, d in enumerate(digests)}
     if client_bytes is not None:

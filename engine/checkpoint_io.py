@@ -125,7 +125,7 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: expected {e.name!r} {e.dtype} {list(e.shape)} next; "
                              f"got {name!r} {tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._put(memoryview(data.numpy()))
+        self._put(data.numpy().data)
         self._next += 1
 
     def close(self) -> FileDigest:

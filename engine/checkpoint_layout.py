@@ -162,6 +162,10 @@ class RankFiles:
             self._open[rank] = h
         return h
 
+    def names(self, rank: int) -> list[str]:
+        keys: list[str] = self.handle(rank).keys()  # safe_open is not iterable
+        return list(keys)
+
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         try:
             t: torch.Tensor = self.handle(rank).get_tensor(name)

@@ -162,7 +162,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
 
 
 def _names(files: RankFiles, rank: int, prefix: str) -> list[str]:
-    return [n for n in files.handle(rank).keys() if n.startswith(prefix)]
+    return [n for n in files.names(rank) if n.startswith(prefix)]
 
 
 def _optim_names(files: RankFiles, rank: int, key: str) -> list[str]:

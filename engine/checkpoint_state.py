@@ -40,7 +40,7 @@ def split_optimizer_state(eng: ZeroEngine, key: str) -> OptimizerSplit:
     master = store.tensor(key, "master")
     for name, value in eng.optimizer.state.get(master, {}).items():
         if isinstance(value, torch.Tensor):
-            if store.has(key, name) and value is store.tensor(key, name):  # type: ignore[arg-type]
+            if store.has(key, name) and value is store.tensor(key, name):
                 continue  # saved as the shard itself
             if value.numel() == master.numel() and value.dim() == 1:
                 out.elementwise[OPTIM_PREFIX + name] = value

@@ -65,7 +65,7 @@ class _Source:
         for g in (GroupLayout.from_json(d) for d in self.manifest["groups"]):
             self.items += [_Item(n, s, g, o, c) for n, s, o, c in g.params]
         h = self.files.handle(0)
-        for key in h.keys():
+        for key in self.files.names(0):
             if key.startswith(BUFFER_PREFIX):
                 shape = tuple(h.get_slice(key).get_shape())
                 self.items.append(_Item(key.removeprefix(BUFFER_PREFIX), shape, None, 0, 0))
