@@ -79,3 +79,18 @@ def run_fresh(tmp: Path, name: str, fn: Callable[[], Any]) -> Any:
     if proc.exitcode != 0:
         raise RuntimeError(f"fresh process {name!r} exited with {proc.exitcode}")
     return torch.load(out, weights_only=False)
+
+
+def crash_child(ckpt: str, ready: str) -> None:
+    """Save tag t0, signal `ready`, then train and save t1, t2, ... until killed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
+    cfg = make_config(units=("Linear",))
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    x = torch.randn(8, 512)
+    for step in range(10_000):
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        eng.save_checkpoint(ckpt, tag=f"t{step}")
+        if step == 0:
+            Path(ready).write_text("ready")
