@@ -1,10 +1,10 @@
 """kill -9 of a saving process at random points never damages the last good checkpoint.
 
-Each child trains a 1M-parameter model and saves after every step (t0, t1, ...); the parent kills
-each with SIGKILL after a random delay (several children, started together). Afterwards `latest` must name a
-complete checkpoint whose every file matches its manifest (size and CRC-32) and which loads;
-at least one run must have been killed inside a save (a .partial directory left behind), or
-the test did not exercise what it claims.
+Each child trains a 1M-parameter model and saves after every step (t0, t1, ...); the
+parent kills each with SIGKILL after a random delay (several children, started together).
+Afterwards `latest` must name a complete checkpoint whose every file matches its manifest
+(size and CRC-32) and which loads. At least one run must have been killed inside a save
+(a .partial directory left behind), or the test did not exercise what it claims.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import make_config
 
 import engine
 from engine.checkpoint_layout import LATEST, load_manifest, resolve, verify_files
-from engine_helpers import make_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 4
