@@ -145,13 +145,15 @@ def _write_rank_file(eng: ZeroEngine, path: Path, layouts: list[GroupLayout]) ->
 
 
 def _client_state_bytes(client_state: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(client_state, buf)
-    data = buf.getvalue()
-    try:  # loadable the safe way, or refuse now rather than at resume time
+    """client_state pickled, refused now (not at resume time) unless it loads back with
+    torch.load(weights_only=True): dicts, lists, tensors and scalars."""
+    try:
+        buf = io.BytesIO()
+        torch.save(client_state, buf)
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"client_state cannot be restored with torch.load("
+    except Exception as exc:  # pickling and the weights_only unpickler raise many types
+        raise CheckpointError(f"client_state cannot be saved and restored with torch.load("
                               f"weights_only=True) ({exc}); keep it to dicts, lists, tensors "
                               "and scalars") from exc
     return data

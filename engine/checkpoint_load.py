@@ -103,8 +103,13 @@ def load_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     if CLIENT_STATE in manifest["files"]:
         names.append(CLIENT_STATE)
     error = None
-    try:
+    try:  # every rank's files are checked before any rank changes anything
         _check_files(path, manifest, names, verify)
+    except (CheckpointError, OSError) as exc:
+        error = str(exc)
+    raise_if_any_failed(eng, error, f"load_checkpoint({str(path)!r})")
+    error = None
+    try:
         _restore(eng, path, manifest, saved, same_world)
     except (CheckpointError, ValueError, RuntimeError) as exc:
         error = str(exc)
