@@ -11,7 +11,8 @@
         manifest.json            written last inside .partial, by rank 0: format, version,
                                  tag, world size, compute dtype, every flat group's layout
                                  (key, shard size, parameter names/shapes/offsets, stored
-                                 kinds), engine state, config, and each file's bytes + CRC-32
+                                 kinds), the model's parameter order, engine state, config,
+                                 and each file's bytes + CRC-32
         rank00000.safetensors    rank r's shards, one tensor per (group, kind), named
         rank00001.safetensors    "<group key>::<kind>" (1D, shard_numel elements):
         ...                        trainable: master, exp_avg, exp_avg_sq (fp32), grad only
@@ -229,6 +230,8 @@ def _publish(eng: ZeroEngine, root: Path, temp: Path, tag: str, *, layouts: list
         "format": FORMAT, "version": VERSION, "tag": tag,
         "world_size": eng.comm.world_size, "compute_dtype": str(eng.dtype),
         "groups": [lay.as_json() for lay in layouts],
+        # model order (named_parameters, then persistent buffers) for consolidated output
+        "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),
         "engine": engine_state(eng),
         "config": as_dict(eng.config),
         "files": files,

@@ -134,7 +134,7 @@ def parse_size(text: str) -> int:
 
 def run_consolidate(args: argparse.Namespace) -> int:
     from engine.checkpoint_layout import CheckpointError
-    from engine.consolidate import OUT_DTYPES, consolidate_to_safetensors
+    from engine.consolidation import OUT_DTYPES, consolidate_to_safetensors
 
     try:
         files = consolidate_to_safetensors(

@@ -66,6 +66,10 @@ def test_resume_world2_mid_accumulation_then_reshard_to_world1(tmp_path: Path) -
         _assert_resumed(full[r]["run"], resumed[r]["run"], n)
     path = resolve(ckpt, None)
     assert any(":grad" in k for k in RankFiles(path, 2).names(0))
+    # consolidated from two ranks' shards: the gathered bf16 parameters, exactly
+    sd = engine.consolidate(ckpt)
+    at_save = full[0]["run"]["params_at_save"]
+    assert all(torch.equal(sd[k].to(torch.bfloat16).float(), at_save[k]) for k in at_save)
 
     # world size 2 -> 1: every parameter and optimizer element lands where it belongs
     model = make_model()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +68,8 @@ class _Source:
             if key.startswith(BUFFER_PREFIX):
                 shape = tuple(h.get_slice(key).get_shape())
                 self.items.append(_Item(key.removeprefix(BUFFER_PREFIX), shape, None, 0, 0))
+        order = {n: i for i, n in enumerate(self.manifest.get("order", []))}
+        self.items.sort(key=lambda it: order.get(it.name, len(order)))  # model order
 
     def dtype_of(self, item: _Item, out: torch.dtype) -> torch.dtype:
         if item.group is None:  # buffers keep their dtype unless floating
@@ -143,8 +144,8 @@ def consolidate_to_safetensors(directory: str | Path, out: str | Path, tag: str 
                   disable=None if progress is None else not progress) as bar:
             for fname, shard in zip(names, shards, strict=True):
                 with SafetensorsWriter(out_dir / fname, shard, {"format": "pt"}) as w:
-                    for e, t in _stream(src, shard, items, dtype):
-                        w.write(e.name, t)
+                    for e in shard:  # one tensor alive at a time: read, written, dropped
+                        w.write(e.name, src.read(items[e.name], dtype))
                         bar.update(e.nbytes)
                 written.append(out_dir / fname)
         if len(shards) > 1:
@@ -164,8 +165,3 @@ def consolidate_to_safetensors(directory: str | Path, out: str | Path, tag: str 
     log.info("consolidated %s into %d file(s) under %s", src.path, len(written), out_dir)
     return written
 
-
-def _stream(src: _Source, shard: list[TensorEntry], items: dict[str, _Item],
-            dtype: torch.dtype) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
-    for e in shard:
-        yield e, src.read(items[e.name], dtype)
