@@ -1,0 +1,79 @@
+"""Tier budgets: taken from settings, or detected from the machine.
+
+device: free CUDA memory (``torch.cuda.mem_get_info``) minus a reserve; on a
+        CPU-only machine the stand-in device tier must be given a budget.
+host:   available RAM (psutil) minus a reserve.
+nvme:   free space on the swap path's file system minus a reserve.
+Also reads the memlock limit (``ulimit -l``) that caps pinned memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import shutil
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from .errors import PlanError
+from .settings import Budgets, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierBudgets:
+    """Resolved bytes per tier."""
+
+    device: int
+    host: int
+    nvme: int
+
+    def of(self, tier: Tier) -> int:
+        return {"device": self.device, "host": self.host, "nvme": self.nvme}[tier]
+
+
+def memlock_limit() -> int | None:
+    """Bytes this process may page-lock (``ulimit -l``); None when unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def resolve_budgets(
+    budgets: Budgets, device: torch.device, swap_path: str | None, *, needs_nvme: bool
+) -> TierBudgets:
+    """Fill every ``None`` in ``budgets`` from the machine; log what was detected."""
+    dev = budgets.device
+    if dev is None:
+        if device.type != "cuda":
+            raise PlanError(
+                "budgets.device is None but there is no CUDA device to measure; give the "
+                "CPU stand-in device tier an explicit budget in bytes"
+            )
+        free, _total = torch.cuda.mem_get_info(device)
+        dev = max(0, int(free) - budgets.device_reserve)
+        log.info("device budget detected: %d free - %d reserve = %d bytes",
+                 free, budgets.device_reserve, dev)
+    host = budgets.host
+    if host is None:
+        avail = int(psutil.virtual_memory().available)
+        host = max(0, avail - budgets.host_reserve)
+        log.info("host budget detected: %d available - %d reserve = %d bytes",
+                 avail, budgets.host_reserve, host)
+    nvme = budgets.nvme
+    if nvme is None:
+        if swap_path is None:
+            if needs_nvme:
+                raise PlanError(
+                    "budgets.nvme is None and no swap_path is set; name the swap directory "
+                    "(offload path) or give an explicit nvme budget"
+                )
+            nvme = 0
+        else:
+            free_disk = shutil.disk_usage(swap_path).free
+            nvme = max(0, free_disk - budgets.nvme_reserve)
+            log.info("nvme budget detected at %s: %d free - %d reserve = %d bytes",
+                     swap_path, free_disk, budgets.nvme_reserve, nvme)
+    return TierBudgets(device=dev, host=host, nvme=nvme)

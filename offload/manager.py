@@ -1,0 +1,277 @@
+"""TierManager: the one owner of where every shard lives.
+
+    plan = specs + settings -> homes, budgets, pool        (offload.placement)
+    mgr = TierManager(specs, settings, swap=SwapStore(path))
+    mgr.place(key, tensor).wait()          # initial data to the home tier
+    mgr.set_order([(key, "device"), ...])  # upcoming uses: drives prefetch + eviction
+    view = mgr.fetch(key, "device").wait() # 1D tensor of the shard, valid until release
+    mgr.release(key)                       # the caller is done with the view
+    mgr.evict(key)                         # drop caches, writing dirty data down first
+    mgr.memory_report()
+
+Residency follows [Note: residency model] in offload/residency.py.
+
+Budgets are enforced when room is taken. A demand fetch evicts the unused,
+unpinned cache whose next use (in the order given to set_order) is furthest
+away, least recently used first among ties; a dirty victim is written down
+first. If nothing is evictable it waits for in-flight write-backs, then for
+other threads to release, and raises BudgetError after ``wait_timeout_s``
+naming the holders. A single shard larger than a tier fails at once. Prefetch
+never waits: it takes free room or evicts clean caches used later than its own
+shard, and stops issuing for a tier at the first shard that does not fit.
+
+Accounting: device bytes are device copies; host bytes are host-homed shards
+plus the whole NVMe staging pool (host caches of NVMe shards live inside it);
+nvme bytes are NVMe-homed shards.
+
+Write-backs chain one tier at a time (device -> host -> nvme); each next step
+is issued by the manager call that sees the previous one land, and
+``synchronize()`` drives every chain to the end. A failed transfer raises
+TransferError from its ``wait()`` and, once, from the manager call that settles
+it; a cache it was filling is dropped, a write-back's source stays dirty.
+
+Threads: every public method takes one lock; waits on transfers and for room
+release it. Views returned by fetch are valid until the matching release().
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+
+import torch
+
+from .core import ResidencyCore
+from .errors import OffloadError
+from .report import MemoryReport
+from .residency import Op, Role, State, transition
+from .settings import TIERS, Tier
+from .transfer import TierTransfer
+
+log = logging.getLogger(__name__)
+
+
+class TierManager(ResidencyCore):
+    """Places, fetches, releases and evicts shards across device, host and NVMe."""
+
+    # ---------------------------------------------------------------- public API
+    def home_of(self, key: str) -> Tier:
+        return self._rec(key).home
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1D host tensor allocated like the manager's own: aligned, pinned when it pins."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._alloc.empty(numel * itemsize).view(dtype)
+
+    def place(self, key: str, data: torch.Tensor) -> TierTransfer:
+        """Copy a shard's first data to its home tier; wait() before reusing ``data``."""
+        with self._lock:
+            rec = self._rec(key, placed=False)
+            spec = rec.spec
+            if data.numel() != spec.numel or data.dtype != spec.dtype:
+                raise OffloadError(f"place({key!r}): got {data.numel()} x {data.dtype}, the "
+                                   f"shard is {spec.numel} x {spec.dtype}")
+            home = rec.copies[rec.home]
+            if home.state is not State.ABSENT:
+                raise OffloadError(f"place({key!r}): the shard is already placed on {rec.home}")
+            src = data.detach().reshape(-1)
+            if rec.home == "nvme":  # stage through a pool buffer, then write down
+                self._room("host", rec, demand=True)
+                slot = self._take()
+                cache = rec.copies["host"]
+                transition(rec, "host", Op.WRITE)
+                cache.slot, cache.data = slot, slot.view(spec)
+                cache.data.copy_(src)
+                cache.drop_when_clean = True
+                return self._store(rec, "host")
+            transition(rec, rec.home, Op.PLACE)
+            self._acct.add(rec.home, spec.cls, spec.nbytes)
+            if rec.home == "host":
+                home.data = self._alloc.empty(spec.nbytes).view(spec.dtype)
+                home.data.copy_(src)
+                transition(rec, rec.home, Op.FILLED)
+                return TierTransfer.completed(home.data)
+            home.data = self._mover.empty_device(spec.numel, spec.dtype)
+            home.transfer = self._mover.copy(src, home.data, "host_to_device")
+            self._busy.add(key)
+            return home.transfer
+
+    def fetch(self, key: str, tier: Tier, *, writable: bool = False) -> TierTransfer:
+        """Bring the shard to ``tier``; ``wait()`` gives a 1D view, valid until release().
+
+        ``writable=True`` marks a cache dirty (it is written down before being
+        dropped) and first drops faster caches, which would turn stale. Until all
+        holders of a copy fetched writable have released it, it is never the
+        source of another copy: fetching the shard to a faster tier, or a slower
+        one that needs it flushed, raises OffloadError (prefetch skips it).
+        """
+        with self._lock:
+            rec = self._rec(key)
+            self._check_tier(rec, tier, "fetch")
+            self._settle_all()
+            self._pf.consume(key, tier)
+            self._flush_above(rec, tier, drop=writable)
+            copy = rec.copies[tier]
+            if copy.state in (State.STORING, State.FILLING):
+                self._wait_settled(rec, tier)
+            if copy.state is State.ABSENT:
+                self._acct.misses += 1
+                self._bring(rec, tier, demand=True)
+            else:
+                self._acct.hits += 1
+            copy.users += 1
+            for t in TIERS[TIERS.index(tier):]:  # used again: a pending eviction is void
+                rec.copies[t].drop_when_clean = False
+            copy.touch()
+            copy.write_held = copy.write_held or writable
+            if writable and copy.role is Role.CACHE:
+                if copy.state is State.LOADING:
+                    copy.modify_on_load = True
+                else:
+                    transition(rec, tier, Op.MODIFY)
+            out = self._user_transfer(copy)
+            self._pump()
+            return out
+
+    def release(self, key: str, tier: Tier | None = None) -> None:
+        """End one fetch() hold (the fastest held copy when ``tier`` is None)."""
+        with self._lock:
+            rec = self._rec(key)
+            held = [t for t in TIERS if rec.copies[t].users > 0 and tier in (None, t)]
+            if not held:
+                raise OffloadError(f"release({key!r}, {tier!r}): the shard is not held there; "
+                                   "call release() once per fetch()")
+            copy = rec.copies[held[0]]
+            copy.users -= 1
+            copy.write_held = copy.write_held and copy.users > 0
+            self._settle_all()
+            self._pump()
+            self._cond.notify_all()
+
+    def evict(self, key: str, tier: Tier | None = None) -> None:
+        """Drop the cache on ``tier`` (all caches when None), writing dirty data down.
+
+        Returns at once; write-backs run in the background and the copy is
+        dropped when they land. A cache on host also drops its device cache
+        (caches are inclusive).
+        """
+        with self._lock:
+            rec = self._rec(key)
+            if tier is not None:
+                self._check_tier(rec, tier, "evict")
+                if tier == rec.home:
+                    raise OffloadError(f"evict({key!r}, {tier!r}): that is the shard's home "
+                                       "(authoritative copy); only caches can be evicted")
+            tiers = rec.cache_tiers() if tier is None else TIERS[: TIERS.index(tier) + 1]
+            for t in tiers:
+                copy = rec.copies[t]
+                if copy.state is State.ABSENT:
+                    continue
+                if copy.users or copy.pinned:
+                    why = f"held by {copy.users} fetch(es)" if copy.users else "pinned"
+                    raise OffloadError(f"evict({key!r}): the {t} copy is {why}; release/unpin "
+                                       "it first")
+            for t in tiers:
+                if rec.copies[t].state is not State.ABSENT:
+                    rec.copies[t].drop_when_clean = True
+                    self._acct.evictions += 1
+            self._advance(rec)
+
+    def pin(self, key: str, tier: Tier = "device") -> TierTransfer:
+        """Fetch to ``tier`` and keep the copy there (persistent) until unpin()."""
+        out = self.fetch(key, tier)
+        with self._lock:
+            rec = self._rec(key)
+            rec.copies[tier].pinned = True
+            rec.copies[tier].users -= 1  # the pin holds it, not a fetch
+        return out
+
+    def unpin(self, key: str, tier: Tier = "device") -> None:
+        with self._lock:
+            self._rec(key).copies[tier].pinned = False
+            self._cond.notify_all()
+
+    def set_order(self, entries: Sequence[tuple[str, Tier]]) -> None:
+        """The upcoming uses, in order; replaces the previous order and starts prefetch."""
+        with self._lock:
+            for key, tier in entries:
+                self._check_tier(self._rec(key), tier, "set_order")
+            self._pf.set_order(entries)
+            self._settle_all()
+            self._pump()
+
+    def synchronize(self) -> None:
+        """Wait until no transfer is in flight and every requested eviction is done."""
+        with self._lock:
+            while True:
+                self._settle_all()
+                pending = next((self._records[k] for k in sorted(self._busy)), None)
+                if pending is None:
+                    return
+                waiting = next((c.transfer for c in pending.copies.values()
+                                if c.transfer is not None), None)
+                if waiting is None:
+                    raise OffloadError(f"internal: shard {pending.spec.key!r} is marked busy "
+                                       "with nothing in flight")
+                self._wait_transfer(waiting, stall=False)
+
+    def memory_report(self) -> MemoryReport:
+        with self._lock:
+            self._settle_all()
+            return self._acct.report(
+                mismatches=self._pf.mismatches,
+                pool=(self._pool.count, self._pool.buffer_bytes, self._pool.in_use,
+                      self._pool.peak_in_use))
+
+    def audit(self) -> None:
+        """Re-derive byte counts from the records and check every invariant; raise if broken."""
+        with self._lock:
+            derived = dict.fromkeys(TIERS, 0)
+            slots = 0
+            for key, rec in self._records.items():
+                present = [t for t in TIERS if rec.copies[t].state is not State.ABSENT]
+                if present and present != list(TIERS[TIERS.index(present[0]):
+                                                     TIERS.index(rec.home) + 1]):
+                    raise OffloadError(f"audit: shard {key!r} has copies on {present}: caches "
+                                       f"are not inclusive down to its home {rec.home}")
+                for t in present:
+                    copy = rec.copies[t]
+                    if copy.slot is not None:
+                        slots += 1
+                    else:
+                        derived[t] += rec.spec.nbytes
+                    if copy.role is Role.HOME and copy.state is State.DIRTY:
+                        raise OffloadError(f"audit: the home copy of {key!r} is dirty")
+                    if copy.users < 0:
+                        raise OffloadError(f"audit: {key!r} on {t} released more than fetched")
+            derived["host"] += self._pool.nbytes
+            for t in TIERS:
+                if derived[t] != self._acct.current(t):
+                    raise OffloadError(f"audit: {t} holds {derived[t]} bytes by the records but "
+                                       f"{self._acct.current(t)} by the counters")
+                if self._acct.peak[t] > self._acct.budget[t]:
+                    raise OffloadError(f"audit: {t} peaked at {self._acct.peak[t]} bytes, over "
+                                       f"its budget {self._acct.budget[t]}")
+            if slots != self._pool.in_use:
+                raise OffloadError(f"audit: {self._pool.in_use} pool buffers are taken but "
+                                   f"{slots} host caches hold one (leak)")
+
+    def close(self) -> None:
+        """Finish in-flight work, stop the workers and free the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:  # a failed transfer is raised, but the workers still stop
+            self._mover.close()
+            self._pool.close()
+
+    def __enter__(self) -> TierManager:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+

@@ -1,0 +1,205 @@
+"""Placement: give every shard a home tier and size the host pool, before any
+allocation. A plan that cannot fit raises PlanError naming the short tier and
+by how many bytes.
+
+[Note: auto placement]
+Fixed classes (``none`` -> device, ``cpu`` -> host, ``nvme`` -> nvme) are
+placed first. ``auto`` shards are then visited small-first for those at most
+``persist_bytes`` (small shards stay resident: each costs a transfer but few
+bytes), then by class in order of bytes moved per step when not resident:
+``param16`` (read in forward and backward) before ``grad`` (written every
+micro-step) before ``master``, ``exp_avg``, ``exp_avg_sq`` (touched once per
+step by the CPU optimizer). Each goes to the fastest tier with room, so
+optimizer state spills to NVMe before parameters do. Only ``param16`` may be
+homed on the device: the optimizer runs on the CPU, so the other classes are
+only ever consumed on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .budget import TierBudgets, memlock_limit
+from .errors import PlanError
+from .residency import ShardSpec
+from .settings import FIXED_HOME, TENSOR_CLASSES, TIERS, TensorClass, Tier, TierSettings
+
+log = logging.getLogger(__name__)
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+AUTO_TIERS: dict[TensorClass, tuple[Tier, ...]] = {
+    "param16": ("device", "host", "nvme"),
+    "grad": ("host", "nvme"),
+    "master": ("host", "nvme"),
+    "exp_avg": ("host", "nvme"),
+    "exp_avg_sq": ("host", "nvme"),
+}
+
+
+def align_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Homes for every shard, resolved budgets and the host pool's shape."""
+
+    specs: Mapping[str, ShardSpec]
+    homes: Mapping[str, Tier]
+    budgets: TierBudgets
+    pool_count: int  # host staging buffers (0 when nothing lives on NVMe)
+    pool_buffer_bytes: int
+    pin: bool  # page-lock the pool (CUDA only, within ulimit -l)
+    device_reserve: int  # device bytes kept free for caches of shards homed below
+
+    def home_bytes(self, tier: Tier) -> int:
+        return sum(s.nbytes for k, s in self.specs.items() if self.homes[k] == tier)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_count * self.pool_buffer_bytes
+
+
+def plan_placement(
+    specs: Sequence[ShardSpec], settings: TierSettings, budgets: TierBudgets,
+    device: torch.device,
+) -> Plan:
+    """Decide homes and pool size; raise PlanError if the budgets cannot hold them."""
+    by_key: dict[str, ShardSpec] = {}
+    for spec in specs:
+        if spec.key in by_key:
+            raise PlanError(f"shard key {spec.key!r} is listed twice; keys must be unique")
+        if spec.numel <= 0:
+            raise PlanError(f"shard {spec.key!r} has numel {spec.numel}; expected > 0")
+        by_key[spec.key] = spec
+    fixed: dict[str, Tier] = {
+        s.key: FIXED_HOME[settings.homes[s.cls]]
+        for s in specs if settings.homes[s.cls] != "auto"
+    }
+    auto = [s for s in specs if settings.homes[s.cls] == "auto"]
+    order = sorted(auto, key=lambda s: (s.nbytes > settings.persist_bytes,
+                                        TENSOR_CLASSES.index(s.cls), s.nbytes))
+    # room for one cache of the largest shard the engine gathers to the device
+    # (param16 in forward/backward, grad on its way down); optimizer state is
+    # consumed on the host and never needs device room.
+    device_reserve = max((s.nbytes for s in specs if s.cls in ("param16", "grad")
+                          and fixed.get(s.key) != "device"), default=0)
+    pin = device.type == "cuda" and settings.pool.pin_memory
+    pool_reserved = 0
+    homes: dict[str, Tier] = {}
+    for _ in range(4):  # reserving the pool may spill more to NVMe: iterate to a fixed point
+        homes = dict(fixed)
+        room = {
+            "device": budgets.device - device_reserve - _sum(by_key, fixed, "device"),
+            "host": budgets.host - pool_reserved - _sum(by_key, fixed, "host"),
+            "nvme": budgets.nvme - _sum(by_key, fixed, "nvme"),
+        }
+        for spec in order:
+            tier: Tier = next((t for t in AUTO_TIERS[spec.cls] if room[t] >= spec.nbytes), "nvme")
+            homes[spec.key] = tier
+            room[tier] -= spec.nbytes
+        count, buf, _ = _pool_shape(by_key, homes, settings, budgets, pin, final=False)
+        if count * buf == pool_reserved:
+            break
+        pool_reserved = count * buf
+    count, buf, pin = _pool_shape(by_key, homes, settings, budgets, pin, final=True)
+    plan = Plan(by_key, homes, budgets, count, buf, pin, device_reserve)
+    _check_fit(plan)
+    _explain(plan, settings)
+    return plan
+
+
+def _sum(specs: Mapping[str, ShardSpec], homes: Mapping[str, Tier], tier: Tier) -> int:
+    return sum(specs[k].nbytes for k, t in homes.items() if t == tier)
+
+
+def _pool_shape(
+    specs: Mapping[str, ShardSpec], homes: Mapping[str, Tier], settings: TierSettings,
+    budgets: TierBudgets, pin: bool, *, final: bool,
+) -> tuple[int, int, bool]:
+    """(buffer count, buffer bytes, pinned) for the NVMe staging pool."""
+    on_nvme = [specs[k] for k, t in homes.items() if t == "nvme"]
+    if not on_nvme:
+        return 0, 0, pin
+    largest = max(on_nvme, key=lambda s: s.nbytes)
+    buf = settings.pool.buffer_bytes or align_up(largest.nbytes)
+    if buf < largest.nbytes:
+        raise PlanError(
+            f"pool.buffer_bytes = {buf} is smaller than NVMe shard {largest.key!r} "
+            f"({largest.nbytes} bytes); raise buffer_bytes to at least {align_up(largest.nbytes)} "
+            "or leave it None to size from the shards"
+        )
+    pf = settings.prefetch
+    want = settings.pool.buffer_count or math.ceil((pf.nvme_bytes + pf.device_bytes) / buf) + 2
+    if not final:  # auto placement reserves the full pool before filling the host
+        return want, buf, pin
+    host_room = budgets.host - _sum(specs, homes, "host")
+    count = min(want, max(0, host_room) // buf)
+    if 1 <= count < want:
+        log.warning("host budget is tight: the NVMe pool gets %d buffers of %d bytes instead of "
+                    "%d; fewer transfers can be in flight (slower, not failing)", count, buf, want)
+    limit = memlock_limit()
+    if pin and limit is not None and limit // buf < count:
+        if limit // buf >= 1:
+            log.warning("ulimit -l is %d bytes: the pinned pool is cut to %d buffers "
+                        "(wanted %d); raise the memlock limit for more in flight",
+                        limit, limit // buf, count)
+            count = limit // buf
+        else:
+            log.warning("ulimit -l is %d bytes, less than one %d-byte pool buffer: the "
+                        "pool stays pageable (slower copies); raise the memlock limit "
+                        "to pin it", limit, buf)
+            pin = False
+    if count < 1:
+        raise PlanError(
+            f"tier host is short by {buf - host_room} bytes: the NVMe staging pool needs at least "
+            f"one {buf}-byte buffer but the host budget ({budgets.host}) minus host-homed shards "
+            f"({_sum(specs, homes, 'host')}) leaves {host_room}; raise the host budget or move "
+            "classes to nvme"
+        )
+    return count, buf, pin
+
+
+def _check_fit(plan: Plan) -> None:
+    need = {
+        "device": plan.home_bytes("device") + plan.device_reserve,
+        "host": plan.home_bytes("host") + plan.pool_bytes,
+        "nvme": plan.home_bytes("nvme"),
+    }
+    for tier in TIERS:
+        budget = plan.budgets.of(tier)
+        if need[tier] > budget:
+            by_cls = {c: 0 for c in TENSOR_CLASSES}
+            for k, s in plan.specs.items():
+                if plan.homes[k] == tier:
+                    by_cls[s.cls] += s.nbytes
+            parts = ", ".join(f"{c} {n}" for c, n in by_cls.items() if n)
+            extra = {"device": f"; cache reserve {plan.device_reserve}",
+                     "host": f"; NVMe pool {plan.pool_bytes}", "nvme": ""}[tier]
+            raise PlanError(
+                f"tier {tier} is short by {need[tier] - budget} bytes: the plan needs "
+                f"{need[tier]} (homes: {parts}{extra}) but the budget is {budget}; raise the "
+                f"{tier} budget or move a class to a slower tier"
+            )
+
+
+def _explain(plan: Plan, settings: TierSettings) -> None:
+    for cls in TENSOR_CLASSES:
+        keys = [k for k, s in plan.specs.items() if s.cls == cls]
+        if not keys:
+            continue
+        split = {t: [k for k in keys if plan.homes[k] == t] for t in TIERS}
+        where = ", ".join(
+            f"{t} {len(ks)} ({sum(plan.specs[k].nbytes for k in ks)} B)"
+            for t, ks in split.items() if ks
+        )
+        how = ("auto: fastest tier with room, small shards and param16 first, optimizer "
+               "state spills first" if settings.homes[cls] == "auto"
+               else f"fixed: offload device {settings.homes[cls]!r}")
+        log.info("placement %s: %d shards -> %s [%s]", cls, len(keys), where, how)

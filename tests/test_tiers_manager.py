@@ -1,0 +1,313 @@
+"""TierManager behaviour on the CPU stand-in device tier with a real SwapStore."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from tiers_util import cpu_settings, data_for, store
+
+from offload import (
+    TRANSITIONS,
+    BudgetError,
+    Budgets,
+    OffloadError,
+    Op,
+    Role,
+    ShardRecord,
+    ShardSpec,
+    State,
+    TierManager,
+    TransferError,
+)
+from offload.residency import transition
+from swap import FileIO
+
+N = 1024  # elements per shard: 4 KiB in fp32
+HOMES = {"param16": "nvme", "grad": "cpu", "master": "none"}
+
+
+def specs(n: int = 4) -> list[ShardSpec]:
+    return ([ShardSpec(f"p{i}", "param16", N, torch.float32) for i in range(n)]
+            + [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(n)]
+            + [ShardSpec("m0", "master", N, torch.float32)])
+
+
+def make(tmp_path: Path, *, device_caches: int = 2, pool: int = 3, timeout: float = 0.2,
+         fileio: FileIO | None = None, n: int = 4) -> tuple[TierManager, dict[str, torch.Tensor]]:
+    sp = specs(n)
+    s = store(tmp_path, fileio=fileio) if fileio else store(tmp_path)
+    settings = cpu_settings(HOMES, device=(1 + device_caches) * 4 * N, host=64 * 4 * N,
+                            buffer_count=pool, timeout=timeout, nvme_ahead=2 * 4 * N,
+                            device_ahead=4 * N)
+    mgr = TierManager(sp, settings, swap=s)
+    data = {x.key: data_for(x, i) for i, x in enumerate(sp)}
+    for k, v in data.items():
+        mgr.place(k, v).wait()
+    mgr.synchronize()
+    return mgr, data
+
+
+def test_transition_table_is_data_and_guards_dirty_data() -> None:
+    assert (Role.CACHE, State.DIRTY, Op.DROP) not in TRANSITIONS  # dirty data is never dropped
+    rec = ShardRecord(ShardSpec("k", "grad", 4, torch.float32), "nvme")
+    with pytest.raises(OffloadError, match="cache copy in state absent cannot loaded"):
+        transition(rec, "host", Op.LOADED)
+    transition(rec, "host", Op.WRITE)
+    with pytest.raises(OffloadError, match="dirty cannot drop"):
+        transition(rec, "host", Op.DROP)
+
+
+def test_round_trip_every_home_and_tier(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path)
+    with mgr:
+        assert {mgr.home_of(k) for k in data} == {"device", "host", "nvme"}
+        for key, ref in data.items():
+            tiers = ["device"] + (["host"] if mgr.home_of(key) != "device" else [])
+            for tier in tiers:
+                got = mgr.fetch(key, tier).wait()  # type: ignore[arg-type]
+                assert torch.equal(got, ref), (key, tier)
+                mgr.release(key)
+                mgr.audit()
+        rep = mgr.memory_report()
+        assert rep.peak["device"] <= rep.budget["device"]
+        assert rep.moved["nvme_to_host"] >= 4 * 4 * N and rep.moved["host_to_nvme"] == 4 * 4 * N
+
+
+def test_dirty_cache_is_written_back_and_clean_one_is_not(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path)
+    with mgr:
+        view = mgr.fetch("p0", "device", writable=True).wait()
+        view.mul_(2)
+        mgr.release("p0")
+        before = mgr.memory_report().moved["host_to_nvme"]
+        mgr.evict("p0")
+        mgr.synchronize()
+        rep = mgr.memory_report()
+        assert rep.moved["device_to_host"] == 4 * N and rep.moved["host_to_nvme"] == before + 4 * N
+        mgr.fetch("p1", "device").wait()
+        mgr.release("p1")
+        mgr.evict("p1")  # clean: no write-back at all
+        mgr.synchronize()
+        assert mgr.memory_report().moved["host_to_nvme"] == before + 4 * N
+        # the NVMe copy itself holds the new data
+        out = torch.empty(N)
+        mgr._mover._store().read("p0", out=out).wait()  # type: ignore[call-arg]
+        assert torch.equal(out, data["p0"] * 2)
+        mgr.audit()
+        assert mgr.memory_report().pool_in_use == 0
+
+
+def test_fetch_below_a_dirty_cache_sees_the_newest_data(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path)
+    with mgr:
+        mgr.fetch("g0", "device", writable=True).wait().add_(1)
+        mgr.release("g0")
+        host = mgr.fetch("g0", "host").wait()  # host is home: flushed from the device first
+        assert torch.equal(host, data["g0"] + 1)
+        mgr.release("g0")
+        mgr.fetch("g1", "device").wait()
+        mgr.release("g1")
+        w = mgr.fetch("g1", "host", writable=True).wait()  # drops the stale device cache
+        w.zero_()
+        mgr.release("g1")
+        assert torch.equal(mgr.fetch("g1", "device").wait(), torch.zeros(N))
+        mgr.release("g1")
+        mgr.audit()
+
+
+def test_misuse_is_refused_with_the_reason(tmp_path: Path) -> None:
+    mgr, _ = make(tmp_path)
+    with mgr:
+        with pytest.raises(OffloadError, match="unknown shard key 'nope'"):
+            mgr.fetch("nope", "device")
+        with pytest.raises(OffloadError, match="lives on device"):
+            mgr.fetch("m0", "host")
+        with pytest.raises(OffloadError, match="not addressable"):
+            mgr.fetch("p0", "nvme")  # type: ignore[arg-type]
+        with pytest.raises(OffloadError, match="not held"):
+            mgr.release("p0")
+        with pytest.raises(OffloadError, match="already placed"):
+            mgr.place("p0", torch.zeros(N))
+        mgr.fetch("p0", "device").wait()
+        with pytest.raises(OffloadError, match="held by 1 fetch"):
+            mgr.evict("p0")
+        with pytest.raises(OffloadError, match="home"):
+            mgr.evict("g0", "host")
+        mgr.release("p0")
+
+
+def test_place_checks_shape_and_dtype(tmp_path: Path) -> None:
+    sp = [ShardSpec("a", "grad", 8, torch.float32)]
+    with TierManager(sp, cpu_settings({"grad": "cpu"}, device=1 << 20, host=1 << 20)) as mgr:
+        with pytest.raises(OffloadError, match=r"got 8 x torch.float16"):
+            mgr.place("a", torch.zeros(8, dtype=torch.float16))
+        with pytest.raises(OffloadError, match="no data yet"):
+            mgr.fetch("a", "host")
+
+
+def test_eviction_picks_the_shard_used_furthest_ahead(tmp_path: Path) -> None:
+    mgr, _ = make(tmp_path, device_caches=2)
+    with mgr:
+        for k in ("g0", "g1"):
+            mgr.fetch(k, "device").wait()
+            mgr.release(k)
+        # g0 is next used soon, g1 never: g1 must make room for g2
+        mgr.set_order([("g2", "device"), ("g0", "device")])
+        mgr.fetch("g2", "device").wait()
+        mgr.release("g2")
+        recs = mgr._records
+        assert recs["g0"].copies["device"].state is State.CLEAN
+        assert recs["g1"].copies["device"].state is State.ABSENT
+        mgr.audit()
+
+
+def test_pinned_and_held_shards_are_never_pressed_out(tmp_path: Path) -> None:
+    mgr, _ = make(tmp_path, device_caches=2, timeout=0.05)
+    with mgr:
+        mgr.pin("g0", "device").wait()
+        mgr.fetch("g1", "device").wait()  # held
+        with pytest.raises(BudgetError) as err:
+            mgr.fetch("g2", "device")
+        msg = str(err.value)
+        assert "tier device has no room for shard 'g2'" in msg
+        assert "held by fetches: ['g1']" in msg and "pinned: ['g0']" in msg
+        mgr.release("g1")
+        mgr.fetch("g2", "device").wait()  # g1 is evictable now
+        assert mgr._records["g0"].copies["device"].state is State.CLEAN
+        mgr.release("g2")
+        mgr.unpin("g0", "device")
+        mgr.evict("g0")
+        mgr.audit()
+
+
+def test_request_larger_than_the_tier_fails_at_once(tmp_path: Path) -> None:
+    sp = [ShardSpec("big", "param16", 4 * N, torch.float32),
+          ShardSpec("small", "param16", N, torch.float32)]
+    settings = cpu_settings({"param16": "cpu"}, device=4 * N * 4, host=1 << 20)
+    with TierManager(sp, settings) as mgr:
+        mgr.place("big", torch.ones(4 * N)).wait()
+        mgr.place("small", torch.ones(N)).wait()
+        with pytest.raises(BudgetError, match="larger than the device tier"):
+            # shrink the budget after planning to make one request too big
+            mgr._acct.budget["device"] = 4 * N
+            mgr.fetch("big", "device")
+
+
+def test_prefetch_runs_ahead_and_a_second_request_joins_the_first(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path, device_caches=3, pool=4)
+    with mgr:
+        order = [(f"p{i}", "device") for i in range(4)]
+        mgr.set_order(order)  # type: ignore[arg-type]
+        rep0 = mgr.memory_report()
+        assert rep0.prefetches >= 2  # started before any fetch
+        for key, tier in order:
+            got = mgr.fetch(key, tier).wait()  # type: ignore[arg-type]
+            assert torch.equal(got, data[key])
+            mgr.release(key)
+        rep = mgr.memory_report()
+        assert rep.hits == 4 and rep.misses == 0
+        # every shard was read from NVMe exactly once: in-flight requests were joined
+        assert rep.transfers["nvme_to_host"] == 4
+        assert rep.order_mismatches == 0
+        mgr.audit()
+
+
+def test_new_order_replaces_the_window(tmp_path: Path) -> None:
+    mgr, _ = make(tmp_path, device_caches=3, pool=3, n=6)
+    with mgr:
+        mgr.set_order([(f"p{i}", "device") for i in range(6)])
+        mgr.synchronize()
+        first = {k for k in mgr._records if mgr._records[k].copies["host"].state is State.CLEAN
+                 and k.startswith("p")}
+        assert first == {"p0", "p1"}  # the NVMe window is two shards
+        mgr.set_order([("p5", "device"), ("p4", "device")])
+        mgr.synchronize()
+        host = {k for k in mgr._records if mgr._records[k].copies["host"].state is State.CLEAN
+                and k.startswith("p")}
+        assert {"p5", "p4"} <= host  # old prefetches made room for the new order
+        rep = mgr.memory_report()
+        mgr.fetch("p5", "device").wait()
+        mgr.release("p5")
+        assert mgr.memory_report().hits == rep.hits + 1
+        mgr.audit()
+
+
+class FailingReads(FileIO):
+    def __init__(self) -> None:
+        self.fail = False
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+        if self.fail:
+            raise OSError(errno.EIO, "injected read error")
+        return super().pread(fd, buf, offset)
+
+
+def test_a_failed_read_raises_and_frees_the_buffer(tmp_path: Path) -> None:
+    io = FailingReads()
+    mgr, data = make(tmp_path, fileio=io)
+    with mgr:
+        io.fail = True
+        fut = mgr.fetch("p0", "host")
+        with pytest.raises(TransferError, match="nvme_to_host"):
+            fut.wait()
+        with pytest.raises(TransferError):  # the manager reports it too, once, as it settles
+            mgr.release("p0")
+        mgr.synchronize()
+        host = mgr._records["p0"].copies["host"]
+        assert host.state is State.ABSENT and host.users == 0
+        mgr.audit()
+        io.fail = False
+        assert torch.equal(mgr.fetch("p0", "host").wait(), data["p0"])
+        mgr.release("p0")
+
+
+def test_prefetch_never_copies_a_copy_being_written(tmp_path: Path) -> None:
+    mgr, _ = make(tmp_path)
+    with mgr:
+        mgr.set_order([("g0", "host"), ("g0", "device")])  # device copy prefetched at once
+        view = mgr.fetch("g0", "host", writable=True).wait()  # drops the stale device copy
+        assert mgr._records["g0"].copies["device"].state is State.ABSENT  # not re-prefetched
+        view.fill_(5.0)
+        with pytest.raises(OffloadError, match="held writable"):
+            mgr.fetch("g0", "device")
+        mgr.release("g0")  # now the device window may load it: from the written data
+        got = mgr.fetch("g0", "device").wait()
+        assert torch.equal(got, torch.full((N,), 5.0))
+        mgr.release("g0")
+        mgr.audit()
+
+
+def test_pressure_evicts_one_dirty_cache_not_all(tmp_path: Path) -> None:
+    mgr, data = make(tmp_path, device_caches=3)
+    with mgr:
+        for k in ("g0", "g1", "g2"):
+            mgr.fetch(k, "device", writable=True).wait().add_(1)
+            mgr.release(k)
+        before = mgr.memory_report()
+        assert torch.equal(mgr.fetch("g3", "device").wait(), data["g3"])
+        mgr.release("g3")
+        rep = mgr.memory_report()
+        assert rep.evictions - before.evictions == 1
+        assert rep.moved["device_to_host"] - before.moved["device_to_host"] == 4 * N
+        on_device = [k for k in ("g0", "g1", "g2")
+                     if mgr._records[k].copies["device"].state is State.DIRTY]
+        assert len(on_device) == 2
+        gone = ({"g0", "g1", "g2"} - set(on_device)).pop()
+        assert torch.equal(mgr.fetch(gone, "host").wait(), data[gone] + 1)  # written back
+        mgr.release(gone)
+        mgr.audit()
+
+
+def test_nvme_budget_is_detected_at_the_swap_store(tmp_path: Path) -> None:
+    sp = [ShardSpec("a", "master", N, torch.float32)]
+    settings = dataclasses.replace(cpu_settings({"master": "nvme"}, device=0, host=1 << 20),
+                                   budgets=Budgets(device=0, host=1 << 20))  # nvme: detect
+    with store(tmp_path) as s, TierManager(sp, settings, swap=s) as mgr:
+        assert mgr.memory_report().budget["nvme"] > 0
+        mgr.place("a", torch.ones(N)).wait()
+        assert torch.equal(mgr.fetch("a", "host").wait(), torch.ones(N))
+        mgr.release("a")
