@@ -10,8 +10,9 @@ from engine.access import GatheredParameters, ParameterNotGatheredError  # isort
 from engine.engine import ZeroEngine  # isort: skip
 from engine.initialize import initialize  # isort: skip
 from engine.checkpoint_layout import CheckpointError  # isort: skip
+from engine.checkpoint_async import PendingSave  # isort: skip
 from engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
-__all__ += ["CheckpointError", "consolidate", "consolidate_to_safetensors"]
+__all__ += ["CheckpointError", "PendingSave", "consolidate", "consolidate_to_safetensors"]

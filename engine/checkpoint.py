@@ -45,6 +45,7 @@ import io
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,26 +78,36 @@ from engine.checkpoint_state import engine_state, rng_state, split_optimizer_sta
 from engine.config.native import as_dict
 
 if TYPE_CHECKING:
+    from engine.checkpoint_async import BackgroundSaver, PendingSave
     from engine.engine import ZeroEngine
 
 log = logging.getLogger(__name__)
 
 
 def gather_objects(eng: ZeroEngine, value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order (a collective)."""
-    if eng.comm.world_size == 1:
+    """Every rank's `value`, in rank order (a collective on the engine's group)."""
+    return _gather(eng.comm.group, eng.comm.world_size, value)
+
+
+def _gather(group: dist.ProcessGroup | None, world: int, value: Any) -> list[Any]:
+    if world == 1:
         return [value]
-    out: list[Any] = [None] * eng.comm.world_size
-    dist.all_gather_object(out, value, group=eng.comm.group)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=group)
     return out
+
+
+def _raise_if_failed(group: dist.ProcessGroup | None, world: int, error: str | None,
+                     what: str) -> None:
+    errors = [(r, e) for r, e in enumerate(_gather(group, world, error)) if e is not None]
+    if errors:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise CheckpointError(f"{what} failed on {len(errors)} rank(s): {detail}")
 
 
 def raise_if_any_failed(eng: ZeroEngine, error: str | None, what: str) -> None:
     """Collective: every rank raises when one rank failed, so no rank waits forever."""
-    errors = [(r, e) for r, e in enumerate(gather_objects(eng, error)) if e is not None]
-    if errors:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
-        raise CheckpointError(f"{what} failed on {len(errors)} rank(s): {detail}")
+    _raise_if_failed(eng.comm.group, eng.comm.world_size, error, what)
 
 
 def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
@@ -120,9 +131,20 @@ def _buffers(eng: ZeroEngine) -> dict[str, torch.Tensor]:
     return {n: b for n, b in eng.module.named_buffers() if n in persistent}
 
 
-def _write_rank_file(eng: ZeroEngine, path: Path, layouts: list[GroupLayout]) -> dict[str, int]:
+@dataclass
+class RankPayload:
+    """Everything one rank writes, captured at save time: after this, training may go on."""
+
+    tensors: list[tuple[str, torch.Tensor]]  # the store's tensors, or CPU copies (snapshot)
+    metadata: dict[str, str]
+    manifest: dict[str, Any]  # rank 0: the manifest without "files"
+    client_bytes: bytes | None
+
+
+def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
+             snapshot: bool) -> RankPayload:
     store = eng.store
-    tensors: list[tuple[str, torch.Tensor]] = []  # references only; bytes stream on write
+    tensors: list[tuple[str, torch.Tensor]] = []
     scalars: dict[str, Any] = {}
     for lay in layouts:
         for kind in lay.kinds:
@@ -135,11 +157,29 @@ def _write_rank_file(eng: ZeroEngine, path: Path, layouts: list[GroupLayout]) ->
     tensors += list(rng_t.items())
     if eng.comm.rank == 0:
         tensors += [(BUFFER_PREFIX + n, b) for n, b in _buffers(eng).items()]
+    if snapshot:  # a consistent copy the next step cannot change
+        tensors = [(n, t.detach().to("cpu", copy=True)) for n, t in tensors]
     meta = {"tierzero": json.dumps({"rank": eng.comm.rank, "optimizer": scalars,
                                     "rng": rng_js})}
-    entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in tensors]
-    with SafetensorsWriter(path, entries, meta) as w:
-        for n, t in tensors:
+    manifest: dict[str, Any] = {}
+    if eng.comm.rank == 0:
+        manifest = {
+            "format": FORMAT, "version": VERSION,
+            "world_size": eng.comm.world_size, "compute_dtype": str(eng.dtype),
+            "groups": [lay.as_json() for lay in layouts],
+            # model order (named_parameters, then persistent buffers) for consolidated output
+            "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),
+            "engine": engine_state(eng),
+            "config": as_dict(eng.config),
+            "hf_config": _hf_config_json(eng.module),
+        }
+    return RankPayload(tensors, meta, manifest, client_bytes)
+
+
+def _write_rank_file(path: Path, payload: RankPayload) -> dict[str, int]:
+    entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in payload.tensors]
+    with SafetensorsWriter(path, entries, payload.metadata) as w:
+        for n, t in payload.tensors:
             w.write(n, t)
     digest = w.close()
     return {"bytes": digest.nbytes, "crc32": digest.crc32}
@@ -167,9 +207,11 @@ def _hf_config_json(module: torch.nn.Module) -> str | None:
 
 
 def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = None,
-                    client_state: Any = None) -> Path:
+                    client_state: Any = None, *,
+                    background: BackgroundSaver | None = None) -> Path | PendingSave:
     """Write a complete checkpoint to `directory/tag` (default tag `global_step<N>`) and point
-    `directory/latest` at it. A collective: every rank calls it. Returns the checkpoint path."""
+    `directory/latest` at it. A collective: every rank calls it. Returns the checkpoint path;
+    with `background`, a PendingSave whose wait() returns it, while training goes on."""
     tag = f"global_step{eng.global_steps}" if tag is None else str(tag)
     check_tag(tag)
     root = Path(directory)
@@ -195,47 +237,58 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
             error = f"cannot create {temp} ({exc})"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
     with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
-    layouts = group_layouts(eng, with_grad)
-    digest: dict[str, int] | None = None
-    try:
-        digest = _write_rank_file(eng, temp / rank_file(eng.comm.rank), layouts)
-        error = None
-    except (OSError, CheckpointError, ValueError) as exc:
-        error = f"writing {temp / rank_file(eng.comm.rank)}: {exc}"
-    raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
-    digests = gather_objects(eng, digest)
-    error = None
-    if eng.comm.rank == 0:
+    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes,
+                       snapshot=background is not None)
+    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload)
+    if background is not None:
+        return background.submit(job)
+    return job.run(eng.comm.group)
+
+
+@dataclass
+class _SaveJob:
+    """Writing and publishing one checkpoint from a captured payload (no engine access)."""
+
+    rank: int
+    world: int
+    root: Path
+    tag: str
+    payload: RankPayload
+
+    def run(self, group: dist.ProcessGroup | None) -> Path:
+        temp, final = self.root / temp_dir_name(self.tag), self.root / self.tag
+        what = f"save_checkpoint({str(self.root)!r}, tag={self.tag!r})"
+        digest: dict[str, int] | None = None
+        error: str | None = None
         try:
-            _publish(eng, root, temp, tag, layouts=layouts, digests=digests,
-                     client_bytes=client_bytes)
+            digest = _write_rank_file(temp / rank_file(self.rank), self.payload)
         except (OSError, CheckpointError, ValueError) as exc:
-            error = f"publishing {final}: {exc}"
-    raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
-    log.info("checkpoint %s saved (%d ranks)", final, eng.comm.world_size)
-    return final
+            error = f"writing {temp / rank_file(self.rank)}: {exc}"
+        _raise_if_failed(group, self.world, error, what)
+        digests = _gather(group, self.world, digest)
+        if self.rank == 0:
+            try:
+                _publish(self.root, temp, self.tag, self.payload, digests)
+            except (OSError, CheckpointError, ValueError) as exc:
+                error = f"publishing {final}: {exc}"
+        _raise_if_failed(group, self.world, error, what)
+        log.info("checkpoint %s saved (%d ranks)", final, self.world)
+        return final
 
 
-def _publish(eng: ZeroEngine, root: Path, temp: Path, tag: str, *, layouts: list[GroupLayout],
-             digests: list[dict[str, int]], client_bytes: bytes | None) -> None:
+def _publish(root: Path, temp: Path, tag: str, payload: RankPayload,
+             digests: list[dict[str, int]]) -> None:
     files = {rank_file(r): d for r, d in enumerate(digests)}
-    if client_bytes is not None:
-        d = write_bytes_durable(temp / CLIENT_STATE, client_bytes)
+    manifest = dict(payload.manifest)
+    hf = manifest.pop("hf_config", None)
+    if payload.client_bytes is not None:
+        d = write_bytes_durable(temp / CLIENT_STATE, payload.client_bytes)
         files[CLIENT_STATE] = {"bytes": d.nbytes, "crc32": d.crc32}
-    hf = _hf_config_json(eng.module)
     if hf is not None:
         d = write_bytes_durable(temp / HF_CONFIG, hf.encode())
         files[HF_CONFIG] = {"bytes": d.nbytes, "crc32": d.crc32}
-    manifest = {
-        "format": FORMAT, "version": VERSION, "tag": tag,
-        "world_size": eng.comm.world_size, "compute_dtype": str(eng.dtype),
-        "groups": [lay.as_json() for lay in layouts],
-        # model order (named_parameters, then persistent buffers) for consolidated output
-        "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),
-        "engine": engine_state(eng),
-        "config": as_dict(eng.config),
-        "files": files,
-    }
+    manifest["tag"] = tag
+    manifest["files"] = files
     write_bytes_durable(temp / MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(temp)
     final = root / tag

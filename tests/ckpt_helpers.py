@@ -35,10 +35,12 @@ def _draw_rngs() -> list[float]:
 
 
 def run_phase(rank: int, *, precision: str, gas: int, ckpt: str, stop: int,
-              save_at: int | None = None, load: bool = False) -> dict[str, Any]:
+              save_at: int | None = None, load: bool = False,
+              background: bool = False) -> dict[str, Any]:
     """Train micro-steps [start, stop) on this rank's batches: start 0, or the checkpoint's
     micro-step when `load`. Saves after micro-step `save_at`. Each micro-step draws from every
-    RNG, so the RNG states at the save point are not the seeded ones."""
+    RNG, so the RNG states at the save point are not the seeded ones. `background`: the save
+    is written while the following micro-steps run (it must hold the state at the save)."""
     model = make_model()
     eng, _, _, _ = engine.initialize(model=model, config=resume_config(precision, gas),
                                      device="cpu")
@@ -53,7 +55,7 @@ def run_phase(rank: int, *, precision: str, gas: int, ckpt: str, stop: int,
         eng.step()
         draws += _draw_rngs()
         if save_at is not None and micro + 1 == save_at:
-            eng.save_checkpoint(ckpt, client_state={"micro": micro + 1})
+            eng.save_checkpoint(ckpt, client_state={"micro": micro + 1}, background=background)
             out["params_at_save"] = full_params(eng, model)
             out["draws_at_save"] = list(draws)
     out["params"] = full_params(eng, model)

@@ -9,6 +9,7 @@ import torch
 from engine_helpers import full_params, make_batches, make_config, make_model
 
 import engine
+from engine import checkpoint as ckpt_mod
 from engine.checkpoint_layout import LATEST, rank_file
 
 
@@ -146,3 +147,40 @@ def test_module_buffers_round_trip(tmp_path: Path) -> None:
     sd = engine.consolidate(tmp_path)
     assert torch.equal(sd["1.running_mean"], mean)
     assert sd["1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_background_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
+    eng, model = _trained()
+    want = full_params(eng, model)
+    pending = eng.save_checkpoint(tmp_path, tag="bg", background=True)
+    for ids, tg in make_batches(3, seed=5):  # the shards change while the save is written
+        eng.backward(eng(ids, tg))
+        eng.step()
+    assert isinstance(pending, engine.PendingSave)
+    assert pending.wait() == tmp_path / "bg"
+    assert (tmp_path / LATEST).read_text() == "bg"
+    fresh = _fresh()
+    fresh.load_checkpoint(tmp_path)
+    got = full_params(fresh, fresh.module)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    moved = full_params(eng, model)
+    assert any(not torch.equal(want[k], moved[k]) for k in want)
+    eng.close()
+
+
+def test_background_save_error_surfaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """A write failure in the worker thread reaches wait() (and close()); latest stays."""
+    eng, _ = _trained()
+    eng.save_checkpoint(tmp_path, tag="x", background=True)
+
+    def failing(path: Path, payload: object) -> dict[str, int]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt_mod, "_write_rank_file", failing)
+    pending = eng.save_checkpoint(tmp_path, tag="y", background=True)  # waits for "x" first
+    assert isinstance(pending, engine.PendingSave)
+    with pytest.raises(engine.CheckpointError, match=r"rank00000\.safetensors.*No space left"):
+        pending.wait()
+    assert (tmp_path / LATEST).read_text() == "x"
+    eng.close()

@@ -52,14 +52,15 @@ def test_resume_world1_fp16_fresh_process(tmp_path: Path) -> None:
 @pytest.mark.multiproc
 def test_resume_world2_mid_accumulation_then_reshard_to_world1(tmp_path: Path) -> None:
     """Two ranks, bf16, 2 micro-steps per step, saved after micro-step 3 (a half-accumulated
-    gradient is saved too). Then the same checkpoint loads into one rank: resharded."""
+    gradient is saved too), in the background while training goes on. Then the same
+    checkpoint loads into one rank: resharded."""
     n, m = 3, 6
     ckpt = str(tmp_path / "ckpt")
     common = {"precision": "bf16", "gas": 2, "ckpt": ckpt}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    full = run_two_ranks(tmp_path / "a", {
-        "run": partial(run_phase, stop=n + m, save_at=n, **common)})
+    full = run_two_ranks(tmp_path / "a", {  # saved in the background, from a snapshot
+        "run": partial(run_phase, stop=n + m, save_at=n, background=True, **common)})
     resumed = run_two_ranks(tmp_path / "b", {
         "run": partial(run_phase, stop=n + m, load=True, **common)})
     for r in range(2):
