@@ -22,14 +22,18 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
-from machine import describe
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine
+from machine import describe
 
 import engine
 
@@ -95,36 +99,31 @@ def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
         fn()
         times.setdefault(name, []).append(time.perf_counter() - t0)
 
+    def torch_save(pt: Path) -> None:
+        torch.save({"model": twin.state_dict(), "optimizer": opt.state_dict()}, pt)
+        _fsync(pt)
+
+    def torch_load(pt: Path) -> None:
+        sd = torch.load(pt, weights_only=True)
+        twin.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+
+    def st_save(st: Path) -> None:
+        save_file(twin.state_dict(), str(st))
+        _fsync(st)
+
     for r in range(args.repeats):
-        ck = base / f"tz{r}"
-        timed("tierzero save", lambda: eng.save_checkpoint(ck, tag="t"))
-        pt = base / f"torch{r}.pt"
-
-        def torch_save() -> None:
-            torch.save({"model": twin.state_dict(), "optimizer": opt.state_dict()}, pt)
-            _fsync(pt)
-
-        timed("torch.save", torch_save)
-        timed("tierzero load", lambda: eng.load_checkpoint(ck))
-        timed("tierzero load -v", lambda: eng.load_checkpoint(ck, verify=False))
-
-        def torch_load() -> None:
-            sd = torch.load(pt, weights_only=True)
-            twin.load_state_dict(sd["model"])
-            opt.load_state_dict(sd["optimizer"])
-
-        timed("torch.load", torch_load)
-        timed("consolidate", lambda: engine.consolidate_to_safetensors(
-            ck, base / f"hf{r}", progress=False))
-        st = base / f"st{r}.safetensors"
-
-        def st_save() -> None:
-            save_file(twin.state_dict(), str(st))
-            _fsync(st)
-
-        timed("save_file", st_save)
+        ck, pt, st, hf = (base / f"tz{r}", base / f"torch{r}.pt", base / f"st{r}.safetensors",
+                          base / f"hf{r}")
+        timed("tierzero save", partial(eng.save_checkpoint, ck, tag="t"))
+        timed("torch.save", partial(torch_save, pt))
+        timed("tierzero load", partial(eng.load_checkpoint, ck))
+        timed("tierzero load -v", partial(eng.load_checkpoint, ck, verify=False))
+        timed("torch.load", partial(torch_load, pt))
+        timed("consolidate", partial(engine.consolidate_to_safetensors, ck, hf, progress=False))
+        timed("save_file", partial(st_save, st))
         shutil.rmtree(ck)
-        shutil.rmtree(base / f"hf{r}")
+        shutil.rmtree(hf)
         pt.unlink()
         st.unlink()
     state_bytes = n * 4 * 3  # master, exp_avg, exp_avg_sq (fp32)

@@ -149,6 +149,7 @@ class RankFiles:
         self.path = path
         self.world_size = world_size
         self._open: dict[int, Any] = {}
+        self._names: dict[int, list[str]] = {}
 
     def handle(self, rank: int) -> Any:
         h = self._open.get(rank)
@@ -163,8 +164,11 @@ class RankFiles:
         return h
 
     def names(self, rank: int) -> list[str]:
-        keys: list[str] = self.handle(rank).keys()  # safe_open is not iterable
-        return list(keys)
+        names = self._names.get(rank)
+        if names is None:
+            keys: list[str] = self.handle(rank).keys()  # safe_open is not iterable
+            names = self._names[rank] = list(keys)
+        return names
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         try:
@@ -201,6 +205,7 @@ class RankFiles:
 
     def close(self) -> None:
         self._open.clear()
+        self._names.clear()
 
 
 def shard_numel_for(numel: int, world_size: int, align: int) -> int:
