@@ -147,11 +147,10 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
             start = rank * store.tensor(lay.key, "param16").numel()
             for kind in (*lay.kinds, *_optim_names(files, src_rank, lay.key)):
                 if same_world:
-                    src = files.tensor(rank, shard_name(lay.key, kind))
+                    files.read_into(rank, shard_name(lay.key, kind), _dest(eng, lay.key, kind))
                 else:
                     n = store.tensor(lay.key, "param16").numel()
-                    src = files.read_range(lay, kind, start, start + n)
-                _dest(eng, lay.key, kind).copy_(src)
+                    _dest(eng, lay.key, kind).copy_(files.read_range(lay, kind, start, start + n))
             if lay.trainable:
                 if "grad" not in lay.kinds:
                     store.tensor(lay.key, "grad").zero_()
