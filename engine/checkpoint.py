@@ -45,6 +45,8 @@ import io
 import json
 import logging
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,6 +84,30 @@ if TYPE_CHECKING:
     from engine.engine import ZeroEngine
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def shard_use(store: Any, key: str, kind: str, *, writable: bool = False
+              ) -> Iterator[torch.Tensor]:
+    """A shard tensor for the duration of the block, through the store's own access path:
+    `use()` where the store has one (a tiered store fetches and releases around the block,
+    [Note: shard residency]), else the resident tensor."""
+    use = getattr(store, "use", None)
+    if use is None:
+        yield store.tensor(key, kind)
+        return
+    with use(key, kind, writable=writable) as t:
+        yield t
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard written straight from the store at write time (no copy): key, kind, layout."""
+
+    key: str
+    kind: str
+    dtype: torch.dtype
+    numel: int
 
 
 def gather_objects(eng: ZeroEngine, value: Any) -> list[Any]:
@@ -135,8 +161,9 @@ def _buffers(eng: ZeroEngine) -> dict[str, torch.Tensor]:
 class RankPayload:
     """Everything one rank writes, captured at save time: after this, training may go on."""
 
-    tensors: list[tuple[str, torch.Tensor]]  # the store's tensors, or CPU copies (snapshot)
+    tensors: list[tuple[str, torch.Tensor | ShardRef]]  # CPU copies when a snapshot
     metadata: dict[str, str]
+    store: Any  # where ShardRefs are read (None in a snapshot: it holds copies only)
     manifest: dict[str, Any]  # rank 0: the manifest without "files"
     client_bytes: bytes | None
 
@@ -144,11 +171,17 @@ class RankPayload:
 def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
              snapshot: bool) -> RankPayload:
     store = eng.store
-    tensors: list[tuple[str, torch.Tensor]] = []
+    tensors: list[tuple[str, torch.Tensor | ShardRef]] = []
     scalars: dict[str, Any] = {}
     for lay in layouts:
         for kind in lay.kinds:
-            tensors.append((shard_name(lay.key, kind), store.tensor(lay.key, kind)))  # type: ignore[arg-type]
+            dtype = eng.dtype if kind == "param16" else torch.float32
+            ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
+            if snapshot:  # a consistent copy the next step cannot change
+                with shard_use(store, lay.key, kind) as t:
+                    tensors.append((shard_name(lay.key, kind), t.detach().to("cpu", copy=True)))
+            else:
+                tensors.append((shard_name(lay.key, kind), ref))
         if lay.trainable:
             split = split_optimizer_state(eng, lay.key)
             tensors += [(shard_name(lay.key, n), t) for n, t in split.elementwise.items()]
@@ -157,8 +190,9 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
     tensors += list(rng_t.items())
     if eng.comm.rank == 0:
         tensors += [(BUFFER_PREFIX + n, b) for n, b in _buffers(eng).items()]
-    if snapshot:  # a consistent copy the next step cannot change
-        tensors = [(n, t.detach().to("cpu", copy=True)) for n, t in tensors]
+    if snapshot:
+        tensors = [(n, t.detach().to("cpu", copy=True)) if isinstance(t, torch.Tensor) else
+                   (n, t) for n, t in tensors]
     meta = {"tierzero": json.dumps({"rank": eng.comm.rank, "optimizer": scalars,
                                     "rng": rng_js})}
     manifest: dict[str, Any] = {}
@@ -173,14 +207,19 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             "config": as_dict(eng.config),
             "hf_config": _hf_config_json(eng.module),
         }
-    return RankPayload(tensors, meta, manifest, client_bytes)
+    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes)
 
 
 def _write_rank_file(path: Path, payload: RankPayload) -> dict[str, int]:
-    entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, t in payload.tensors]
+    entries = [TensorEntry(n, t.dtype, tuple(t.shape) if isinstance(t, torch.Tensor)
+                           else (t.numel,)) for n, t in payload.tensors]
     with SafetensorsWriter(path, entries, payload.metadata) as w:
         for n, t in payload.tensors:
-            w.write(n, t)
+            if isinstance(t, torch.Tensor):
+                w.write(n, t)
+            else:  # streamed from the store, one shard at a time
+                with shard_use(payload.store, t.key, t.kind) as shard:
+                    w.write(n, shard)
     digest = w.close()
     return {"bytes": digest.nbytes, "crc32": digest.crc32}
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.checkpoint import gather_objects, group_layouts, raise_if_any_failed
+from engine.checkpoint import gather_objects, group_layouts, raise_if_any_failed, shard_use
 from engine.checkpoint_layout import (
     BUFFER_PREFIX,
     CLIENT_STATE,
@@ -143,17 +145,19 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
         meta = files.handle(src_rank).metadata() or {}
         rank_meta = json.loads(meta["tierzero"])
         store = eng.store
+        shard_numel = {g.key: g.shard_numel for u in eng.units for g in u.groups}
         for lay in saved:
-            start = rank * store.tensor(lay.key, "param16").numel()
+            n = shard_numel[lay.key]
             for kind in (*lay.kinds, *_optim_names(files, src_rank, lay.key)):
-                if same_world:
-                    files.read_into(rank, shard_name(lay.key, kind), _dest(eng, lay.key, kind))
-                else:
-                    n = store.tensor(lay.key, "param16").numel()
-                    _dest(eng, lay.key, kind).copy_(files.read_range(lay, kind, start, start + n))
+                with _dest(eng, lay.key, kind) as dest:
+                    if same_world:
+                        files.read_into(rank, shard_name(lay.key, kind), dest)
+                    else:
+                        dest.copy_(files.read_range(lay, kind, rank * n, (rank + 1) * n))
             if lay.trainable:
                 if "grad" not in lay.kinds:
-                    store.tensor(lay.key, "grad").zero_()
+                    with shard_use(store, lay.key, "grad", writable=True) as grad:
+                        grad.zero_()
                 store.write_param16_from_master(lay.key)
                 restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
         restore_engine_state(eng, manifest["engine"])
@@ -174,7 +178,8 @@ def _optim_names(files: RankFiles, rank: int, key: str) -> list[str]:
     return [n.removeprefix(shard_name(key, "")) for n in _names(files, rank, head)]
 
 
-def _dest(eng: ZeroEngine, key: str, kind: str) -> torch.Tensor:
+@contextmanager
+def _dest(eng: ZeroEngine, key: str, kind: str) -> Iterator[torch.Tensor]:
     if kind.startswith(OPTIM_PREFIX):
         master = eng.store.tensor(key, "master")
         value = eng.optimizer.state.get(master, {}).get(kind.removeprefix(OPTIM_PREFIX))
@@ -182,8 +187,10 @@ def _dest(eng: ZeroEngine, key: str, kind: str) -> torch.Tensor:
             raise CheckpointError(f"checkpoint holds optimizer state {kind!r} for {key!r}, but "
                                   "this engine's optimizer has none: load with the same "
                                   "optimizer type")
-        return value
-    return eng.store.tensor(key, kind)  # type: ignore[arg-type]
+        yield value
+        return
+    with shard_use(eng.store, key, kind, writable=True) as t:
+        yield t
 
 
 def _restore_buffers(eng: ZeroEngine, files: RankFiles) -> None:
