@@ -96,7 +96,63 @@ def _scalar(text: str) -> Any:
     return text
 
 
-COMMANDS: tuple[Callable[[Subparsers], None], ...] = (add_train, add_plan, add_bench, add_config)
+def add_consolidate(sub: Subparsers) -> None:
+    cons = sub.add_parser(
+        "consolidate", help="write a checkpoint's full weights as Hugging Face safetensors",
+        description="Stream the parameters of checkpoint CKPT (a directory written by "
+        "save_checkpoint; its `latest` tag unless --tag) into OUT as safetensors, tensor by "
+        "tensor: model.safetensors, or model-0000i-of-0000N.safetensors with "
+        "model.safetensors.index.json above --max-shard-size; config.json too when the model "
+        "had a Hugging Face config. Exit 1 on a missing or damaged checkpoint.")
+    cons.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
+    cons.add_argument("out", metavar="OUT", help="output directory (created)")
+    cons.add_argument("--tag", default=None, help="checkpoint tag (default: CKPT/latest)")
+    cons.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                      help="output dtype (default fp32, from the fp32 master weights)")
+    cons.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                      help="bytes per output file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    cons.add_argument("--no-verify", action="store_true",
+                      help="skip the CRC-32 check of the checkpoint files (sizes still checked)")
+    cons.set_defaults(run=run_consolidate)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9, '2GiB' -> 2 * 2**30, '1000' -> 1000 (the transformers spelling)."""
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise ValueError(f"--max-shard-size {text!r} is not allowed; allowed: a positive "
+                         f"number with an optional unit {sorted(u for u in _SIZE_UNITS if u)}")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    from engine.checkpoint_layout import CheckpointError
+    from engine.consolidation import OUT_DTYPES, consolidate_to_safetensors
+
+    try:
+        files = consolidate_to_safetensors(
+            args.ckpt, args.out, args.tag, dtype=OUT_DTYPES[args.dtype],
+            max_shard_bytes=parse_size(args.max_shard_size), verify=not args.no_verify)
+    except (CheckpointError, ValueError, OSError) as exc:
+        sys.stderr.write(f"tierzero consolidate: error: {exc}\n")
+        return 1
+    sys.stdout.write("".join(f"{f}\n" for f in files))
+    return 0
+
+
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    add_train, add_plan, add_bench, add_consolidate, add_config,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from engine import checkpoint, checkpoint_load
 from engine.access import AccessGuard, register_owner, unregister_owner
+from engine.checkpoint_async import BackgroundSaver, PendingSave
 from engine.collectives import Comm
 from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group, release_group
@@ -79,6 +82,7 @@ class ZeroEngine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self._saver = BackgroundSaver(self.comm.world_size)
         self._closed = False
 
     # -- construction -------------------------------------------------------------
@@ -234,6 +238,24 @@ class ZeroEngine:
             "skipped_steps": self.skipped_steps,
         }
 
+    # -- checkpoints (engine/checkpoint*.py) ---------------------------------------
+    def save_checkpoint(self, directory: str | Path, tag: str | None = None,
+                        client_state: Any = None, *,
+                        background: bool = False) -> Path | PendingSave:
+        """Save every rank's shards and state to `directory/tag` and point `latest` at it.
+        `background`: snapshot now, write while training goes on; returns a PendingSave."""
+        self._check_open()
+        self._saver.wait()
+        return checkpoint.save_checkpoint(self, directory, tag, client_state,
+                                          background=self._saver if background else None)
+
+    def load_checkpoint(self, directory: str | Path, tag: str | None = None,
+                        *, verify: bool = True) -> tuple[Path, Any]:
+        """Resume from `directory/tag` (default `latest`); returns (path, client_state)."""
+        self._check_open()
+        self._saver.wait()
+        return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
+
     # -- lifecycle ----------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -245,6 +267,7 @@ class ZeroEngine:
         Idempotent."""
         if self._closed:
             return
+        self._saver.close()  # a background save finishes (or raises) first
         for unit in self.units:
             self.scheduler.ensure_gathered(unit)
             for g in unit.groups:

@@ -1,0 +1,338 @@
+"""`ZeroEngine.save_checkpoint`: every rank streams its shards to disk; rank 0 publishes.
+
+[Note: checkpoint layout]
+
+    <dir>/
+      latest                     text: the tag of the newest complete checkpoint; replaced
+                                 atomically, and only after that checkpoint is durable
+      .<tag>.partial/            a save in progress (or killed): never read, removed by the
+                                 next save of the same tag
+      <tag>/                     a complete checkpoint: the .partial directory, renamed
+        manifest.json            written last inside .partial, by rank 0: format, version,
+                                 tag, world size, compute dtype, every flat group's layout
+                                 (key, shard size, parameter names/shapes/offsets, stored
+                                 kinds), the model's parameter order, engine state, config,
+                                 and each file's bytes + CRC-32
+        rank00000.safetensors    rank r's shards, one tensor per (group, kind), named
+        rank00001.safetensors    "<group key>::<kind>" (1D, shard_numel elements):
+        ...                        trainable: master, exp_avg, exp_avg_sq (fp32), grad only
+                                   when saved mid-accumulation, optim.<name> for other
+                                   per-element optimizer state; frozen: param16.
+                                 "rng::torch" / "rng::cuda" (uint8 RNG states); rank 0 also
+                                 "buffer::<name>" (module buffers). Header metadata
+                                 "tierzero": JSON with this rank's optimizer scalars
+                                 (per group) and python/numpy RNG states.
+        client_state.pt          client_state of save_checkpoint, rank 0's (torch.save;
+                                 loaded with weights_only=True)
+        hf_config.json           the model's Hugging Face config when it has one (consolidate
+                                 writes it as config.json)
+
+Crash safety: files are written under .partial and fsynced; the manifest
+(holding every file's size and CRC-32) is written and fsynced after all ranks
+finished; the directory is renamed to <tag> and the parent fsynced; only then
+is `latest` replaced (temp file, fsync, rename, fsync). A kill at any point
+leaves `latest` naming the previous complete checkpoint. Load checks each
+file's size and CRC-32 before using it. One shared file system is assumed
+for all ranks (every rank writes into the same directory).
+
+Parameter names and the flat layout follow [Note: flat layout] in
+engine/flat_shard.py; group keys are `FlatGroup.key`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint_io import (
+    SafetensorsWriter,
+    TensorEntry,
+    fsync_dir,
+    replace_durable,
+    write_bytes_durable,
+)
+from engine.checkpoint_layout import (
+    BUFFER_PREFIX,
+    CLIENT_STATE,
+    FORMAT,
+    HF_CONFIG,
+    LATEST,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    GroupLayout,
+    check_tag,
+    rank_file,
+    shard_name,
+    temp_dir_name,
+)
+from engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
+from engine.config.native import as_dict
+
+if TYPE_CHECKING:
+    from engine.checkpoint_async import BackgroundSaver, PendingSave
+    from engine.engine import ZeroEngine
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def shard_use(store: Any, key: str, kind: str, *, writable: bool = False
+              ) -> Iterator[torch.Tensor]:
+    """A shard tensor for the duration of the block, through the store's own access path:
+    `use()` where the store has one (a tiered store fetches and releases around the block,
+    [Note: shard residency]), else the resident tensor."""
+    use = getattr(store, "use", None)
+    if use is None:
+        yield store.tensor(key, kind)
+        return
+    with use(key, kind, writable=writable) as t:
+        yield t
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard written straight from the store at write time (no copy): key, kind, layout."""
+
+    key: str
+    kind: str
+    dtype: torch.dtype
+    numel: int
+
+
+def gather_objects(eng: ZeroEngine, value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (a collective on the engine's group)."""
+    return _gather(eng.comm.group, eng.comm.world_size, value)
+
+
+def _gather(group: dist.ProcessGroup | None, world: int, value: Any) -> list[Any]:
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _raise_if_failed(group: dist.ProcessGroup | None, world: int, error: str | None,
+                     what: str) -> None:
+    errors = [(r, e) for r, e in enumerate(_gather(group, world, error)) if e is not None]
+    if errors:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise CheckpointError(f"{what} failed on {len(errors)} rank(s): {detail}")
+
+
+def raise_if_any_failed(eng: ZeroEngine, error: str | None, what: str) -> None:
+    """Collective: every rank raises when one rank failed, so no rank waits forever."""
+    _raise_if_failed(eng.comm.group, eng.comm.world_size, error, what)
+
+
+def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
+    out = []
+    for unit in eng.units:
+        for g in unit.groups:
+            if g.trainable:
+                kinds = ["master", "exp_avg", "exp_avg_sq"] + (["grad"] if with_grad else [])
+                kinds = [k for k in kinds if eng.store.has(g.key, k)]  # type: ignore[arg-type]
+            else:
+                kinds = ["param16"]
+            params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
+            out.append(GroupLayout(g.key, g.trainable, g.shard_numel, g.numel, params,
+                                   tuple(kinds)))
+    return out
+
+
+def _buffers(eng: ZeroEngine) -> dict[str, torch.Tensor]:
+    """Persistent module buffers (BatchNorm statistics, ...): replicated, saved by rank 0."""
+    persistent = set(eng.module.state_dict(keep_vars=True))
+    return {n: b for n, b in eng.module.named_buffers() if n in persistent}
+
+
+@dataclass
+class RankPayload:
+    """Everything one rank writes, captured at save time: after this, training may go on."""
+
+    tensors: list[tuple[str, torch.Tensor | ShardRef]]  # CPU copies when a snapshot
+    metadata: dict[str, str]
+    store: Any  # where ShardRefs are read (None in a snapshot: it holds copies only)
+    manifest: dict[str, Any]  # rank 0: the manifest without "files"
+    client_bytes: bytes | None
+
+
+def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
+             snapshot: bool) -> RankPayload:
+    store = eng.store
+    tensors: list[tuple[str, torch.Tensor | ShardRef]] = []
+    scalars: dict[str, Any] = {}
+    for lay in layouts:
+        for kind in lay.kinds:
+            dtype = eng.dtype if kind == "param16" else torch.float32
+            ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
+            if snapshot:  # a consistent copy the next step cannot change
+                with shard_use(store, lay.key, kind) as t:
+                    tensors.append((shard_name(lay.key, kind), t.detach().to("cpu", copy=True)))
+            else:
+                tensors.append((shard_name(lay.key, kind), ref))
+        if lay.trainable:
+            split = split_optimizer_state(eng, lay.key)
+            tensors += [(shard_name(lay.key, n), t) for n, t in split.elementwise.items()]
+            scalars[lay.key] = split.scalars
+    rng_js, rng_t = rng_state(eng.device)
+    tensors += list(rng_t.items())
+    if eng.comm.rank == 0:
+        tensors += [(BUFFER_PREFIX + n, b) for n, b in _buffers(eng).items()]
+    if snapshot:
+        tensors = [(n, t.detach().to("cpu", copy=True)) if isinstance(t, torch.Tensor) else
+                   (n, t) for n, t in tensors]
+    meta = {"tierzero": json.dumps({"rank": eng.comm.rank, "optimizer": scalars,
+                                    "rng": rng_js})}
+    manifest: dict[str, Any] = {}
+    if eng.comm.rank == 0:
+        manifest = {
+            "format": FORMAT, "version": VERSION,
+            "world_size": eng.comm.world_size, "compute_dtype": str(eng.dtype),
+            "groups": [lay.as_json() for lay in layouts],
+            # model order (named_parameters, then persistent buffers) for consolidated output
+            "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),
+            "engine": engine_state(eng),
+            "config": as_dict(eng.config),
+            "hf_config": _hf_config_json(eng.module),
+        }
+    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes)
+
+
+def _write_rank_file(path: Path, payload: RankPayload) -> dict[str, int]:
+    entries = [TensorEntry(n, t.dtype, tuple(t.shape) if isinstance(t, torch.Tensor)
+                           else (t.numel,)) for n, t in payload.tensors]
+    with SafetensorsWriter(path, entries, payload.metadata) as w:
+        for n, t in payload.tensors:
+            if isinstance(t, torch.Tensor):
+                w.write(n, t)
+            else:  # streamed from the store, one shard at a time
+                with shard_use(payload.store, t.key, t.kind) as shard:
+                    w.write(n, shard)
+    digest = w.close()
+    return {"bytes": digest.nbytes, "crc32": digest.crc32}
+
+
+def _client_state_bytes(client_state: Any) -> bytes:
+    """client_state pickled, refused now (not at resume time) unless it loads back with
+    torch.load(weights_only=True): dicts, lists, tensors and scalars."""
+    try:
+        buf = io.BytesIO()
+        torch.save(client_state, buf)
+        data = buf.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # pickling and the weights_only unpickler raise many types
+        raise CheckpointError(f"client_state cannot be saved and restored with torch.load("
+                              f"weights_only=True) ({exc}); keep it to dicts, lists, tensors "
+                              "and scalars") from exc
+    return data
+
+
+def _hf_config_json(module: torch.nn.Module) -> str | None:
+    cfg = getattr(module, "config", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    return str(to_json()) if callable(to_json) else None
+
+
+def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = None,
+                    client_state: Any = None, *,
+                    background: BackgroundSaver | None = None) -> Path | PendingSave:
+    """Write a complete checkpoint to `directory/tag` (default tag `global_step<N>`) and point
+    `directory/latest` at it. A collective: every rank calls it. Returns the checkpoint path;
+    with `background`, a PendingSave whose wait() returns it, while training goes on."""
+    tag = f"global_step{eng.global_steps}" if tag is None else str(tag)
+    check_tag(tag)
+    root = Path(directory)
+    final = root / tag
+    # Checks every rank makes alike, before the first collective (a lone error would hang).
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; pick another tag or remove it first "
+                              "(a checkpoint is never overwritten in place)")
+    client_bytes = _client_state_bytes(client_state) if client_state is not None else None
+    tags = gather_objects(eng, tag)
+    if any(t != tag for t in tags):
+        raise CheckpointError(f"ranks passed different tags {tags}; every rank must save the "
+                              "same tag")
+    temp = root / temp_dir_name(tag)
+    error: str | None = None
+    if eng.comm.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if temp.exists():  # left by a killed save of this tag: ours to remove
+                shutil.rmtree(temp)
+            temp.mkdir()
+        except OSError as exc:
+            error = f"cannot create {temp} ({exc})"
+    raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
+    with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
+    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes,
+                       snapshot=background is not None)
+    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload)
+    if background is not None:
+        return background.submit(job)
+    return job.run(eng.comm.group)
+
+
+@dataclass
+class _SaveJob:
+    """Writing and publishing one checkpoint from a captured payload (no engine access)."""
+
+    rank: int
+    world: int
+    root: Path
+    tag: str
+    payload: RankPayload
+
+    def run(self, group: dist.ProcessGroup | None) -> Path:
+        temp, final = self.root / temp_dir_name(self.tag), self.root / self.tag
+        what = f"save_checkpoint({str(self.root)!r}, tag={self.tag!r})"
+        digest: dict[str, int] | None = None
+        error: str | None = None
+        try:
+            digest = _write_rank_file(temp / rank_file(self.rank), self.payload)
+        except (OSError, CheckpointError, ValueError) as exc:
+            error = f"writing {temp / rank_file(self.rank)}: {exc}"
+        _raise_if_failed(group, self.world, error, what)
+        digests = _gather(group, self.world, digest)
+        if self.rank == 0:
+            try:
+                _publish(self.root, temp, self.tag, self.payload, digests)
+            except (OSError, CheckpointError, ValueError) as exc:
+                error = f"publishing {final}: {exc}"
+        _raise_if_failed(group, self.world, error, what)
+        log.info("checkpoint %s saved (%d ranks)", final, self.world)
+        return final
+
+
+def _publish(root: Path, temp: Path, tag: str, payload: RankPayload,
+             digests: list[dict[str, int]]) -> None:
+    files = {rank_file(r): d for r, d in enumerate(digests)}
+    manifest = dict(payload.manifest)
+    hf = manifest.pop("hf_config", None)
+    if payload.client_bytes is not None:
+        d = write_bytes_durable(temp / CLIENT_STATE, payload.client_bytes)
+        files[CLIENT_STATE] = {"bytes": d.nbytes, "crc32": d.crc32}
+    if hf is not None:
+        d = write_bytes_durable(temp / HF_CONFIG, hf.encode())
+        files[HF_CONFIG] = {"bytes": d.nbytes, "crc32": d.crc32}
+    manifest["tag"] = tag
+    manifest["files"] = files
+    write_bytes_durable(temp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    fsync_dir(temp)
+    final = root / tag
+    temp.rename(final)
+    fsync_dir(root)
+    latest_tmp = root / f".{LATEST}.partial"
+    write_bytes_durable(latest_tmp, tag.encode())
+    replace_durable(latest_tmp, root / LATEST)

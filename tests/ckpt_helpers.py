@@ -1,0 +1,98 @@
+"""Training runs that save or resume a checkpoint, run in fresh processes by the ckpt tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from engine_helpers import full_params, make_batches, make_config, make_model
+
+import engine
+from engine.config import Config, SchedulerConfig
+
+
+def resume_config(precision: str, gas: int) -> Config:
+    """Warm-up then cosine decay, clipping: the schedule and the clip both carry state."""
+    sched = SchedulerConfig(type="warmup_cosine", warmup_steps=3, total_steps=12,  # type: ignore[arg-type]
+                            warmup_start_lr=1e-4, min_lr=1e-3)
+    cfg = make_config(precision=precision, gas=gas, clip=0.5, scheduler=sched)
+    # fp16: start the dynamic loss scale far too high, so early steps overflow and are
+    # skipped, and let it grow back every 2 clean steps: the scaler's state then matters
+    scale = replace(cfg.precision.loss_scale, initial_scale_power=21, growth_interval=2,
+                    hysteresis=1)
+    return replace(cfg, precision=replace(cfg.precision, loss_scale=scale))
+
+
+def _draw_rngs() -> list[float]:
+    """What dropout and data shuffling would draw: one value from each RNG."""
+    return [float(torch.rand(1)), random.random(), float(np.random.rand())]
+
+
+def run_phase(rank: int, *, precision: str, gas: int, ckpt: str, stop: int,
+              save_at: int | None = None, load: bool = False,
+              background: bool = False) -> dict[str, Any]:
+    """Train micro-steps [start, stop) on this rank's batches: start 0, or the checkpoint's
+    micro-step when `load`. Saves after micro-step `save_at`. Each micro-step draws from every
+    RNG, so the RNG states at the save point are not the seeded ones. `background`: the save
+    is written while the following micro-steps run (it must hold the state at the save)."""
+    model = make_model()
+    eng, _, _, _ = engine.initialize(model=model, config=resume_config(precision, gas),
+                                     device="cpu")
+    batches = make_batches(stop, seed=1 + rank)
+    out: dict[str, Any] = {}
+    if load:
+        _, out["client_state"] = eng.load_checkpoint(ckpt)
+    draws: list[float] = []
+    for micro in range(eng.micro_steps, stop):
+        ids, tg = batches[micro]
+        eng.backward(eng(ids, tg))
+        eng.step()
+        draws += _draw_rngs()
+        if save_at is not None and micro + 1 == save_at:
+            eng.save_checkpoint(ckpt, client_state={"micro": micro + 1}, background=background)
+            out["params_at_save"] = full_params(eng, model)
+            out["draws_at_save"] = list(draws)
+    out["params"] = full_params(eng, model)
+    out["draws"] = draws
+    out["lr"] = eng.get_lr()
+    out["counters"] = (eng.micro_steps, eng.global_steps, eng.skipped_steps)
+    out["loss_scale"] = eng.loss_scaler.scale if eng.loss_scaler else None
+    eng.close()
+    return out
+
+
+def _fresh_worker(fn: Callable[[], Any], out: str) -> None:
+    torch.set_num_threads(1)
+    torch.save(fn(), out)
+
+
+def run_fresh(tmp: Path, name: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` in a new Python process (spawn): nothing carries over but the files."""
+    out = tmp / f"{name}.pt"
+    proc = mp.get_context("spawn").Process(target=_fresh_worker, args=(fn, str(out)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"fresh process {name!r} exited with {proc.exitcode}")
+    return torch.load(out, weights_only=False)
+
+
+def crash_child(ckpt: str, ready: str) -> None:
+    """Save tag t0, signal `ready`, then train and save t1, t2, ... until killed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
+    cfg = make_config(units=("Linear",))
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    x = torch.randn(8, 512)
+    for step in range(10_000):
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        eng.save_checkpoint(ckpt, tag=f"t{step}")
+        if step == 0:
+            Path(ready).write_text("ready")
