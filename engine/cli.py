@@ -116,34 +116,17 @@ def add_consolidate(sub: Subparsers) -> None:
     cons.set_defaults(run=run_consolidate)
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '2GiB' -> 2 * 2**30, '1000' -> 1000 (the transformers spelling)."""
-    s = text.strip().upper()
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _SIZE_UNITS or value <= 0:
-        raise ValueError(f"--max-shard-size {text!r} is not allowed; allowed: a positive "
-                         f"number with an optional unit {sorted(u for u in _SIZE_UNITS if u)}")
-    return int(value * _SIZE_UNITS[unit])
-
-
 def run_consolidate(args: argparse.Namespace) -> int:
     from engine.checkpoint_layout import CheckpointError
+    from engine.config.values import parse_bytes
     from engine.consolidation import OUT_DTYPES, consolidate_to_safetensors
 
     try:
+        max_shard = parse_bytes(args.max_shard_size, "--max-shard-size", int, {"unit": "bytes"})
         files = consolidate_to_safetensors(
             args.ckpt, args.out, args.tag, dtype=OUT_DTYPES[args.dtype],
-            max_shard_bytes=parse_size(args.max_shard_size), verify=not args.no_verify)
-    except (CheckpointError, ValueError, OSError) as exc:
+            max_shard_bytes=max_shard, verify=not args.no_verify)
+    except (CheckpointError, ConfigError, ValueError, OSError) as exc:
         sys.stderr.write(f"tierzero consolidate: error: {exc}\n")
         return 1
     sys.stdout.write("".join(f"{f}\n" for f in files))

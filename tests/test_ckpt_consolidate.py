@@ -94,7 +94,7 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _train_and_save(tmp_path / "ckpt", "fp32")
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "o"),
                  "--max-shard-size", "5XB"]) == 1
-    assert "--max-shard-size '5XB' is not allowed" in capsys.readouterr().err
+    assert "--max-shard-size: '5XB' is not allowed" in capsys.readouterr().err
 
 
 transformers = pytest.importorskip("transformers")
