@@ -97,11 +97,10 @@ def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
     """All-gather the shards into the full buffer and point each parameter at its view."""
-    shard = store.tensor(group.key, "param16")
-    with torch.no_grad():
-        if comm.world_size == 1 and shard.device == group.full.device:
+    with torch.no_grad(), store.use(group.key, "param16") as shard:
+        if comm.world_size == 1 and store.resident and shard.device == group.full.device:
             base = shard  # the shard is the whole buffer: view it, copy nothing
-        else:
+        else:  # an offloaded shard's view is valid only inside use(): copy it out
             base = group.full
             storage = base.untyped_storage()
             if storage.nbytes() == 0:
@@ -131,20 +130,31 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     holds the result only after `wait()`. Every rank must reduce the same
     groups in the same order (see [Note: reduction order] in schedule.py).
     """
-    grad_shard = store.tensor(group.key, "grad")  # 1D fp32, shard_numel
     with torch.no_grad():
         if comm.world_size == 1:
-            for s in group.slots:
-                g = s.param.grad
-                if g is not None:
-                    grad_shard[s.offset:s.offset + s.numel].add_(g.reshape(-1))  # upcasts
-                    s.param.grad = None
+            with store.use(group.key, "grad", writable=True) as grad_shard:  # 1D fp32
+                for s in group.slots:
+                    g = s.param.grad
+                    if g is not None:
+                        grad_shard[s.offset:s.offset + s.numel].add_(
+                            g.reshape(-1).to(grad_shard.device))  # upcasts
+                        s.param.grad = None
             return None
-        full = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad_shard.device)
+        full = torch.zeros(group.padded_numel, dtype=torch.float32, device=group.full.device)
         for s in group.slots:
             g = s.param.grad
             if g is not None:
                 full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
                 s.param.grad = None
-        mine = torch.empty_like(grad_shard)
-        return comm.reduce_scatter_mean_async(mine, full, accumulate_into=grad_shard)
+        mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
+        if store.resident:
+            return comm.reduce_scatter_mean_async(
+                mine, full, accumulate_into=store.tensor(group.key, "grad"))
+        pending = comm.reduce_scatter_mean_async(mine, full)
+
+        def accumulate(out: torch.Tensor) -> None:
+            with torch.no_grad(), store.use(group.key, "grad", writable=True) as grad_shard:
+                grad_shard.add_(out.to(grad_shard.device))
+
+        pending.then = accumulate
+        return pending

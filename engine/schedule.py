@@ -20,7 +20,8 @@ not yet reduced in fixed unit order, including groups without gradients.
 [Note: unit order trace] The order of unit forwards in the first micro-step
 is recorded; every later forward is checked against it and, on a change
 (dynamic control flow), logged and re-recorded. Correctness never depends
-on the trace; the prefetch queue (offload/) will be driven by it.
+on the trace; the prefetch queue (offload/) is driven by it: each forward
+hands the tier manager the order of the coming param16 fetches.
 """
 
 from __future__ import annotations
@@ -111,7 +112,20 @@ class Scheduler:
     # -- forward ---------------------------------------------------------------
     def begin_forward(self, root: Unit) -> None:
         self._order = []
+        self._prefetch_from_trace(root)
         self.ensure_gathered(root)
+
+    def _prefetch_from_trace(self, root: Unit) -> None:
+        """Hand the shard store this step's param16 uses, in order, from the recorded trace:
+        root, each non-persistent unit's forward, then the same units in reverse for
+        backward. The tier manager starts NVMe reads and host->device copies within its
+        byte windows (zero.prefetch_bytes) ahead of each use ([Note: unit order trace])."""
+        if self.trace is None or self.store.resident:
+            return
+        by_index = {u.index: u for u in self.units}
+        fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
+        uses = ([root] if not (root.gathered and not root.stale) else []) + fwd + fwd[::-1]
+        self.store.set_order([(g.key, "param16") for u in uses for g in u.groups])
 
     def pre_forward(self, unit: Unit) -> None:
         if not self._in_backward:
@@ -217,17 +231,19 @@ class Scheduler:
                 self.comm.broadcast(g.base, src)
                 lo = self.comm.rank * g.shard_numel
                 mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
-                param16 = self.store.tensor(g.key, "param16")
-                if g.trainable:
-                    master = self.store.tensor(g.key, "master")
-                    if master is not param16:
-                        # Only edited elements replace the fp32 master (param16 is always
-                        # master rounded, so a difference is an edit); the rest keep full
-                        # precision instead of a round trip through the compute dtype.
-                        changed = mine != master.to(mine.dtype)
-                        master.copy_(torch.where(changed, mine.float(), master))
-                if mine.data_ptr() != param16.data_ptr():
-                    param16.copy_(mine)
+                with self.store.use(g.key, "param16", writable=True) as param16:
+                    if g.trainable:
+                        with self.store.use(g.key, "master", writable=True) as master:
+                            if master.data_ptr() != param16.data_ptr():
+                                # Only edited elements replace the fp32 master (param16 is
+                                # always master rounded, so a difference is an edit); the
+                                # rest keep full precision instead of a round trip through
+                                # the compute dtype.
+                                m = mine.to(master.device)
+                                changed = m != master.to(m.dtype)
+                                master.copy_(torch.where(changed, m.float(), master))
+                    if mine.data_ptr() != param16.data_ptr():
+                        param16.copy_(mine)
 
     # -- step ------------------------------------------------------------------
     def after_step(self) -> None:
