@@ -182,10 +182,10 @@ class TieredShardStore(ShardStore):
                                "is built once every shard group is added")
         return self.manager
 
-    def tier_for(self, key: str, kind: ShardKind) -> Tier:
-        """Where the engine consumes `kind`: param16 on the device; the rest where homed,
-        host for anything below it."""
-        if kind == "param16":
+    def tier_for(self, key: str, kind: ShardKind, *, compute: bool = True) -> Tier:
+        """Where `kind` is read or written: param16 for compute (gathers) on the device;
+        otherwise on its home, host for anything below it."""
+        if kind == "param16" and compute:
             return "device"
         return "device" if self._mgr().home_of(f"{key}:{kind}") == "device" else "host"
 
@@ -211,13 +211,17 @@ class TieredShardStore(ShardStore):
         return view
 
     @contextmanager
-    def use(self, key: str, kind: ShardKind, *, writable: bool = False) -> Iterator[torch.Tensor]:
+    def use(self, key: str, kind: ShardKind, *, writable: bool = False,
+            compute: bool = True) -> Iterator[torch.Tensor]:
+        """`compute=False`: not for a gather, so param16 is reached on its home tier (host
+        for NVMe) instead of being copied to the device first."""
         self._check(key, kind)
         view = self._views.get((key, kind))
         if view is not None:
             yield view
             return
-        mgr, mkey, tier = self._mgr(), f"{key}:{kind}", self.tier_for(key, kind)
+        mgr, mkey = self._mgr(), f"{key}:{kind}"
+        tier = self.tier_for(key, kind, compute=compute)
         t = mgr.fetch(mkey, tier, writable=writable).wait()
         try:
             yield t
@@ -238,7 +242,8 @@ class TieredShardStore(ShardStore):
         return self._kinds[key][2]
 
     def write_param16_from_master(self, key: str) -> None:
-        with self.use(key, "master") as master, self.use(key, "param16", writable=True) as p16:
+        with self.use(key, "master") as master, self.use(
+                key, "param16", writable=True, compute=False) as p16:
             p16.copy_(master)
 
     def nbytes(self) -> dict[str, int]:

@@ -36,7 +36,7 @@ from torch import nn
 from engine.collectives import Comm, PendingReduce
 from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from engine.hooks import register_pre_backward
-from engine.shard_store import ShardStore
+from engine.shard_store import ShardKind, ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,15 @@ class Scheduler:
             return
         by_index = {u.index: u for u in self.units}
         fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
-        uses = ([root] if not (root.gathered and not root.stale) else []) + fwd + fwd[::-1]
-        self.store.set_order([(g.key, "param16") for u in uses for g in u.groups])
+        entries: list[tuple[str, ShardKind]] = []
+        if not (root.gathered and not root.stale):
+            entries += [(g.key, "param16") for g in root.groups]
+        entries += [(g.key, "param16") for u in fwd for g in u.groups]
+        for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
+            entries += [(g.key, "param16") for g in u.groups]
+            if not u.has_frozen:
+                entries += [(g.key, "grad") for g in u.groups if g.trainable]
+        self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit) -> None:
         if not self._in_backward:
