@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.collectives import Comm
 from engine.config import Config
-from engine.flat_shard import FlatGroup, build_group, release_group
+from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
 from engine.offload_bridge import TieredShardStore, offload_wanted
@@ -64,8 +64,8 @@ class ZeroEngine:
         # Plain device-resident shards, or the tier manager when anything is offloaded.
         self.store: ShardStore = (TieredShardStore(self.device, self.config)
                                   if offload_wanted(self.config) else ShardStore(self.device))
+        self._declare_groups(specs)
         self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
-        self.store.finalize()  # plan placement over every shard, place initial values
         self.root = self.units[-1]
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
@@ -101,17 +101,30 @@ class ZeroEngine:
                 if buf is not None and buf.device != self.device:
                     mod._buffers[name] = buf.to(self.device)
 
-    def _build_unit(self, index: int, spec: UnitSpec) -> Unit:
+    def _group_plan(self, spec: UnitSpec) -> list[tuple[str, bool, list[tuple[str, nn.Parameter]]]]:
+        """(store key, trainable, named params) of each flat group of a unit."""
         by_kind: dict[bool, list[tuple[str, nn.Parameter]]] = {}
         for qname, p in spec.params:
             by_kind.setdefault(p.requires_grad, []).append((qname, p))
         label = spec.name or "<root>"
         dtype_name = str(self.dtype).removeprefix("torch.")
+        return [(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}", trainable,
+                 named) for trainable, named in sorted(by_kind.items(), reverse=True)]
+
+    def _declare_groups(self, specs: list[UnitSpec]) -> None:
+        """Tell the store every shard before any is created, so placement is planned over
+        the whole model and each group's initial values are placed as it is built."""
+        for spec in specs:
+            for key, trainable, named in self._group_plan(spec):
+                numel = shard_numel(sum(p.numel() for _, p in named), self.comm.world_size)
+                self.store.declare(key, numel, self.dtype, trainable)
+        self.store.finalize()
+
+    def _build_unit(self, index: int, spec: UnitSpec) -> Unit:
         groups: list[FlatGroup] = [
-            build_group(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}",
-                        named, dtype=self.dtype, trainable=trainable, comm=self.comm,
+            build_group(key, named, dtype=self.dtype, trainable=trainable, comm=self.comm,
                         store=self.store, device=self.device)
-            for trainable, named in sorted(by_kind.items(), reverse=True)
+            for key, trainable, named in self._group_plan(spec)
         ]
         nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8
         persistent = (not spec.is_root) and (

@@ -67,6 +67,12 @@ class FlatGroup:
         return self.base is not None
 
 
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank of a group of `numel` elements ([Note: flat layout])."""
+    chunk = SHARD_ALIGN * world_size
+    return max(chunk, -(-numel // chunk) * chunk) // world_size
+
+
 def build_group(
     key: str, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype, trainable: bool,
     comm: Comm, store: ShardStore, device: torch.device,
@@ -76,17 +82,16 @@ def build_group(
     for qname, p in named:
         slots.append(ParamSlot(qname, p, p.shape, offset, p.numel()))
         offset += p.numel()
-    chunk = SHARD_ALIGN * comm.world_size
-    padded = max(chunk, -(-offset // chunk) * chunk)
-    shard_numel = padded // comm.world_size
+    n_shard = shard_numel(offset, comm.world_size)
+    padded = n_shard * comm.world_size
     with torch.no_grad():
         flat = torch.zeros(padded, dtype=torch.float32)  # fp32 initial values, host, transient
         for s in slots:
             flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        mine = flat[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
+        mine = flat[comm.rank * n_shard:(comm.rank + 1) * n_shard]
         store.add(key, mine, dtype, trainable)
     full = torch.empty(padded, dtype=dtype, device=device)
-    group = FlatGroup(key, tuple(slots), dtype, trainable, shard_numel, comm.world_size, full)
+    group = FlatGroup(key, tuple(slots), dtype, trainable, n_shard, comm.world_size, full)
     release_group(group)
     return group
 

@@ -94,7 +94,7 @@ def tier_settings(config: Config, device: torch.device) -> TierSettings:
 
 @dataclass
 class _Pending:
-    init: torch.Tensor  # 1D fp32 initial values of this rank's shard, host (a private copy)
+    init: torch.Tensor  # 1D fp32 initial values of this rank's shard, host
     compute_dtype: torch.dtype
     trainable: bool
 
@@ -102,16 +102,17 @@ class _Pending:
 class TieredShardStore(ShardStore):
     """ShardStore whose tensors live in a TierManager; see the module docstring.
 
-    Groups are added one by one while units are built; `finalize()` then plans
-    placement over all of them at once, places the initial values and pins the
-    device-homed optimizer state. Nothing is readable before `finalize()`.
+    Every group is declared first (`declare`, sizes only) and `finalize()` plans
+    placement over all of them at once; then `add()` places each group's initial
+    values as its unit is built (no copy of the whole model is held) and pins
+    device-homed optimizer state.
     """
 
     def __init__(self, device: torch.device, config: Config) -> None:
         super().__init__(device)
         self.config = config
         self.homes = homes_from(config)
-        self._pending: dict[str, _Pending] = {}
+        self._added: set[str] = set()
         self._kinds: dict[str, tuple[int, tuple[ShardKind, ...], torch.dtype]] = {}
         self._views: dict[tuple[str, ShardKind], torch.Tensor] = {}  # pinned device views
         self.manager: TierManager | None = None
@@ -125,17 +126,30 @@ class TieredShardStore(ShardStore):
     def optimizer_on_device(self) -> bool:
         return self.homes["master"] == "none"
 
-    def add(self, key: str, master_init: torch.Tensor, compute_dtype: torch.dtype,
-            trainable: bool) -> None:
+    def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
+        if self.manager is not None:
+            raise RuntimeError(f"declare({key!r}) after finalize(): the placement is planned")
         if key in self._kinds:
-            raise ValueError(f"shard group {key!r} registered twice")
+            raise ValueError(f"shard group {key!r} declared twice")
         kinds: tuple[ShardKind, ...] = ("param16", *_OPTIMIZER_KINDS) if trainable else (
             "param16",)
-        self._kinds[key] = (master_init.numel(), kinds, compute_dtype)
-        self._pending[key] = _Pending(master_init.detach().float().clone(), compute_dtype,
-                                      trainable)
+        self._kinds[key] = (numel, kinds, compute_dtype)
+
+    def add(self, key: str, master_init: torch.Tensor, compute_dtype: torch.dtype,
+            trainable: bool) -> None:
+        """Place the initial values of a declared group on their home tiers (copied)."""
+        entry = self._kinds.get(key)
+        if entry is None or (entry[0], entry[2], len(entry[1]) > 1) != (
+                master_init.numel(), compute_dtype, trainable):
+            raise ValueError(f"add({key!r}): {master_init.numel()} x {compute_dtype}, "
+                             f"trainable={trainable} does not match its declaration {entry}")
+        if key in self._added:
+            raise ValueError(f"shard group {key!r} registered twice")
+        self._added.add(key)
+        self._place(key, _Pending(master_init.detach().float(), compute_dtype, trainable))
 
     def finalize(self) -> None:
+        """Plan placement over every declared shard and start the tier manager."""
         if self.manager is not None:
             return
         specs = [ShardSpec(f"{key}:{kind}", kind, n,
@@ -156,12 +170,9 @@ class TieredShardStore(ShardStore):
         try:
             self.manager = TierManager(specs, tier_settings(self.config, self.device),
                                        swap=self.swap)
-            for key, pend in self._pending.items():
-                self._place(key, pend)
         except BaseException:
             self.close()
             raise
-        self._pending.clear()
 
     def _place(self, key: str, pend: _Pending) -> None:
         mgr = self._mgr()

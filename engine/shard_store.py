@@ -80,8 +80,13 @@ class ShardStore:
         del writable  # every tensor here is the authoritative copy
         yield self.tensor(key, kind)
 
+    def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
+        """Group `key` will be added with `numel` elements; nothing to plan for resident
+        shards."""
+        del key, numel, compute_dtype, trainable
+
     def finalize(self) -> None:
-        """Every group is added; nothing to plan for resident shards."""
+        """Every group is declared; nothing to plan for resident shards."""
 
     def set_order(self, entries: list[tuple[str, ShardKind]]) -> None:
         """The upcoming shard uses (prefetch order); nothing to prefetch here."""
