@@ -225,7 +225,9 @@ class ZeroEngine:
         sq = torch.zeros(1, dtype=torch.float64)
         for k in self._train_keys:
             with self.store.use(k, "grad") as g:
-                sq += (torch.linalg.vector_norm(g, dtype=torch.float64) ** 2).cpu()
+                # fp32 norm per shard (as torch's clip_grad_norm_ per tensor; no fp64 copy
+                # of the shard), squares summed in fp64
+                sq += torch.linalg.vector_norm(g).double().cpu() ** 2
         sq = sq.to(self.device)
         self.comm.all_reduce_sum(sq)
         norm = math.sqrt(float(sq.item())) * unscale

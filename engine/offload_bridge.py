@@ -38,6 +38,7 @@ from offload.settings import OffloadDevice, Tier
 
 log = logging.getLogger(__name__)
 
+PIPELINE_BUFFERS = 3  # the CPU Adam's buffer sets: fetch ahead, update, store behind
 _OPTIMIZER_KINDS: tuple[ShardKind, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
 
 
@@ -64,15 +65,27 @@ def swap_dir(config: Config) -> str | None:
     return config.offload.optimizer.path or config.offload.params.path
 
 
-def tier_settings(config: Config, device: torch.device) -> TierSettings:
-    """offload.TierSettings from the engine config (budgets, pool, prefetch windows)."""
+def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0) -> TierSettings:
+    """offload.TierSettings from the engine config (budgets, pool, prefetch windows).
+
+    `host_outside`: host bytes the engine allocates itself (the CPU Adam's pipeline
+    buffers); offload.budgets.host_bytes covers them too, so the manager gets the rest.
+    """
     b = config.offload.budgets
     dev_budget = b.device_bytes
     if dev_budget is None and device.type != "cuda":
         # The CPU stand-in device tier is plain process memory: bound it by what is free.
         dev_budget = int(psutil.virtual_memory().available)
     reserve = {} if b.host_reserve_bytes is None else {"host_reserve": b.host_reserve_bytes}
-    budgets = Budgets(device=dev_budget, host=b.host_bytes, nvme=b.nvme_bytes, **reserve)
+    host = b.host_bytes
+    if host is not None:
+        if host <= host_outside:
+            raise ValueError(
+                f"offload.budgets.host_bytes = {host} does not cover the CPU Adam's pipeline "
+                f"buffers ({host_outside} bytes: 3 sets of the largest unit's shard); raise it "
+                "well above that, or use smaller units (zero.units / zero.unit_min_bytes)")
+        host -= host_outside
+    budgets = Budgets(device=dev_budget, host=host, nvme=b.nvme_bytes, **reserve)
     p, o = config.offload.params, config.offload.optimizer
     homes = homes_from(config)
     nvme_buffers = [c.buffer_count for c, d in ((p, homes["param16"]), (o, homes["master"]))
@@ -168,11 +181,23 @@ class TieredShardStore(ShardStore):
                                        direct={"auto": None, "on": True, "off": False}[
                                            nvme.direct_io])
         try:
-            self.manager = TierManager(specs, tier_settings(self.config, self.device),
+            settings = tier_settings(self.config, self.device,
+                                     host_outside=self.pipeline_bytes())
+            self.manager = TierManager(specs, settings,
                                        swap=self.swap)
         except BaseException:
             self.close()
             raise
+
+    def pipeline_bytes(self) -> int:
+        """Host bytes of the CPU Adam's buffer sets (engine.offload_step.PIPELINE_BUFFERS
+        sets of the largest trainable shard: master, moments, fp32 grad, param16)."""
+        if self.optimizer_on_device:
+            return 0
+        largest = max((n for n, kinds, _ in self._kinds.values() if len(kinds) > 1), default=0)
+        dtype = next(iter(self._kinds.values()))[2] if self._kinds else torch.float32
+        low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
+        return PIPELINE_BUFFERS * largest * (4 * 4 + low)
 
     def _place(self, key: str, pend: _Pending) -> None:
         mgr = self._mgr()

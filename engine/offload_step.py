@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.offload_bridge import TieredShardStore
+from engine.offload_bridge import PIPELINE_BUFFERS, TieredShardStore
 from engine.shard_store import ShardKind
 from offload import (
     AdamHyper,
@@ -33,8 +33,6 @@ from offload import (
 )
 
 log = logging.getLogger(__name__)
-
-PIPELINE_BUFFERS = 3  # fetch ahead, update, store behind: the pipeline's minimum
 
 
 def threads_per_rank(world_size: int) -> int:
