@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adam_bench_nvme import nvme_section
 from adam_bench_pattern import load as load_pattern
 from adam_bench_pattern import pattern_methods
+from machine import describe
 
 from offload import AdamHyper, AdamThreads, adam_update, kernel_status
 
@@ -61,24 +60,6 @@ BYTES = {"plain": 28, "tz_offloaded": 28, "baseline_offloaded": 40, "stream": 8}
 DEEPSPEED_HINT = ("pip install deepspeed (its DeepSpeedCPUAdam op is JIT-built with a C++ "
                   "compiler on first use; set DS_BUILD_CPU_ADAM=1 to build at install)")
 
-
-def machine(directory: Path) -> dict[str, str]:
-    model = "unknown"
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    directory.mkdir(parents=True, exist_ok=True)
-    fs = subprocess.run(["stat", "-f", "-c", "%T", str(directory)], capture_output=True,
-                        check=False, text=True).stdout.strip()
-    return {
-        "cpu": model, "cores": str(os.cpu_count()),
-        "affinity_cpus": str(len(os.sched_getaffinity(0))), "torch": torch.__version__,
-        "python": platform.python_version(), "fs": f"{directory} ({fs})",
-        "loadavg_at_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "kernel": kernel_status(),
-    }
 
 
 def deepspeed_adam() -> tuple[Any, str]:
@@ -284,7 +265,8 @@ def main() -> None:
     all_cpus = len(os.sched_getaffinity(0))
     counts = sorted({all_cpus if t == "all" else int(t) for t in args.threads.split(",")})
     hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
-    info = machine(Path(args.nvme_dir))
+    Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
+    info = {**describe(args.nvme_dir), "adam_kernel": kernel_status()}
     print("machine:", json.dumps(info, indent=1))
     print(f"params={args.params:,} repeats={args.repeats} threads={counts}")
     out: dict[str, Any] = {"machine": info, "params": args.params, "repeats": args.repeats,

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +31,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import describe
+
 import engine
 
 
@@ -62,19 +62,6 @@ class Model(nn.Module):
         logits = self.head(self.norm(x)).float()  # (B, T, V)
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-
-def machine() -> dict[str, object]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "load_avg": os.getloadavg()}
 
 
 def plain_runner(model: nn.Module, dev: torch.device, bf16: bool,
@@ -142,7 +129,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (bsz, seq), generator=g).to(dev)
     batch = (ids, torch.roll(ids, 1, dims=1))
-    results: dict[str, object] = {"machine": machine(), "device": str(dev),
+    results: dict[str, object] = {"machine": describe(), "device": str(dev),
                                   "model": {"vocab": vocab, "dim": dim, "blocks": n_blocks,
                                             "batch": bsz, "seq": seq}, "rows": {}}
     print(json.dumps(results["machine"]))

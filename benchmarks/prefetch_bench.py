@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
+
+from machine import describe
 
 from offload import (
     Budgets,
@@ -50,31 +51,6 @@ from swap import SwapStore
 
 MiB = 1 << 20
 
-
-def machine(path: str) -> dict[str, object]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    real = os.path.realpath(path)
-    fs, mount = "?", ""
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) > 2 and real.startswith(parts[1]) and len(parts[1]) >= len(mount):
-                mount, fs = parts[1], parts[2]
-    except OSError:
-        pass
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-        "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "swap_path": real, "file_system": f"{fs} on {mount}",
-    }
 
 
 class Work:
@@ -171,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     swap_root = args.swap_dir or str(Path(args.out).parent)
-    info = machine(swap_root)
+    info = describe(swap_root)
     print("machine:", json.dumps(info))
     print(f"streaming {n} shards x {args.shard_mib} MiB = {n * shard_bytes / 2**30:.2f} GiB, "
           f"device tier {device}")

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import resource
 import shutil
@@ -54,6 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import describe
+
 from swap import SwapStore, aligned_empty
 
 MiB = 1 << 20
@@ -65,23 +66,6 @@ def cpu_seconds() -> float:
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-
-def machine(directory: Path) -> dict[str, str]:
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    fs = subprocess.run(["df", "--output=fstype", str(directory)], capture_output=True,
-                        check=False, text=True).stdout.split()[-1]
-    dev = subprocess.run(["df", "--output=source", str(directory)], capture_output=True,
-                         check=False, text=True).stdout.split()[-1]
-    load = os.getloadavg()
-    return {"cpu": model, "cores": str(os.cpu_count()), "torch": torch.__version__,
-            "python": platform.python_version(), "kernel": platform.release(),
-            "filesystem": f"{fs} on {dev}", "dir": str(directory),
-            "loadavg_at_start": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"}
 
 
 class SwapStoreMethod:
@@ -329,7 +313,7 @@ def main() -> None:
                                                                  dir="/work"))
     own_root = a.dir is None
     work = Path(tempfile.mkdtemp(prefix="swap-bench-", dir=root)) if not own_root else root
-    info = machine(work)
+    info = describe(work)
     print("machine:", json.dumps(info, indent=1))
     print(f"size {size / 2**30:.2f} GiB per direction, {a.repeats} repeats (+1 warm-up)")
     methods: dict[str, Run] = {}
