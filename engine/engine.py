@@ -69,7 +69,9 @@ class ZeroEngine:
         self.root = self.units[-1]
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
-                                   inflight_reduce_bytes=config.zero.reduce_bucket_bytes)
+                                   inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
+                                   max_live_bytes=config.zero.max_live_bytes,
+                                   max_reuse_distance_bytes=config.zero.max_reuse_distance_bytes)
         for unit in self.units:
             for g in unit.groups:
                 for s in g.slots:
@@ -270,6 +272,7 @@ class ZeroEngine:
             "persistent_units": sum(u.persistent for u in self.units),
             "trace_changes": self.scheduler.trace_changes,
             "reductions_in_flight_peak": self.scheduler.inflight_peak,
+            "units_kept_for_backward": self.scheduler.kept,  # [Note: reuse distance]
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
             "skipped_steps": self.skipped_steps,
             # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)

@@ -71,10 +71,21 @@ class Unit:
 
 class Scheduler:
     def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
-                 overlap_comm: bool, inflight_reduce_bytes: int) -> None:
+                 overlap_comm: bool, inflight_reduce_bytes: int,
+                 max_live_bytes: int = 0, max_reuse_distance_bytes: int = 0) -> None:
         self.units = units
         self.comm = comm
         self.store = store
+        # [Note: reuse distance] From the second forward on (a trace exists), a unit
+        # whose next use (its backward) comes within `max_reuse_distance_bytes` of
+        # parameter bytes gathered in between stays gathered after its forward instead
+        # of being released and gathered again, as long as the gathered bytes stay
+        # within `max_live_bytes` (zero.max_reuse_distance_bytes, zero.max_live_bytes):
+        # the last units of forward are the first of backward.
+        self._max_live = max_live_bytes
+        self._max_reuse = max_reuse_distance_bytes
+        self._reuse: dict[int, int] = {}  # unit index -> bytes gathered before its reuse
+        self.kept = 0  # forwards after which a unit stayed gathered for its backward
         # Gradient reductions run asynchronously behind backward (overlap_comm); their
         # buffers (the full fp32 gradient of a group) stay alive until waited, so the
         # bytes in flight are bounded (zero.reduce_bucket_bytes): before a reduction
@@ -128,8 +139,10 @@ class Scheduler:
         if not (root.gathered and not root.stale):
             entries += [(g.key, "param16") for g in root.groups]
         entries += [(g.key, "param16") for u in fwd for g in u.groups]
+        kept = self._predict_kept(root, fwd)
         for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
-            entries += [(g.key, "param16") for g in u.groups]
+            if u.index not in kept:
+                entries += [(g.key, "param16") for g in u.groups]
             if not u.has_frozen:
                 entries += [(g.key, "grad") for g in u.groups if g.trainable]
         self.store.set_order(entries)
@@ -145,7 +158,40 @@ class Scheduler:
         needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad and torch.is_grad_enabled():
             self._backward_hooks.append(register_pre_backward(needs_grad, self, unit))
+            distance = self._reuse.get(unit.index)
+            if (not unit.persistent and distance is not None and distance <= self._max_reuse
+                    and self.gathered_bytes() <= self._max_live):
+                self.kept += 1
+                return  # [Note: reuse distance]
         self.release(unit)
+
+    def _predict_kept(self, root: Unit, fwd: list[Unit]) -> set[int]:
+        """The units post_forward will keep gathered this step, by the same rule."""
+        live = sum(g.padded_numel * g.full.element_size() for g in root.groups)
+        live += sum(u.gathered_bytes() for u in self.units if u.persistent)
+        kept: set[int] = set()
+        for u in fwd:
+            live += sum(g.padded_numel * g.full.element_size() for g in u.groups)
+            distance = self._reuse.get(u.index)
+            if distance is not None and distance <= self._max_reuse and live <= self._max_live:
+                kept.add(u.index)
+            else:
+                live -= sum(g.padded_numel * g.full.element_size() for g in u.groups)
+        return kept
+
+    def _reuse_distances(self, trace: list[int]) -> dict[int, int]:
+        """Per traced unit: parameter bytes gathered between its forward and its backward
+        (every later unit's forward and backward)."""
+        by_index = {u.index: u for u in self.units}
+        out: dict[int, int] = {}
+        later = 0
+        for i in reversed(trace):
+            u = by_index[i]
+            if u.persistent or u.is_root:
+                continue
+            out.setdefault(i, 2 * later)
+            later += sum(g.padded_numel * g.full.element_size() for g in u.groups)
+        return out
 
     def end_forward(self, root: Unit, grad_enabled: bool) -> None:
         order = self._order
@@ -158,8 +204,12 @@ class Scheduler:
             log.info("unit order changed at position %d (recorded %d units, now %d); "
                      "re-recording the trace", first, len(self.trace), len(order))
             self.trace = order
+            self._reuse = self._reuse_distances(order)
+        if len(self._reuse) == 0 and self.trace:
+            self._reuse = self._reuse_distances(self.trace)
         if not grad_enabled:
-            self.release(root)  # no backward will follow this forward
+            for unit in self.units:  # no backward will follow this forward
+                self.release(unit)
 
     # -- backward --------------------------------------------------------------
     def begin_backward(self) -> None:

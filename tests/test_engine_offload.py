@@ -153,3 +153,31 @@ def test_offload_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
         per_rank = [make_batches(STEPS * g, seed=1 + r) for r in range(2)]
         ref = reference_train(make_model(), cfg, per_rank, STEPS)
         assert_match(r0.losses, r0.params, ref.losses, ref.params)
+
+
+def test_prefetch_follows_trace_and_reuse_distance_bounds_live(tmp_path: Path) -> None:
+    """From the second step the tier manager gets the param16 order from the unit trace:
+    every fetch follows it (no mismatch) and NVMe reads are issued ahead. Units reused soon
+    stay gathered between forward and backward unless zero.max_live_bytes forbids it; the
+    result is bitwise the same either way."""
+    batches = make_batches(4)
+    runs = {}
+    for live in (2_000_000_000, 0):
+        base = make_config(clip=0.5)
+        cfg = offload_config(dataclasses.replace(
+            base, zero=dataclasses.replace(base.zero, max_live_bytes=live)), "nvme", tmp_path)
+        model = make_model()
+        eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+        for ids, tg in batches:
+            eng.backward(eng(ids, tg))
+            eng.step()
+        rep = eng.memory_report()
+        runs[live] = (rep, eng.scheduler.gathers, _gathered(eng))
+        eng.close()
+    (kept_rep, kept_gathers, kept_params), (rel_rep, rel_gathers, rel_params) = runs.values()
+    for rep in (kept_rep, rel_rep):
+        assert rep["tiers"]["order_mismatches"] == 0
+        assert rep["tiers"]["prefetches"] > 0
+    assert kept_rep["units_kept_for_backward"] > 0 and rel_rep["units_kept_for_backward"] == 0
+    assert kept_gathers < rel_gathers
+    assert all(torch.equal(kept_params[k], rel_params[k]) for k in kept_params)
