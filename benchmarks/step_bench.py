@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import machine  # noqa: E402  (benchmarks/machine.py)
+
 import engine  # noqa: E402
 import swap  # noqa: E402
 
@@ -215,23 +216,6 @@ def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
     return {"write_gbs": nbytes / w / 1e9, "read_gbs": nbytes / r / 1e9}
 
 
-def machine(path: str) -> dict[str, object]:
-    cpu = platform.processor()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    real, fs, mount = os.path.realpath(path), "?", ""
-    for line in Path("/proc/mounts").read_text().splitlines():
-        parts = line.split()
-        if len(parts) > 2 and real.startswith(parts[1]) and len(parts[1]) >= len(mount):
-            mount, fs = parts[1], parts[2]
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "fs": f"{fs} at {mount}",
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "load_avg": os.getloadavg()}
-
-
 def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--config", config,
            "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
@@ -270,7 +254,7 @@ def main() -> None:
     if ns.quick:
         ns.repeats, ns.steps = 1, 3
     ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
-    info = machine(ns.swap)
+    info = machine.describe(ns.swap)
     bw = disk_bandwidth(ns.swap, (64 if ns.quick else 512) << 20)
     sys.stdout.write(f"machine: {json.dumps(info)}\ndisk at {ns.swap}: {bw}\n")
     try:
