@@ -9,6 +9,8 @@ from engine.config import Config, ConfigError, load_config
 from engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
 from engine.engine import ZeroEngine  # isort: skip
 from engine.initialize import initialize  # isort: skip
+from engine.offload_step import OffloadedAdam  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
+__all__ += ["OffloadedAdam"]
