@@ -189,10 +189,14 @@ class TieredShardStore(ShardStore):
             self.close()
             raise
 
+    def state_in_host(self) -> bool:
+        """Master and moments homed in host memory: the CPU Adam updates them in place."""
+        return all(self.homes[k] == "cpu" for k in ("master", "exp_avg", "exp_avg_sq"))
+
     def pipeline_bytes(self) -> int:
         """Host bytes of the CPU Adam's buffer sets (engine.offload_step.PIPELINE_BUFFERS
         sets of the largest trainable shard: master, moments, fp32 grad, param16)."""
-        if self.optimizer_on_device:
+        if self.optimizer_on_device or self.state_in_host():
             return 0
         largest = max((n for n, kinds, _ in self._kinds.values() if len(kinds) > 1), default=0)
         dtype = next(iter(self._kinds.values()))[2] if self._kinds else torch.float32

@@ -9,12 +9,16 @@ live in the tier manager, not in tensors it could hold. `step()` runs
 `offload.TierShardStore`: read state for shard i+1, Adam on shard i, write
 shard i-1 back, with the new compute-dtype `param16` written in the same pass
 to its home tier (with fp32 compute the master is copied to `param16` after).
+When the state is homed in host memory (offload.optimizer.device = cpu) the
+kernel runs in place on it instead, group by group (no staging copies).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +33,7 @@ from offload import (
     ShardBuffers,
     ShardLayout,
     TierShardStore,
+    adam_update,
     pipelined_step,
 )
 
@@ -70,7 +75,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         if manager is None:
             raise RuntimeError("OffloadedAdam needs a finalized TieredShardStore")
         self._tier_store = TierShardStore(manager, key_maps, layout)
-        largest = max(layout.numels, default=0)
+        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
+        # the planner) it streams through the pipeline's buffers.
+        self._in_place = store.state_in_host()
+        largest = 0 if self._in_place else max(layout.numels, default=0)
         # Allocated once, reused every step: the host bytes of the step are fixed.
         self._sets = [ShardBuffers.allocate(self._tier_store, largest)
                       for _ in range(PIPELINE_BUFFERS)]
@@ -87,12 +95,39 @@ class OffloadedAdam(torch.optim.Optimizer):
                           beta2=float(group["betas"][1]), eps=float(group["eps"]),
                           weight_decay=float(group["weight_decay"]), adamw=self.adamw)
         self.steps += 1
+        if self._in_place:
+            self.last_stats = self._step_in_place(hyper, grad_scale)
+            return
         self.last_stats = pipelined_step(self._tier_store, hyper=hyper, step=float(self.steps),
                                          grad_scale=grad_scale, threads=self._threads,
                                          buffer_sets=self._sets)
         if self._shadow is None:
             for k in self._keys:
                 self._store.write_param16_from_master(k)
+
+    def _step_in_place(self, hyper: AdamHyper, grad_scale: float) -> PipelineStats:
+        """State homed in host memory: the kernel updates it where it lives (no copies into
+        pipeline buffers and back); param16 in host memory is written as the kernel's
+        shadow, on the device it is copied from the master after."""
+        t0 = time.perf_counter()
+        compute = 0.0
+        for k in self._keys:
+            with contextlib.ExitStack() as held:
+                master, exp_avg, exp_avg_sq = (
+                    held.enter_context(self._store.use(k, kind, writable=True))
+                    for kind in ("master", "exp_avg", "exp_avg_sq"))
+                grad = held.enter_context(self._store.use(k, "grad"))
+                p16 = held.enter_context(self._store.use(k, "param16", writable=True,
+                                                         compute=False))
+                shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
+                t = time.perf_counter()
+                adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper,
+                            step=float(self.steps), grad_scale=grad_scale, shadow=shadow,
+                            threads=self._threads)
+                compute += time.perf_counter() - t
+                if shadow is None:
+                    p16.copy_(master)  # rounds to the compute dtype; host->device on CUDA
+        return PipelineStats(len(self._keys), time.perf_counter() - t0, compute, 0.0, 0.0, 0)
 
     def stats(self) -> dict[str, Any] | None:
         s = self.last_stats
