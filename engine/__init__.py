@@ -15,8 +15,10 @@ from engine.pretrained import LoadReport, load_pretrained  # isort: skip
 from engine.checkpoint_layout import CheckpointError  # isort: skip
 from engine.checkpoint_async import PendingSave  # isort: skip
 from engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
+from engine.offload_step import OffloadedAdam  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
 __all__ += ["Init", "LoadReport", "PretrainedLoadError", "load_pretrained"]
 __all__ += ["CheckpointError", "PendingSave", "consolidate", "consolidate_to_safetensors"]
+__all__ += ["OffloadedAdam"]

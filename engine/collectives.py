@@ -7,6 +7,7 @@ backends that lack an operation live in one place.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ class PendingReduce:
     accumulate_into: torch.Tensor | None  # the fp32 grad shard the result is added to
     world_size: int
     slice_from: int | None  # fallback path: `out` is full[slice_from : slice_from + n]
+    # Called once with the finished `out` (an offloaded grad shard is fetched, added
+    # to and released there, instead of being held while the collective runs).
+    then: Callable[[torch.Tensor], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +61,9 @@ class PendingReduce:
         elif self.accumulate_into is not None:  # world size 1: `out` is already the mean
             self.accumulate_into.add_(self.out)
             self.accumulate_into = None
+        if self.then is not None:
+            then, self.then = self.then, None
+            then(self.out)
         return self.out
 
 

@@ -21,9 +21,11 @@ from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.checkpoint_async import BackgroundSaver, PendingSave
 from engine.collectives import Comm
 from engine.config import Config
-from engine.flat_shard import FlatGroup, build_group, release_group
+from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
+from engine.offload_bridge import TieredShardStore, offload_wanted
+from engine.offload_step import OffloadedAdam, threads_per_rank
 from engine.optim import OptimizerFactory, build_optimizer, run_step
 from engine.precision import LossScaler, compute_dtype, has_overflow
 from engine.schedule import Scheduler, Unit
@@ -62,19 +64,32 @@ class ZeroEngine:
                              f"{shape_sig} on rank {self.comm.rank}); every rank must build "
                              "the same model with the same zero.units")
         self._move_buffers()
-        self.store = ShardStore(self.device)
+        # Plain device-resident shards, or the tier manager when anything is offloaded.
+        self.store: ShardStore = (TieredShardStore(self.device, self.config)
+                                  if offload_wanted(self.config) else ShardStore(self.device))
+        self._declare_groups(specs)
         self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
         self.root = self.units[-1]
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
-                                   inflight_reduce_bytes=config.zero.reduce_bucket_bytes)
+                                   inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
+                                   max_live_bytes=config.zero.max_live_bytes,
+                                   max_reuse_distance_bytes=config.zero.max_reuse_distance_bytes)
         for unit in self.units:
             for g in unit.groups:
                 for s in g.slots:
                     register_owner(s.param, self.scheduler, unit, s.qname, s.numel)
         self._hooks = HookSet(self.scheduler)
         self._train_keys = [g.key for u in self.units for g in u.groups if g.trainable]
-        self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
+        self.optimizer: torch.optim.Optimizer
+        if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
+            o = self.config.optimizer
+            self.optimizer = OffloadedAdam(
+                self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
+                eps=o.eps, weight_decay=o.weight_decay,
+                threads=threads_per_rank(self.comm.world_size))
+        else:
+            self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
@@ -92,17 +107,30 @@ class ZeroEngine:
                 if buf is not None and buf.device != self.device:
                     mod._buffers[name] = buf.to(self.device)
 
-    def _build_unit(self, index: int, spec: UnitSpec) -> Unit:
+    def _group_plan(self, spec: UnitSpec) -> list[tuple[str, bool, list[tuple[str, nn.Parameter]]]]:
+        """(store key, trainable, named params) of each flat group of a unit."""
         by_kind: dict[bool, list[tuple[str, nn.Parameter]]] = {}
         for qname, p in spec.params:
             by_kind.setdefault(p.requires_grad, []).append((qname, p))
         label = spec.name or "<root>"
         dtype_name = str(self.dtype).removeprefix("torch.")
+        return [(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}", trainable,
+                 named) for trainable, named in sorted(by_kind.items(), reverse=True)]
+
+    def _declare_groups(self, specs: list[UnitSpec]) -> None:
+        """Tell the store every shard before any is created, so placement is planned over
+        the whole model and each group's initial values are placed as it is built."""
+        for spec in specs:
+            for key, trainable, named in self._group_plan(spec):
+                numel = shard_numel(sum(p.numel() for _, p in named), self.comm.world_size)
+                self.store.declare(key, numel, self.dtype, trainable)
+        self.store.finalize()
+
+    def _build_unit(self, index: int, spec: UnitSpec) -> Unit:
         groups: list[FlatGroup] = [
-            build_group(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}",
-                        named, dtype=self.dtype, trainable=trainable, comm=self.comm,
+            build_group(key, named, dtype=self.dtype, trainable=trainable, comm=self.comm,
                         store=self.store, device=self.device)
-            for trainable, named in sorted(by_kind.items(), reverse=True)
+            for key, trainable, named in self._group_plan(spec)
         ]
         nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8
         persistent = (not spec.is_root) and (
@@ -163,45 +191,59 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
-        grads = [self.store.tensor(k, "grad") for k in self._train_keys]
+        unscale = 1.0
         if self.loss_scaler is not None:
-            flag = torch.tensor([1.0 if has_overflow(grads) else 0.0], device=self.device)
+            overflow = False
+            for k in self._train_keys:
+                with self.store.use(k, "grad") as g:
+                    overflow = overflow or has_overflow([g])
+            flag = torch.tensor([1.0 if overflow else 0.0], device=self.device)
             self.comm.all_reduce_sum(flag)
             if flag.item() > 0:
                 self.loss_scaler.update(overflow=True)
                 self.skipped_steps += 1
                 self.zero_grad()
                 return
-            for g in grads:
-                g.mul_(1.0 / self.loss_scaler.scale)
+            unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(overflow=False)
-        self.last_grad_norm = self._clip(grads)
-        run_step(self.optimizer, self.store, self._train_keys)
+        coef = self._clip(unscale)
+        if isinstance(self.optimizer, OffloadedAdam):
+            # unscale and clip folded into the CPU Adam's one pass over the gradients
+            self.optimizer.step(grad_scale=unscale * coef)
+        else:
+            if unscale * coef != 1.0:
+                for k in self._train_keys:
+                    self.store.tensor(k, "grad").mul_(unscale * coef)
+            run_step(self.optimizer, self.store, self._train_keys)
         self.lr_scheduler.step()
         self.zero_grad()
         self.scheduler.after_step()
         self.global_steps += 1
 
-    def _clip(self, grads: list[torch.Tensor]) -> float | None:
-        """Global L2 norm over every shard on every rank; scale grads down to the limit.
-        Skipped (None) when clipping is off: the norm costs a pass over every gradient."""
+    def _clip(self, unscale: float) -> float:
+        """Global L2 norm of the (unscaled) gradients over every shard on every rank; sets
+        `last_grad_norm` and returns the factor that brings it down to the limit (1.0 when
+        clipping is off: the norm costs a pass over every gradient, so it is skipped)."""
         limit = self.config.gradient_clipping
         if limit <= 0:
-            return None
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+            self.last_grad_norm = None
+            return 1.0
+        sq = torch.zeros(1, dtype=torch.float64)
+        for k in self._train_keys:
+            with self.store.use(k, "grad") as g:
+                # fp32 norm per shard (as torch's clip_grad_norm_ per tensor; no fp64 copy
+                # of the shard), squares summed in fp64
+                sq += torch.linalg.vector_norm(g).double().cpu() ** 2
+        sq = sq.to(self.device)
         self.comm.all_reduce_sum(sq)
-        norm = math.sqrt(float(sq.item()))
-        coef = min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        norm = math.sqrt(float(sq.item())) * unscale
+        self.last_grad_norm = norm
+        return min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
 
     def zero_grad(self) -> None:
         for k in self._train_keys:
-            self.store.tensor(k, "grad").zero_()
+            with self.store.use(k, "grad", writable=True) as g:
+                g.zero_()
         for u in self.units:
             for p in u.trainable:
                 p.grad = None
@@ -234,8 +276,13 @@ class ZeroEngine:
             "persistent_units": sum(u.persistent for u in self.units),
             "trace_changes": self.scheduler.trace_changes,
             "reductions_in_flight_peak": self.scheduler.inflight_peak,
+            "units_kept_for_backward": self.scheduler.kept,  # [Note: reuse distance]
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
             "skipped_steps": self.skipped_steps,
+            # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)
+            "tiers": self.store.tier_report(),
+            "optimizer_step": (self.optimizer.stats()
+                               if isinstance(self.optimizer, OffloadedAdam) else None),
         }
 
     # -- checkpoints (engine/checkpoint*.py) ---------------------------------------
@@ -278,3 +325,6 @@ class ZeroEngine:
                     unregister_owner(s.param)
         self._hooks.close()
         self._closed = True
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.close()
+        self.store.close()

@@ -68,6 +68,12 @@ class FlatGroup:
         return self.base is not None
 
 
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank of a group of `numel` elements ([Note: flat layout])."""
+    chunk = SHARD_ALIGN * world_size
+    return max(chunk, -(-numel // chunk) * chunk) // world_size
+
+
 def build_group(
     key: str, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype, trainable: bool,
     comm: Comm, store: ShardStore, device: torch.device,
@@ -77,12 +83,11 @@ def build_group(
     for qname, p in named:
         slots.append(ParamSlot(qname, p, p.shape, offset, p.numel()))
         offset += p.numel()
-    chunk = SHARD_ALIGN * comm.world_size
-    padded = max(chunk, -(-offset // chunk) * chunk)
-    shard_numel = padded // comm.world_size
-    lo, hi = comm.rank * shard_numel, (comm.rank + 1) * shard_numel
+    n_shard = shard_numel(offset, comm.world_size)
+    padded = n_shard * comm.world_size
+    lo, hi = comm.rank * n_shard, (comm.rank + 1) * n_shard
     with torch.no_grad():
-        mine = torch.zeros(shard_numel, dtype=torch.float32)  # fp32 initial values, host
+        mine = torch.zeros(n_shard, dtype=torch.float32)  # fp32 initial values, host
         for s in slots:
             # A parameter built under engine.Init is gathered here, one at a time (a
             # collective: every rank visits every slot in the same order).
@@ -93,7 +98,7 @@ def build_group(
             forget(s.param)
         store.add(key, mine, dtype, trainable)
     full = torch.empty(padded, dtype=dtype, device=device)
-    group = FlatGroup(key, tuple(slots), dtype, trainable, shard_numel, comm.world_size, full)
+    group = FlatGroup(key, tuple(slots), dtype, trainable, n_shard, comm.world_size, full)
     release_group(group)
     return group
 
@@ -104,11 +109,10 @@ def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
     """All-gather the shards into the full buffer and point each parameter at its view."""
-    shard = store.tensor(group.key, "param16")
-    with torch.no_grad():
-        if comm.world_size == 1 and shard.device == group.full.device:
+    with torch.no_grad(), store.use(group.key, "param16") as shard:
+        if comm.world_size == 1 and store.resident and shard.device == group.full.device:
             base = shard  # the shard is the whole buffer: view it, copy nothing
-        else:
+        else:  # an offloaded shard's view is valid only inside use(): copy it out
             base = group.full
             storage = base.untyped_storage()
             if storage.nbytes() == 0:
@@ -138,20 +142,31 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     holds the result only after `wait()`. Every rank must reduce the same
     groups in the same order (see [Note: reduction order] in schedule.py).
     """
-    grad_shard = store.tensor(group.key, "grad")  # 1D fp32, shard_numel
     with torch.no_grad():
         if comm.world_size == 1:
-            for s in group.slots:
-                g = s.param.grad
-                if g is not None:
-                    grad_shard[s.offset:s.offset + s.numel].add_(g.reshape(-1))  # upcasts
-                    s.param.grad = None
+            with store.use(group.key, "grad", writable=True) as grad_shard:  # 1D fp32
+                for s in group.slots:
+                    g = s.param.grad
+                    if g is not None:
+                        grad_shard[s.offset:s.offset + s.numel].add_(
+                            g.reshape(-1).to(grad_shard.device))  # upcasts
+                        s.param.grad = None
             return None
-        full = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad_shard.device)
+        full = torch.zeros(group.padded_numel, dtype=torch.float32, device=group.full.device)
         for s in group.slots:
             g = s.param.grad
             if g is not None:
                 full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
                 s.param.grad = None
-        mine = torch.empty_like(grad_shard)
-        return comm.reduce_scatter_mean_async(mine, full, accumulate_into=grad_shard)
+        mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
+        if store.resident:
+            return comm.reduce_scatter_mean_async(
+                mine, full, accumulate_into=store.tensor(group.key, "grad"))
+        pending = comm.reduce_scatter_mean_async(mine, full)
+
+        def accumulate(out: torch.Tensor) -> None:
+            with torch.no_grad(), store.use(group.key, "grad", writable=True) as grad_shard:
+                grad_shard.add_(out.to(grad_shard.device))
+
+        pending.then = accumulate
+        return pending

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Iterable
@@ -25,16 +26,29 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _warn_unwired_offload(config: Config) -> None:
-    """Offload tiers are not wired into the engine yet: say so, never ignore it silently."""
-    asked = {f"offload.{cls}.device": getattr(config.offload, cls).device
-             for cls in ("params", "optimizer")}
-    asked = {k: v for k, v in asked.items() if v != "none"}
-    if asked:
-        log.warning("%s: offload is not wired into the engine yet; every shard stays in %s "
-                    "memory (numerics are unaffected, memory use is not reduced)",
-                    ", ".join(f"{k}={v!r}" for k, v in asked.items()),
-                    "device" if torch.cuda.is_available() else "CPU")
+def _offloaded_optimizer_config(config: Config, optimizer: object) -> Config:
+    """With optimizer state offloaded the engine runs its CPU Adam (offload.pipelined_step),
+    not a user optimizer: a torch Adam/AdamW passes its hyper-parameters, anything else is
+    refused by name."""
+    if optimizer is None or config.offload.optimizer.device == "none":
+        return config
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and isinstance(
+            optimizer, torch.optim.Optimizer):
+        d = optimizer.defaults
+        if d.get("amsgrad") or d.get("maximize"):
+            raise ValueError("optimizer= with amsgrad/maximize cannot run with "
+                             "offload.optimizer.device != 'none' (the CPU Adam has neither)")
+        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(
+            d.get("decoupled_weight_decay"))
+        opt = dataclasses.replace(config.optimizer, type="adamw" if adamw else "adam",
+                                  lr=float(d["lr"]), betas=tuple(d["betas"]),
+                                  eps=float(d["eps"]), weight_decay=float(d["weight_decay"]))
+        return dataclasses.replace(config, optimizer=opt)
+    raise ValueError(f"optimizer={type(optimizer).__name__} cannot be used with "
+                     f"offload.optimizer.device={config.offload.optimizer.device!r}: offloaded "
+                     "optimizer state is updated by the engine's CPU Adam. Pass a "
+                     "torch.optim.Adam/AdamW (its hyper-parameters are used), or set "
+                     "config.optimizer and leave optimizer= unset")
 
 
 def initialize(
@@ -62,7 +76,7 @@ def initialize(
                         f"{type(model).__name__}")
     if not isinstance(config, Config):
         config = load_config(config)
-    _warn_unwired_offload(config)
+    config = _offloaded_optimizer_config(config, optimizer)
     if lr_scheduler is not None:
         raise ValueError("initialize(lr_scheduler=...) is not supported: the schedule comes "
                          "from config.scheduler (constant, warmup_linear, warmup_cosine)")

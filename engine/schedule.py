@@ -20,7 +20,8 @@ not yet reduced in fixed unit order, including groups without gradients.
 [Note: unit order trace] The order of unit forwards in the first micro-step
 is recorded; every later forward is checked against it and, on a change
 (dynamic control flow), logged and re-recorded. Correctness never depends
-on the trace; the prefetch queue (offload/) will be driven by it.
+on the trace; the prefetch queue (offload/) is driven by it: each forward
+hands the tier manager the order of the coming param16 fetches.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import nn
 from engine.collectives import Comm, PendingReduce
 from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from engine.hooks import register_pre_backward
-from engine.shard_store import ShardStore
+from engine.shard_store import ShardKind, ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,21 @@ class Unit:
 
 class Scheduler:
     def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
-                 overlap_comm: bool, inflight_reduce_bytes: int) -> None:
+                 overlap_comm: bool, inflight_reduce_bytes: int,
+                 max_live_bytes: int = 0, max_reuse_distance_bytes: int = 0) -> None:
         self.units = units
         self.comm = comm
         self.store = store
+        # [Note: reuse distance] From the second forward on (a trace exists), a unit
+        # whose next use (its backward) comes within `max_reuse_distance_bytes` of
+        # parameter bytes gathered in between stays gathered after its forward instead
+        # of being released and gathered again, as long as the gathered bytes stay
+        # within `max_live_bytes` (zero.max_reuse_distance_bytes, zero.max_live_bytes):
+        # the last units of forward are the first of backward.
+        self._max_live = max_live_bytes
+        self._max_reuse = max_reuse_distance_bytes
+        self._reuse: dict[int, int] = {}  # unit index -> bytes gathered before its reuse
+        self.kept = 0  # forwards after which a unit stayed gathered for its backward
         # Gradient reductions run asynchronously behind backward (overlap_comm); their
         # buffers (the full fp32 gradient of a group) stay alive until waited, so the
         # bytes in flight are bounded (zero.reduce_bucket_bytes): before a reduction
@@ -111,7 +123,29 @@ class Scheduler:
     # -- forward ---------------------------------------------------------------
     def begin_forward(self, root: Unit) -> None:
         self._order = []
+        self._prefetch_from_trace(root)
         self.ensure_gathered(root)
+
+    def _prefetch_from_trace(self, root: Unit) -> None:
+        """Hand the shard store this step's param16 uses, in order, from the recorded trace:
+        root, each non-persistent unit's forward, then the same units in reverse for
+        backward. The tier manager starts NVMe reads and host->device copies within its
+        byte windows (zero.prefetch_bytes) ahead of each use ([Note: unit order trace])."""
+        if self.trace is None or self.store.resident:
+            return
+        by_index = {u.index: u for u in self.units}
+        fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
+        entries: list[tuple[str, ShardKind]] = []
+        if not (root.gathered and not root.stale):
+            entries += [(g.key, "param16") for g in root.groups]
+        entries += [(g.key, "param16") for u in fwd for g in u.groups]
+        kept = self._predict_kept(root, fwd)
+        for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
+            if u.index not in kept:
+                entries += [(g.key, "param16") for g in u.groups]
+            if not u.has_frozen:
+                entries += [(g.key, "grad") for g in u.groups if g.trainable]
+        self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit) -> None:
         if not self._in_backward:
@@ -124,7 +158,40 @@ class Scheduler:
         needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad and torch.is_grad_enabled():
             self._backward_hooks.append(register_pre_backward(needs_grad, self, unit))
+            distance = self._reuse.get(unit.index)
+            if (not unit.persistent and distance is not None and distance <= self._max_reuse
+                    and self.gathered_bytes() <= self._max_live):
+                self.kept += 1
+                return  # [Note: reuse distance]
         self.release(unit)
+
+    def _predict_kept(self, root: Unit, fwd: list[Unit]) -> set[int]:
+        """The units post_forward will keep gathered this step, by the same rule."""
+        live = sum(g.padded_numel * g.full.element_size() for g in root.groups)
+        live += sum(u.gathered_bytes() for u in self.units if u.persistent)
+        kept: set[int] = set()
+        for u in fwd:
+            live += sum(g.padded_numel * g.full.element_size() for g in u.groups)
+            distance = self._reuse.get(u.index)
+            if distance is not None and distance <= self._max_reuse and live <= self._max_live:
+                kept.add(u.index)
+            else:
+                live -= sum(g.padded_numel * g.full.element_size() for g in u.groups)
+        return kept
+
+    def _reuse_distances(self, trace: list[int]) -> dict[int, int]:
+        """Per traced unit: parameter bytes gathered between its forward and its backward
+        (every later unit's forward and backward)."""
+        by_index = {u.index: u for u in self.units}
+        out: dict[int, int] = {}
+        later = 0
+        for i in reversed(trace):
+            u = by_index[i]
+            if u.persistent or u.is_root:
+                continue
+            out.setdefault(i, 2 * later)
+            later += sum(g.padded_numel * g.full.element_size() for g in u.groups)
+        return out
 
     def end_forward(self, root: Unit, grad_enabled: bool) -> None:
         order = self._order
@@ -137,8 +204,12 @@ class Scheduler:
             log.info("unit order changed at position %d (recorded %d units, now %d); "
                      "re-recording the trace", first, len(self.trace), len(order))
             self.trace = order
+            self._reuse = self._reuse_distances(order)
+        if len(self._reuse) == 0 and self.trace:
+            self._reuse = self._reuse_distances(self.trace)
         if not grad_enabled:
-            self.release(root)  # no backward will follow this forward
+            for unit in self.units:  # no backward will follow this forward
+                self.release(unit)
 
     # -- backward --------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -217,17 +288,19 @@ class Scheduler:
                 self.comm.broadcast(g.base, src)
                 lo = self.comm.rank * g.shard_numel
                 mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
-                param16 = self.store.tensor(g.key, "param16")
-                if g.trainable:
-                    master = self.store.tensor(g.key, "master")
-                    if master is not param16:
-                        # Only edited elements replace the fp32 master (param16 is always
-                        # master rounded, so a difference is an edit); the rest keep full
-                        # precision instead of a round trip through the compute dtype.
-                        changed = mine != master.to(mine.dtype)
-                        master.copy_(torch.where(changed, mine.float(), master))
-                if mine.data_ptr() != param16.data_ptr():
-                    param16.copy_(mine)
+                with self.store.use(g.key, "param16", writable=True) as param16:
+                    if g.trainable:
+                        with self.store.use(g.key, "master", writable=True) as master:
+                            if master.data_ptr() != param16.data_ptr():
+                                # Only edited elements replace the fp32 master (param16 is
+                                # always master rounded, so a difference is an edit); the
+                                # rest keep full precision instead of a round trip through
+                                # the compute dtype.
+                                m = mine.to(master.device)
+                                changed = m != master.to(m.dtype)
+                                master.copy_(torch.where(changed, m.float(), master))
+                    if mine.data_ptr() != param16.data_ptr():
+                        param16.copy_(mine)
 
     # -- step ------------------------------------------------------------------
     def after_step(self) -> None:

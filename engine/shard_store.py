@@ -2,14 +2,20 @@
 
 [Note: shard residency] Every per-rank shard tensor (`param16`, `grad`,
 `master`, `exp_avg`, `exp_avg_sq`) is reached through `ShardStore.tensor()`;
-nothing else in the engine keeps a reference across a step. In this phase
-all of them live in device memory (plain CPU memory without CUDA); the tier
-manager (offload/) will hold the same records and move them between device,
-pinned host and NVMe, so only this file changes when it lands.
+nothing else in the engine keeps a reference across a step. `ShardStore`
+keeps all of them in device memory (plain CPU memory without CUDA): the
+store used when nothing is offloaded. `engine.offload_bridge.TieredShardStore`
+is the same interface over offload's TierManager, which moves them between
+device, pinned host and NVMe. Code that may run with either reads a shard
+inside `with store.use(key, kind) as t:` (fetched and released around the
+block); `tensor()` is for shards that stay put (the plain store, or device-
+pinned optimizer state).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -62,6 +68,35 @@ class ShardStore:
             raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
                            "keep only param16)")
         return t
+
+    @property
+    def resident(self) -> bool:
+        """Every shard tensor stays where it is for the store's life (views may be kept)."""
+        return True
+
+    @contextmanager
+    def use(self, key: str, kind: ShardKind, *, writable: bool = False) -> Iterator[torch.Tensor]:
+        """The shard tensor for the duration of the block (`writable`: it will be modified)."""
+        del writable  # every tensor here is the authoritative copy
+        yield self.tensor(key, kind)
+
+    def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
+        """Group `key` will be added with `numel` elements; nothing to plan for resident
+        shards."""
+        del key, numel, compute_dtype, trainable
+
+    def finalize(self) -> None:
+        """Every group is declared; nothing to plan for resident shards."""
+
+    def set_order(self, entries: list[tuple[str, ShardKind]]) -> None:
+        """The upcoming shard uses (prefetch order); nothing to prefetch here."""
+        del entries
+
+    def tier_report(self) -> dict[str, object] | None:
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: tensors are freed with the store."""
 
     def has(self, key: str, kind: ShardKind) -> bool:
         rec = self._records.get(key)

@@ -1,0 +1,300 @@
+"""Training step time, peak RSS and NVMe traffic: plain PyTorch vs tierzero's offload tiers.
+
+Configurations (each in a fresh child process, so peak RSS is its own; rounds interleave
+the configurations, the median over `--repeats` rounds is reported):
+  plain     plain PyTorch, fp32 params under torch.autocast(bf16),
+            torch.optim.AdamW(fused=True)
+  none      tierzero stage 3, bf16, every shard on the device (CPU here)
+  cpu       params and optimizer state in host memory, CPU Adam
+  opt_nvme  optimizer state on NVMe, params on the device
+  all_nvme  params and optimizer state on NVMe
+  ds_*      the same under DeepSpeed ZeRO-3 when `deepspeed` imports (else a how-to)
+Models: "mlp" (~80M parameters: embedding, 9 pre-norm MLP blocks of width 1024, head;
+batch 16 x 16 tokens) and "hf" (a small Llama from a config, no download, ~30M).
+
+Per row: step time (median), forward+backward and optimizer-step time, peak RSS over the
+whole process (VmHWM, model build included) and over the timed steps, NVMe bytes read and
+written per step, CPU Adam time, and overlap efficiency = max(compute, NVMe I/O, Adam) /
+step time, where compute is plain PyTorch's forward+backward in the same run, NVMe I/O is
+the step's bytes at the swap directory's bandwidth measured in the same run, and Adam is
+the CPU Adam kernel's time.
+
+    python benchmarks/step_bench.py --quick
+    python benchmarks/step_bench.py --swap /local_nvme --out bench_out/step_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import machine  # noqa: E402  (benchmarks/machine.py)
+
+import engine  # noqa: E402
+import swap  # noqa: E402
+
+CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme")
+OFFLOAD = {"none": ("none", "none"), "cpu": ("cpu", "cpu"), "opt_nvme": ("none", "nvme"),
+           "all_nvme": ("nvme", "nvme")}
+DS_HOWTO = ("DeepSpeed rows skipped: `deepspeed` is not importable. To add them: "
+            "pip install deepspeed (CPU-only build: DS_BUILD_OPS=0), then rerun; it runs "
+            "ZeRO-3 with the gloo backend at world size 1 (param offload to NVMe needs "
+            "stage3_prefetch_bucket_size: 0 on a CPU-only machine).")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class MLPModel(nn.Module):
+    def __init__(self, vocab: int, dim: int, n_blocks: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x)).float()  # (B, T, V)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build(model: str, quick: bool) -> tuple[nn.Module, tuple[str, ...], int]:
+    """(model, unit class names, vocab)."""
+    torch.manual_seed(0)
+    if model == "mlp":
+        dim, blocks, vocab = (512, 4, 2048) if quick else (1024, 9, 4096)
+        return MLPModel(vocab, dim, blocks), ("Block",), vocab
+    import transformers
+
+    hidden, layers, vocab = (256, 4, 4096) if quick else (512, 8, 16384)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=256, tie_word_embeddings=False, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg), ("LlamaDecoderLayer",), vocab
+
+
+class HFLoss(nn.Module):
+    """Calls an HF causal LM with (ids, labels) and returns its loss."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out: Any = self.inner(input_ids=ids, labels=labels)
+        return out.loss  # type: ignore[no-any-return]
+
+
+def _hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_hwm() -> None:
+    with contextlib.suppress(OSError):  # resets VmHWM; older kernels refuse
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    raw, units, vocab = build(args.model, args.quick)
+    model: nn.Module = raw if args.model == "mlp" else HFLoss(raw)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    n_params = sum(p.numel() for p in model.parameters())
+    fb: list[float] = []
+    opt_s: list[float] = []
+    adam_s: list[float] = []
+    moved0: dict[str, int] = {}
+    if args.config == "plain":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def one() -> None:
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels)
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            fb.append(t1 - t0)
+            opt_s.append(time.perf_counter() - t1)
+        report: Any = lambda: None  # noqa: E731
+    else:
+        p_dev, o_dev = OFFLOAD[args.config]
+        path = tempfile.mkdtemp(dir=args.swap, prefix="step_bench-")
+        cfg = engine.load_config({
+            "zero": {"stage": 3, "units": list(units), "persistence_threshold_bytes": 0},
+            "precision": "bf16", "optimizer": {"type": "adamw", "lr": 1e-4},
+            "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None},
+                        "optimizer": {"device": o_dev, "path": path if "nvme" in (
+                            p_dev, o_dev) else None}}})
+        eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+
+        def one() -> None:
+            t0 = time.perf_counter()
+            eng.backward(eng(ids, labels))
+            t1 = time.perf_counter()
+            eng.step()
+            fb.append(t1 - t0)
+            opt_s.append(time.perf_counter() - t1)
+            st = eng.memory_report()["optimizer_step"]
+            if st is not None:
+                adam_s.append(st["compute_s"])
+
+        def report() -> dict[str, int] | None:
+            tiers = eng.memory_report()["tiers"]
+            return None if tiers is None else dict(tiers["moved"])
+    for _ in range(args.warmup):
+        one()
+    fb.clear()
+    opt_s.clear()
+    adam_s.clear()
+    moved0 = report() or {}
+    _reset_hwm()
+    t0 = time.perf_counter()
+    steps = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        one()
+        steps.append(time.perf_counter() - t)
+    total = time.perf_counter() - t0
+    moved1 = report() or {}
+    per_step = {k: (moved1.get(k, 0) - moved0.get(k, 0)) / args.steps for k in moved1}
+    import resource
+
+    return {"config": args.config, "model": args.model, "params": n_params,
+            "step_s": statistics.median(steps), "mean_step_s": total / args.steps,
+            "fwd_bwd_s": statistics.median(fb), "opt_s": statistics.median(opt_s),
+            "adam_s": statistics.median(adam_s) if adam_s else 0.0,
+            "nvme_read_per_step": per_step.get("nvme_to_host", 0.0),
+            "nvme_write_per_step": per_step.get("host_to_nvme", 0.0),
+            "peak_rss_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_train": _hwm()}
+
+
+def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
+    """GB/s of SwapStore write and read of `nbytes` at `directory` (same run)."""
+    t = torch.ones(nbytes // 4)
+    with swap.SwapStore(directory) as st:
+        t0 = time.perf_counter()
+        st.write("bw", t).wait()
+        w = time.perf_counter() - t0
+        out = torch.empty_like(t)
+        t0 = time.perf_counter()
+        st.read("bw", out=out).wait()
+        r = time.perf_counter() - t0
+    return {"write_gbs": nbytes / w / 1e9, "read_gbs": nbytes / r / 1e9}
+
+
+def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "--model", model, "--config", config,
+           "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
+           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
+    if ns.quick:
+        cmd.append("--quick")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{model}/{config} failed:\n{proc.stderr[-4000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="small mlp model, 1 round (about a minute on a quiet 2-core machine)")
+    ap.add_argument("--out", default="bench_out/step_bench.json")
+    ap.add_argument("--swap", default=tempfile.gettempdir(), help="NVMe directory")
+    ap.add_argument("--models", default=None, help="mlp,hf (quick: mlp)")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    # a fresh process runs its first bf16 steps several times slower (kernel warm-up)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="plain", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.child:
+        sys.stdout.write(json.dumps(child(ns)) + "\n")
+        return
+    if ns.quick:
+        ns.repeats, ns.steps = 1, 3
+    ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
+    info = machine.describe(ns.swap)
+    bw = disk_bandwidth(ns.swap, (64 if ns.quick else 512) << 20)
+    sys.stdout.write(f"machine: {json.dumps(info)}\ndisk at {ns.swap}: {bw}\n")
+    try:
+        import deepspeed  # noqa: F401
+        sys.stdout.write("deepspeed imports, but its rows are not implemented in this "
+                         "script yet\n")
+    except ImportError:
+        sys.stdout.write(DS_HOWTO + "\n")
+    configs = ns.configs.split(",")
+    rows: list[dict[str, Any]] = []
+    for model in ns.models.split(","):
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+        for _ in range(ns.repeats):
+            for c in configs:  # interleaved rounds: load drift hits every config alike
+                runs[c].append(run_child(ns, model, c))
+        med = {c: {k: (statistics.median(r[k] for r in rs) if isinstance(rs[0][k], float | int)
+                       else rs[0][k]) for k in rs[0]} for c, rs in runs.items()}
+        compute = med["plain"]["fwd_bwd_s"] if "plain" in med else None
+        plain_step = med["plain"]["step_s"] if "plain" in med else None
+        for c, m in med.items():
+            io_s = (m["nvme_read_per_step"] / (bw["read_gbs"] * 1e9)
+                    + m["nvme_write_per_step"] / (bw["write_gbs"] * 1e9))
+            parts = [x for x in (compute, io_s, m["adam_s"]) if x]
+            m["nvme_io_s"] = io_s
+            m["overlap_eff"] = max(parts) / m["step_s"] if parts else None
+            m["vs_plain"] = m["step_s"] / plain_step if plain_step else None
+            rows.append(m)
+            sys.stdout.write(
+                f"{model:4s} {c:9s} step {m['step_s']:.3f}s (x{m['vs_plain'] or 0:.2f} plain)"
+                f" fwd+bwd {m['fwd_bwd_s']:.3f}s opt {m['opt_s']:.3f}s adam {m['adam_s']:.3f}s"
+                f" nvme r/w {m['nvme_read_per_step'] / 1e6:.0f}/"
+                f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {io_s:.3f}s"
+                f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"
+                f"/{m['peak_rss_train'] / 2**20:.0f} MiB\n")
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "disk": bw, "args": vars(ns), "rows": rows},
+                              indent=1))
+    sys.stdout.write(f"wrote {out}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""The engine's shard store over offload's TierManager, and the config translation.
+
+offload/ cannot import engine/, so this file turns `engine.Config` into
+`offload.TierSettings` and gives the engine a `ShardStore` whose tensors live
+wherever the tier manager puts them ([Note: shard residency] in shard_store.py).
+
+Homes per tensor class:
+    param16                      offload.params.device  (none -> device, cpu -> host, ...)
+    master, exp_avg, exp_avg_sq  offload.optimizer.device
+    grad                         offload.optimizer.device, except nvme -> host: the fp32
+                                 gradient shard is accumulated every micro-step, so it
+                                 stays in host memory (as in ZeRO-Infinity) instead of a
+                                 read-modify-write of NVMe per micro-step
+Manager keys are "<group key>:<class>".
+
+Access: `use(key, kind)` fetches the shard to the tier where the engine
+consumes it (param16 -> device, where it is gathered; the others -> host when
+homed off the device) and releases it on exit. When the optimizer state stays
+on the device (device Adam), master, grad and the moments are pinned on the
+device once and `tensor()` hands out those views, which stay valid.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+import swap
+from engine.config import Config
+from engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
+from offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierManager, TierSettings
+from offload.settings import OffloadDevice, Tier
+
+log = logging.getLogger(__name__)
+
+PIPELINE_BUFFERS = 3  # the CPU Adam's buffer sets: fetch ahead, update, store behind
+_OPTIMIZER_KINDS: tuple[ShardKind, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
+
+
+def offload_wanted(config: Config) -> bool:
+    """Whether any tensor class is homed off the device (else the plain store is used)."""
+    return (config.offload.params.device, config.offload.optimizer.device) != ("none", "none")
+
+
+def homes_from(config: Config) -> dict[ShardKind, OffloadDevice]:
+    params = config.offload.params.device
+    opt = config.offload.optimizer.device
+    if config.zero.stage < 3 and params != "none":
+        log.warning("offload.params.device=%r applies to stage 3 only (stage %d keeps "
+                    "parameters gathered on the device); parameter shards stay on the device",
+                    params, config.zero.stage)
+        params = "none"
+    grad: OffloadDevice = "cpu" if opt == "nvme" else opt
+    return {"param16": params, "master": opt, "grad": grad, "exp_avg": opt, "exp_avg_sq": opt}
+
+
+def swap_dir(config: Config) -> str | None:
+    """The NVMe directory: optimizer's path, else params' path (both must exist; checked
+    by the config)."""
+    return config.offload.optimizer.path or config.offload.params.path
+
+
+def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0) -> TierSettings:
+    """offload.TierSettings from the engine config (budgets, pool, prefetch windows).
+
+    `host_outside`: host bytes the engine allocates itself (the CPU Adam's pipeline
+    buffers); offload.budgets.host_bytes covers them too, so the manager gets the rest.
+    """
+    b = config.offload.budgets
+    dev_budget = b.device_bytes
+    if dev_budget is None and device.type != "cuda":
+        # The CPU stand-in device tier is plain process memory: bound it by what is free.
+        dev_budget = int(psutil.virtual_memory().available)
+    reserve = {} if b.host_reserve_bytes is None else {"host_reserve": b.host_reserve_bytes}
+    host = b.host_bytes
+    if host is not None:
+        if host <= host_outside:
+            raise ValueError(
+                f"offload.budgets.host_bytes = {host} does not cover the CPU Adam's pipeline "
+                f"buffers ({host_outside} bytes: 3 sets of the largest unit's shard); raise it "
+                "well above that, or use smaller units (zero.units / zero.unit_min_bytes)")
+        host -= host_outside
+    budgets = Budgets(device=dev_budget, host=host, nvme=b.nvme_bytes, **reserve)
+    p, o = config.offload.params, config.offload.optimizer
+    homes = homes_from(config)
+    nvme_buffers = [c.buffer_count for c, d in ((p, homes["param16"]), (o, homes["master"]))
+                    if d in ("nvme", "auto")]
+    buf_bytes = [c.buffer_bytes for c in (p, o) if c.buffer_bytes is not None]
+    pool = PoolSettings(buffer_count=sum(nvme_buffers) or None,
+                        buffer_bytes=max(buf_bytes) if buf_bytes else None,
+                        pin_memory=p.pin_memory and o.pin_memory)
+    # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads run further
+    # ahead, bounded by the host bytes offload.params may cache.
+    ahead = config.zero.prefetch_bytes
+    prefetch = PrefetchSettings(nvme_bytes=max(ahead, min(p.max_in_cpu_bytes, 4 * ahead)),
+                                device_bytes=ahead)
+    return TierSettings(
+        homes=homes, budgets=budgets, pool=pool, prefetch=prefetch,
+        device="cuda" if device.type == "cuda" else "cpu",
+        device_index=device.index or 0, swap_path=swap_dir(config))
+
+
+@dataclass
+class _Pending:
+    init: torch.Tensor  # 1D fp32 initial values of this rank's shard, host
+    compute_dtype: torch.dtype
+    trainable: bool
+
+
+class TieredShardStore(ShardStore):
+    """ShardStore whose tensors live in a TierManager; see the module docstring.
+
+    Every group is declared first (`declare`, sizes only) and `finalize()` plans
+    placement over all of them at once; then `add()` places each group's initial
+    values as its unit is built (no copy of the whole model is held) and pins
+    device-homed optimizer state.
+    """
+
+    def __init__(self, device: torch.device, config: Config) -> None:
+        super().__init__(device)
+        self.config = config
+        self.homes = homes_from(config)
+        self._added: set[str] = set()
+        self._kinds: dict[str, tuple[int, tuple[ShardKind, ...], torch.dtype]] = {}
+        self._views: dict[tuple[str, ShardKind], torch.Tensor] = {}  # pinned device views
+        self.manager: TierManager | None = None
+        self.swap: swap.SwapStore | None = None
+
+    @property
+    def resident(self) -> bool:
+        return False
+
+    @property
+    def optimizer_on_device(self) -> bool:
+        return self.homes["master"] == "none"
+
+    def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
+        if self.manager is not None:
+            raise RuntimeError(f"declare({key!r}) after finalize(): the placement is planned")
+        if key in self._kinds:
+            raise ValueError(f"shard group {key!r} declared twice")
+        kinds: tuple[ShardKind, ...] = ("param16", *_OPTIMIZER_KINDS) if trainable else (
+            "param16",)
+        self._kinds[key] = (numel, kinds, compute_dtype)
+
+    def add(self, key: str, master_init: torch.Tensor, compute_dtype: torch.dtype,
+            trainable: bool) -> None:
+        """Place the initial values of a declared group on their home tiers (copied)."""
+        entry = self._kinds.get(key)
+        if entry is None or (entry[0], entry[2], len(entry[1]) > 1) != (
+                master_init.numel(), compute_dtype, trainable):
+            raise ValueError(f"add({key!r}): {master_init.numel()} x {compute_dtype}, "
+                             f"trainable={trainable} does not match its declaration {entry}")
+        if key in self._added:
+            raise ValueError(f"shard group {key!r} registered twice")
+        self._added.add(key)
+        self._place(key, _Pending(master_init.detach().float(), compute_dtype, trainable))
+
+    def finalize(self) -> None:
+        """Plan placement over every declared shard and start the tier manager."""
+        if self.manager is not None:
+            return
+        specs = [ShardSpec(f"{key}:{kind}", kind, n,
+                           dtype if kind == "param16" else torch.float32)
+                 for key, (n, kinds, dtype) in self._kinds.items() for kind in kinds]
+        nvme = self.config.nvme
+        path = swap_dir(self.config)
+        needs_swap = any(d in ("nvme", "auto") for d in self.homes.values())
+        if needs_swap and path is None and any(d == "nvme" for d in self.homes.values()):
+            raise ValueError("offload.*.device is 'nvme' but neither offload.optimizer.path "
+                             "nor offload.params.path names a swap directory; set one")
+        if needs_swap and path is not None:
+            self.swap = swap.SwapStore(path, block_size=nvme.block_size,
+                                       queue_depth=nvme.queue_depth, threads=nvme.threads,
+                                       verify=nvme.verify,
+                                       direct={"auto": None, "on": True, "off": False}[
+                                           nvme.direct_io])
+        try:
+            settings = tier_settings(self.config, self.device,
+                                     host_outside=self.pipeline_bytes())
+            self.manager = TierManager(specs, settings,
+                                       swap=self.swap)
+        except BaseException:
+            self.close()
+            raise
+
+    def state_in_host(self) -> bool:
+        """Master and moments homed in host memory: the CPU Adam updates them in place."""
+        return all(self.homes[k] == "cpu" for k in ("master", "exp_avg", "exp_avg_sq"))
+
+    def pipeline_bytes(self) -> int:
+        """Host bytes of the CPU Adam's buffer sets (engine.offload_step.PIPELINE_BUFFERS
+        sets of the largest trainable shard: master, moments, fp32 grad, param16)."""
+        if self.optimizer_on_device or self.state_in_host():
+            return 0
+        largest = max((n for n, kinds, _ in self._kinds.values() if len(kinds) > 1), default=0)
+        dtype = next(iter(self._kinds.values()))[2] if self._kinds else torch.float32
+        low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
+        return PIPELINE_BUFFERS * largest * (4 * 4 + low)
+
+    def _place(self, key: str, pend: _Pending) -> None:
+        mgr = self._mgr()
+        mgr.place(f"{key}:param16", pend.init.to(pend.compute_dtype)).wait()
+        if not pend.trainable:
+            return
+        mgr.place(f"{key}:master", pend.init).wait()
+        zeros = torch.zeros_like(pend.init)
+        for kind in ("grad", "exp_avg", "exp_avg_sq"):
+            mgr.place(f"{key}:{kind}", zeros).wait()
+        if self.optimizer_on_device:
+            for kind in _OPTIMIZER_KINDS:
+                self._views[(key, kind)] = mgr.pin(f"{key}:{kind}", "device").wait()
+
+    def _mgr(self) -> TierManager:
+        if self.manager is None:
+            raise RuntimeError("TieredShardStore used before finalize(): the tier manager "
+                               "is built once every shard group is added")
+        return self.manager
+
+    def tier_for(self, key: str, kind: ShardKind, *, compute: bool = True) -> Tier:
+        """Where `kind` is read or written: param16 for compute (gathers) on the device;
+        otherwise on its home, host for anything below it."""
+        if kind == "param16" and compute:
+            return "device"
+        return "device" if self._mgr().home_of(f"{key}:{kind}") == "device" else "host"
+
+    def manager_key(self, key: str, kind: ShardKind) -> str:
+        self._check(key, kind)
+        return f"{key}:{kind}"
+
+    def _check(self, key: str, kind: ShardKind) -> None:
+        entry = self._kinds.get(key)
+        if entry is None:
+            raise KeyError(f"no shard group {key!r}; known: {sorted(self._kinds)[:10]}")
+        if kind not in entry[1]:
+            raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
+                           "keep only param16)")
+
+    def tensor(self, key: str, kind: ShardKind) -> torch.Tensor:
+        self._check(key, kind)
+        view = self._views.get((key, kind))
+        if view is None:
+            raise RuntimeError(f"shard {key!r}/{kind} lives in the tier manager (home "
+                               f"{self._mgr().home_of(f'{key}:{kind}')}); read it with "
+                               "store.use(key, kind), which fetches and releases it")
+        return view
+
+    @contextmanager
+    def use(self, key: str, kind: ShardKind, *, writable: bool = False,
+            compute: bool = True) -> Iterator[torch.Tensor]:
+        """`compute=False`: not for a gather, so param16 is reached on its home tier (host
+        for NVMe) instead of being copied to the device first."""
+        self._check(key, kind)
+        view = self._views.get((key, kind))
+        if view is not None:
+            yield view
+            return
+        mgr, mkey = self._mgr(), f"{key}:{kind}"
+        tier = self.tier_for(key, kind, compute=compute)
+        t = mgr.fetch(mkey, tier, writable=writable).wait()
+        try:
+            yield t
+        finally:
+            mgr.release(mkey, tier)
+
+    def has(self, key: str, kind: ShardKind) -> bool:
+        entry = self._kinds.get(key)
+        return entry is not None and kind in entry[1]
+
+    def group_keys(self) -> list[str]:
+        return list(self._kinds)
+
+    def numel(self, key: str) -> int:
+        return self._kinds[key][0]
+
+    def param16_dtype(self, key: str) -> torch.dtype:
+        return self._kinds[key][2]
+
+    def write_param16_from_master(self, key: str) -> None:
+        with self.use(key, "master") as master, self.use(
+                key, "param16", writable=True, compute=False) as p16:
+            p16.copy_(master)
+
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = dict.fromkeys(SHARD_KINDS, 0)
+        for n, kinds, dtype in self._kinds.values():
+            for kind in kinds:
+                size = torch.finfo(dtype).bits // 8 if kind == "param16" else 4
+                out[kind] += n * size
+        return out
+
+    def tier_report(self) -> dict[str, object] | None:
+        if self.manager is None:
+            return None
+        r = self.manager.memory_report()
+        return {"budget": dict(r.budget), "current": dict(r.current), "peak": dict(r.peak),
+                "moved": dict(r.moved), "stall_s": r.stall_s, "hits": r.hits,
+                "misses": r.misses, "prefetches": r.prefetches, "evictions": r.evictions,
+                "writebacks": r.writebacks, "order_mismatches": r.order_mismatches}
+
+    def set_order(self, entries: list[tuple[str, ShardKind]]) -> None:
+        mgr = self._mgr()
+        mgr.set_order([(f"{k}:{kind}", self.tier_for(k, kind)) for k, kind in entries])
+
+    def close(self) -> None:
+        try:
+            if self.manager is not None:
+                for (key, kind) in list(self._views):
+                    self.manager.unpin(f"{key}:{kind}", "device")
+                self._views.clear()
+                self.manager.close()
+        finally:
+            self.manager = None
+            if self.swap is not None:
+                self.swap.close()
+                self.swap = None

@@ -1,0 +1,143 @@
+"""The optimizer step when optimizer state is offloaded (cpu or nvme): CPU Adam, pipelined.
+
+`OffloadedAdam` is the `torch.optim.Optimizer` that `initialize()` returns in
+that case. Its one param group carries the hyper-parameters (so the lr
+schedule and user code change `lr` as usual); its "params" are size-0 handles,
+one per trainable flat group, because the fp32 masters, moments and gradients
+live in the tier manager, not in tensors it could hold. `step()` runs
+`offload.pipelined_step` over every group's shard through an
+`offload.TierShardStore`: read state for shard i+1, Adam on shard i, write
+shard i-1 back, with the new compute-dtype `param16` written in the same pass
+to its home tier (with fp32 compute the master is copied to `param16` after).
+When the state is homed in host memory (offload.optimizer.device = cpu) the
+kernel runs in place on it instead, group by group (no staging copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from engine.offload_bridge import PIPELINE_BUFFERS, TieredShardStore
+from engine.shard_store import ShardKind
+from offload import (
+    AdamHyper,
+    AdamThreads,
+    PipelineStats,
+    ShardBuffers,
+    ShardLayout,
+    TierShardStore,
+    adam_update,
+    pipelined_step,
+)
+
+log = logging.getLogger(__name__)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Kernel threads for this rank: its CPUs shared by the ranks on this host (the kernel's
+    default, all CPUs, oversubscribes the cores with several ranks per host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local))
+
+
+class OffloadedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over offloaded flat shards; the engine calls `step()` at the boundary."""
+
+    def __init__(self, store: TieredShardStore, keys: Sequence[str], *, adamw: bool,
+                 lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 threads: int) -> None:
+        handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager
+        super().__init__(handles, {"lr": lr, "betas": betas, "eps": eps,
+                                   "weight_decay": weight_decay})
+        self.adamw = adamw
+        self.steps = 0
+        self.last_stats: PipelineStats | None = None
+        self._store = store
+        self._keys = list(keys)
+        dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
+        # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
+        # refreshed from the master after the step instead.
+        self._shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
+        layout = ShardLayout(tuple(store.numel(k) for k in self._keys),
+                             grad_dtype=torch.float32, param16_dtype=self._shadow)
+        names: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad") + (
+            ("param16",) if self._shadow is not None else ())
+        key_maps: list[dict[str, str]] = [{n: store.manager_key(k, n) for n in names}
+                                          for k in self._keys]
+        manager = store.manager
+        if manager is None:
+            raise RuntimeError("OffloadedAdam needs a finalized TieredShardStore")
+        self._tier_store = TierShardStore(manager, key_maps, layout)
+        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
+        # the planner) it streams through the pipeline's buffers.
+        self._in_place = store.state_in_host()
+        largest = 0 if self._in_place else max(layout.numels, default=0)
+        # Allocated once, reused every step: the host bytes of the step are fixed.
+        self._sets = [ShardBuffers.allocate(self._tier_store, largest)
+                      for _ in range(PIPELINE_BUFFERS)]
+        self._threads = AdamThreads(threads)
+
+    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
+             grad_scale: float = 1.0) -> None:
+        """One Adam step over every shard; gradients are multiplied by `grad_scale` on the
+        fly (clipping coefficient, fp16 unscale), so no extra pass over them is needed."""
+        if closure is not None:
+            raise ValueError("OffloadedAdam.step() takes no closure; the engine steps it")
+        group = self.param_groups[0]
+        hyper = AdamHyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                          beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                          weight_decay=float(group["weight_decay"]), adamw=self.adamw)
+        self.steps += 1
+        if self._in_place:
+            self.last_stats = self._step_in_place(hyper, grad_scale)
+            return
+        self.last_stats = pipelined_step(self._tier_store, hyper=hyper, step=float(self.steps),
+                                         grad_scale=grad_scale, threads=self._threads,
+                                         buffer_sets=self._sets)
+        if self._shadow is None:
+            for k in self._keys:
+                self._store.write_param16_from_master(k)
+
+    def _step_in_place(self, hyper: AdamHyper, grad_scale: float) -> PipelineStats:
+        """State homed in host memory: the kernel updates it where it lives (no copies into
+        pipeline buffers and back); param16 in host memory is written as the kernel's
+        shadow, on the device it is copied from the master after."""
+        t0 = time.perf_counter()
+        compute = 0.0
+        for k in self._keys:
+            with contextlib.ExitStack() as held:
+                master, exp_avg, exp_avg_sq = (
+                    held.enter_context(self._store.use(k, kind, writable=True))
+                    for kind in ("master", "exp_avg", "exp_avg_sq"))
+                grad = held.enter_context(self._store.use(k, "grad"))
+                p16 = held.enter_context(self._store.use(k, "param16", writable=True,
+                                                         compute=False))
+                shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
+                t = time.perf_counter()
+                adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper,
+                            step=float(self.steps), grad_scale=grad_scale, shadow=shadow,
+                            threads=self._threads)
+                compute += time.perf_counter() - t
+                if shadow is None:
+                    p16.copy_(master)  # rounds to the compute dtype; host->device on CUDA
+        return PipelineStats(len(self._keys), time.perf_counter() - t0, compute, 0.0, 0.0, 0)
+
+    def stats(self) -> dict[str, Any] | None:
+        s = self.last_stats
+        if s is None:
+            return None
+        return {"shards": s.shards, "total_s": s.total_s, "compute_s": s.compute_s,
+                "fetch_wait_s": s.fetch_wait_s, "store_wait_s": s.store_wait_s,
+                "buffer_bytes": s.buffer_bytes}
+
+    def close(self) -> None:
+        self._tier_store.close()
+        self._threads.close()
+        self._sets = []
