@@ -30,6 +30,9 @@ class UnitSpec:
     is_root: bool
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
 def _param_bytes(module: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
@@ -61,7 +64,9 @@ def _blocks_by_size(model: nn.Module, min_bytes: int) -> list[tuple[str, nn.Modu
         for cname, child in mod.named_children():
             if visit(f"{prefix}.{cname}" if prefix else cname, child):
                 child_hit = True
-        if child_hit or mod is model:
+        # A container (ModuleList/ModuleDict) has no forward of its own, so hooks on
+        # it never fire: it can hold units but never be one.
+        if child_hit or mod is model or isinstance(mod, _CONTAINERS):
             return child_hit
         if _param_bytes(mod) >= min_bytes:
             found.append((prefix, mod))
@@ -74,8 +79,16 @@ def _blocks_by_size(model: nn.Module, min_bytes: int) -> list[tuple[str, nn.Modu
 
 
 def _no_split(model: nn.Module) -> list[str]:
-    names = getattr(model, "_no_split_modules", None)
-    return [str(n) for n in names] if isinstance(names, list | tuple | set) else []
+    """`_no_split_modules` of the model, or of the outermost submodules that declare it
+    (a user wrapper around a Hugging Face model gets the HF blocks as units)."""
+    names: list[str] = []
+    for _, mod in model.named_modules():
+        declared = getattr(mod, "_no_split_modules", None)
+        if isinstance(declared, list | tuple | set):
+            names.extend(str(n) for n in declared if str(n) not in names)
+            if mod is model:
+                break
+    return names
 
 
 def _enclosing_block(module_name: str, block_of_path: dict[str, int]) -> int | None:

@@ -207,3 +207,62 @@ def test_output_tensors_found_in_nested_outputs() -> None:
     t1, t2, t3 = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
     found = output_tensors((Out(x=t1, y=[t2, 3]), Pair(t3, 4), None))
     assert [id(t) for t in found] == [id(t1), id(t2), id(t3)]
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)  # 272 params = 1088 bytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Wrapper(nn.Module):
+    """A user module around an inner model, as people wrap HF models."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x)).sum()
+
+
+def test_size_rule_never_picks_a_container() -> None:
+    # Each layer (1088 B) is below the bound, the ModuleList (4352 B) above it: the
+    # list has no forward of its own, so the unit must be the module that runs it.
+    model = _Wrapper(_Stack())
+    names = [u.name for u in discover_units(model, None, 2000) if not u.is_root]
+    assert names == ["inner"]
+
+
+def test_no_split_modules_found_on_a_wrapped_model() -> None:
+    inner = _Stack()
+    inner._no_split_modules = ["_Layer"]  # type: ignore[assignment]
+    names = [u.name for u in discover_units(_Wrapper(inner), None, 1 << 30) if not u.is_root]
+    assert names == [f"inner.layers.{i}" for i in range(4)]
+
+
+def test_wrapped_model_trains_with_size_rule_units() -> None:
+    torch.manual_seed(0)
+    model = _Wrapper(_Stack())
+    cfg = {"zero": {"stage": 3, "unit_min_bytes": 2000}, "optimizer": {"lr": 1e-2}}
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device=torch.device("cpu"))
+    for _ in range(2):
+        loss = eng(torch.randn(4, 16))
+        eng.backward(loss)
+        eng.step()
+    eng.close()
