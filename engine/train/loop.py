@@ -60,11 +60,13 @@ def check_settings(config: Config, options: TrainOptions) -> None:
     """Refuse what cannot be done, before any work starts."""
     tc = config.train
     if tc.resume:
-        raise TrainError("train.resume: true is not supported yet: checkpoints (issue 7) are not "
-                         "implemented; set train.resume: false")
+        raise TrainError("train.resume: true is not supported yet: tierzero train does not save "
+                         "or load checkpoints (eng.save_checkpoint cannot yet save optimizer "
+                         "state that lives on cpu/nvme, issue 7); set train.resume: false")
     if tc.checkpoint_interval:
         raise TrainError(f"train.checkpoint_interval: {tc.checkpoint_interval} asks for "
-                         "checkpoints, which are not implemented yet (issue 7); set it to 0")
+                         "checkpoints, which tierzero train does not write yet (optimizer state "
+                         "on cpu/nvme cannot be checkpointed, issue 7); set it to 0")
     first, count = options.trace_steps
     if options.trace_path and (first < 1 or count < 1 or first > tc.steps):
         raise TrainError(f"--trace-steps {first},{count}: needs FIRST >= 1, COUNT >= 1 and FIRST "
