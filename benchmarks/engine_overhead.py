@@ -31,37 +31,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_models import MLPModel
 from machine import describe
 
 import engine
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self, vocab: int, dim: int, n_blocks: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x)).float()  # (B, T, V)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
 
 
 def plain_runner(model: nn.Module, dev: torch.device, bf16: bool,
@@ -136,15 +109,15 @@ def main() -> None:
     rows: dict[str, dict[str, object]] = {}
     for bf16 in (False, True):
         torch.manual_seed(0)
-        base = Model(vocab, dim, n_blocks)
+        base = MLPModel(vocab, dim, n_blocks)
         n_params = sum(p.numel() for p in base.parameters())
-        ref_model = Model(vocab, dim, n_blocks)
+        ref_model = MLPModel(vocab, dim, n_blocks)
         base_state = {k: v.clone() for k, v in base.state_dict().items()}
         ref_model.load_state_dict(base_state)
         runners = {"plain": plain_runner(ref_model, dev, bf16, batch),
                    "tierzero": tierzero_runner(base, bf16, batch)}
         if bf16:
-            cast_model = Model(vocab, dim, n_blocks)
+            cast_model = MLPModel(vocab, dim, n_blocks)
             cast_model.load_state_dict(base_state)
             runners["plain_bf16_params"] = plain_runner(cast_model, dev, True, batch, cast=True)
         for r in runners.values():

@@ -43,6 +43,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import machine  # noqa: E402  (benchmarks/machine.py)
+from bench_models import MLPModel  # noqa: E402  (benchmarks/bench_models.py)
 
 import engine  # noqa: E402
 import swap  # noqa: E402
@@ -56,31 +57,6 @@ DS_HOWTO = ("DeepSpeed rows skipped: `deepspeed` is not importable. To add them:
             "stage3_prefetch_bucket_size: 0 on a CPU-only machine).")
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class MLPModel(nn.Module):
-    def __init__(self, vocab: int, dim: int, n_blocks: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.norm(x)).float()  # (B, T, V)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def build(model: str, quick: bool) -> tuple[nn.Module, tuple[str, ...], int]:
