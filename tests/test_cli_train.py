@@ -40,6 +40,7 @@ def reference_losses(steps: int, *, seed: int, lr: float, wd: float, batch: int,
 
 
 def test_train_end_to_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (in dev)")
     config = write_config(tmp_path)
     trace, plot = tmp_path / "trace.json", tmp_path / "run.png"
     caplog.set_level("INFO", logger="engine.train")
