@@ -140,8 +140,8 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True)
-class ParamOffloadConfig:
-    """Home tier of the compute-dtype parameter shards (stage 3 only)."""
+class _TierHomeConfig:
+    """Fields shared by both offloaded tensor classes."""
 
     device: Device = field(
         default="none",
@@ -156,35 +156,6 @@ class ParamOffloadConfig:
     # buffer_count x buffer_bytes bounds the NVMe reads and writes in flight
     # (and the pinned memory they pin): the I/O queue cannot outrun the host.
     buffer_count: int = field(
-        default=5, metadata=meta("host staging buffers for NVMe transfers", gt=0)
-    )
-    buffer_bytes: int | None = field(
-        default=None,
-        metadata=meta(
-            "bytes per staging buffer; null = the largest unit shard", gt=0, unit="bytes"
-        ),
-    )
-    max_in_cpu_bytes: int = field(
-        default=2_000_000_000,
-        metadata=meta("with nvme: parameter bytes also cached in host memory", ge=0, unit="bytes"),
-    )
-
-
-@dataclass(frozen=True)
-class OptimizerOffloadConfig:
-    """Home tier of fp32 master weights, gradients and Adam moments."""
-
-    device: Device = field(
-        default="none",
-        metadata=meta("none = accelerator memory, cpu, nvme, auto = planner decides"),
-    )
-    path: str | None = field(
-        default=None, metadata=meta("swap directory for nvme (and auto); must exist", path=True)
-    )
-    pin_memory: bool = field(
-        default=True, metadata=meta("page-lock host buffers when CUDA is present")
-    )
-    buffer_count: int = field(
         default=4, metadata=meta("host staging buffers for NVMe transfers", gt=0)
     )
     buffer_bytes: int | None = field(
@@ -193,6 +164,25 @@ class OptimizerOffloadConfig:
             "bytes per staging buffer; null = the largest unit shard", gt=0, unit="bytes"
         ),
     )
+
+
+@dataclass(frozen=True)
+class ParamOffloadConfig(_TierHomeConfig):
+    """Home tier of the compute-dtype parameter shards (stage 3 only)."""
+
+    buffer_count: int = field(  # DeepSpeed's offload_param default
+        default=5, metadata=meta("host staging buffers for NVMe transfers", gt=0)
+    )
+    max_in_cpu_bytes: int = field(
+        default=2_000_000_000,
+        metadata=meta("with nvme: parameter bytes also cached in host memory", ge=0, unit="bytes"),
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadConfig(_TierHomeConfig):
+    """Home tier of fp32 master weights, gradients and Adam moments."""
+
     ratio: float = field(
         default=1.0,
         metadata=meta(
