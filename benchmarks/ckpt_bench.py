@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -36,14 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from machine import describe
 
 import engine
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from engine.checkpoint_io import fsync_dir  # fsyncs any path opened read-only
 
 
 def _build(params: float, dim: int) -> torch.nn.Module:
@@ -101,7 +93,7 @@ def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
 
     def torch_save(pt: Path) -> None:
         torch.save({"model": twin.state_dict(), "optimizer": opt.state_dict()}, pt)
-        _fsync(pt)
+        fsync_dir(pt)
 
     def torch_load(pt: Path) -> None:
         sd = torch.load(pt, weights_only=True)
@@ -110,7 +102,7 @@ def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
 
     def st_save(st: Path) -> None:
         save_file(twin.state_dict(), str(st))
-        _fsync(st)
+        fsync_dir(st)
 
     for r in range(args.repeats):
         ck, pt, st, hf = (base / f"tz{r}", base / f"torch{r}.pt", base / f"st{r}.safetensors",
