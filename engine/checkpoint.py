@@ -78,6 +78,7 @@ from engine.checkpoint_layout import (
 )
 from engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
 from engine.config.native import as_dict
+from engine.offload_bridge import TieredShardStore
 
 if TYPE_CHECKING:
     from engine.checkpoint_async import BackgroundSaver, PendingSave
@@ -92,6 +93,10 @@ def shard_use(store: Any, key: str, kind: str, *, writable: bool = False
     """A shard tensor for the duration of the block, through the store's own access path:
     `use()` where the store has one (a tiered store fetches and releases around the block,
     [Note: shard residency]), else the resident tensor."""
+    if isinstance(store, TieredShardStore):  # on its home tier (host for NVMe), not gathered
+        with store.use(key, kind, writable=writable, compute=False) as t:  # type: ignore[arg-type]
+            yield t
+        return
     use = getattr(store, "use", None)
     if use is None:
         yield store.tensor(key, kind)
@@ -276,11 +281,23 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
             error = f"cannot create {temp} ({exc})"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
     with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
-    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes,
-                       snapshot=background is not None)
+    # [Note: background save of offloaded state] A background save snapshots every shard
+    # into host memory first. With shards in the tier manager that copy is the whole
+    # offloaded state (what did not fit in host memory to begin with), so the save streams
+    # from the store synchronously instead, one shard at a time; the caller still gets a
+    # PendingSave, already complete.
+    snapshot = background is not None and eng.store.resident
+    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
     job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload)
-    if background is not None:
+    if background is not None and snapshot:
         return background.submit(job)
+    if background is not None:
+        if not background.warned_sync:
+            log.info("save_checkpoint(background=True): shards live in the tier manager "
+                     "(offload cpu/nvme), so they are streamed to %s now, one at a time, "
+                     "instead of copied into host memory for a background write", root)
+            background.warned_sync = True
+        return background.completed(job, job.run(eng.comm.group))
     return job.run(eng.comm.group)
 
 

@@ -38,9 +38,11 @@ from engine.checkpoint_layout import (
 from engine.checkpoint_state import (
     OPTIM_PREFIX,
     restore_engine_state,
+    restore_offloaded_step,
     restore_optimizer_scalars,
     restore_rng,
 )
+from engine.offload_step import OffloadedAdam
 
 if TYPE_CHECKING:
     from engine.engine import ZeroEngine
@@ -159,7 +161,11 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                     with shard_use(store, lay.key, "grad", writable=True) as grad:
                         grad.zero_()
                 store.write_param16_from_master(lay.key)
-                restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
+                if not isinstance(eng.optimizer, OffloadedAdam):
+                    restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
+        if isinstance(eng.optimizer, OffloadedAdam):
+            restore_offloaded_step(eng.optimizer, {lay.key: rank_meta["optimizer"][lay.key]
+                                                   for lay in saved if lay.trainable})
         restore_engine_state(eng, manifest["engine"])
         rng = {n: files.tensor(src_rank, n) for n in _names(files, src_rank, RNG_PREFIX)}
         restore_rng(rank_meta["rng"], rng, eng.device)

@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_map
 from engine import checkpoint, checkpoint_load
 from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.checkpoint_async import BackgroundSaver, PendingSave
-from engine.checkpoint_layout import CheckpointError
 from engine.collectives import Comm
 from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
@@ -291,9 +290,9 @@ class ZeroEngine:
                         client_state: Any = None, *,
                         background: bool = False) -> Path | PendingSave:
         """Save every rank's shards and state to `directory/tag` and point `latest` at it.
-        `background`: snapshot now, write while training goes on; returns a PendingSave."""
+        `background`: snapshot now, write while training goes on; returns a PendingSave
+        (with offloaded shards the save streams from the tier manager before returning)."""
         self._check_open()
-        self._check_checkpointable("save_checkpoint")
         self._saver.wait()
         return checkpoint.save_checkpoint(self, directory, tag, client_state,
                                           background=self._saver if background else None)
@@ -302,20 +301,8 @@ class ZeroEngine:
                         *, verify: bool = True) -> tuple[Path, Any]:
         """Resume from `directory/tag` (default `latest`); returns (path, client_state)."""
         self._check_open()
-        self._check_checkpointable("load_checkpoint")
         self._saver.wait()
         return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
-
-    def _check_checkpointable(self, what: str) -> None:
-        # Checkpoints read optimizer state from the torch optimizer; with offload the
-        # moments live in the tier manager, which checkpoints do not read yet.
-        if isinstance(self.store, TieredShardStore):
-            o = self.config.offload
-            raise CheckpointError(
-                f"{what}: shards offloaded through the tier manager (offload.params.device="
-                f"{o.params.device!r}, offload.optimizer.device={o.optimizer.device!r}) cannot "
-                "be checkpointed yet; checkpoints support offload 'none' only (issue 7)"
-            )
 
     # -- lifecycle ----------------------------------------------------------------
     def _check_open(self) -> None:
