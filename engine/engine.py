@@ -7,6 +7,8 @@ scaler.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -18,6 +20,7 @@ from torch.utils._pytree import tree_map
 
 from engine import checkpoint, checkpoint_load
 from engine.access import AccessGuard, register_owner, unregister_owner
+from engine.activations import HostActivations, HostActivationStats
 from engine.checkpoint_async import BackgroundSaver, PendingSave
 from engine.collectives import Comm
 from engine.config import Config
@@ -98,6 +101,14 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._saver = BackgroundSaver(self.comm.world_size)
+        # activations.cpu_offload: saved activations wait in host memory
+        self.activation_stats = HostActivationStats()
+        self._host_activations = (config.activations.cpu_offload
+                                  and self.device.type == "cuda")
+        if config.activations.cpu_offload and not self._host_activations:
+            log.info("activations.cpu_offload: the device is %s, whose memory is "
+                     "host memory already; saved activations stay where they are (no-op)",
+                     self.device)
         self._closed = False
 
     # -- construction -------------------------------------------------------------
@@ -152,13 +163,18 @@ class ZeroEngine:
         grad_enabled = torch.is_grad_enabled()
         self.scheduler.begin_forward(self.root)
         try:
-            with AccessGuard():
+            with AccessGuard(), self._activation_hooks():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.scheduler.abort()  # release everything; no backward will follow
             raise
         self.scheduler.end_forward(self.root, grad_enabled)
         return out
+
+    def _activation_hooks(self) -> contextlib.AbstractContextManager[object]:
+        if not self._host_activations:
+            return contextlib.nullcontext()
+        return HostActivations(self.activation_stats, pin_memory=True)
 
     def _cast_input(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -281,6 +297,7 @@ class ZeroEngine:
             "skipped_steps": self.skipped_steps,
             # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)
             "tiers": self.store.tier_report(),
+            "activations_to_host": dataclasses.asdict(self.activation_stats),
             "optimizer_step": (self.optimizer.stats()
                                if isinstance(self.optimizer, OffloadedAdam) else None),
         }

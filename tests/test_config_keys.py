@@ -78,6 +78,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("batch.gradient_accumulation_steps", None, 4, 4, {}),
     ("batch.global_batch_size", None, 16, 16, {}),
     ("gradient_clipping", 0.0, 1, 1.0, {}),
+    ("activations.cpu_offload", False, "true", True, {}),
     ("logging.level", "info", "debug", "debug", {}),
     ("logging.steps_per_print", 10, 5, 5, {}),
     ("logging.wall_clock_breakdown", False, True, True, {}),

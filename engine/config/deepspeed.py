@@ -39,7 +39,8 @@ IGNORED_TOP = {
     "tensorboard": "monitoring backend", "wandb": "monitoring backend",
     "csv_monitor": "monitoring backend", "comet": "monitoring backend",
     "flops_profiler": "profiler", "comms_logger": "profiler",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model; host copies of "
+                                "saved activations: activations.cpu_offload",
     "memory_breakdown": "see engine.memory_report()", "dump_state": "debug output",
     "prescale_gradients": "gradients are averaged once in fp32",
     "gradient_predivide_factor": "gradients are averaged once in fp32",
