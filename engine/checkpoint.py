@@ -79,6 +79,7 @@ from engine.checkpoint_layout import (
 from engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
 from engine.config.native import as_dict
 from engine.offload_bridge import TieredShardStore
+from engine.progress import progress_bar, progress_enabled
 
 if TYPE_CHECKING:
     from engine.checkpoint_async import BackgroundSaver, PendingSave
@@ -171,6 +172,7 @@ class RankPayload:
     store: Any  # where ShardRefs are read (None in a snapshot: it holds copies only)
     manifest: dict[str, Any]  # rank 0: the manifest without "files"
     client_bytes: bytes | None
+    progress: bool = False  # a progress bar while writing (engine.progress rule)
 
 
 def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
@@ -212,19 +214,23 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             "config": as_dict(eng.config),
             "hf_config": _hf_config_json(eng.module),
         }
-    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes)
+    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes,
+                       progress_enabled(eng.config.logging.progress, eng.comm.rank))
 
 
-def _write_rank_file(path: Path, payload: RankPayload) -> dict[str, int]:
+def _write_rank_file(path: Path, payload: RankPayload, desc: str) -> dict[str, int]:
     entries = [TensorEntry(n, t.dtype, tuple(t.shape) if isinstance(t, torch.Tensor)
                            else (t.numel,)) for n, t in payload.tensors]
-    with SafetensorsWriter(path, entries, payload.metadata) as w:
-        for n, t in payload.tensors:
+    bar = progress_bar(payload.progress, total=sum(e.nbytes for e in entries), unit="B",
+                       unit_scale=True, desc=desc)
+    with bar, SafetensorsWriter(path, entries, payload.metadata) as w:
+        for (n, t), e in zip(payload.tensors, entries, strict=True):
             if isinstance(t, torch.Tensor):
                 w.write(n, t)
             else:  # streamed from the store, one shard at a time
                 with shard_use(payload.store, t.key, t.kind) as shard:
                     w.write(n, shard)
+            bar.update(e.nbytes)
     digest = w.close()
     return {"bytes": digest.nbytes, "crc32": digest.crc32}
 
@@ -317,7 +323,8 @@ class _SaveJob:
         digest: dict[str, int] | None = None
         error: str | None = None
         try:
-            digest = _write_rank_file(temp / rank_file(self.rank), self.payload)
+            digest = _write_rank_file(temp / rank_file(self.rank), self.payload,
+                                      desc=f"save {self.tag}")
         except (OSError, CheckpointError, ValueError) as exc:
             error = f"writing {temp / rank_file(self.rank)}: {exc}"
         _raise_if_failed(group, self.world, error, what)

@@ -43,6 +43,7 @@ from engine.checkpoint_state import (
     restore_rng,
 )
 from engine.offload_step import OffloadedAdam
+from engine.progress import progress_bar
 
 if TYPE_CHECKING:
     from engine.engine import ZeroEngine
@@ -148,6 +149,8 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
         rank_meta = json.loads(meta["tierzero"])
         store = eng.store
         shard_numel = {g.key: g.shard_numel for u in eng.units for g in u.groups}
+        bar = progress_bar(eng.config.logging.progress, rank, total=len(saved), unit="group",
+                           desc=f"load {path.name}")
         for lay in saved:
             n = shard_numel[lay.key]
             for kind in (*lay.kinds, *_optim_names(files, src_rank, lay.key)):
@@ -156,6 +159,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                         files.read_into(rank, shard_name(lay.key, kind), dest)
                     else:
                         dest.copy_(files.read_range(lay, kind, rank * n, (rank + 1) * n))
+            bar.update(1)
             if lay.trainable:
                 if "grad" not in lay.kinds:
                     with shard_use(store, lay.key, "grad", writable=True) as grad:
@@ -170,6 +174,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
         rng = {n: files.tensor(src_rank, n) for n in _names(files, src_rank, RNG_PREFIX)}
         restore_rng(rank_meta["rng"], rng, eng.device)
         _restore_buffers(eng, files)
+        bar.close()
     finally:
         files.close()
     eng.scheduler.after_step()  # gathered copies of persistent units are stale now

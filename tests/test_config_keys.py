@@ -80,6 +80,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("gradient_clipping", 0.0, 1, 1.0, {}),
     ("activations.cpu_offload", False, "true", True, {}),
     ("logging.level", "info", "debug", "debug", {}),
+    ("logging.progress", "auto", "off", "off", {}),
     ("logging.steps_per_print", 10, 5, 5, {}),
     ("logging.wall_clock_breakdown", False, True, True, {}),
     ("train.model", "builtin:small", "builtin:tiny", "builtin:tiny", {}),

@@ -327,6 +327,11 @@ class LoggingConfig:
     """What the engine logs."""
 
     level: LogLevel = field(default="info", metadata=meta("log level of tierzero's loggers"))
+    progress: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=meta("progress bars for Init onto NVMe and checkpoint save/load (rank 0); auto "
+                      "= when stderr is a terminal; env TIERZERO_PROGRESS=0/1 overrides"),
+    )
     steps_per_print: int = field(
         default=10, metadata=meta("log loss, lr and throughput every this many steps", gt=0)
     )
