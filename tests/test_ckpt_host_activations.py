@@ -60,6 +60,14 @@ def test_config_key() -> None:
         engine.load_config({"activations": {"cpu_offload": 3}})
 
 
+def test_deepspeed_cpu_checkpointing_maps_to_the_switch() -> None:
+    cfg = engine.load_config({"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {
+        "cpu_checkpointing": True, "partition_activations": True, "number_checkpoints": 4}})
+    assert cfg.activations.cpu_offload is True
+    assert set(cfg.ignored_keys) >= {"activation_checkpointing.partition_activations",
+                                     "activation_checkpointing.number_checkpoints"}
+
+
 def test_cpu_device_is_a_logged_no_op(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="engine.engine")
     on = _train(True, "cpu")
