@@ -127,11 +127,21 @@ def run_fresh(tmp: Path, name: str, fn: Callable[[], Any]) -> Any:
     return torch.load(out, weights_only=False)
 
 
-def crash_child(ckpt: str, ready: str) -> None:
+def crash_config(offload: str, swap: str | None) -> Config:
+    """crash_child's config: offload none, or params and optimizer state on `offload`."""
+    cfg = make_config(units=("Linear",))
+    if offload == "none":
+        return cfg
+    return replace(cfg, offload=OffloadConfig(
+        params=ParamOffloadConfig(device=offload, path=swap),  # type: ignore[arg-type]
+        optimizer=OptimizerOffloadConfig(device=offload, path=swap)))  # type: ignore[arg-type]
+
+
+def crash_child(ckpt: str, ready: str, offload: str = "none", swap: str | None = None) -> None:
     """Save tag t0, signal `ready`, then train and save t1, t2, ... until killed."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
-    cfg = make_config(units=("Linear",))
+    cfg = crash_config(offload, swap)
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     x = torch.randn(8, 512)
     for step in range(10_000):
