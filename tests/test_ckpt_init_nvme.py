@@ -5,10 +5,12 @@ bytes written). Also the progress-bar rule for Init and checkpoints."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from engine_dist import run_two_ranks
 from engine_helpers import make_batches, make_model
 from safetensors.torch import save_file
 
@@ -68,6 +70,33 @@ def test_init_slices_go_to_nvme_and_values_equal_plain_build(tmp_path: Path) -> 
     want = _train(ref, cfg)
     assert got["losses"] == want["losses"]
     assert all(torch.equal(v, want["params"][k]) for k, v in got["params"].items())
+
+
+def nvme_init_scenario(rank: int, swap: str) -> dict[str, object]:
+    """One of two ranks: build under Init onto NVMe (this rank's own swap directory), train;
+    the same from a plain build."""
+    cfg = _cfg(Path(swap) / f"rank{rank}")
+    with engine.Init(config=cfg) as ini:
+        model = make_model(n_blocks=N_BLOCKS)
+    on_nvme = all((rec := _record(p)) is not None and rec.nvme is not None
+                  for p in model.parameters())
+    return {"got": _train(model, cfg), "want": _train(make_model(n_blocks=N_BLOCKS), cfg),
+            "on_nvme": on_nvme, "nvme_bytes": ini.nvme_bytes}
+
+
+@pytest.mark.multiproc
+def test_init_onto_nvme_two_ranks(tmp_path: Path) -> None:
+    """Each rank stages its own slices; accesses during construction all-gather them from
+    the two ranks' files. Training equals a plain build on both ranks, bitwise."""
+    (tmp_path / "swap").mkdir()
+    results = run_two_ranks(tmp_path, {"init": partial(nvme_init_scenario,
+                                                       swap=str(tmp_path / "swap"))})
+    for rank in range(2):
+        r = results[rank]["init"]
+        assert r["on_nvme"] and r["nvme_bytes"] > 0
+        assert r["got"]["losses"] == r["want"]["losses"]
+        for k, want in r["want"]["params"].items():
+            assert torch.equal(r["got"]["params"][k], want), (rank, k)
 
 
 def test_load_pretrained_into_nvme_slices(tmp_path: Path) -> None:
