@@ -39,7 +39,8 @@ def _train(config: Path) -> None:
     assert main(["train", str(config), "--no-progress"]) == 0
 
 
-def test_interrupted_run_resumes_to_the_same_losses(tmp_path: Path) -> None:
+def test_interrupted_run_resumes_to_the_same_losses(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     ck = str(tmp_path / "ck")
     _train(_config(tmp_path, "full", steps=6))
     _train(_config(tmp_path, "first", steps=4, checkpoint_interval=2, checkpoint_dir=ck))
@@ -57,6 +58,13 @@ def test_interrupted_run_resumes_to_the_same_losses(tmp_path: Path) -> None:
     assert tag == {3: full[3]}
     assert (Path(ck) / "latest").read_text() == "step6"
     assert head["config"]["offload"]["optimizer"]["device"] == "nvme"
+    # resuming at step 2 with saves every 2 steps would save step4 again: refused up front
+    config = _config(tmp_path, "clash", steps=6, checkpoint_interval=2, checkpoint_dir=ck,
+                     resume=f"{ck}/step2")
+    capsys.readouterr()
+    assert main(["train", str(config), "--no-progress"]) == 1
+    assert "resuming at step 2 would save step4" in capsys.readouterr().err
+    assert not (tmp_path / "runs-clash").exists()
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path: Path,

@@ -75,6 +75,21 @@ def check_checkpoint_settings(tc: TrainConfig) -> None:
                              "directory")
 
 
+def check_no_overwrite(tc: TrainConfig, directory: str, start: int) -> None:
+    """A run resumed from an earlier checkpoint than the directory's newest would save a tag
+    that exists (checkpoints are never overwritten): refuse before the first step."""
+    if not tc.checkpoint_interval:
+        return
+    first = (start // tc.checkpoint_interval + 1) * tc.checkpoint_interval
+    taken = [f"step{s}" for s in range(first, tc.steps + 1, tc.checkpoint_interval)
+             if (Path(directory) / f"step{s}").exists()]
+    if taken:
+        raise TrainError(f"resuming at step {start} would save {taken[0]} into {directory}, "
+                         f"which already holds it (and {len(taken) - 1} more later ones); "
+                         "checkpoints are never overwritten: set train.checkpoint_dir to "
+                         "another directory, or remove those checkpoints")
+
+
 def checkpoint_dir(tc: TrainConfig, run_dir: str) -> str:
     return tc.checkpoint_dir or os.path.join(run_dir, "checkpoints")
 

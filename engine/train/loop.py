@@ -122,13 +122,19 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     model = build_model(tc.model, tc.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     eng, _, _, _ = engine.initialize(model=model, config=config)
-    resume_from = checkpoints.resume_source(tc)
-    start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
-    weights = pretrained_dir(tc.model) if resume_from is None else None
-    if weights is not None:
-        loaded = engine.load_pretrained(eng, weights)
-        log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
-                 weights, loaded.tensors, loaded.bytes_read)
+    try:
+        resume_from = checkpoints.resume_source(tc)
+        start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
+        if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
+            checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
+        weights = pretrained_dir(tc.model) if resume_from is None else None
+        if weights is not None:
+            loaded = engine.load_pretrained(eng, weights)
+            log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
+                     weights, loaded.tensors, loaded.bytes_read)
+    except BaseException:
+        eng.close()
+        raise
     log.info("model %s: %.1fM parameters, %d units, built and partitioned in %.1f s",
              tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
 
