@@ -184,3 +184,24 @@ def test_damaged_rank_file_is_named_and_nothing_changes(fault: str, tmp_path: Pa
         assert eng.global_steps == 4
     finally:
         eng.close()
+
+
+def test_load_into_a_running_engine_drops_its_caches(tmp_path: Path) -> None:
+    """Loading into an NVMe engine that kept training (device caches of param16, a recorded
+    prefetch order, dirty host caches) continues exactly like a fresh engine loading it."""
+    eng, model = _engine("nvme", tmp_path / "sa")
+    fresh, fresh_model = _engine("nvme", tmp_path / "sb")
+    try:
+        _train(eng, 0, 3)
+        eng.save_checkpoint(tmp_path / "ck", tag="t")
+        _train(eng, 3, 6)
+        eng.load_checkpoint(tmp_path / "ck", tag="t")
+        fresh.load_checkpoint(tmp_path / "ck", tag="t")
+        _train(eng, 3, 6)
+        _train(fresh, 3, 6)
+        a, b = full_params(eng, model), full_params(fresh, fresh_model)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert eng.global_steps == fresh.global_steps == 6
+    finally:
+        eng.close()
+        fresh.close()
