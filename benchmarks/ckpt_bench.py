@@ -9,6 +9,8 @@ populated by one step. Per repeat, interleaved:
   torch.load         of the torch.save file, into the twin (load_state_dict)
   consolidate        consolidate_to_safetensors (fp32, one tensor at a time)
   save_file          safetensors.torch.save_file of the twin's state dict, then fsync
+  tierzero save/load [cpu|nvme]   the same model with params and optimizer state
+                     offloaded (--offload): shards streamed through the tier manager
 Medians of --repeats runs; checkpoint bytes / median seconds as GB/s.
 
     python benchmarks/ckpt_bench.py --quick
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -36,6 +39,9 @@ from machine import describe
 
 import engine
 from engine.checkpoint_io import fsync_dir  # fsyncs any path opened read-only
+
+CONFIG: dict[str, object] = {"precision": "fp32", "zero": {"stage": 3, "units": ["Linear"]},
+                             "optimizer": {"type": "adamw", "lr": 1e-4}}
 
 
 def _build(params: float, dim: int) -> torch.nn.Module:
@@ -58,6 +64,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--out", default="bench_out/ckpt_bench.json")
     ap.add_argument("--quick", action="store_true", help="10M parameters, 3 repeats")
+    ap.add_argument("--offload", default="nvme",
+                    help="comma list of offload devices (cpu, nvme) also timed; '' = none")
     args = ap.parse_args()
     if args.quick:
         args.params, args.repeats = 10e6, 3
@@ -75,11 +83,20 @@ def main() -> None:
 def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
     model = _build(args.params, args.dim)
     twin = _build(args.params, args.dim)
-    cfg = engine.load_config({"precision": "fp32", "zero": {"stage": 3, "units": ["Linear"]},
-                              "optimizer": {"type": "adamw", "lr": 1e-4}})
+    cfg = engine.load_config(CONFIG)
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     _step(model, eng, eng.backward, args.dim)
     eng.step()
+    offloaded = {}
+    for dev in [d for d in args.offload.split(",") if d]:
+        (base / f"swap-{dev}").mkdir()
+        ocfg = engine.load_config({**CONFIG, "offload": {
+            "device": dev, "path": str(base / f"swap-{dev}")}})
+        oeng, _, _, _ = engine.initialize(model=_build(args.params, args.dim), config=ocfg,
+                                          device="cpu")
+        _step(oeng.module, oeng, oeng.backward, args.dim)
+        oeng.step()
+        offloaded[dev] = oeng
     opt = torch.optim.AdamW(twin.parameters(), lr=1e-4)
     _step(twin, twin, lambda loss: loss.backward(), args.dim)
     opt.step()
@@ -87,6 +104,9 @@ def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
     times: dict[str, list[float]] = {}
 
     def timed(name: str, fn: Callable[[], object]) -> None:
+        # Flush every dirty page first (untimed): a save's fsync must not wait on the
+        # write-back of whatever the previous method wrote.
+        os.sync()
         t0 = time.perf_counter()
         fn()
         times.setdefault(name, []).append(time.perf_counter() - t0)
@@ -108,8 +128,14 @@ def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
         ck, pt, st, hf = (base / f"tz{r}", base / f"torch{r}.pt", base / f"st{r}.safetensors",
                           base / f"hf{r}")
         timed("tierzero save", partial(eng.save_checkpoint, ck, tag="t"))
+        for dev, oeng in offloaded.items():
+            timed(f"tierzero save [{dev}]", partial(oeng.save_checkpoint, base / f"{dev}{r}",
+                                                    tag="t"))
         timed("torch.save", partial(torch_save, pt))
         timed("tierzero load", partial(eng.load_checkpoint, ck))
+        for dev, oeng in offloaded.items():
+            timed(f"tierzero load [{dev}]", partial(oeng.load_checkpoint, base / f"{dev}{r}"))
+            shutil.rmtree(base / f"{dev}{r}")
         timed("tierzero load -v", partial(eng.load_checkpoint, ck, verify=False))
         timed("torch.load", partial(torch_load, pt))
         timed("consolidate", partial(engine.consolidate_to_safetensors, ck, hf, progress=False))
@@ -125,6 +151,8 @@ def _run(args: argparse.Namespace, base: Path) -> dict[str, object]:
         med = statistics.median(ts)
         rows[name] = {"median_s": med, "all_s": ts, "GB_per_s": moved / med / 1e9}
     eng.close()
+    for oeng in offloaded.values():
+        oeng.close()
     return {"params": n, "state_bytes": state_bytes, "repeats": args.repeats,
             "torch": torch.__version__, "rows": rows}
 

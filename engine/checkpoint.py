@@ -78,6 +78,8 @@ from engine.checkpoint_layout import (
 )
 from engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
 from engine.config.native import as_dict
+from engine.offload_bridge import TieredShardStore
+from engine.progress import progress_bar, progress_enabled
 
 if TYPE_CHECKING:
     from engine.checkpoint_async import BackgroundSaver, PendingSave
@@ -92,6 +94,10 @@ def shard_use(store: Any, key: str, kind: str, *, writable: bool = False
     """A shard tensor for the duration of the block, through the store's own access path:
     `use()` where the store has one (a tiered store fetches and releases around the block,
     [Note: shard residency]), else the resident tensor."""
+    if isinstance(store, TieredShardStore):  # on its home tier (host for NVMe), not gathered
+        with store.use(key, kind, writable=writable, compute=False) as t:  # type: ignore[arg-type]
+            yield t
+        return
     use = getattr(store, "use", None)
     if use is None:
         yield store.tensor(key, kind)
@@ -166,6 +172,7 @@ class RankPayload:
     store: Any  # where ShardRefs are read (None in a snapshot: it holds copies only)
     manifest: dict[str, Any]  # rank 0: the manifest without "files"
     client_bytes: bytes | None
+    progress: bool = False  # a progress bar while writing (engine.progress rule)
 
 
 def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
@@ -207,19 +214,23 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             "config": as_dict(eng.config),
             "hf_config": _hf_config_json(eng.module),
         }
-    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes)
+    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes,
+                       progress_enabled(eng.config.logging.progress, eng.comm.rank))
 
 
-def _write_rank_file(path: Path, payload: RankPayload) -> dict[str, int]:
+def _write_rank_file(path: Path, payload: RankPayload, desc: str) -> dict[str, int]:
     entries = [TensorEntry(n, t.dtype, tuple(t.shape) if isinstance(t, torch.Tensor)
                            else (t.numel,)) for n, t in payload.tensors]
-    with SafetensorsWriter(path, entries, payload.metadata) as w:
-        for n, t in payload.tensors:
+    bar = progress_bar(payload.progress, total=sum(e.nbytes for e in entries), unit="B",
+                       unit_scale=True, desc=desc)
+    with bar, SafetensorsWriter(path, entries, payload.metadata) as w:
+        for (n, t), e in zip(payload.tensors, entries, strict=True):
             if isinstance(t, torch.Tensor):
                 w.write(n, t)
             else:  # streamed from the store, one shard at a time
                 with shard_use(payload.store, t.key, t.kind) as shard:
                     w.write(n, shard)
+            bar.update(e.nbytes)
     digest = w.close()
     return {"bytes": digest.nbytes, "crc32": digest.crc32}
 
@@ -276,11 +287,23 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
             error = f"cannot create {temp} ({exc})"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
     with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
-    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes,
-                       snapshot=background is not None)
+    # [Note: background save of offloaded state] A background save snapshots every shard
+    # into host memory first. With shards in the tier manager that copy is the whole
+    # offloaded state (what did not fit in host memory to begin with), so the save streams
+    # from the store synchronously instead, one shard at a time; the caller still gets a
+    # PendingSave, already complete.
+    snapshot = background is not None and eng.store.resident
+    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
     job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload)
-    if background is not None:
+    if background is not None and snapshot:
         return background.submit(job)
+    if background is not None:
+        if not background.warned_sync:
+            log.info("save_checkpoint(background=True): shards live in the tier manager "
+                     "(offload cpu/nvme), so they are streamed to %s now, one at a time, "
+                     "instead of copied into host memory for a background write", root)
+            background.warned_sync = True
+        return background.completed(job, job.run(eng.comm.group))
     return job.run(eng.comm.group)
 
 
@@ -300,7 +323,8 @@ class _SaveJob:
         digest: dict[str, int] | None = None
         error: str | None = None
         try:
-            digest = _write_rank_file(temp / rank_file(self.rank), self.payload)
+            digest = _write_rank_file(temp / rank_file(self.rank), self.payload,
+                                      desc=f"save {self.tag}")
         except (OSError, CheckpointError, ValueError) as exc:
             error = f"writing {temp / rank_file(self.rank)}: {exc}"
         _raise_if_failed(group, self.world, error, what)

@@ -8,7 +8,9 @@ fsync and publishing to this module's single worker thread. The ranks' file
 digests are exchanged over a process group of their own, so the worker's
 collectives never interleave with training's. Every later save, load and
 `close()` waits for the pending save first; `PendingSave.wait()` returns the
-path or raises the save's error.
+path or raises the save's error. Shards held by the tier manager (offload
+cpu/nvme) are not snapshotted into host memory: those saves run on the
+caller's thread ([Note: background save of offloaded state]).
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ class BackgroundSaver:
         self._pool: ThreadPoolExecutor | None = None
         self._group: dist.ProcessGroup | None = None
         self.pending: PendingSave | None = None
+        self.warned_sync = False  # the "written synchronously" line was logged once
+
+    def completed(self, job: _SaveJob, path: Path) -> PendingSave:
+        """A save that ran on the caller's thread ([Note: background save of offloaded
+        state] in engine/checkpoint.py), as a PendingSave that is already done."""
+        future: Future[Path] = Future()
+        future.set_result(path)
+        return PendingSave(job, future)
 
     def submit(self, job: _SaveJob) -> PendingSave:
         self.wait()

@@ -38,9 +38,12 @@ from engine.checkpoint_layout import (
 from engine.checkpoint_state import (
     OPTIM_PREFIX,
     restore_engine_state,
+    restore_offloaded_step,
     restore_optimizer_scalars,
     restore_rng,
 )
+from engine.offload_step import OffloadedAdam
+from engine.progress import progress_bar
 
 if TYPE_CHECKING:
     from engine.engine import ZeroEngine
@@ -146,6 +149,8 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
         rank_meta = json.loads(meta["tierzero"])
         store = eng.store
         shard_numel = {g.key: g.shard_numel for u in eng.units for g in u.groups}
+        bar = progress_bar(eng.config.logging.progress, rank, total=len(saved), unit="group",
+                           desc=f"load {path.name}")
         for lay in saved:
             n = shard_numel[lay.key]
             for kind in (*lay.kinds, *_optim_names(files, src_rank, lay.key)):
@@ -154,16 +159,22 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                         files.read_into(rank, shard_name(lay.key, kind), dest)
                     else:
                         dest.copy_(files.read_range(lay, kind, rank * n, (rank + 1) * n))
+            bar.update(1)
             if lay.trainable:
                 if "grad" not in lay.kinds:
                     with shard_use(store, lay.key, "grad", writable=True) as grad:
                         grad.zero_()
                 store.write_param16_from_master(lay.key)
-                restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
+                if not isinstance(eng.optimizer, OffloadedAdam):
+                    restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
+        if isinstance(eng.optimizer, OffloadedAdam):
+            restore_offloaded_step(eng.optimizer, {lay.key: rank_meta["optimizer"][lay.key]
+                                                   for lay in saved if lay.trainable})
         restore_engine_state(eng, manifest["engine"])
         rng = {n: files.tensor(src_rank, n) for n in _names(files, src_rank, RNG_PREFIX)}
         restore_rng(rank_meta["rng"], rng, eng.device)
         _restore_buffers(eng, files)
+        bar.close()
     finally:
         files.close()
     eng.scheduler.after_step()  # gathered copies of persistent units are stale now

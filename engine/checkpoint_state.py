@@ -6,6 +6,12 @@ layout]): tensors the shard store owns (`exp_avg`, `exp_avg_sq`) are saved as
 shards; other tensors with one value per shard element (an optimizer's own
 buffers) are saved beside them as `<key>::optim.<name>`; scalars (`step`) go
 into this JSON.
+
+The engine's CPU Adam (`OffloadedAdam`, optimizer state offloaded to cpu/nvme)
+keeps no per-tensor torch state: its moments are the store's shards and its
+step count is one integer. It is saved in the same form as torch's AdamW
+(`{"step": {"tensor": n, "dtype": "torch.float32"}}` per group), so a
+checkpoint of either loads into the other.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint_layout import RNG_PREFIX, CheckpointError
+from engine.offload_step import OffloadedAdam
 
 if TYPE_CHECKING:
     from engine.engine import ZeroEngine
@@ -37,6 +44,9 @@ class OptimizerSplit:
 
 def split_optimizer_state(eng: ZeroEngine, key: str) -> OptimizerSplit:
     store, out = eng.store, OptimizerSplit()
+    if isinstance(eng.optimizer, OffloadedAdam):  # moments are shards; the step is shared
+        out.scalars["step"] = {"tensor": float(eng.optimizer.steps), "dtype": str(torch.float32)}
+        return out
     master = store.tensor(key, "master")
     for name, value in eng.optimizer.state.get(master, {}).items():
         if isinstance(value, torch.Tensor):
@@ -72,6 +82,28 @@ def restore_optimizer_scalars(eng: ZeroEngine, key: str, scalars: dict[str, Any]
             state[name] = value
 
 
+def restore_offloaded_step(opt: OffloadedAdam, saved: dict[str, dict[str, Any]]) -> None:
+    """The CPU Adam keeps one step count for every group: the saved groups (torch AdamW
+    keeps one per group) must agree."""
+    steps: dict[str, int] = {}
+    for key, scalars in saved.items():
+        unknown = sorted(set(scalars) - {"step"})
+        if unknown:
+            raise CheckpointError(
+                f"optimizer state {unknown} of group {key!r} has no place in the engine's CPU "
+                "Adam (offload.optimizer.device cpu/nvme); it was saved by another optimizer "
+                "type: load with offload.optimizer.device 'none' and that optimizer")
+        value = scalars.get("step", 0)
+        step = float(value["tensor"] if isinstance(value, dict) else value)
+        if step != int(step) or step < 0:
+            raise CheckpointError(f"optimizer step {step} of group {key!r} is not a count")
+        steps[key] = int(step)
+    if len(set(steps.values())) > 1:
+        raise CheckpointError(f"optimizer groups were saved at different steps {steps}; the "
+                              "engine's CPU Adam keeps one step count for every group")
+    opt.steps = next(iter(steps.values()), 0)
+
+
 def engine_state(eng: ZeroEngine) -> dict[str, Any]:
     """Counters, param-group hyperparameters, schedule and loss scaler (identical on ranks)."""
     groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()
@@ -90,7 +122,17 @@ def restore_engine_state(eng: ZeroEngine, state: dict[str, Any]) -> None:
     if len(saved_groups) != len(eng.optimizer.param_groups):
         raise CheckpointError(f"checkpoint has {len(saved_groups)} optimizer param groups, "
                               f"the engine {len(eng.optimizer.param_groups)}")
-    for group, saved in zip(eng.optimizer.param_groups, saved_groups, strict=True):
+    offloaded = isinstance(eng.optimizer, OffloadedAdam)
+    for group, saved_group in zip(eng.optimizer.param_groups, saved_groups, strict=True):
+        saved = saved_group
+        if offloaded:  # torch's AdamW saves flags the CPU Adam does not have
+            unsupported = [k for k in ("amsgrad", "maximize") if saved.get(k)]
+            if unsupported:
+                raise CheckpointError(f"the checkpoint's optimizer uses {unsupported}, which "
+                                      "the engine's CPU Adam (offload.optimizer.device cpu/"
+                                      "nvme) does not implement; load with offload.optimizer."
+                                      "device 'none'")
+            saved = {k: v for k, v in saved.items() if k in group}
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     sched = dict(eng.lr_scheduler.state_dict())

@@ -7,6 +7,8 @@ scaler.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -18,8 +20,8 @@ from torch.utils._pytree import tree_map
 
 from engine import checkpoint, checkpoint_load
 from engine.access import AccessGuard, register_owner, unregister_owner
+from engine.activations import HostActivations, HostActivationStats
 from engine.checkpoint_async import BackgroundSaver, PendingSave
-from engine.checkpoint_layout import CheckpointError
 from engine.collectives import Comm
 from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
@@ -99,6 +101,14 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._saver = BackgroundSaver(self.comm.world_size)
+        # activations.cpu_offload: saved activations wait in host memory
+        self.activation_stats = HostActivationStats()
+        self._host_activations = (config.activations.cpu_offload
+                                  and self.device.type == "cuda")
+        if config.activations.cpu_offload and not self._host_activations:
+            log.info("activations.cpu_offload: the device is %s, whose memory is "
+                     "host memory already; saved activations stay where they are (no-op)",
+                     self.device)
         self._closed = False
 
     # -- construction -------------------------------------------------------------
@@ -153,13 +163,18 @@ class ZeroEngine:
         grad_enabled = torch.is_grad_enabled()
         self.scheduler.begin_forward(self.root)
         try:
-            with AccessGuard():
+            with AccessGuard(), self._activation_hooks():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.scheduler.abort()  # release everything; no backward will follow
             raise
         self.scheduler.end_forward(self.root, grad_enabled)
         return out
+
+    def _activation_hooks(self) -> contextlib.AbstractContextManager[object]:
+        if not self._host_activations:
+            return contextlib.nullcontext()
+        return HostActivations(self.activation_stats, pin_memory=True)
 
     def _cast_input(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -282,6 +297,7 @@ class ZeroEngine:
             "skipped_steps": self.skipped_steps,
             # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)
             "tiers": self.store.tier_report(),
+            "activations_to_host": dataclasses.asdict(self.activation_stats),
             "optimizer_step": (self.optimizer.stats()
                                if isinstance(self.optimizer, OffloadedAdam) else None),
         }
@@ -291,9 +307,9 @@ class ZeroEngine:
                         client_state: Any = None, *,
                         background: bool = False) -> Path | PendingSave:
         """Save every rank's shards and state to `directory/tag` and point `latest` at it.
-        `background`: snapshot now, write while training goes on; returns a PendingSave."""
+        `background`: snapshot now, write while training goes on; returns a PendingSave
+        (with offloaded shards the save streams from the tier manager before returning)."""
         self._check_open()
-        self._check_checkpointable("save_checkpoint")
         self._saver.wait()
         return checkpoint.save_checkpoint(self, directory, tag, client_state,
                                           background=self._saver if background else None)
@@ -302,20 +318,8 @@ class ZeroEngine:
                         *, verify: bool = True) -> tuple[Path, Any]:
         """Resume from `directory/tag` (default `latest`); returns (path, client_state)."""
         self._check_open()
-        self._check_checkpointable("load_checkpoint")
         self._saver.wait()
         return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
-
-    def _check_checkpointable(self, what: str) -> None:
-        # Checkpoints read optimizer state from the torch optimizer; with offload the
-        # moments live in the tier manager, which checkpoints do not read yet.
-        if isinstance(self.store, TieredShardStore):
-            o = self.config.offload
-            raise CheckpointError(
-                f"{what}: shards offloaded through the tier manager (offload.params.device="
-                f"{o.params.device!r}, offload.optimizer.device={o.optimizer.device!r}) cannot "
-                "be checkpointed yet; checkpoints support offload 'none' only (issue 7)"
-            )
 
     # -- lifecycle ----------------------------------------------------------------
     def _check_open(self) -> None:

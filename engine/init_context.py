@@ -26,15 +26,20 @@ nothing. On exit every parameter is partitioned; `engine.initialize` then
 builds its flat shards from these records (`full_values`), one parameter at a
 time, and drops them (`forget`).
 
+Slices live in host memory, or on NVMe when `offload.params.device` is nvme
+([Note: Init onto NVMe] in engine/init_staging.py).
+
 Limits: a `.data` alias taken from a parameter and used after the parameter
 left the LRU sees the old values and its writes are lost (use the parameter
-itself); shards are in host memory (the NVMe tier is not wired here yet).
+itself).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -48,17 +53,40 @@ from torch.utils.weak import WeakIdKeyDictionary
 from engine.collectives import Comm
 from engine.config import Config, load_config
 from engine.config.load import ConfigSource
+from engine.init_staging import SliceStaging
+from engine.offload_bridge import swap_dir
+from engine.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Record:
-    """One tracked parameter: its rank slice when partitioned (None while live)."""
+    """One tracked parameter: its rank slice when partitioned (in host memory or on NVMe)."""
 
     numel: int
     chunk: int  # elements per rank: ceil(numel / world_size)
     shard: torch.Tensor | None  # 1D, `chunk` elements, the parameter's dtype, host
+    nvme: str | None = None  # the slice's key in `staging` when it is on NVMe instead
+    staging: SliceStaging | None = None
+
+    @property
+    def partitioned(self) -> bool:
+        return self.shard is not None or self.nvme is not None
+
+    def slice_values(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's slice (1D, host), read from NVMe when it is there."""
+        if self.shard is not None:
+            return self.shard
+        if self.nvme is None or self.staging is None:
+            raise RuntimeError("internal: slice of a live parameter")
+        return self.staging.get(self.nvme, self.chunk, dtype)
+
+    def drop_slice(self) -> None:
+        self.shard = None
+        if self.nvme is not None and self.staging is not None:
+            self.staging.drop(self.nvme)
+        self.nvme = None
 
 
 # Which parameters an Init context partitioned: engine.initialize and
@@ -83,7 +111,7 @@ def _record(p: object) -> _Record | None:
 def is_partitioned(p: torch.Tensor) -> bool:
     """True when an Init context holds `p` as per-rank shards (its data is a placeholder)."""
     rec = _record(p)
-    return rec is not None and rec.shard is not None
+    return rec is not None and rec.partitioned
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -95,15 +123,14 @@ def _placeholder(like: torch.Tensor) -> torch.Tensor:
 
 def _gather(rec: _Record, dtype: torch.dtype, comm: Comm) -> torch.Tensor:
     """The full flattened values (1D, numel) from every rank's slice: an all-gather."""
-    if rec.shard is None:
-        raise RuntimeError("internal: gather of a live parameter")
+    mine = rec.slice_values(dtype)
     if comm.backend == "nccl":  # NCCL moves CUDA tensors only; the shards stay on host
         dev = torch.device("cuda", torch.cuda.current_device())
         full = torch.empty(rec.chunk * comm.world_size, dtype=dtype, device=dev)
-        comm.all_gather(full, rec.shard.to(dev))
+        comm.all_gather(full, mine.to(dev))
         return full[:rec.numel].cpu()
     full = torch.empty(rec.chunk * comm.world_size, dtype=dtype)
-    comm.all_gather(full, rec.shard)
+    comm.all_gather(full, mine)
     return full[:rec.numel]
 
 
@@ -111,29 +138,39 @@ def full_values(p: torch.Tensor, comm: Comm) -> torch.Tensor:
     """The parameter's flattened values (1D): gathered when Init partitioned it (a
     collective: every rank must ask for the same parameters in the same order)."""
     rec = _record(p)
-    if rec is None or rec.shard is None:
+    if rec is None or not rec.partitioned:
         return p.detach().reshape(-1)
     return _gather(rec, p.dtype, comm)
 
 
-def local_slice(p: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(this rank's shard, its first flat index) of a partitioned parameter, else None."""
+@contextmanager
+def local_slice(p: torch.Tensor) -> Iterator[tuple[torch.Tensor, int] | None]:
+    """(this rank's slice, its first flat index) of a partitioned parameter, else None; the
+    block may change the slice in place (written back to NVMe on exit when it lives there)."""
     rec = _record(p)
-    if rec is None or rec.shard is None:
-        return None
-    return rec.shard, Comm().rank * rec.chunk
+    if rec is None or not rec.partitioned:
+        yield None
+        return
+    values = rec.slice_values(p.dtype)
+    yield values, Comm().rank * rec.chunk
+    if rec.shard is None and rec.nvme is not None and rec.staging is not None:
+        rec.staging.overwrite(rec.nvme, values)
 
 
 def forget(p: torch.Tensor) -> None:
     """Drop the Init record of `p` (its values now live in the engine's flat shards)."""
-    _RECORDS.pop(p, None)  # type: ignore[no-untyped-call]
+    rec = _RECORDS.pop(p, None)  # type: ignore[no-untyped-call]
+    if isinstance(rec, _Record):
+        rec.drop_slice()
 
 
 class _Partitioner:
     """The live LRU and the live <-> partitioned transitions of one Init context."""
 
-    def __init__(self, comm: Comm, max_live_bytes: int) -> None:
+    def __init__(self, comm: Comm, max_live_bytes: int,
+                 staging: SliceStaging | None = None) -> None:
         self.comm = comm
+        self.staging = staging  # slices go to NVMe (None: host memory)
         self.max_live_bytes = max_live_bytes  # zero.max_live_bytes: bounds full params held
         self._live: OrderedDict[int, nn.Parameter] = OrderedDict()  # id -> param, oldest first
         self.live_bytes = 0
@@ -176,10 +213,14 @@ class _Partitioner:
                 flat = p.detach().reshape(-1)
                 lo = self.comm.rank * rec.chunk
                 hi = min(rec.numel, lo + rec.chunk)
-                shard = torch.zeros(rec.chunk, dtype=p.dtype)
+                shard = (torch.zeros(rec.chunk, dtype=p.dtype) if self.staging is None else
+                         self.staging.empty(rec.chunk, p.dtype))
                 if hi > lo:
                     shard[:hi - lo].copy_(flat[lo:hi])
-                rec.shard = shard
+                if self.staging is not None:
+                    rec.nvme, rec.staging = self.staging.put(shard), self.staging
+                else:
+                    rec.shard = shard
                 p.data = _placeholder(p.detach())
         finally:
             self.busy = False
@@ -187,7 +228,7 @@ class _Partitioner:
     def gather(self, p: nn.Parameter) -> None:
         """partitioned -> live: all-gather the slices into a fresh full tensor."""
         rec = _record(p)
-        if rec is None or rec.shard is None:
+        if rec is None or not rec.partitioned:
             if rec is not None and id(p) in self._live:
                 self._live.move_to_end(id(p))
             return
@@ -195,7 +236,7 @@ class _Partitioner:
         try:
             with torch.no_grad():
                 full = _gather(rec, p.dtype, self.comm)
-                rec.shard = None
+                rec.drop_slice()
                 p.data = full.view(p.shape)
         finally:
             self.busy = False
@@ -261,13 +302,23 @@ class Init:
     `zero.stage` < 3 (parameters are not partitioned) it does nothing, as in
     DeepSpeed. `zero.max_live_bytes` bounds the full parameter bytes held at
     once during construction (one parameter is always allowed, whatever its
-    size). See [Note: Init partitioning].
+    size). See [Note: Init partitioning]. With `offload.params.device: nvme` the
+    slices go to NVMe as they are made ([Note: Init onto NVMe]), with a progress
+    bar (`logging.progress`).
     """
 
     def __init__(self, config: Config | ConfigSource = None, enabled: bool = True) -> None:
         cfg = config if isinstance(config, Config) else load_config(config)
         self.enabled = enabled and cfg.zero.stage == 3
+        self._config = cfg
         self._max_live = cfg.zero.max_live_bytes
+        self._nvme_dir = swap_dir(cfg) if cfg.offload.params.device == "nvme" else None
+        if cfg.offload.params.device == "nvme" and self._nvme_dir is None:
+            raise ValueError("engine.Init: offload.params.device is 'nvme' but neither "
+                             "offload.params.path nor offload.optimizer.path names a swap "
+                             "directory; set one")
+        self._staging: SliceStaging | None = None
+        self.nvme_bytes = 0  # after exit: parameter slice bytes written to NVMe
         self._parts: _Partitioner | None = None
         self._mode: _GatherOnAccess | None = None
         self._handles: list[RemovableHandle] = []
@@ -279,7 +330,12 @@ class Init:
             return self
         if self._parts is not None:
             raise RuntimeError("this engine.Init context is already active")
-        parts = _Partitioner(Comm(), self._max_live)
+        comm = Comm()
+        if self._nvme_dir is not None:
+            bar = progress_bar(self._config.logging.progress, comm.rank, unit="B",
+                               unit_scale=True, desc="Init -> NVMe")
+            self._staging = SliceStaging(self._nvme_dir, self._config, bar)
+        parts = _Partitioner(comm, self._max_live, self._staging)
         self._parts = parts
 
         def on_param(_module: nn.Module, _name: str, p: Any) -> None:
@@ -302,6 +358,10 @@ class Init:
         self._handles.clear()
         with torch.no_grad():
             self._parts.partition_all()
+        if self._staging is not None:
+            self._staging.finish_building()  # the swap file lives until every slice is used
+            self.nvme_bytes = self._staging.written_bytes
+            self._staging = None
         self.peak_live_bytes = self._parts.peak_live_bytes
         self.gathers = self._parts.gathers
         log.info("Init: parameters partitioned over %d ranks; peak full bytes held %d, "

@@ -202,14 +202,15 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
                 if owner.unit.gathered:
                     owner.unit.stale = True  # its gathered copy predates the new values
                 continue
-            part = local_slice(p)
+            with local_slice(p) as part:  # written back to NVMe on exit when it lives there
+                if part is not None:
+                    shard, first = part
+                    n = min(shard.numel(), max(0, entry.numel - first))
+                    if n:
+                        values = reader.read(entry, first, first + n)
+                        shard[:n].copy_(values)
+                        total += values.numel() * values.element_size()
             if part is not None:
-                shard, first = part
-                n = min(shard.numel(), max(0, entry.numel - first))
-                if n:
-                    values = reader.read(entry, first, first + n)
-                    shard[:n].copy_(values)
-                    total += values.numel() * values.element_size()
                 continue
             values = reader.read(entry, 0, entry.numel)
             p.copy_(values.view(p.shape))

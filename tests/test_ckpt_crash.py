@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_config
+from ckpt_helpers import crash_config
 
 import engine
 from engine.checkpoint_layout import LATEST, load_manifest, resolve, verify_files
@@ -28,9 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = 4
 
 
-def _start_child(ckpt: Path, ready: Path) -> subprocess.Popen[bytes]:
+def _start_child(ckpt: Path, ready: Path, offload: str = "none",
+                 swap: Path | None = None) -> subprocess.Popen[bytes]:
+    where = str(swap) if swap is not None else None
     code = ("import sys; sys.path[:0] = ['tests', '.']; from ckpt_helpers import crash_child; "
-            f"crash_child({str(ckpt)!r}, {str(ready)!r})")
+            f"crash_child({str(ckpt)!r}, {str(ready)!r}, {offload!r}, {where!r})")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -67,10 +69,17 @@ def _check_survivor(ckpt: Path) -> tuple[int, bool]:
 
 
 @pytest.mark.multiproc
-def test_kill9_during_save_keeps_last_good_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_kill9_during_save_keeps_last_good_checkpoint(tmp_path: Path, offload: str) -> None:
+    """offload nvme: the save streams shards out of the tier manager (and the kill may land
+    inside a swap read): the same guarantees."""
     rng = random.Random(1234)
     dirs = [(tmp_path / f"run{r}", tmp_path / f"ready{r}") for r in range(RUNS)]
-    procs = [_start_child(ckpt, ready) for ckpt, ready in dirs]  # start-up overlaps
+    swaps = [tmp_path / f"swap{r}" for r in range(RUNS)]
+    for s in swaps:
+        s.mkdir()
+    procs = [_start_child(ckpt, ready, offload, swap)  # start-up overlaps
+             for (ckpt, ready), swap in zip(dirs, swaps, strict=True)]
     partial_seen = 0
     for proc, (ckpt, ready) in zip(procs, dirs, strict=True):
         _wait_ready(proc, ready)
@@ -88,8 +97,9 @@ def test_kill9_during_save_keeps_last_good_checkpoint(tmp_path: Path) -> None:
     # the survivor of the last run loads into a fresh engine
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
-    eng, _, _, _ = engine.initialize(model=model, config=make_config(units=("Linear",)),
-                                     device="cpu")
+    (tmp_path / "swap-load").mkdir()
+    eng, _, _, _ = engine.initialize(model=model, device="cpu", config=crash_config(
+        offload, str(tmp_path / "swap-load")))
     path, _ = eng.load_checkpoint(tmp_path / f"run{RUNS - 1}")
     assert eng.global_steps == int(path.name[1:]) + 1
     eng.close()

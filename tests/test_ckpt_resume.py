@@ -9,31 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import assert_resumed as _assert_resumed
+from ckpt_helpers import assert_same_params as _assert_same_params
 from ckpt_helpers import resume_config, run_fresh, run_phase
 from engine_dist import run_two_ranks
 from engine_helpers import full_params, make_model
 
 import engine
 from engine.checkpoint_layout import GroupLayout, RankFiles, load_manifest, resolve
-
-
-def _assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"parameters differ after resume: {bad}"
-
-
-def _assert_resumed(full: dict, resumed: dict, n: int) -> None:
-    _assert_same_params(resumed["params"], full["params"])
-    assert resumed["draws"] == full["draws"][3 * n:]  # RNG streams continue where they were
-    assert resumed["lr"] == full["lr"]
-    assert resumed["counters"] == full["counters"]
-    assert resumed["loss_scale"] == full["loss_scale"]
-    assert resumed["client_state"] == {"micro": n}
-    # the run moved the parameters after the save, or the comparison proves little
-    moved = max(float((full["params"][k] - full["params_at_save"][k]).abs().max())
-                for k in full["params"])
-    assert moved > 1e-4
 
 
 @pytest.mark.multiproc

@@ -31,8 +31,8 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
                                 "builtin:small, builtin:base"),
     ({"model": "/no/such/model"}, "neither a built-in size"),
     ({"dataset": "/no/such.txt"}, "train.dataset: '/no/such.txt' is not a file"),
-    ({"resume": True}, "train.resume: true is not supported yet"),
-    ({"checkpoint_interval": 5}, "train.checkpoint_interval: 5"),
+    ({"resume": True}, "train.resume: true needs train.checkpoint_dir"),
+    ({"resume": "/no/such/ckpt"}, "train.resume: '/no/such/ckpt': no checkpoint there"),
     ({"seq_len": 4096}, "train.seq_len 4096 exceeds builtin:tiny's context of 128"),
     ({"stepz": 3}, "train.stepz: unknown key (did you mean 'steps'?)"),
 ])

@@ -181,19 +181,3 @@ def test_prefetch_follows_trace_and_reuse_distance_bounds_live(tmp_path: Path) -
     assert kept_rep["units_kept_for_backward"] > 0 and rel_rep["units_kept_for_backward"] == 0
     assert kept_gathers < rel_gathers
     assert all(torch.equal(kept_params[k], rel_params[k]) for k in kept_params)
-
-
-def test_checkpoint_of_offloaded_state_is_refused_by_name(tmp_path: Path) -> None:
-    """Checkpoints cannot read state held by the tier manager yet: a clear error, no files."""
-    (tmp_path / "swap").mkdir()
-    cfg = offload_config(make_config(), "nvme", tmp_path / "swap")
-    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
-    try:
-        for what, call in (("save_checkpoint", lambda: eng.save_checkpoint(tmp_path / "ck")),
-                           ("load_checkpoint", lambda: eng.load_checkpoint(tmp_path / "ck"))):
-            with pytest.raises(engine.CheckpointError,
-                               match=rf"{what}: .*offload.optimizer.device='nvme'.*\(issue 7\)"):
-                call()
-        assert not (tmp_path / "ck").exists()
-    finally:
-        eng.close()

@@ -3,6 +3,7 @@
 from engine.config.errors import ConfigError
 from engine.config.load import load_config
 from engine.config.schema import (
+    ActivationsConfig,
     BatchConfig,
     BudgetsConfig,
     Config,
@@ -20,6 +21,7 @@ from engine.config.schema import (
 from engine.config.train import TrainConfig
 
 __all__ = [
+    "ActivationsConfig",
     "BatchConfig",
     "BudgetsConfig",
     "Config",

@@ -58,7 +58,7 @@ def _check_fields(node: Any, prefix: str) -> None:
             continue
         if f.metadata.get("internal"):
             continue
-        if f.metadata.get("path"):
+        if f.metadata.get("path") and not isinstance(value, bool):  # bool: `resume: true`
             # Already expanded by the parser; expanding twice could mangle a literal '$'.
             if value is not None and not (isinstance(value, str) and value):
                 raise ConfigError(key, f"{value!r} is not allowed; allowed: null or a path")

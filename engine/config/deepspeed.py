@@ -32,6 +32,7 @@ MARKERS = frozenset({
     "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps", "fp16", "bf16", "bfloat16", "aio", "amp",
     "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+    "activation_checkpointing",
 })
 
 # DeepSpeed keys accepted and reported, with why tierzero does not act on them.
@@ -39,7 +40,6 @@ IGNORED_TOP = {
     "tensorboard": "monitoring backend", "wandb": "monitoring backend",
     "csv_monitor": "monitoring backend", "comet": "monitoring backend",
     "flops_profiler": "profiler", "comms_logger": "profiler",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
     "memory_breakdown": "see engine.memory_report()", "dump_state": "debug output",
     "prescale_gradients": "gradients are averaged once in fp32",
     "gradient_predivide_factor": "gradients are averaged once in fp32",
@@ -133,9 +133,10 @@ def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) ->
     handled = {"fp16", "bf16", "bfloat16", "train_micro_batch_size_per_gpu",
                "gradient_accumulation_steps", "train_batch_size", "gradient_clipping",
                "steps_per_print", "wall_clock_breakdown", "zero_optimization", "aio",
-               "optimizer", "scheduler", "amp"}
+               "optimizer", "scheduler", "amp", "activation_checkpointing"}
     _zero(section(data, "zero_optimization"), itemsize, out)
     _aio(section(data, "aio"), out)
+    _activations(section(data, "activation_checkpointing"), out)
     ds_optim.map_optimizer(data.get("optimizer"), out)
     ds_optim.map_scheduler(data.get("scheduler"), out)
     amp = section(data, "amp")
@@ -212,6 +213,17 @@ def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
     if "overlap_comm" not in canon:  # DeepSpeed: on for stage 3 only
         out.set("zero.overlap_comm", stage == 3, "zero_optimization.overlap_comm")
     ds_offload.map_offload(canon, stage, itemsize, out)
+
+
+def _activations(ac: Mapping[str, Any], out: Mapped) -> None:
+    """cpu_checkpointing maps to activations.cpu_offload; what to recompute is the model's
+    choice (torch.utils.checkpoint), so the other keys are reported, not acted on."""
+    for key in ac:
+        if key == "cpu_checkpointing":
+            out.set("activations.cpu_offload", ac[key], "activation_checkpointing." + key)
+        else:
+            out.ignore(f"activation_checkpointing.{key}",
+                       "use torch.utils.checkpoint in the model")
 
 
 def _aio(aio: Mapping[str, Any], out: Mapped) -> None:

@@ -312,10 +312,26 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
+class ActivationsConfig:
+    """Activations saved for backward (the model chooses what to recompute)."""
+
+    cpu_offload: bool = field(
+        default=False,
+        metadata=meta("keep tensors saved for backward (checkpointed blocks' inputs included) "
+                      "in pinned host memory until backward; CUDA only, a no-op on CPU"),
+    )
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """What the engine logs."""
 
     level: LogLevel = field(default="info", metadata=meta("log level of tierzero's loggers"))
+    progress: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=meta("progress bars for Init onto NVMe and checkpoint save/load (rank 0); auto "
+                      "= when stderr is a terminal; env TIERZERO_PROGRESS=0/1 overrides"),
+    )
     steps_per_print: int = field(
         default=10, metadata=meta("log loss, lr and throughput every this many steps", gt=0)
     )
@@ -350,6 +366,10 @@ class Config:
     batch: BatchConfig = field(default_factory=BatchConfig, metadata=meta("batch sizes"))
     gradient_clipping: float = field(
         default=0.0, metadata=meta("clip the global gradient norm to this; 0 = off", ge=0)
+    )
+    activations: ActivationsConfig = field(
+        default_factory=ActivationsConfig,
+        metadata=meta("where saved activations wait for backward"),
     )
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=meta("logging"))
     train: TrainConfig = field(

@@ -38,8 +38,14 @@ class TrainConfig:
     checkpoint_dir: str | None = field(
         default=None, metadata=meta("where checkpoints go; null = <run dir>/checkpoints", path=True)
     )
-    resume: bool = field(
-        default=False, metadata=meta("continue from the latest checkpoint in checkpoint_dir")
+    resume: bool | str = field(
+        default=False,
+        metadata=meta(
+            "continue a run (step count, lr schedule, data position): true = from the latest "
+            "checkpoint in checkpoint_dir; a path = from that checkpoint directory's latest, "
+            "or from one checkpoint (a directory holding manifest.json)",
+            path=True,
+        ),
     )
     out_dir: str = field(
         default="runs",

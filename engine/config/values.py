@@ -56,6 +56,8 @@ def describe(hint: Any, meta: Mapping[str, Any], *, short: bool = False) -> str:
         text = "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
     elif inner is bool:
         text = "true or false"
+    elif inner == bool | str:
+        text = "true, false or a path"
     elif inner is int:
         text = "an integer"
     elif inner is float:
@@ -154,6 +156,15 @@ def coerce(raw: Any, hint: Any, meta: Mapping[str, Any], key: str) -> Any:
             value = raw.strip().lower() == "true"
         elif isinstance(raw, bool):
             value = raw
+        else:
+            raise _bad(key, raw, hint, meta)
+    elif inner == bool | str:  # a switch that may name its target instead of `true`
+        if isinstance(raw, bool):
+            value = raw
+        elif isinstance(raw, str) and raw.strip().lower() in ("true", "false"):
+            value = raw.strip().lower() == "true"
+        elif isinstance(raw, str) and raw.strip():
+            value = expand_path(raw, key) if meta.get("path") else raw
         else:
             raise _bad(key, raw, hint, meta)
     elif inner is int:

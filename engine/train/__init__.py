@@ -1,7 +1,8 @@
 """The main job, `tierzero train`: data, model source, step loop, metrics, timeline, plot."""
 
+from engine.train.checkpoints import TrainError
 from engine.train.data import ByteBatches, DataError, load_bytes
-from engine.train.loop import TrainError, TrainOptions, TrainResult, run
+from engine.train.loop import TrainOptions, TrainResult, run
 from engine.train.metrics import StepRecord
 from engine.train.model_source import ModelError, build_model
 from engine.train.timeline import KINDS, Timeline

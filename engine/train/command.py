@@ -9,8 +9,9 @@ from typing import Any
 
 import engine
 from engine.config import ConfigError, load_config
+from engine.train.checkpoints import TrainError
 from engine.train.data import DataError
-from engine.train.loop import TrainError, TrainOptions, run, with_steps
+from engine.train.loop import TrainOptions, run, with_steps
 from engine.train.model_source import ModelError
 from engine.train.plot import PlotError
 

@@ -71,10 +71,20 @@ class ByteBatches:
         self.source = source
         # Each rank draws different windows; the same seed and rank repeat a run exactly.
         self._gen = torch.Generator().manual_seed(seed * 1000003 + rank)
+        self.drawn = 0  # batches returned so far: the data position a checkpoint records
+
+    def _starts(self) -> torch.Tensor:
+        hi = self.tokens.numel() - self.seq_len - 1
+        self.drawn += 1
+        return torch.randint(0, hi + 1, (self.batch_size,), generator=self._gen)  # (B,)
+
+    def skip(self, n: int) -> None:
+        """Move past `n` batches without building them (resuming at a saved position)."""
+        for _ in range(n):
+            self._starts()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        hi = self.tokens.numel() - self.seq_len - 1
-        starts = torch.randint(0, hi + 1, (self.batch_size,), generator=self._gen)
+        starts = self._starts()
         idx = starts[:, None] + torch.arange(self.seq_len + 1)  # (B, T + 1)
         window = self.tokens[idx]
         return window[:, :-1], window[:, 1:]  # inputs (B, T), next-byte labels (B, T)

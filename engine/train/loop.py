@@ -25,16 +25,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import engine
 from engine.config import Config
 from engine.config.native import as_dict
+from engine.train import checkpoints
+from engine.train.checkpoints import TrainError
 from engine.train.data import ByteBatches, load_bytes
 from engine.train.metrics import DiskCounter, MetricsWriter, StepRecord, log_line, tier_bytes
 from engine.train.model_source import build_model, pretrained_dir
 from engine.train.timeline import Timeline, UnitProbes
 
 log = logging.getLogger(__name__)
-
-
-class TrainError(ValueError):
-    """A train setting that cannot be honoured; the message names it and the way out."""
 
 
 @dataclass(frozen=True)
@@ -59,14 +57,7 @@ class TrainResult:
 def check_settings(config: Config, options: TrainOptions) -> None:
     """Refuse what cannot be done, before any work starts."""
     tc = config.train
-    if tc.resume:
-        raise TrainError("train.resume: true is not supported yet: tierzero train does not save "
-                         "or load checkpoints (eng.save_checkpoint cannot yet save optimizer "
-                         "state that lives on cpu/nvme, issue 7); set train.resume: false")
-    if tc.checkpoint_interval:
-        raise TrainError(f"train.checkpoint_interval: {tc.checkpoint_interval} asks for "
-                         "checkpoints, which tierzero train does not write yet (optimizer state "
-                         "on cpu/nvme cannot be checkpointed, issue 7); set it to 0")
+    checkpoints.check_checkpoint_settings(tc)
     first, count = options.trace_steps
     if options.trace_path and (first < 1 or count < 1 or first > tc.steps):
         raise TrainError(f"--trace-steps {first},{count}: needs FIRST >= 1, COUNT >= 1 and FIRST "
@@ -131,17 +122,26 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     model = build_model(tc.model, tc.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     eng, _, _, _ = engine.initialize(model=model, config=config)
-    weights = pretrained_dir(tc.model)
-    if weights is not None:
-        loaded = engine.load_pretrained(eng, weights)
-        log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
-                 weights, loaded.tensors, loaded.bytes_read)
+    try:
+        resume_from = checkpoints.resume_source(tc)
+        start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
+        if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
+            checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
+        weights = pretrained_dir(tc.model) if resume_from is None else None
+        if weights is not None:
+            loaded = engine.load_pretrained(eng, weights)
+            log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
+                     weights, loaded.tensors, loaded.bytes_read)
+    except BaseException:
+        eng.close()
+        raise
     log.info("model %s: %.1fM parameters, %d units, built and partitioned in %.1f s",
              tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
 
     rank0 = rank == 0
     run_dir = _run_dir(config, rank0)
     metrics_path = tc.metrics_path or os.path.join(run_dir, "metrics.jsonl")
+    ckpt_dir = checkpoints.checkpoint_dir(tc, run_dir)
     result = TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
                          plot_path=options.plot_path)
     timeline = Timeline()
@@ -151,10 +151,10 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     try:
         if writer:
             writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),
-                                     world=world, source=source))
+                                     world=world, source=source, start_step=start))
         with logging_redirect_tqdm():
-            bar = tqdm(range(1, tc.steps + 1), desc="train", unit="step",
-                       disable=not (rank0 and options.progress))
+            bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
+                       initial=start, total=tc.steps, disable=not (rank0 and options.progress))
             for step in bar:
                 first, count = options.trace_steps
                 timeline.recording = bool(options.trace_path) and first <= step < first + count
@@ -166,6 +166,8 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                     writer.write(record.as_json())
                 if rank0 and (step % config.logging.steps_per_print == 0 or step == tc.steps):
                     log.info("%s", log_line(record, tc.steps))
+                if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
+                    checkpoints.save(eng, ckpt_dir, step, batches)
             bar.close()
         if writer:
             writer.write(_summary(result.records))
@@ -219,12 +221,13 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, 
 
 
 def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
-                source: str) -> dict[str, Any]:
+                source: str, start_step: int = 0) -> dict[str, Any]:
     tree = as_dict(config)
     for key in ("source", "ignored_keys", "ignored_reasons"):
         tree.pop(key, None)
     return {"event": "run", "started": datetime.now(timezone.utc).isoformat(),
             "model": model, "parameters": n_params, "units": units, "world_size": world,
+            "start_step": start_step,
             "dataset": source, "config": tree,
             "machine": {"cpu": platform.processor() or platform.machine(),
                         "cores": os.cpu_count(), "torch": torch.__version__,

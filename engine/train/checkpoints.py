@@ -1,0 +1,119 @@
+"""Checkpoints of `tierzero train`: where they go, what a resume continues from.
+
+The engine's checkpoint holds the model, optimizer, schedule, loss scaler and
+RNG states; the job adds its own position as `client_state`:
+
+    {"train": {"step": <steps done>, "batches_drawn": <ByteBatches.drawn>}}
+
+so a resumed run continues the step count, the lr schedule and the data
+stream exactly where the saved one stopped (every rank draws its own batches
+from a seeded generator; they all drew the same number). Checkpoints are
+tagged `step<N>` by the job's step count (engine.global_steps lags it when
+fp16 skips steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import engine
+from engine.checkpoint_layout import LATEST, MANIFEST
+from engine.config.train import TrainConfig
+from engine.train.data import ByteBatches
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(ValueError):
+    """A train setting that cannot be honoured; the message names it and the way out."""
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """A checkpoint to continue from: its directory and tag (None: the one `latest` names)."""
+
+    directory: str
+    tag: str | None
+
+
+def resume_source(tc: TrainConfig) -> ResumeFrom | None:
+    """Where train.resume points, checked to hold a complete checkpoint (before any work)."""
+    if tc.resume is False:
+        return None
+    if tc.resume is True:
+        if tc.checkpoint_dir is None:
+            raise TrainError("train.resume: true needs train.checkpoint_dir (each run writes "
+                             "into a new run directory, so there is no earlier one to find); "
+                             "set checkpoint_dir to where the run saved, or give resume the "
+                             "checkpoint path")
+        where = Path(tc.checkpoint_dir)
+        what = f"train.resume: true (train.checkpoint_dir '{where}')"
+    else:
+        where = Path(tc.resume)
+        what = f"train.resume: '{where}'"
+    if (where / MANIFEST).is_file():  # one checkpoint: <dir>/<tag>
+        return ResumeFrom(str(where.parent), where.name)
+    if (where / LATEST).is_file():
+        return ResumeFrom(str(where), None)
+    raise TrainError(f"{what}: no checkpoint there (neither {where / LATEST} nor "
+                     f"{where / MANIFEST} exists); point it at a checkpoint directory or one "
+                     "checkpoint, or set train.resume: false to start fresh")
+
+
+def check_checkpoint_settings(tc: TrainConfig) -> None:
+    """Refuse, before any work, a run that would resume from nothing or save over old runs."""
+    source = resume_source(tc)
+    if source is None and tc.checkpoint_interval and tc.checkpoint_dir is not None:
+        latest = Path(tc.checkpoint_dir) / LATEST
+        if latest.is_file():
+            raise TrainError(f"train.checkpoint_dir '{tc.checkpoint_dir}' already holds "
+                             f"checkpoints (latest: {latest.read_text().strip()}); set "
+                             "train.resume: true to continue that run, or pick another "
+                             "directory")
+
+
+def check_no_overwrite(tc: TrainConfig, directory: str, start: int) -> None:
+    """A run resumed from an earlier checkpoint than the directory's newest would save a tag
+    that exists (checkpoints are never overwritten): refuse before the first step."""
+    if not tc.checkpoint_interval:
+        return
+    first = (start // tc.checkpoint_interval + 1) * tc.checkpoint_interval
+    taken = [f"step{s}" for s in range(first, tc.steps + 1, tc.checkpoint_interval)
+             if (Path(directory) / f"step{s}").exists()]
+    if taken:
+        raise TrainError(f"resuming at step {start} would save {taken[0]} into {directory}, "
+                         f"which already holds it (and {len(taken) - 1} more later ones); "
+                         "checkpoints are never overwritten: set train.checkpoint_dir to "
+                         "another directory, or remove those checkpoints")
+
+
+def checkpoint_dir(tc: TrainConfig, run_dir: str) -> str:
+    return tc.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+
+
+def resume(eng: engine.ZeroEngine, batches: ByteBatches, source: ResumeFrom) -> int:
+    """Load the checkpoint into `eng`, move `batches` to its data position; the step
+    count reached."""
+    path, client = eng.load_checkpoint(source.directory, source.tag)
+    position = client.get("train") if isinstance(client, dict) else None
+    if not isinstance(position, dict) or not {"step", "batches_drawn"} <= set(position):
+        raise TrainError(f"{path} was not written by tierzero train (its client_state has no "
+                         "train position); resume from a checkpoint the job saved, or load it "
+                         "with eng.load_checkpoint in your own loop")
+    batches.skip(int(position["batches_drawn"]))
+    step = int(position["step"])
+    log.info("resumed from %s at step %d (%d batches drawn per rank)", path, step,
+             batches.drawn)
+    return step
+
+
+def save(eng: engine.ZeroEngine, directory: str, step: int, batches: ByteBatches) -> None:
+    """Save `step<step>` in the background (offloaded state is streamed before returning;
+    engine/checkpoint.py); every later save and eng.close() waits for it."""
+    eng.save_checkpoint(directory, tag=f"step{step}", background=True,
+                        client_state={"train": {"step": step,
+                                                "batches_drawn": batches.drawn}})
+    log.info("checkpoint step%d -> %s", step, directory)
