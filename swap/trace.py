@@ -110,11 +110,11 @@ class Recorder:
 
     def close(self, cat: str, name: str) -> None:
         """End span (cat, name), from any thread; drawn on the thread that opened it."""
+        end_ns = self.now()
         with self._lock:
             started = self._open.pop((cat, name), None)
         if started is not None:
-            self.complete(cat, name, started[0], self.now(), args=started[1],
-                          ident=started[2])
+            self.complete(cat, name, started[0], end_ns, args=started[1], ident=started[2])
 
     def close_all(self) -> None:
         """End every span still open (a step ended with some begin() unmatched)."""
@@ -187,8 +187,9 @@ def _span(rec: Recorder, cat: str, name: str, args: dict[str, Any]) -> Iterator[
     try:
         yield
     finally:
+        end_ns = rec.now()  # before the check: a span that passes it ended before the stop
         if _STATE.recorder is rec:  # stopped meanwhile: the event is outside the window
-            rec.complete(cat, name, start, rec.now(), args=args)
+            rec.complete(cat, name, start, end_ns, args=args)
 
 
 def begin(cat: str, name: str, **args: Any) -> None:

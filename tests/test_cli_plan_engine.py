@@ -135,3 +135,15 @@ def test_70b_llama_plans_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "68.98B parameters, 81 units" in out
     assert "recommended: offload auto" in out or "recommended: offload nvme" in out
     assert "written/1,000 steps" in out and "n/a" not in out
+
+
+@pytest.mark.cuda
+def test_dry_run_bytes_equal_a_real_cuda_run(tmp_path: Path) -> None:
+    """On a GPU the device tier is CUDA memory and host->device copies are real PCIe
+    transfers: the dry run (meta) still counts the same bytes as the real run."""
+    config = nvme_config(tmp_path, buffer_count=64)
+    with torch.device("meta"):
+        module = TinyLM(SIZES["tiny"])
+    dry = dry_run(module, config, steps=3)
+    real = real_steps(config, steps=3)
+    assert [manager_part(dry, i) for i in range(3)] == real

@@ -150,9 +150,9 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     out.append(_table(rows))
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
     out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
-               "step); peak: the tier manager's. Time per phase: max(NVMe, copies, CPU Adam), "
-               "phases in sequence; compute is not modelled, so real steps are at least this "
-               "long")
+               "step); peak: the tier manager's (without the CPU Adam's pipeline buffers, which "
+               "reserve/pool includes). Time per phase: max(NVMe, copies, CPU Adam), phases in "
+               "sequence; compute is not modelled, so real steps are at least this long")
     return "\n".join(out)
 
 

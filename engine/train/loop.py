@@ -26,7 +26,14 @@ import engine
 from engine.config import Config
 from engine.config.native import as_dict
 from engine.train.data import ByteBatches, load_bytes
-from engine.train.metrics import DiskCounter, MetricsWriter, StepRecord, log_line, tier_bytes
+from engine.train.metrics import (
+    DiskCounter,
+    MetricsWriter,
+    StepRecord,
+    TierCounter,
+    log_line,
+    tier_bytes,
+)
 from engine.train.model_source import build_model, pretrained_dir
 from engine.train.timeline import TraceWindow, UnitProbes
 from swap import trace
@@ -150,6 +157,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                          process=f"tierzero train (rank {rank})")
     probes = UnitProbes([(u.label, u.module) for u in eng.units if not u.is_root])
     disk = DiskCounter()
+    moves = TierCounter(eng.memory_report())
     writer = MetricsWriter(metrics_path) if rank0 else None
     try:
         if writer:
@@ -160,8 +168,8 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                        disable=not (rank0 and options.progress))
             for step in bar:
                 window.before(step)
-                record = _one_step(eng, batches, probes, disk=disk, step=step, accum=accum,
-                                   world=world)
+                record = _one_step(eng, batches, probes, disk=disk, moves=moves, step=step,
+                                   accum=accum, world=world)
                 window.after(step)
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
@@ -184,7 +192,8 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
 
 
 def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, *,
-              disk: DiskCounter, step: int, accum: int, world: int) -> StepRecord:
+              disk: DiskCounter, moves: TierCounter, step: int, accum: int,
+              world: int) -> StepRecord:
     start = time.perf_counter()
     wait_before = probes.wait_s
     losses: list[float] = []
@@ -208,7 +217,9 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, 
     step_s = time.perf_counter() - start
     wait_s = probes.wait_s - wait_before
     read, written = disk.delta()
-    now, peak = tier_bytes(eng.memory_report())
+    report = eng.memory_report()
+    now, peak = tier_bytes(report)
+    moved, stall = moves.delta(report)
     total_tokens = n_tokens * world
     return StepRecord(
         step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
@@ -217,7 +228,7 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, 
         optimizer_s=optimizer_s, tier_bytes=now, tier_peak_bytes=peak,
         nvme_read_bytes=read, nvme_written_bytes=written,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
-        rss_bytes=disk.rss())
+        rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall)
 
 
 def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
