@@ -140,7 +140,8 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
             rows.append([p.choice if i == 0 else "", phase, human_bytes(t.nvme_read),
                          human_bytes(t.nvme_written), human_bytes(t.host_to_device),
                          human_bytes(t.device_to_host + t.grads_to_host),
-                         f"{t.adam_params / 1e9:.2f}B",
+                         f"{t.adam_params / 1e9:.2f}B" if t.adam_params >= 1e9
+                         else f"{t.adam_params / 1e6:.1f}M",
                          f"{one:.2f} s" if one is not None else "n/a (run bench)"])
     out.append(_table(rows))
     rows = [["offload", "NVMe written/step", "written/1,000 steps", "predicted step"]]
