@@ -45,7 +45,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Recorder", "active", "begin", "end", "instant", "recording", "span"]
+__all__ = ["INSTANT_KINDS", "KINDS", "SPAN_KINDS", "Recorder", "active", "begin", "end", "instant",
+           "recording", "span"]
 
 SPAN_KINDS = ("step", "forward", "backward", "optimizer", "gather", "release", "compute",
               "reduce", "adam", "nvme_read", "nvme_write", "copy", "stall")
