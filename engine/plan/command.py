@@ -133,7 +133,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     rows = [["offload", "phase", "NVMe read", "NVMe written", "host->device",
              "device->host", "CPU Adam params", "time"]]
     for p in plans:
-        if not p.fits:
+        if not p.fits or p.traffic_error:
             continue
         for i, (phase, t) in enumerate([*p.phases.items(), ("step", p.traffic)]):
             one = step_time({phase: t}, machine) if phase != "step" else p.step_s
@@ -150,6 +150,9 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
              for p in plans if p.fits]
     out.append(_table(rows))
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
+    out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
+            f"({p.traffic_error}); the placement above holds" for p in plans
+            if p.fits and p.traffic_error]
     out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
                "step); peak: the tier manager's (without the CPU Adam's pipeline buffers, which "
                "reserve/pool includes). Time per phase: max(NVMe, copies, CPU Adam), phases in "

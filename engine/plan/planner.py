@@ -70,6 +70,9 @@ class ChoicePlan:
     phases: dict[str, Traffic] = field(default_factory=dict)  # the dry run's last step
     peak: dict[Tier, int] = field(default_factory=dict)  # the tier manager's, dry run
     step_s: float | None = None
+    # why the dry run could not count traffic (the model's forward does not run on meta
+    # tensors, say); the placement above still holds
+    traffic_error: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -161,6 +164,10 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
         run = dry_run(shape.fresh_module(), config, world_size=world_size)
     except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
         out.error = str(exc)
+        return
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        # a model whose forward needs real values (data-dependent control flow, .item())
+        out.traffic_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         return
     out.phases = run.steps[-1]
     out.peak = run.peak
