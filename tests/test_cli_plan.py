@@ -4,7 +4,6 @@ the CLI's table, --write and errors. (The dry run against a real run: test_cli_p
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -12,42 +11,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from cli_helpers import BIG, GB, LLAMAS, MACHINE, llama_config, llama_params, plan_cli
 
 import engine
-from engine.cli import main
 from engine.flat_shard import shard_numel
-from engine.plan import Machine, model_shape, plan_all, recommend
-
-GB = 10**9
-BIG = Machine(device_bytes=80 * GB, host_bytes=2000 * GB, nvme_bytes=8000 * GB, cuda=True,
-              nvme_read_gbps=6.0, nvme_write_gbps=5.0, copy_gbps=25.0, adam_params_per_s=2e9)
-
-
-def llama_params(shape: tuple[int, int, int, int, int, int]) -> int:
-    """Hand count: attention q, o (h x h) and k, v (h x kv_dim), SwiGLU MLP (3 x h x inter),
-    two RMSNorm weights per layer; untied embedding and head; final norm."""
-    hidden, inter, layers, heads, kv, vocab = shape
-    kv_dim = hidden // heads * kv
-    layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
-    return layers * layer + 2 * vocab * hidden + hidden
-
-
-LLAMAS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
-    "7b": (4096, 11008, 32, 32, 32, 32000),
-    "40b": (8192, 22016, 56, 64, 8, 32000),
-    "70b": (8192, 28672, 80, 64, 8, 32000),
-}
-
-
-def llama_config(tmp_path: Path, name: str) -> str:
-    hidden, inter, layers, heads, kv, vocab = LLAMAS[name]
-    path = tmp_path / f"llama-{name}.json"
-    path.write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False}))
-    return str(path)
+from engine.plan import model_shape, plan_all, recommend
 
 
 @pytest.mark.parametrize("name", list(LLAMAS))
@@ -145,17 +113,6 @@ def test_predicted_time_and_recommendation() -> None:
     fwd, bwd, opt = (cpu.phases[k] for k in ("forward", "backward", "optimizer"))
     assert (fwd.host_to_device, bwd.grads_to_host, opt.adam_params) == (2 * n, 2 * GB, n)
     assert cpu.step_s == pytest.approx(2 * n / 25e9 + 2 * GB / 25e9 + n / 2e9)
-
-
-def plan_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(["plan", *args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-MACHINE = ["--device-mem", "80GB", "--host-mem", "512GB", "--nvme-size", "4TB",
-           "--nvme-read-gbps", "6", "--nvme-write-gbps", "5", "--copy-gbps", "25",
-           "--adam-params-per-s", "2e9"]
 
 
 def test_cli_40b_table_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

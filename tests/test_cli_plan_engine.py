@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from cli_helpers import BIG, MACHINE, llama_config, plan_cli
 from engine_dist import run_two_ranks
-from test_cli_plan import BIG, MACHINE, llama_config, plan_cli
 
 import engine
 from engine.models import SIZES, TinyLM
