@@ -9,7 +9,6 @@ offload/residency.py for the states and offload/manager.py for the API.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -33,7 +32,6 @@ from .settings import TIERS, Tier, TierSettings
 from .transfer import Mover, SwapBackend, TierTransfer
 
 log = logging.getLogger(__name__)
-_NULL = contextlib.nullcontext()
 _FINISH = {State.LOADING: Op.LOADED, State.STORING: Op.STORED, State.FILLING: Op.FILLED}
 
 
@@ -131,8 +129,7 @@ class ResidencyCore:
         start = time.perf_counter()
         self._lock.release()
         try:
-            with trace.span("stall", t.direction or "transfer", bytes=t.nbytes) if stall else _NULL:
-                t.wait()
+            t.wait()  # records its "stall" trace span itself when it blocks
         finally:
             self._lock.acquire()
             if stall:
