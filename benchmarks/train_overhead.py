@@ -1,10 +1,13 @@
 """What `tierzero train`'s instrumentation costs per step, against the bare engine loop.
 
-Three loops over the same built-in model (bf16, world size 1), the same batch
+Four loops over the same built-in model (bf16, world size 1), the same batch
 shape and the same config, each built once:
-  train   the CLI's step (engine.train.loop._one_step): unit probes (4 forward
-          hooks per block), per-step memory_report, disk counters, a JSONL line
-          and the formatted log line;
+  train   the CLI's step (engine.train.loop._one_step): unit probes (2 forward
+          hooks per block), per-step memory_report, disk and tier counters, a
+          JSONL line and the formatted log line; tracing off (every swap.trace
+          call site is one attribute check);
+  traced  the same with a swap.trace recorder on (what --trace costs on the
+          steps it records; a fresh recorder per round);
   engine  the bare engine loop: forward, cross-entropy, backward, step;
   plain   plain PyTorch: autocast(bf16) forward, fp32 params, torch.optim.AdamW.
 Rounds are interleaved in a fresh random order each; each round times `steps`
@@ -38,30 +41,44 @@ import engine
 from engine.models import SIZES, TinyLM
 from engine.train.data import ByteBatches, load_bytes
 from engine.train.loop import _one_step
-from engine.train.metrics import DiskCounter, MetricsWriter, log_line
-from engine.train.timeline import Timeline, UnitProbes
+from engine.train.metrics import DiskCounter, MetricsWriter, TierCounter, log_line
+from engine.train.timeline import UnitProbes
+from swap import trace
 
 
-def build(size: str, batch: int, seq: int) -> dict[str, Callable[[], None]]:
+def build(size: str, batch: int, seq: int, offload: str) -> dict[str, Callable[[], None]]:
     tokens, source = load_bytes(None)
-    cfg = engine.load_config({"precision": "bf16", "batch": {"micro_batch_size": batch},
-                              "optimizer": {"lr": 1e-4}})
+    tree: dict[str, object] = {"precision": "bf16", "batch": {"micro_batch_size": batch},
+                               "optimizer": {"lr": 1e-4}}
+    if offload == "nvme":  # every tier moves bytes: the trace records NVMe blocks and copies
+        tree["offload"] = {"device": "nvme", "path": tempfile.mkdtemp(prefix="tz-bench-swap-")}
+    cfg = engine.load_config(tree)
     loops: dict[str, Callable[[], None]] = {}
 
-    torch.manual_seed(0)
-    eng_t, *_ = engine.initialize(model=TinyLM(SIZES[size]), config=cfg)
-    data_t = ByteBatches(tokens, seq, batch, seed=0, rank=0, source=source)
-    probes = UnitProbes([(u.label, u.module) for u in eng_t.units if not u.is_root], Timeline())
-    disk = DiskCounter()
-    writer = MetricsWriter(os.path.join(tempfile.mkdtemp(prefix="tz-bench-"), "m.jsonl"))
-    state = {"step": 0}
+    def cli_step() -> Callable[[], None]:
+        torch.manual_seed(0)
+        eng_t, *_ = engine.initialize(model=TinyLM(SIZES[size]), config=cfg)
+        data_t = ByteBatches(tokens, seq, batch, seed=0, rank=0, source=source)
+        probes = UnitProbes([(u.label, u.module) for u in eng_t.units if not u.is_root])
+        disk, moves = DiskCounter(), TierCounter(eng_t.memory_report())
+        writer = MetricsWriter(os.path.join(tempfile.mkdtemp(prefix="tz-bench-"), "m.jsonl"))
+        state = {"step": 0}
 
-    def train() -> None:
-        state["step"] += 1
-        rec = _one_step(eng_t, data_t, probes, timeline=probes.timeline, disk=disk,
-                        step=state["step"], accum=1, world=1)
-        writer.write(rec.as_json())
-        log_line(rec, 0)
+        def step() -> None:
+            state["step"] += 1
+            rec = _one_step(eng_t, data_t, probes, disk=disk, moves=moves,
+                            step=state["step"], accum=1, world=1)
+            writer.write(rec.as_json())
+            log_line(rec, 0)
+
+        return step
+
+    train = cli_step()
+    traced_step = cli_step()
+
+    def traced() -> None:
+        with trace.recording(trace.Recorder()):
+            traced_step()
 
     torch.manual_seed(0)
     eng_e, *_ = engine.initialize(model=TinyLM(SIZES[size]), config=cfg)
@@ -86,7 +103,7 @@ def build(size: str, batch: int, seq: int) -> dict[str, Callable[[], None]]:
         opt.step()
         opt.zero_grad()
 
-    loops.update(train=train, engine=bare, plain=plain)
+    loops.update(train=train, traced=traced, engine=bare, plain=plain)
     return loops
 
 
@@ -96,13 +113,15 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/train_overhead.json")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=0, help="steps per round (default 10, quick 5)")
+    ap.add_argument("--offload", choices=("none", "nvme"), default="none",
+                    help="where params and optimizer state live (nvme: a temp dir)")
     args = ap.parse_args()
     if args.repeats < 3:
         ap.error("--repeats must be >= 3 (medians of at least 3 rounds)")
     size, steps = ("tiny", args.steps or 5) if args.quick else ("small", args.steps or 10)
     info = describe()
     print("machine:", json.dumps(info))
-    loops = build(size, batch=4, seq=64)
+    loops = build(size, batch=4, seq=64, offload=args.offload)
     for fn in loops.values():
         fn()  # warm-up
     wall: dict[str, list[float]] = {k: [] for k in loops}
@@ -120,13 +139,14 @@ def main() -> None:
     med = {k: {"wall_ms": 1e3 * statistics.median(wall[k]),
                "cpu_ms": 1e3 * statistics.median(cpu[k])} for k in loops}
     print(f"model builtin:{size} ({SIZES[size].num_parameters / 1e6:.1f}M params), bf16, "
-          f"batch 4 x 64, {steps} steps x {args.repeats} rounds")
+          f"batch 4 x 64, offload {args.offload}, {steps} steps x {args.repeats} rounds")
     print("| loop | wall ms/step | process CPU ms/step | wall / engine |")
     print("| --- | ---: | ---: | ---: |")
-    for k in ("train", "engine", "plain"):
+    for k in ("train", "traced", "engine", "plain"):
         ratio = med[k]["wall_ms"] / med["engine"]["wall_ms"]
         print(f"| {k} | {med[k]['wall_ms']:.1f} | {med[k]['cpu_ms']:.1f} | {ratio:.3f} |")
-    result = {"machine": info, "model": f"builtin:{size}", "steps": steps,
+    result = {"machine": info, "model": f"builtin:{size}", "offload": args.offload,
+              "steps": steps,
               "repeats": args.repeats, "median": med, "rounds_wall_s": wall, "rounds_cpu_s": cpu}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

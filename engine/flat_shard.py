@@ -87,7 +87,8 @@ def build_group(
     padded = n_shard * comm.world_size
     lo, hi = comm.rank * n_shard, (comm.rank + 1) * n_shard
     with torch.no_grad():
-        mine = torch.zeros(n_shard, dtype=torch.float32)  # fp32 initial values, host
+        host = "meta" if device.type == "meta" else "cpu"  # meta: a dry run (tierzero plan)
+        mine = torch.zeros(n_shard, dtype=torch.float32, device=host)  # fp32 initial values
         for s in slots:
             # A parameter built under engine.Init is gathered here, one at a time (a
             # collective: every rank visits every slot in the same order).

@@ -13,6 +13,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from swap import trace
+
 if TYPE_CHECKING:
     from engine.schedule import Scheduler, Unit
 
@@ -66,12 +68,14 @@ class HookSet:
 def _pre_forward(scheduler: Scheduler, unit: Unit) -> Any:
     def hook(_module: torch.nn.Module, _args: Any) -> None:
         scheduler.pre_forward(unit)
+        trace.begin("compute", unit.label, phase="forward")
 
     return hook
 
 
 def _post_forward(scheduler: Scheduler, unit: Unit) -> Any:
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        trace.end("compute", unit.label)
         scheduler.post_forward(unit, output_tensors(output))
 
     return hook

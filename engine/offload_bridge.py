@@ -101,7 +101,7 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
                                 device_bytes=ahead)
     return TierSettings(
         homes=homes, budgets=budgets, pool=pool, prefetch=prefetch,
-        device="cuda" if device.type == "cuda" else "cpu",
+        device="cuda" if device.type == "cuda" else "meta" if device.type == "meta" else "cpu",
         device_index=device.index or 0, swap_path=swap_dir(config))
 
 
@@ -129,7 +129,7 @@ class TieredShardStore(ShardStore):
         self._kinds: dict[str, tuple[int, tuple[ShardKind, ...], torch.dtype]] = {}
         self._views: dict[tuple[str, ShardKind], torch.Tensor] = {}  # pinned device views
         self.manager: TierManager | None = None
-        self.swap: swap.SwapStore | None = None
+        self.swap: swap.SwapStore | swap.DrySwap | None = None
 
     @property
     def resident(self) -> bool:
@@ -174,7 +174,9 @@ class TieredShardStore(ShardStore):
         if needs_swap and path is None and any(d == "nvme" for d in self.homes.values()):
             raise ValueError("offload.*.device is 'nvme' but neither offload.optimizer.path "
                              "nor offload.params.path names a swap directory; set one")
-        if needs_swap and path is not None:
+        if needs_swap and self.device.type == "meta":  # a dry run (tierzero plan): count bytes
+            self.swap = swap.DrySwap()
+        elif needs_swap and path is not None:
             self.swap = swap.SwapStore(path, block_size=nvme.block_size,
                                        queue_depth=nvme.queue_depth, threads=nvme.threads,
                                        verify=nvme.verify,

@@ -36,6 +36,7 @@ from offload import (
     adam_update,
     pipelined_step,
 )
+from swap import trace
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                                                          compute=False))
                 shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
                 t = time.perf_counter()
-                adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper,
-                            step=float(self.steps), grad_scale=grad_scale, shadow=shadow,
-                            threads=self._threads)
+                with trace.span("adam", k, numel=master.numel()):
+                    adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper,
+                                step=float(self.steps), grad_scale=grad_scale, shadow=shadow,
+                                threads=self._threads)
                 compute += time.perf_counter() - t
                 if shadow is None:
                     p16.copy_(master)  # rounds to the compute dtype; host->device on CUDA

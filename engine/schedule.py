@@ -37,6 +37,7 @@ from engine.collectives import Comm, PendingReduce
 from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from engine.hooks import register_pre_backward
 from engine.shard_store import ShardKind, ShardStore
+from swap import trace
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +108,20 @@ class Scheduler:
     def ensure_gathered(self, unit: Unit) -> None:
         if unit.gathered and not unit.stale:
             return
-        for g in unit.groups:
-            gather_group(g, self.comm, self.store)
+        with trace.span("gather", unit.label):
+            for g in unit.groups:
+                gather_group(g, self.comm, self.store)
         unit.stale = False
         self.gathers += 1
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes())
 
     def release(self, unit: Unit) -> None:
-        if unit.persistent:
+        if unit.persistent or not any(g.gathered for g in unit.groups):
             return
-        for g in unit.groups:
-            if g.gathered:
-                release_group(g)
+        with trace.span("release", unit.label):
+            for g in unit.groups:
+                if g.gathered:
+                    release_group(g)
 
     # -- forward ---------------------------------------------------------------
     def begin_forward(self, root: Unit) -> None:
@@ -217,13 +220,16 @@ class Scheduler:
 
     def pre_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit)
+        trace.begin("compute", unit.label, phase="backward")  # ends when its grads reduce
 
     def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
         unit.fired.add(id(param))
         if unit.is_root or unit.has_frozen or unit.reduced:
             return  # root and units with frozen params wait for end_backward
         if len(unit.fired) == len(unit.trainable):
-            self._reduce(unit)
+            trace.end("compute", unit.label)
+            with trace.span("reduce", unit.label):
+                self._reduce(unit)
             self.release(unit)
 
     def end_backward(self) -> None:
@@ -231,7 +237,9 @@ class Scheduler:
         try:
             for unit in self.units:
                 if unit.trainable and not unit.reduced:
-                    self._reduce(unit)
+                    trace.end("compute", unit.label)
+                    with trace.span("reduce", unit.label):
+                        self._reduce(unit)
             self.wait_reductions()
             for unit in self.units:
                 self.release(unit)

@@ -111,6 +111,8 @@ def adam_update(
 
     `threads` spreads the work over a pool's workers (one thread when None).
     """
+    if master.is_meta:  # a dry run (tierzero plan): no data, nothing to compute
+        return
     check_flat(master, exp_avg, exp_avg_sq, grad, shadow)
     prepared = prepare_step(hyper, step, grad_scale, backend)
     run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads)

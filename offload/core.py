@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from swap import trace
+
 from . import numa
 from .budget import resolve_budgets
 from .errors import BudgetError, OffloadError, PlanError
@@ -34,6 +36,8 @@ _FINISH = {State.LOADING: Op.LOADED, State.STORING: Op.STORED, State.FILLING: Op
 
 
 def _device_of(settings: TierSettings) -> torch.device:
+    if settings.device == "meta":  # a dry run: every buffer on meta, bytes only counted
+        return torch.device("meta")
     if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise PlanError("settings.device = 'cuda' but torch sees no CUDA device")
@@ -65,7 +69,7 @@ class ResidencyCore:
         node = None
         if settings.pool.numa_local and self.device.type == "cuda" and numa.node_count() > 1:
             node = numa.cuda_device_node(self.device.index or 0)
-        self._alloc = HostAllocator(pin=self.plan.pin, node=node)
+        self._alloc = HostAllocator(pin=self.plan.pin, node=node, meta=self.device.type == "meta")
         self._pool = BufferPool(self.plan.pool_count, self.plan.pool_buffer_bytes, self._alloc)
         self._mover = Mover(self.device, swap)
         self._records = {k: ShardRecord(s, self.plan.homes[k]) for k, s in self.plan.specs.items()}
@@ -125,7 +129,7 @@ class ResidencyCore:
         start = time.perf_counter()
         self._lock.release()
         try:
-            t.wait()
+            t.wait()  # records its "stall" trace span itself when it blocks
         finally:
             self._lock.acquire()
             if stall:
@@ -209,6 +213,7 @@ class ResidencyCore:
         if copy.data is None:
             raise OffloadError(f"internal: storing {rec.spec.key!r} from an empty {tier} copy")
         transition(rec, tier, Op.STORE)
+        trace.instant("writeback", rec.spec.key, to=below, bytes=rec.spec.nbytes)
         if dst.state is State.ABSENT:
             transition(rec, below, Op.PLACE)
             self._acct.add(below, rec.spec.cls, rec.spec.nbytes)
@@ -217,7 +222,8 @@ class ResidencyCore:
         if below == "nvme":
             t = self._mover.write(rec.spec.key, copy.data)
         else:
-            t = self._mover.copy(copy.data, self._need_data(dst), "device_to_host")
+            t = self._mover.copy(copy.data, self._need_data(dst), "device_to_host",
+                                 key=rec.spec.key)
         copy.transfer = dst.transfer = t
         self._acct.moved_bytes(t.direction, t.nbytes)
         self._acct.writebacks += 1
@@ -288,7 +294,8 @@ class ResidencyCore:
             copy.data = self._mover.empty_device(spec.numel, spec.dtype)
             self._acct.add(tier, spec.cls, spec.nbytes)
             after = src.transfer if src.state in (State.LOADING, State.FILLING) else None
-            t = self._mover.copy(self._need_data(src), copy.data, "host_to_device", after=after)
+            t = self._mover.copy(self._need_data(src), copy.data, "host_to_device", after=after,
+                                 key=spec.key)
         copy.transfer = t
         self._acct.moved_bytes(t.direction, t.nbytes)
         self._busy.add(spec.key)
@@ -320,6 +327,7 @@ class ResidencyCore:
                 return True
             victim = self._victim(tier, rec, demand=demand)
             if victim is not None:
+                trace.instant("evict", victim.spec.key, tier=tier, to_fit=rec.spec.key)
                 for t in TIERS[: TIERS.index(tier) + 1]:
                     if victim.copies[t].state is not State.ABSENT:
                         victim.copies[t].drop_when_clean = True
@@ -406,5 +414,6 @@ class ResidencyCore:
                 continue
             if self._bring(rec, tier, demand=False):
                 self._acct.prefetches += 1
+                trace.instant("prefetch", key, tier=tier)
             else:
                 stopped.add(tier)

@@ -42,6 +42,8 @@ from types import TracebackType
 
 import torch
 
+from swap import trace
+
 from .core import ResidencyCore
 from .errors import OffloadError
 from .report import MemoryReport
@@ -176,6 +178,7 @@ class TierManager(ResidencyCore):
                 if rec.copies[t].state is not State.ABSENT:
                     rec.copies[t].drop_when_clean = True
                     self._acct.evictions += 1
+                    trace.instant("evict", key, tier=t)
             self._advance(rec)
 
     def pin(self, key: str, tier: Tier = "device") -> TierTransfer:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swap import trace
+
 from .adam_kernel import Backend, adam_update
 from .adam_math import AdamHyper
 from .adam_threads import AdamThreads
@@ -102,9 +104,10 @@ def pipelined_step(
             bufs = current.wait()
             fetch_wait += time.perf_counter() - t
             t = time.perf_counter()
-            adam_update(bufs.master, bufs.exp_avg, bufs.exp_avg_sq, bufs.grad,
-                        hyper=hypers[index], step=step, grad_scale=grad_scale,
-                        shadow=bufs.param16, threads=threads, backend=backend)
+            with trace.span("adam", f"shard {index}", numel=layout.numels[index]):
+                adam_update(bufs.master, bufs.exp_avg, bufs.exp_avg_sq, bufs.grad,
+                            hyper=hypers[index], step=step, grad_scale=grad_scale,
+                            shadow=bufs.param16, threads=threads, backend=backend)
             compute += time.perf_counter() - t
             stores.append((full, store.store(index, bufs)))
             # Reclaim finished stores without blocking, so fetches rarely wait for a buffer.

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class HostAllocator:
     """Allocates aligned host tensors, pinned within the memlock limit, NUMA-local."""
 
-    def __init__(self, *, pin: bool, node: int | None) -> None:
+    def __init__(self, *, pin: bool, node: int | None, meta: bool = False) -> None:
         self.pin = pin
+        self.meta = meta  # a dry run (plan): tensors on the meta device, nothing allocated
         self.node = node  # NUMA node of the GPU, None when unknown or one node
         self.limit = memlock_limit()  # None: unlimited
         self.pinned_bytes = 0
@@ -39,6 +40,8 @@ class HostAllocator:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A 1D uint8 tensor of ``nbytes``, page-aligned."""
+        if self.meta:
+            return torch.empty(nbytes, dtype=torch.uint8, device="meta")
         pin = self.pin
         if pin and self.limit is not None and self.pinned_bytes + nbytes > self.limit:
             if not self._warned:

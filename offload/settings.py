@@ -15,7 +15,7 @@ from typing import Literal, get_args
 TensorClass = Literal["param16", "grad", "master", "exp_avg", "exp_avg_sq"]
 Tier = Literal["device", "host", "nvme"]
 OffloadDevice = Literal["none", "cpu", "nvme", "auto"]
-DeviceKind = Literal["auto", "cuda", "cpu"]
+DeviceKind = Literal["auto", "cuda", "cpu", "meta"]  # meta: a dry run (plan)
 
 TENSOR_CLASSES: tuple[TensorClass, ...] = get_args(TensorClass)
 TIERS: tuple[Tier, ...] = get_args(Tier)  # fastest first

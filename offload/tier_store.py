@@ -22,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from swap import trace
+
 from .manager import TierManager
 from .settings import Tier
 from .shard_store import STATE_NAMES, ShardBuffers, ShardLayout, Transfer
@@ -68,8 +70,10 @@ class TierShardStore:
 
         def run() -> None:
             try:
-                for name, _key, t in pending:
-                    getattr(into, name)[:numel].copy_(t.wait())
+                for name, key, t in pending:
+                    view = t.wait()
+                    with trace.span("copy", key, direction="state_in", bytes=view.nbytes):
+                        getattr(into, name)[:numel].copy_(view)
             finally:
                 for _name, key, _t in pending:
                     self._mgr.release(key)
@@ -90,7 +94,8 @@ class TierShardStore:
                 key, tier = keys[name], self._tier(keys[name])
                 view = self._mgr.fetch(key, tier, writable=True).wait()
                 try:
-                    view.copy_(getattr(source, name)[:numel])
+                    with trace.span("copy", key, direction="state_out", bytes=view.nbytes):
+                        view.copy_(getattr(source, name)[:numel])
                 finally:
                     self._mgr.release(key, tier)
                 if self._mgr.home_of(key) == "nvme":

@@ -23,6 +23,7 @@ block is not reused after eviction until that stream's work on it is done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,9 +32,12 @@ from typing import Literal, Protocol
 
 import torch
 
+from swap import trace
+
 from .errors import TransferError
 
 log = logging.getLogger(__name__)
+_NULL = contextlib.nullcontext()
 
 Direction = Literal["nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host"]
 DIRECTIONS: tuple[Direction, ...] = (
@@ -107,7 +111,9 @@ class TierTransfer:
         """Block until the bytes have landed; return the destination buffer."""
         start = time.perf_counter() if not self._done() else None
         try:
-            self._wait()
+            with trace.span("stall", self.direction or "transfer", bytes=self.nbytes) if (
+                    start is not None) else _NULL:
+                self._wait()
         except Exception as exc:
             raise TransferError(
                 f"{self.direction or 'transfer'} of {self.nbytes} bytes failed: {exc}"
@@ -144,8 +150,10 @@ class Mover:
         dst: torch.Tensor,
         direction: Literal["host_to_device", "device_to_host"],
         after: TierTransfer | None = None,
+        key: str = "",
     ) -> TierTransfer:
-        """Copy ``src`` into ``dst`` (same numel and dtype) after ``after`` completes."""
+        """Copy ``src`` into ``dst`` (same numel and dtype) after ``after`` completes;
+        ``key`` names the shard in the trace."""
         stream = self._streams.get(direction)
         ready: torch.cuda.Event | None = None
         if stream is not None and src.device.type == "cuda":
@@ -156,9 +164,15 @@ class Mover:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(torch.cuda.current_stream(self.device))
 
+        nbytes = dst.numel() * dst.element_size()
+
         def run() -> object:
             if after is not None:
                 after.wait()
+            with trace.span("copy", key or direction, direction=direction, bytes=nbytes):
+                return move()
+
+        def move() -> object:
             if stream is None:
                 dst.copy_(src)
                 return None
@@ -172,7 +186,6 @@ class Mover:
             return None
 
         pool = self._h2d_pool if direction == "host_to_device" else self._d2h_pool
-        nbytes = dst.numel() * dst.element_size()
         return TierTransfer.of_future(dst, nbytes, direction, pool.submit(run))
 
     def empty_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

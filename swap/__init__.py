@@ -13,9 +13,13 @@ Knows files, offsets, bytes and futures; nothing of tensors' meaning.
 Every I/O failure is a `SwapError` naming the file and the key; bad arguments
 raise ValueError/TypeError before any work. Files: see [Note: swap file
 layout] in swap/header.py and the scratch-file rules in swap/scratch.py.
+`DrySwap` counts bytes instead of moving them (plans); `trace` is the tracing
+seam every package records through ([Note: trace event kinds] in swap/trace.py).
 """
 
+from swap import trace
 from swap.aligned import ALIGN, aligned_empty, is_aligned
+from swap.dry import DrySwap
 from swap.errors import SwapError
 from swap.fileio import FileIO
 from swap.future import SwapFuture
@@ -25,6 +29,7 @@ from swap.store import SwapStore
 __all__ = [
     "ALIGN",
     "DirectionStats",
+    "DrySwap",
     "FileIO",
     "SwapError",
     "SwapFuture",
@@ -32,4 +37,5 @@ __all__ = [
     "SwapStore",
     "aligned_empty",
     "is_aligned",
+    "trace",
 ]

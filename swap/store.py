@@ -24,6 +24,7 @@ from types import TracebackType
 
 import torch
 
+from swap import trace
 from swap.aligned import ALIGN, aligned_empty
 from swap.allocator import round_up
 from swap.blockio import BlockIO, WorkerBuffers
@@ -390,7 +391,8 @@ class SwapStore:
                 if picked is None:
                     return
                 req, index = picked
-            error, bounced = self._io.run_block(req, index, wb)
+            with trace.span(f"nvme_{req.op}", req.key, bytes=req.block(index)[1]):
+                error, bounced = self._io.run_block(req, index, wb)
             done: list[Request] = []
             with self._lock:
                 self._traffic[req.op].bounced += bounced

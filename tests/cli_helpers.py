@@ -6,7 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+
+from engine.cli import main
+from engine.plan import Machine
 
 
 def write_config(tmp_path: Path, **train: Any) -> Path:
@@ -28,3 +32,48 @@ def write_config(tmp_path: Path, **train: Any) -> Path:
 def read_metrics(tmp_path: Path) -> list[dict[str, Any]]:
     (path,) = (tmp_path / "runs").glob("*/metrics.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- tierzero plan ------------------------------------------------------------------
+
+GB = 10**9
+BIG = Machine(device_bytes=80 * GB, host_bytes=2000 * GB, nvme_bytes=8000 * GB, cuda=True,
+              nvme_read_gbps=6.0, nvme_write_gbps=5.0, copy_gbps=25.0, adam_params_per_s=2e9)
+
+
+def llama_params(shape: tuple[int, int, int, int, int, int]) -> int:
+    """Hand count: attention q, o (h x h) and k, v (h x kv_dim), SwiGLU MLP (3 x h x inter),
+    two RMSNorm weights per layer; untied embedding and head; final norm."""
+    hidden, inter, layers, heads, kv, vocab = shape
+    kv_dim = hidden // heads * kv
+    layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
+    return layers * layer + 2 * vocab * hidden + hidden
+
+
+LLAMAS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
+    "7b": (4096, 11008, 32, 32, 32, 32000),
+    "40b": (8192, 22016, 56, 64, 8, 32000),
+    "70b": (8192, 28672, 80, 64, 8, 32000),
+}
+
+
+def llama_config(tmp_path: Path, name: str) -> str:
+    hidden, inter, layers, heads, kv, vocab = LLAMAS[name]
+    path = tmp_path / f"llama-{name}.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False}))
+    return str(path)
+
+
+def plan_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+MACHINE = ["--device-mem", "80GB", "--host-mem", "512GB", "--nvme-size", "4TB",
+           "--nvme-read-gbps", "6", "--nvme-write-gbps", "5", "--copy-gbps", "25",
+           "--adam-params-per-s", "2e9"]

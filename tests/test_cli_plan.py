@@ -1,9 +1,9 @@
 """`tierzero plan`: Llama-shaped 7B / 40B / 70B and a parameter count, bytes per tier checked
-against hand arithmetic; what fits; the CLI's table, --write and errors."""
+against hand arithmetic; traffic counted by the engine's dry run, checked by hand; what fits;
+the CLI's table, --write and errors. (The dry run against a real run: test_cli_plan_engine.)"""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -11,41 +11,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from cli_helpers import BIG, GB, LLAMAS, MACHINE, llama_config, llama_params, plan_cli
 
 import engine
-from engine.cli import main
-from engine.plan import Machine, model_shape, plan_all, recommend
-
-GB = 10**9
-BIG = Machine(device_bytes=80 * GB, host_bytes=2000 * GB, nvme_bytes=8000 * GB, cuda=True,
-              nvme_read_gbps=6.0, nvme_write_gbps=5.0, copy_gbps=25.0, adam_params_per_s=2e9)
-
-
-def llama_params(shape: tuple[int, int, int, int, int, int]) -> int:
-    """Hand count: attention q, o (h x h) and k, v (h x kv_dim), SwiGLU MLP (3 x h x inter),
-    two RMSNorm weights per layer; untied embedding and head; final norm."""
-    hidden, inter, layers, heads, kv, vocab = shape
-    kv_dim = hidden // heads * kv
-    layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * inter + 2 * hidden
-    return layers * layer + 2 * vocab * hidden + hidden
-
-
-LLAMAS = {  # name: (hidden, intermediate, layers, heads, kv heads, vocab)
-    "7b": (4096, 11008, 32, 32, 32, 32000),
-    "40b": (8192, 22016, 56, 64, 8, 32000),
-    "70b": (8192, 28672, 80, 64, 8, 32000),
-}
-
-
-def llama_config(tmp_path: Path, name: str) -> str:
-    hidden, inter, layers, heads, kv, vocab = LLAMAS[name]
-    path = tmp_path / f"llama-{name}.json"
-    path.write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False}))
-    return str(path)
+from engine.flat_shard import shard_numel
+from engine.plan import model_shape, plan_all, recommend
 
 
 @pytest.mark.parametrize("name", list(LLAMAS))
@@ -56,7 +26,8 @@ def test_llama_bytes_per_tier(name: str, tmp_path: Path) -> None:
     assert shape.parameters == params
     assert params == {"7b": 6_738_415_616, "70b": 68_976_648_192}.get(name, params)  # published
     assert len(shape.units) == LLAMAS[name][2] + 1  # one unit per decoder layer + the root
-    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16")}
+    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16",
+                                           traffic=False)}
     cpu = plans["cpu"]
     assert cpu.fits
     # Offload cpu: every class homed on the host; bf16 param16 = 2 bytes, the rest fp32.
@@ -66,29 +37,63 @@ def test_llama_bytes_per_tier(name: str, tmp_path: Path) -> None:
     assert sum(cpu.by_tier["device"].values()) == sum(cpu.by_tier["nvme"].values()) == 0
     # The device keeps room for one unit's gradient in flight: the largest unit's fp32 grad.
     assert cpu.overhead["device"] == 4 * max(n for _, n in shape.units)
-    # Per step: param16 copied in twice (forward, backward), the gradient out once.
-    assert cpu.copied == 2 * 2 * params + 4 * params
+    # Offload nvme, as the engine homes it: parameters and optimizer state on NVMe, the
+    # fp32 gradient accumulator in host memory (written every micro-step).
     nvme = plans["nvme"]
-    assert nvme.fits and sum(nvme.by_tier["nvme"].values()) == 18 * params
-    # NVMe: param16 read twice, written once; grad, master, moments read and written once.
-    assert nvme.nvme_read == 2 * 2 * params + 4 * 4 * params
-    assert nvme.nvme_written == 2 * params + 4 * 4 * params
+    assert nvme.fits and nvme.by_tier["nvme"] == {"param16": 2 * params, "grad": 0,
+                                                  "master": 4 * params, "exp_avg": 4 * params,
+                                                  "exp_avg_sq": 4 * params}
+    assert nvme.by_tier["host"]["grad"] == 4 * params
     assert plans["none"].fits == (18 * params <= 80 * GB)
+
+
+def test_llama_7b_traffic_counted_by_the_engine(tmp_path: Path) -> None:
+    """The dry run's steady-state step, checked against what the engine's schedule does."""
+    pytest.importorskip("transformers")
+    shape = model_shape(llama_config(tmp_path, "7b"))
+    p = llama_params(LLAMAS["7b"])
+    plans = {x.choice: x for x in plan_all(shape, BIG, world_size=1, precision="bf16",
+                                           nvme_path=str(tmp_path))}
+    cpu = plans["cpu"].traffic
+    # 80 GB of device memory holds every param16 cache from forward through backward:
+    # one host->device copy per step (the optimizer rewrites param16 on the host, which
+    # drops the device copy); each bf16 gradient goes to its host shard once.
+    assert (cpu.host_to_device, cpu.device_to_host, cpu.grads_to_host) == (2 * p, 0, 2 * p)
+    assert (cpu.nvme_read, cpu.nvme_written) == (0, 0) and cpu.adam_params == p
+    assert plans["cpu"].peak["device"] == 2 * p  # those caches, at once
+    nvme = plans["nvme"].traffic
+    # Every NVMe-homed byte is rewritten once per step: param16 (2) + master, moments (12).
+    assert nvme.nvme_written == 14 * p
+    # Each is read at least once: the states by the CPU Adam, param16 for the forward.
+    assert nvme.nvme_read >= 14 * p and nvme.adam_params == p
+    assert plans["nvme"].phases["optimizer"].nvme_written == 14 * p  # all by the optimizer
+    assert plans["nvme"].phases["forward"].nvme_read >= 2 * p - 2 * max(
+        n for _, n in shape.units)  # the first units may already be prefetched
+    assert not plans["none"].fits and plans["none"].step_s is None  # 126 GB > 80 GB
 
 
 def test_parameter_count_world_size_two() -> None:
     shape = model_shape("7e9", layers=32)
     assert shape.parameters == 7 * GB and len(shape.units) == 32
-    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="bf16")}
-    per_unit = math.ceil(7 * GB / 32 / 2)  # each rank owns ceil(unit / world) elements
+    plans = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="bf16",
+                                           traffic=False)}
+    # each rank owns ceil(unit / world) elements, padded to the engine's 128-element grain
+    per_unit = math.ceil(7 * GB / 32 / 2 / 128) * 128
+    assert per_unit == shard_numel(7 * GB // 32, 2) == 109_375_104
     assert plans["cpu"].by_tier["host"]["master"] == 32 * per_unit * 4
     assert plans["cpu"].by_tier["host"]["param16"] == 32 * per_unit * 2
     # Offload none: 18 bytes per element on the device, 3.5B elements per rank = 63 GB < 80 GB.
     assert plans["none"].fits and plans["none"].total("device") == 18 * 32 * per_unit
-    one_rank = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16")}
-    assert "tier device is short by 46000000000 bytes" in (one_rank["none"].error or "")
-    fp32 = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="fp32")}
-    assert fp32["cpu"].by_tier["host"]["param16"] == 0  # fp32: the master is the parameter
+    one_rank = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16",
+                                              traffic=False)}
+    # 18 bytes per element of 32 padded shards, against 80 GB
+    short = 18 * 32 * shard_numel(7 * GB // 32, 1) - 80 * GB
+    assert short == 46_000_046_080
+    assert f"tier device is short by {short} bytes" in (one_rank["none"].error or "")
+    fp32 = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="fp32",
+                                          traffic=False)}
+    # fp32 compute: the engine still keeps a param16 shard (in fp32) beside the master
+    assert fp32["cpu"].by_tier["host"]["param16"] == 32 * per_unit * 4
     assert recommend(list(plans.values())) is not None
 
 
@@ -98,19 +103,16 @@ def test_predicted_time_and_recommendation() -> None:
     assert plans["none"].fits and plans["none"].step_s == 0.0  # nothing moves
     assert recommend(list(plans.values())) is plans["none"]
     cpu = plans["cpu"]
-    # max(copies / 25 GB/s, CPU Adam over 1e9 params at 2e9/s)
-    assert cpu.step_s == pytest.approx(max(cpu.copied / 25e9, 1e9 / 2e9))
-
-
-def plan_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(["plan", *args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-MACHINE = ["--device-mem", "80GB", "--host-mem", "512GB", "--nvme-size", "4TB",
-           "--nvme-read-gbps", "6", "--nvme-write-gbps", "5", "--copy-gbps", "25",
-           "--adam-params-per-s", "2e9"]
+    # [Note: plan step time]: forward copies param16 in (2 bytes each), backward sends the
+    # bf16 gradients out (2 bytes each), the optimizer runs the CPU Adam over 1e9 params;
+    # phases in sequence, at 25 GB/s and 2e9 params/s
+    # phases in sequence, at 25 GB/s and 2e9 params/s. Shards are padded to 128 elements;
+    # gradients leave the device per parameter, unpadded.
+    n = 8 * shard_numel(10**9 // 8, 1)
+    assert n == 1_000_000_512
+    fwd, bwd, opt = (cpu.phases[k] for k in ("forward", "backward", "optimizer"))
+    assert (fwd.host_to_device, bwd.grads_to_host, opt.adam_params) == (2 * n, 2 * GB, n)
+    assert cpu.step_s == pytest.approx(2 * n / 25e9 + 2 * GB / 25e9 + n / 2e9)
 
 
 def test_cli_40b_table_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -145,8 +147,11 @@ def test_cli_fits_nowhere(capsys: pytest.CaptureFixture[str]) -> None:
                                "--nvme-size", "100GB"], capsys)
     assert code == 1
     assert "fits under no offload choice" in err
-    for choice in ("none", "cpu", "nvme", "auto"):
+    for choice in ("none", "cpu"):
         assert f"{choice}: does not fit: tier" in out
+    for choice in ("nvme", "auto"):  # the engine's own check: the CPU Adam's host buffers
+        assert f"{choice}: does not fit: offload.budgets.host_bytes = 16000000000 does not " \
+               "cover the CPU Adam's pipeline buffers" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine detects its device memory")

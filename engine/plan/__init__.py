@@ -1,7 +1,18 @@
 """`tierzero plan`: per-tier bytes, fit and predicted step time for each offload choice."""
 
-from engine.plan.planner import CHOICES, ChoicePlan, Machine, plan_all, recommend, shard_specs
-from engine.plan.shapes import ModelShape, model_shape
+from engine.plan.dry_comm import DryComm
+from engine.plan.dry_run import PHASES, DryRun, Traffic, dry_run
+from engine.plan.planner import (
+    CHOICES,
+    ChoicePlan,
+    Machine,
+    engine_config,
+    plan_all,
+    recommend,
+    step_time,
+)
+from engine.plan.shapes import CountModel, ModelShape, model_shape
 
-__all__ = ["CHOICES", "ChoicePlan", "Machine", "ModelShape", "model_shape", "plan_all",
-           "recommend", "shard_specs"]
+__all__ = ["CHOICES", "PHASES", "ChoicePlan", "CountModel", "DryComm", "DryRun", "Machine",
+           "ModelShape", "Traffic", "dry_run", "engine_config", "model_shape", "plan_all",
+           "recommend", "step_time"]

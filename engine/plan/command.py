@@ -22,7 +22,7 @@ import yaml
 from engine.bench.command import results_path
 from engine.config import ConfigError
 from engine.config.values import parse_bytes
-from engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend
+from engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend, step_time
 from engine.plan.shapes import ModelShape, model_shape
 from engine.train.metrics import human_bytes
 from engine.train.model_source import ModelError
@@ -114,11 +114,12 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
            f"machine: device {human_bytes(machine.device_bytes)}, host "
            f"{human_bytes(machine.host_bytes)}, nvme {human_bytes(machine.nvme_bytes)}"]
     out += [f"  {n}" for n in notes]
-    head = ["offload", "tier", *TENSOR_CLASSES, "reserve/pool", "total", "budget", "fits"]
+    head = ["offload", "tier", *TENSOR_CLASSES, "reserve/pool", "total", "peak", "budget",
+            "fits"]
     rows = [head]
     for p in plans:
         if not p.fits:
-            rows.append([p.choice, "-", *["-"] * len(TENSOR_CLASSES), "-", "-", "-", "no"])
+            rows.append([p.choice, "-", *["-"] * len(TENSOR_CLASSES), "-", "-", "-", "-", "no"])
             continue
         for tier in TIERS:
             budget = {"device": machine.device_bytes, "host": machine.host_bytes,
@@ -126,20 +127,36 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
             rows.append([p.choice if tier == "device" else "", tier,
                          *[human_bytes(p.by_tier[tier][c]) for c in TENSOR_CLASSES],
                          human_bytes(p.overhead[tier]), human_bytes(p.total(tier)),
+                         human_bytes(p.peak[tier]) if p.peak else "-",
                          human_bytes(budget), "yes" if tier == "device" else ""])
     out.append(_table(rows))
-    rows = [["offload", "NVMe read/step", "NVMe written/step", "written/1,000 steps",
-             "copies/step", "CPU Adam params", "predicted step"]]
+    rows = [["offload", "phase", "NVMe read", "NVMe written", "host->device",
+             "device->host", "CPU Adam params", "time"]]
     for p in plans:
-        if p.fits:
-            rows.append([p.choice, human_bytes(p.nvme_read), human_bytes(p.nvme_written),
-                         human_bytes(1000 * p.nvme_written), human_bytes(p.copied),
-                         f"{p.adam_params / 1e9:.2f}B",
-                         f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"])
+        if not p.fits or p.traffic_error:
+            continue
+        for i, (phase, t) in enumerate([*p.phases.items(), ("step", p.traffic)]):
+            one = step_time({phase: t}, machine) if phase != "step" else p.step_s
+            rows.append([p.choice if i == 0 else "", phase, human_bytes(t.nvme_read),
+                         human_bytes(t.nvme_written), human_bytes(t.host_to_device),
+                         human_bytes(t.device_to_host + t.grads_to_host),
+                         f"{t.adam_params / 1e9:.2f}B" if t.adam_params >= 1e9
+                         else f"{t.adam_params / 1e6:.1f}M",
+                         f"{one:.2f} s" if one is not None else "n/a (run bench)"])
+    out.append(_table(rows))
+    rows = [["offload", "NVMe written/step", "written/1,000 steps", "predicted step"]]
+    rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
+              f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
+             for p in plans if p.fits]
     out.append(_table(rows))
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
-    out.append("predicted step: max(NVMe, copies, CPU Adam) with full overlap; compute is not "
-               "modelled, so real steps are at least this long")
+    out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
+            f"({p.traffic_error}); the placement above holds" for p in plans
+            if p.fits and p.traffic_error]
+    out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
+               "step); peak: the tier manager's (without the CPU Adam's pipeline buffers, which "
+               "reserve/pool includes). Time per phase: max(NVMe, copies, CPU Adam), phases in "
+               "sequence; compute is not modelled, so real steps are at least this long")
     return "\n".join(out)
 
 
@@ -164,7 +181,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError("--world-size", f"{args.world_size} is not allowed; allowed: >= 1")
         shape = model_shape(args.model, layers=args.layers)
         machine, notes = detect_machine(args)
-        plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision)
+        plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision,
+                         nvme_path=args.nvme_path)
     except (ConfigError, ModelError) as exc:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1

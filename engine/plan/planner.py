@@ -1,31 +1,46 @@
-"""Plan every offload choice for a model on a machine with the tier manager's placement.
+"""Plan every offload choice for a model on a machine with the engine's own code.
 
-For each choice (none, cpu, nvme, auto) the model's units become flat-shard
-specs exactly as the engine partitions them (per unit, one shard per rank of
-ceil(parameters / world size) elements per tensor class), and
-offload.plan_placement decides their homes and the staging pool under the
-machine's budgets: the same code a run executes, on sizes only.
-
-[Note: plan traffic model] Bytes moved per optimizer step and rank, from the
-homes: param16 is needed on the device in forward and in backward (2 reads
-from NVMe if homed there, 2 host->device copies unless homed on the device);
-the gradient leaves the device once (and, homed on NVMe, is written and read
-back once); master and both Adam moments homed on NVMe are read and written
-once; the updated param16 is written back to NVMe once. The predicted step
-time is max(NVMe time, copy time, CPU Adam time): full overlap, compute not
-modelled, so it is a lower bound set by the memory system.
+For each choice (none, cpu, nvme, auto):
+1. Placement: the engine's shard store (TieredShardStore, on the meta device)
+   is given the config a run with this choice would use, budgets set to the
+   machine's; each unit is declared as the engine declares it (this rank's
+   shard of shard_numel(parameters, world size) elements; param16 in the
+   compute dtype, grad, master and moments in fp32) and finalize() runs what a
+   run runs at start: the engine's homes per class (offload_bridge.homes_from:
+   with optimizer state on NVMe the gradient stays in host memory), the
+   budgets, pool and prefetch windows (tier_settings, the CPU Adam's pipeline
+   buffers taken from the host budget) and offload.plan_placement. A
+   PlanError is "does not fit", with the short tier and by how much.
+2. Traffic: for a choice that fits and offloads anything, the engine itself runs
+   two optimizer steps on meta tensors (engine/plan/dry_run.py, [Note: plan
+   from the engine]): NVMe bytes read and written, host<->device bytes and CPU
+   Adam elements of the steady-state step are counted, not derived, and the
+   per-tier peaks are the tier manager's. Offload none moves nothing between
+   tiers (the engine keeps every shard on the device).
+3. Time: [Note: plan step time] per phase of the dry-run step (forward,
+   backward, optimizer), NVMe, copies and CPU Adam overlap each other (prefetch
+   and the pipelined optimizer run them concurrently) but the NVMe reads and
+   writes share one drive: phase time = max(read/r + written/w, copied/c,
+   adam/a). Phases run one after the other, so the step is their sum. Compute
+   is not modelled: this is the step time the memory system allows.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import Config, load_config
+from engine.flat_shard import shard_numel
+from engine.offload_bridge import TieredShardStore
+from engine.plan.dry_run import PHASES, Traffic, dry_run
 from engine.plan.shapes import ModelShape
-from offload import Budgets, PlanError, ShardSpec, TierBudgets, TierSettings, plan_placement
+from engine.precision import compute_dtype
+from offload import PlanError
 from offload.settings import TENSOR_CLASSES, TIERS, OffloadDevice, TensorClass, Tier
 
 CHOICES: tuple[OffloadDevice, ...] = ("none", "cpu", "nvme", "auto")
@@ -52,107 +67,145 @@ class ChoicePlan:
     error: str | None  # PlanError message when it does not fit
     by_tier: dict[Tier, dict[TensorClass, int]] = field(default_factory=dict)
     overhead: dict[Tier, int] = field(default_factory=dict)  # device cache reserve, host pool
-    nvme_read: int = 0  # bytes per step (see [Note: plan traffic model])
-    nvme_written: int = 0
-    copied: int = 0
-    adam_params: int = 0  # elements updated by the CPU Adam per step
+    phases: dict[str, Traffic] = field(default_factory=dict)  # the dry run's last step
+    peak: dict[Tier, int] = field(default_factory=dict)  # the tier manager's, dry run
     step_s: float | None = None
+    # why the dry run could not count traffic (the model's forward does not run on meta
+    # tensors, say); the placement above still holds
+    traffic_error: str | None = None
 
     @property
     def fits(self) -> bool:
         return self.error is None
 
+    @property
+    def traffic(self) -> Traffic:
+        total = Traffic()
+        for t in self.phases.values():
+            total = total + t
+        return total
+
+    @property
+    def nvme_read(self) -> int:  # bytes per step
+        return self.traffic.nvme_read
+
+    @property
+    def nvme_written(self) -> int:
+        return self.traffic.nvme_written
+
+    @property
+    def copied(self) -> int:
+        return self.traffic.copied
+
+    @property
+    def adam_params(self) -> int:  # elements updated by the CPU Adam per step
+        return self.traffic.adam_params
+
     def total(self, tier: Tier) -> int:
         return sum(self.by_tier.get(tier, {}).values()) + self.overhead.get(tier, 0)
 
 
-def shard_specs(shape: ModelShape, world_size: int, precision: str) -> list[ShardSpec]:
-    """One spec per unit and tensor class, sized as this rank's flat shard."""
-    dtype = DTYPES[precision]
-    specs = []
-    for name, numel in shape.units:
-        if numel == 0:
-            continue
-        shard = math.ceil(numel / world_size)
-        for cls in TENSOR_CLASSES:
-            if cls == "param16" and dtype == torch.float32:
-                continue  # fp32 compute: the master shard is the parameter shard
-            specs.append(ShardSpec(f"{name}/{cls}", cls, shard,
-                                   dtype if cls == "param16" else torch.float32))
-    return specs
+def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
+                  nvme_path: str | None, unit_classes: tuple[str, ...] = ()) -> Config:
+    """The config a run with this choice would use, budgets set to the machine's."""
+    offload: dict[str, object] = {"device": choice, "budgets": {
+        "device_bytes": machine.device_bytes, "host_bytes": machine.host_bytes,
+        "nvme_bytes": machine.nvme_bytes}}
+    if choice in ("nvme", "auto"):  # the dry run writes nothing there (DrySwap)
+        offload["path"] = nvme_path or tempfile.gettempdir()
+    zero: dict[str, object] = {"stage": 3}
+    if unit_classes:
+        zero["units"] = list(unit_classes)
+    return load_config({"zero": zero, "precision": precision, "offload": offload})
 
 
-def plan_choice(specs: list[ShardSpec], choice: OffloadDevice, machine: Machine) -> ChoicePlan:
-    budgets = TierBudgets(device=machine.device_bytes, host=machine.host_bytes,
-                          nvme=machine.nvme_bytes)
-    settings = TierSettings(homes=dict.fromkeys(TENSOR_CLASSES, choice),
-                            budgets=Budgets(device=budgets.device, host=budgets.host,
-                                            nvme=budgets.nvme))
-    device = torch.device("cuda" if machine.cuda else "cpu")
+def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
+                world_size: int, precision: str, nvme_path: str | None = None) -> ChoicePlan:
+    """Placement only (step 1 of the module docstring)."""
+    config = engine_config(choice, machine, precision=precision, nvme_path=nvme_path,
+                           unit_classes=shape.unit_classes)
+    dtype = compute_dtype(config.precision.dtype)
+    store = TieredShardStore(torch.device("meta"), config)
     quiet = logging.getLogger("offload")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # placement explains itself at INFO; the table says it all
     try:
-        plan = plan_placement(specs, settings, budgets, device)
-    except PlanError as exc:
+        for name, numel in shape.units:
+            store.declare(f"{name}/{str(dtype).removeprefix('torch.')}/trainable",
+                          shard_numel(numel, world_size), dtype, True)
+        store.finalize()
+        if store.manager is None:
+            raise PlanError("internal: the shard store has no tier manager after finalize()")
+        plan = store.manager.plan
+        out = ChoicePlan(choice, None)
+        out.by_tier = {t: dict.fromkeys(TENSOR_CLASSES, 0) for t in TIERS}
+        for key, spec in plan.specs.items():
+            out.by_tier[plan.homes[key]][spec.cls] += spec.nbytes
+        out.overhead = {"device": plan.device_reserve,
+                        "host": plan.pool_bytes + store.pipeline_bytes(), "nvme": 0}
+        return out
+    except (PlanError, ValueError) as exc:  # ValueError: host budget below the pipeline's
         return ChoicePlan(choice, str(exc))
     finally:
+        store.close()
         quiet.setLevel(level)
-    out = ChoicePlan(choice, None)
-    out.by_tier = {t: dict.fromkeys(TENSOR_CLASSES, 0) for t in TIERS}
-    for key, spec in plan.specs.items():
-        out.by_tier[plan.homes[key]][spec.cls] += spec.nbytes
-    out.overhead = {"device": plan.device_reserve, "host": plan.pool_bytes, "nvme": 0}
-    for key, spec in plan.specs.items():
-        _add_traffic(out, spec, plan.homes[key])
-    out.step_s = _step_time(out, machine)
-    return out
 
 
-def _add_traffic(out: ChoicePlan, spec: ShardSpec, home: Tier) -> None:
-    n = spec.nbytes
-    if spec.cls == "param16":
-        if home == "nvme":
-            out.nvme_read += 2 * n
-            out.nvme_written += n  # the updated parameters go back to their home
-        if home != "device":
-            out.copied += 2 * n
-    elif spec.cls == "grad":
-        if home != "device":
-            out.copied += n
-        if home == "nvme":
-            out.nvme_written += n
-            out.nvme_read += n
-    else:  # master, exp_avg, exp_avg_sq
-        if home == "nvme":
-            out.nvme_read += n
-            out.nvme_written += n
-        if spec.cls == "master" and home != "device":
-            out.adam_params += spec.numel
+def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
+                precision: str, nvme_path: str | None) -> None:
+    """Steps 2 and 3: run the engine dry and time its counted traffic."""
+    if out.choice == "none" or not out.fits:
+        out.phases = dict.fromkeys(PHASES, Traffic())
+        out.step_s = 0.0 if out.fits else None
+        return
+    config = engine_config(out.choice, machine, precision=precision, nvme_path=nvme_path,
+                           unit_classes=shape.unit_classes)
+    try:
+        run = dry_run(shape.fresh_module(), config, world_size=world_size)
+    except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
+        out.error = str(exc)
+        return
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        # a model whose forward needs real values (data-dependent control flow, .item())
+        out.traffic_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return
+    out.phases = run.steps[-1]
+    out.peak = run.peak
+    out.step_s = step_time(out.phases, machine)
 
 
-def _step_time(out: ChoicePlan, m: Machine) -> float | None:
-    parts: list[float] = []
-    if out.nvme_read or out.nvme_written:
-        if m.nvme_read_gbps is None or m.nvme_write_gbps is None:
-            return None
-        parts.append(out.nvme_read / (m.nvme_read_gbps * 1e9)
-                     + out.nvme_written / (m.nvme_write_gbps * 1e9))
-    if out.copied:
-        if m.copy_gbps is None:
-            return None
-        parts.append(out.copied / (m.copy_gbps * 1e9))
-    if out.adam_params:
-        if m.adam_params_per_s is None:
-            return None
-        parts.append(out.adam_params / m.adam_params_per_s)
-    return max(parts, default=0.0)
+def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
+    """[Note: plan step time]; None when a speed the step needs is unknown."""
+    total = 0.0
+    for t in phases.values():
+        parts: list[float] = []
+        if t.nvme_read or t.nvme_written:
+            if m.nvme_read_gbps is None or m.nvme_write_gbps is None:
+                return None
+            parts.append(t.nvme_read / (m.nvme_read_gbps * 1e9)
+                         + t.nvme_written / (m.nvme_write_gbps * 1e9))
+        if t.copied:
+            if m.copy_gbps is None:
+                return None
+            parts.append(t.copied / (m.copy_gbps * 1e9))
+        if t.adam_params:
+            if m.adam_params_per_s is None:
+                return None
+            parts.append(t.adam_params / m.adam_params_per_s)
+        total += max(parts, default=0.0)
+    return total
 
 
-def plan_all(shape: ModelShape, machine: Machine, *, world_size: int,
-             precision: str) -> list[ChoicePlan]:
-    specs = shard_specs(shape, world_size, precision)
-    return [plan_choice(specs, choice, machine) for choice in CHOICES]
+def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision: str,
+             nvme_path: str | None = None, traffic: bool = True) -> list[ChoicePlan]:
+    """Every choice; `traffic=False` stops after placement (no dry run)."""
+    plans = [plan_choice(shape, choice, machine, world_size=world_size, precision=precision,
+                         nvme_path=nvme_path) for choice in CHOICES]
+    if traffic:
+        for p in plans:
+            add_traffic(p, shape, machine, world_size=world_size, precision=precision,
+                        nvme_path=nvme_path)
+    return plans
 
 
 def recommend(plans: list[ChoicePlan]) -> ChoicePlan | None:
@@ -163,3 +216,5 @@ def recommend(plans: list[ChoicePlan]) -> ChoicePlan | None:
     return min(fitting, key=lambda p: (p.step_s if p.step_s is not None else math.inf,
                                        p.copied + p.nvme_read + p.nvme_written,
                                        order[p.choice]), default=None)
+
+

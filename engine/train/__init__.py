@@ -5,7 +5,8 @@ from engine.train.data import ByteBatches, DataError, load_bytes
 from engine.train.loop import TrainOptions, TrainResult, run
 from engine.train.metrics import StepRecord
 from engine.train.model_source import ModelError, build_model
-from engine.train.timeline import KINDS, Timeline
+from engine.train.timeline import TraceWindow, UnitProbes
+from swap.trace import KINDS
 
 __all__ = [
     "KINDS",
@@ -13,10 +14,11 @@ __all__ = [
     "DataError",
     "ModelError",
     "StepRecord",
-    "Timeline",
+    "TraceWindow",
     "TrainError",
     "TrainOptions",
     "TrainResult",
+    "UnitProbes",
     "build_model",
     "load_bytes",
     "run",

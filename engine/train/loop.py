@@ -28,9 +28,17 @@ from engine.config.native import as_dict
 from engine.train import checkpoints
 from engine.train.checkpoints import TrainError
 from engine.train.data import ByteBatches, load_bytes
-from engine.train.metrics import DiskCounter, MetricsWriter, StepRecord, log_line, tier_bytes
+from engine.train.metrics import (
+    DiskCounter,
+    MetricsWriter,
+    StepRecord,
+    TierCounter,
+    log_line,
+    tier_bytes,
+)
 from engine.train.model_source import build_model, pretrained_dir
-from engine.train.timeline import Timeline, UnitProbes
+from engine.train.timeline import TraceWindow, UnitProbes
+from swap import trace
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +152,12 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     ckpt_dir = checkpoints.checkpoint_dir(tc, run_dir)
     result = TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
                          plot_path=options.plot_path)
-    timeline = Timeline()
-    probes = UnitProbes([(u.label, u.module) for u in eng.units if not u.is_root], timeline)
+    first, count = options.trace_steps
+    window = TraceWindow(options.trace_path if rank0 else None, first, count,
+                         process=f"tierzero train (rank {rank})")
+    probes = UnitProbes([(u.label, u.module) for u in eng.units if not u.is_root])
     disk = DiskCounter()
+    moves = TierCounter(eng.memory_report())
     writer = MetricsWriter(metrics_path) if rank0 else None
     try:
         if writer:
@@ -156,10 +167,10 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
             bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
                        initial=start, total=tc.steps, disable=not (rank0 and options.progress))
             for step in bar:
-                first, count = options.trace_steps
-                timeline.recording = bool(options.trace_path) and first <= step < first + count
-                record = _one_step(eng, batches, probes, timeline=timeline, disk=disk,
-                                   step=step, accum=accum, world=world)
+                window.before(step)
+                record = _one_step(eng, batches, probes, disk=disk, moves=moves, step=step,
+                                   accum=accum, world=world)
+                window.after(step)
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
                 if writer:
@@ -172,43 +183,45 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
         if writer:
             writer.write(_summary(result.records))
     finally:
+        window.close()
         probes.close()
         eng.close()
         if writer:
             writer.close()
     if rank0:
-        _write_outputs(result, timeline)
+        _write_outputs(result, window)
     return result
 
 
 def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, *,
-              timeline: Timeline, disk: DiskCounter, step: int, accum: int,
+              disk: DiskCounter, moves: TierCounter, step: int, accum: int,
               world: int) -> StepRecord:
     start = time.perf_counter()
     wait_before = probes.wait_s
     losses: list[float] = []
     optimizer_s = 0.0
     n_tokens = 0
-    with timeline.span("step", f"step {step}"):
-        for _ in range(accum):
-            x, y = batches.next()  # (B, T) inputs and next-byte labels
-            n_tokens += x.numel()
-            with timeline.span("forward", "forward"):
-                out = eng(input_ids=x)
-            logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(logits.device).flatten())
-            with timeline.span("backward", "backward"):
-                eng.backward(loss)
-            losses.append(float(loss.item()))
-            boundary = eng.is_gradient_accumulation_boundary()
-            t_opt = time.perf_counter()
-            with timeline.span("optimizer", "adam" if boundary else "accumulate"):
-                eng.step()
-            optimizer_s += time.perf_counter() - t_opt
+    for micro in range(accum):
+        x, y = batches.next()  # (B, T) inputs and next-byte labels
+        n_tokens += x.numel()
+        with trace.span("forward", f"forward {micro}"):
+            out = eng(input_ids=x)
+        logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(logits.device).flatten())
+        with trace.span("backward", f"backward {micro}"):
+            eng.backward(loss)
+        losses.append(float(loss.item()))
+        boundary = eng.is_gradient_accumulation_boundary()
+        t_opt = time.perf_counter()
+        with trace.span("optimizer", "step" if boundary else "accumulate"):
+            eng.step()
+        optimizer_s += time.perf_counter() - t_opt
     step_s = time.perf_counter() - start
     wait_s = probes.wait_s - wait_before
     read, written = disk.delta()
-    now, peak = tier_bytes(eng.memory_report())
+    report = eng.memory_report()
+    now, peak = tier_bytes(report)
+    moved, stall = moves.delta(report)
     total_tokens = n_tokens * world
     return StepRecord(
         step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
@@ -217,7 +230,7 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, 
         optimizer_s=optimizer_s, tier_bytes=now, tier_peak_bytes=peak,
         nvme_read_bytes=read, nvme_written_bytes=written,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
-        rss_bytes=disk.rss())
+        rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall)
 
 
 def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
@@ -246,11 +259,11 @@ def _summary(records: list[StepRecord]) -> dict[str, Any]:
             "nvme_written_bytes": sum(r.nvme_written_bytes for r in records)}
 
 
-def _write_outputs(result: TrainResult, timeline: Timeline) -> None:
+def _write_outputs(result: TrainResult, window: TraceWindow) -> None:
     if result.trace_path:
-        timeline.write(result.trace_path)
+        window.write()
         log.info("trace: %s (%d events; open in ui.perfetto.dev or chrome://tracing)",
-                 result.trace_path, len(timeline.events))
+                 result.trace_path, len(window.events))
     if result.plot_path:
         from engine.train.plot import plot_run
         plot_run(result.records, result.plot_path)

@@ -37,6 +37,10 @@ class StepRecord:
     nvme_read_gbps: float
     nvme_write_gbps: float
     rss_bytes: int  # resident memory of this process
+    # the tier manager's transfers during the step, bytes per direction (nvme_to_host,
+    # host_to_nvme, host_to_device, device_to_host; all 0 without offloading)
+    moved_bytes: dict[str, int]
+    io_stall_s: float  # any thread blocked on a tier transfer it needed (fetch, room)
 
     def as_json(self) -> dict[str, Any]:
         return {"event": "step", **dataclasses.asdict(self)}
@@ -93,6 +97,32 @@ class DiskCounter:
         return int(self._proc.memory_info().rss)
 
 
+DIRECTIONS = ("nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host")
+
+
+class TierCounter:
+    """Per-step deltas of the tier manager's moved bytes and stall seconds."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self._last = self._read(report)
+
+    @staticmethod
+    def _read(report: dict[str, Any]) -> tuple[dict[str, int], float]:
+        tiers = report.get("tiers")
+        if tiers is None:
+            return dict.fromkeys(DIRECTIONS, 0), 0.0
+        moved = tiers["moved"] if isinstance(tiers, dict) else tiers.moved
+        stall = tiers["stall_s"] if isinstance(tiers, dict) else tiers.stall_s
+        return {d: int(moved.get(d, 0)) for d in DIRECTIONS}, float(stall)
+
+    def delta(self, report: dict[str, Any]) -> tuple[dict[str, int], float]:
+        now = self._read(report)
+        moved = {d: now[0][d] - self._last[0][d] for d in DIRECTIONS}
+        stall = now[1] - self._last[1]
+        self._last = now
+        return moved, stall
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -108,7 +138,9 @@ def log_line(r: StepRecord, total_steps: int) -> str:
     return (f"step {r.step}/{total_steps} | loss {r.loss:.4f} | lr {r.lr:.2e} | "
             f"{r.tokens_per_s:,.0f} tok/s | {r.step_s:.3f} s = compute {r.compute_s:.3f} + "
             f"wait {r.wait_s:.3f} + optimizer {r.optimizer_s:.3f} | now/peak {tiers} | "
-            f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s")
+            f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s | "
+            f"swap in/out {human_bytes(r.moved_bytes['nvme_to_host'])}/"
+            f"{human_bytes(r.moved_bytes['host_to_nvme'])}, io stall {r.io_stall_s:.3f} s")
 
 
 class MetricsWriter:

@@ -1,0 +1,209 @@
+"""A dry run of the engine's training step on meta tensors: what `tierzero plan` counts.
+
+[Note: plan from the engine] The plan does not model the engine; it runs it.
+`dry_run` builds the model on the meta device and hands it to the real
+ZeroEngine with device=meta: the same units and flat shards, the same
+scheduler and hooks (gather, release, reuse distance, the prefetch order from
+the unit trace), the TieredShardStore over the real TierManager (placement,
+staging pool, prefetch windows, eviction, write-backs, budgets) and the
+OffloadedAdam's pipelined CPU Adam. Only the bottom is replaced: buffers are
+meta tensors (nothing is allocated or computed), swap I/O goes to a DrySwap
+that counts bytes, and the collectives of a world size this machine does not
+have are shape checks (DryComm). So the bytes counted are the bytes the
+engine moves, and they follow any change to the engine's schedule.
+
+Counted per optimizer step and phase (forward, backward, optimizer): NVMe bytes
+read and written (DrySwap), host<->device bytes the tier manager moved (its
+moved counters), gradient bytes the reduce path sends to a host gradient shard
+(per "reduce" trace event: flat_shard.reduce_group_grads copies each
+parameter's gradient in the compute dtype with one rank, the reduced fp32
+shard with several, to the shard's device; a plain tensor copy, not a tier
+manager transfer), and CPU Adam elements (the "adam" trace events).
+The first step records the unit trace (no prefetch yet) and the first
+optimizer step; the plan reports the last, steady-state step.
+
+Differences from a real run, by design: gradient clipping and fp16 loss
+scaling read values (a norm, an overflow flag) that meta tensors do not have,
+so the dry run runs without clipping and in bf16 (the same bytes as fp16).
+Clipping reads the gradient shards once more per step; they live in host
+memory (or on the device), so that read moves no NVMe or host<->device bytes
+unless `auto` placed gradients on NVMe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import Config
+from engine.engine import ZeroEngine
+from engine.offload_bridge import TieredShardStore
+from engine.optim import torch_adam_factory
+from engine.plan.dry_comm import DryComm
+from offload import Plan, TierManager
+from offload.settings import TIERS, Tier
+from swap import DrySwap, trace
+
+log = logging.getLogger(__name__)
+
+PHASES = ("forward", "backward", "optimizer")
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes moved (and CPU Adam elements) in one phase of a step, on one rank."""
+
+    nvme_read: int = 0
+    nvme_written: int = 0
+    host_to_device: int = 0  # tier manager copies
+    device_to_host: int = 0
+    grads_to_host: int = 0  # the reduce path's gradient copies to a host gradient shard
+    adam_params: int = 0
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                               dataclasses.astuple(other), strict=True)))
+
+    @property
+    def copied(self) -> int:
+        return self.host_to_device + self.device_to_host + self.grads_to_host
+
+
+@dataclass
+class DryRun:
+    """What the engine did: placement, per-step per-phase traffic, per-tier peaks."""
+
+    placement: Plan | None  # None: nothing offloaded (the engine's plain device store)
+    steps: list[dict[str, Traffic]] = field(default_factory=list)
+    peak: dict[Tier, int] = field(default_factory=dict)
+    units: int = 0
+
+    def step(self, index: int = -1) -> Traffic:
+        """One step's traffic, all phases; default the last (steady state)."""
+        total = Traffic()
+        for t in self.steps[index].values():
+            total = total + t
+        return total
+
+
+class _Counters:
+    """Reads the DrySwap and tier manager counters; deltas between phases."""
+
+    def __init__(self, store: TieredShardStore | None) -> None:
+        self.manager: TierManager | None = store.manager if store is not None else None
+        self.swap = store.swap if store is not None else None
+        self.last = self._read()
+
+    def _read(self) -> tuple[int, int, int, int]:
+        read = written = h2d = d2h = 0
+        if isinstance(self.swap, DrySwap):
+            s = self.swap.stats()
+            read, written = s.read.bytes, s.write.bytes
+        if self.manager is not None:
+            moved = self.manager.memory_report().moved
+            h2d, d2h = moved.get("host_to_device", 0), moved.get("device_to_host", 0)
+        return read, written, h2d, d2h
+
+    def delta(self, events: list[dict[str, Any]], grad_bytes: dict[str, int]) -> Traffic:
+        """Counters since the last call; `events`: the trace events of the same span."""
+        now = self._read()
+        d = [a - b for a, b in zip(now, self.last, strict=True)]
+        self.last = now
+        adam = sum(int(e.get("args", {}).get("numel", 0)) for e in events if e["cat"] == "adam")
+        grads = sum(grad_bytes.get(str(e["name"]), 0) for e in events if e["cat"] == "reduce")
+        return Traffic(nvme_read=d[0], nvme_written=d[1], host_to_device=d[2],
+                       device_to_host=d[3], grads_to_host=grads, adam_params=adam)
+
+
+def grad_bytes_to_host(eng: ZeroEngine) -> dict[str, int]:
+    """Per unit label: bytes one reduction of the unit copies to host gradient shards
+    (see the Note; none when the gradient shard lives on the device)."""
+    store = eng.store
+    out: dict[str, int] = {}
+    for u in eng.units:
+        n = 0
+        for g in u.groups:
+            if not (g.trainable and isinstance(store, TieredShardStore)
+                    and store.tier_for(g.key, "grad") == "host"):
+                continue
+            n += (g.numel * g.full.element_size() if eng.comm.world_size == 1
+                  else g.shard_numel * 4)
+        out[u.label] = n
+    return out
+
+
+def default_micro(eng: ZeroEngine, seq_len: int) -> torch.Tensor:
+    """One micro-batch of token ids through the model; the loss (a mean, on meta)."""
+    x = torch.zeros(1, seq_len, dtype=torch.long, device=META)  # (B, T)
+    out = eng(input_ids=x)
+    logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+    return logits.float().mean()
+
+
+def dry_config(config: Config) -> Config:
+    """The config a dry run can execute: clipping off, fp16 as bf16 (see the Note)."""
+    precision = config.precision
+    if precision.dtype == "fp16":
+        precision = dataclasses.replace(precision, dtype="bf16")
+    return dataclasses.replace(config, gradient_clipping=0.0, precision=precision)
+
+
+def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: int = 2,
+            seq_len: int = 8,
+            micro: Callable[[ZeroEngine, int], torch.Tensor] = default_micro) -> DryRun:
+    """Run `steps` optimizer steps of the engine on `module` (built on meta) and count.
+
+    Raises offload.PlanError when the shards do not fit the config's budgets (the
+    placement the engine runs at start), as a real run would.
+    """
+    config = dry_config(config)
+    opt = config.optimizer
+    factory = torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay)
+    accum = config.batch.gradient_accumulation_steps or 1
+    quiet = logging.getLogger("offload")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # placement and pool explain themselves at INFO
+    try:
+        eng = ZeroEngine(module, config, factory, comm=DryComm(world_size), device=META)
+    finally:
+        quiet.setLevel(level)
+    store = eng.store if isinstance(eng.store, TieredShardStore) else None
+    out = DryRun(store.manager.plan if store is not None and store.manager else None,
+                 units=len(eng.units))
+    try:
+        counters = _Counters(store)
+        grad_bytes = grad_bytes_to_host(eng)
+        rec = trace.Recorder(process="tierzero plan (dry run)")
+
+        def since(mark: int) -> list[dict[str, Any]]:
+            return rec.events[mark:]
+
+        with trace.recording(rec):
+            for _ in range(steps):
+                phases = dict.fromkeys(PHASES, Traffic())
+                for _m in range(accum):
+                    mark = len(rec.events)
+                    loss = micro(eng, seq_len)
+                    phases["forward"] += counters.delta(since(mark), grad_bytes)
+                    mark = len(rec.events)
+                    eng.backward(loss)
+                    phases["backward"] += counters.delta(since(mark), grad_bytes)
+                    mark = len(rec.events)
+                    eng.step()
+                    if store is not None and store.manager is not None:
+                        store.manager.synchronize()  # write-backs issued by the step land
+                    phases["optimizer"] += counters.delta(since(mark), grad_bytes)
+                out.steps.append(phases)
+        if store is not None and store.manager is not None:
+            peak = store.manager.memory_report().peak
+            out.peak = {t: int(peak.get(t, 0)) for t in TIERS}
+    finally:
+        eng.close()
+    return out
