@@ -25,7 +25,7 @@ from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
-from engine.offload_bridge import TieredShardStore, offload_wanted
+from engine.offload_bridge import TieredShardStore, offload_wanted, pipeline_sets
 from engine.offload_step import OffloadedAdam, threads_per_rank
 from engine.optim import OptimizerFactory, build_optimizer, run_step
 from engine.precision import LossScaler, compute_dtype, has_overflow
@@ -85,10 +85,16 @@ class ZeroEngine:
         self.optimizer: torch.optim.Optimizer
         if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
             o = self.config.optimizer
+            # Step order: the root's groups first, then the units in model order, the order
+            # the next forward gathers them (their new param16 is written in that order).
+            root_keys = {g.key for g in self.root.groups}
+            order = sorted(range(len(self._train_keys)),
+                           key=lambda i: self._train_keys[i] not in root_keys)
             self.optimizer = OffloadedAdam(
                 self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
-                threads=threads_per_rank(self.comm.world_size))
+                threads=threads_per_rank(self.comm.world_size),
+                sets=pipeline_sets(self.config), order=order)
         else:
             self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)

@@ -1,16 +1,18 @@
-"""The optimizer step when optimizer state is offloaded (cpu or nvme): CPU Adam, pipelined.
+"""The optimizer step when optimizer state is offloaded (cpu or nvme): CPU Adam, streamed.
 
 `OffloadedAdam` is the `torch.optim.Optimizer` that `initialize()` returns in
 that case. Its one param group carries the hyper-parameters (so the lr
 schedule and user code change `lr` as usual); its "params" are size-0 handles,
 one per trainable flat group, because the fp32 masters, moments and gradients
-live in the tier manager, not in tensors it could hold. `step()` runs
-`offload.pipelined_step` over every group's shard through an
-`offload.TierShardStore`: read state for shard i+1, Adam on shard i, write
-shard i-1 back, with the new compute-dtype `param16` written in the same pass
-to its home tier (with fp32 compute the master is copied to `param16` after).
-When the state is homed in host memory (offload.optimizer.device = cpu) the
-kernel runs in place on it instead, group by group (no staging copies).
+live in the tier manager, not in tensors it could hold. When the state is
+homed off the host (NVMe, or placed by the planner) `step()` runs an
+`offload.AdamStream` over every group ([Note: streamed optimizer step]): each
+shard's state is read once into one of offload.optimizer.buffer_count buffer
+sets, updated, and written once, with the new compute-dtype `param16` written
+in the same pass to its home tier; the last writes drain, and the next step's
+first reads run, behind the next forward and backward. When the state is
+homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
+on it instead, group by group (no staging copies).
 """
 
 from __future__ import annotations
@@ -24,18 +26,9 @@ from typing import Any
 
 import torch
 
-from engine.offload_bridge import PIPELINE_BUFFERS, TieredShardStore
+from engine.offload_bridge import TieredShardStore
 from engine.shard_store import ShardKind
-from offload import (
-    AdamHyper,
-    AdamThreads,
-    PipelineStats,
-    ShardBuffers,
-    ShardLayout,
-    TierShardStore,
-    adam_update,
-    pipelined_step,
-)
+from offload import AdamHyper, AdamStream, AdamThreads, PipelineStats, adam_update
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +45,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, adamw: bool,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 threads: int) -> None:
+                 threads: int, sets: int = 3, order: Sequence[int] | None = None) -> None:
+        """sets: the stream's buffer sets (offload.optimizer.buffer_count); order: the
+        shard order of each step (the groups the next forward gathers first, first)."""
         handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager
         super().__init__(handles, {"lr": lr, "betas": betas, "eps": eps,
                                    "weight_decay": weight_decay})
@@ -63,26 +58,22 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._keys = list(keys)
         dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
-        # refreshed from the master after the step instead.
+        # the master itself (written from it).
         self._shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
-        layout = ShardLayout(tuple(store.numel(k) for k in self._keys),
-                             grad_dtype=torch.float32, param16_dtype=self._shadow)
-        names: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad") + (
-            ("param16",) if self._shadow is not None else ())
-        key_maps: list[dict[str, str]] = [{n: store.manager_key(k, n) for n in names}
-                                          for k in self._keys]
+        names: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad", "param16")
         manager = store.manager
         if manager is None:
             raise RuntimeError("OffloadedAdam needs a finalized TieredShardStore")
-        self._tier_store = TierShardStore(manager, key_maps, layout)
-        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
-        # the planner) it streams through the pipeline's buffers.
-        self._in_place = store.state_in_host()
-        largest = 0 if self._in_place else max(layout.numels, default=0)
-        # Allocated once, reused every step: the host bytes of the step are fixed.
-        self._sets = [ShardBuffers.allocate(self._tier_store, largest)
-                      for _ in range(PIPELINE_BUFFERS)]
         self._threads = AdamThreads(threads)
+        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
+        # the planner) it streams through the buffer sets, allocated once for the run.
+        self._in_place = store.state_in_host()
+        self._stream: AdamStream | None = None
+        if not self._in_place:
+            self._stream = AdamStream(
+                manager, [{n: store.manager_key(k, n) for n in names} for k in self._keys],
+                [store.numel(k) for k in self._keys], order=order, sets=sets,
+                shadow=self._shadow, threads=self._threads)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0) -> None:
@@ -98,12 +89,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._in_place:
             self.last_stats = self._step_in_place(hyper, grad_scale)
             return
-        self.last_stats = pipelined_step(self._tier_store, hyper=hyper, step=float(self.steps),
-                                         grad_scale=grad_scale, threads=self._threads,
-                                         buffer_sets=self._sets)
-        if self._shadow is None:
-            for k in self._keys:
-                self._store.write_param16_from_master(k)
+        if self._stream is None:
+            raise RuntimeError("OffloadedAdam.step() after close()")
+        self.last_stats = self._stream.step(hyper, float(self.steps), grad_scale)
+
+    def flush(self) -> None:
+        """Wait for the optimizer's writes still in flight (a failure is raised here)."""
+        if self._stream is not None:
+            self._stream.flush()
 
     def _step_in_place(self, hyper: AdamHyper, grad_scale: float) -> PipelineStats:
         """State homed in host memory: the kernel updates it where it lives (no copies into
@@ -138,6 +131,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 "buffer_bytes": s.buffer_bytes}
 
     def close(self) -> None:
-        self._tier_store.close()
-        self._threads.close()
-        self._sets = []
+        try:
+            if self._stream is not None:
+                self._stream.close()
+        finally:
+            self._stream = None
+            self._threads.close()

@@ -1,0 +1,322 @@
+"""The CPU Adam step over tier-managed shards, streamed across steps.
+
+[Note: streamed optimizer step]
+``pipelined_step`` fetches, updates and stores every shard inside one call, so
+its NVMe traffic runs only while the caller waits in ``step()``. ``AdamStream``
+keeps ``sets`` host buffer sets for the whole run and lets the traffic spill
+into the time around the step:
+
+    step N        ... adam i | write i, queued | adam i+1 | ...  returns with the
+                  last writes still in flight
+    fwd/bwd N+1   those writes drain; each buffer set a write frees is filled at
+                  once with the state of the next step's first shards (read-ahead)
+    step N+1      starts on shards whose state is already in host memory
+
+Each shard's state (master, exp_avg, exp_avg_sq) is read once and written once
+per step, straight between its buffer set and its home (TierManager.read_into /
+write_from: for NVMe no pool buffer and no staging copy); the gradient is used
+where it lives (a view of its host home, no copy). The new param16 (the
+kernel's low-precision shadow, or the fp32 master itself with fp32 compute) is
+written in the same pass.
+
+Ordering, so no one ever sees stale data:
+- a read-ahead into a buffer set starts only after the write that held the set
+  has landed (one background thread waits for it, so ``step()`` does not);
+- reads and writes of one key are ordered by the manager (the home copy is in
+  flight until the write lands: a gather of param16 waits for it) and by the
+  swap store (a read waits for earlier writes of its key);
+- a read-ahead whose key changed after it was issued (``TierManager.version``,
+  e.g. a checkpoint load wrote the state) is read again before use.
+
+Failures: an exception inside ``step()`` waits for every transfer still using
+the buffers, drops the read-ahead and re-raises; every shard is then either
+fully updated (its writes were issued) or untouched, the manager holds nothing
+for the stream, and the next ``step()`` starts over from the first shard. A
+failed write is raised by the next ``step()`` or ``flush()`` (and by the manager
+call that settles it), naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .adam_kernel import Backend, adam_update
+from .adam_math import AdamHyper
+from .adam_threads import AdamThreads
+from .errors import OffloadError
+from .manager import TierManager
+from .pipelined_adam import PipelineStats
+from .settings import Tier
+from .transfer import TierTransfer
+
+log = logging.getLogger(__name__)
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, eq=False)
+class _Set:
+    """One shard's working buffers: 1D host tensors of the largest shard's size."""
+
+    master: torch.Tensor  # fp32
+    exp_avg: torch.Tensor  # fp32
+    exp_avg_sq: torch.Tensor  # fp32
+    param16: torch.Tensor | None  # the compute dtype when it is bf16/fp16, else None
+
+    def part(self, name: str, numel: int) -> torch.Tensor:
+        t = getattr(self, name)
+        if not isinstance(t, torch.Tensor):
+            raise OffloadError(f"internal: buffer set has no {name!r} buffer")
+        return t[:numel]
+
+
+class _Read:
+    """A shard's state on its way into a buffer set: the set and the completion together.
+
+    ``job`` resolves, on the read-ahead thread, to (key, version read, transfer) per
+    state tensor once the reads are issued."""
+
+    def __init__(self, index: int, bufs: _Set, after: list[TierTransfer],
+                 job: Future[list[tuple[str, int, TierTransfer]]]) -> None:
+        self.index = index
+        self.bufs = bufs
+        self.after = after  # the writes of the set's previous shard, which the job awaits
+        self.job = job
+
+    def wait(self) -> list[tuple[str, int]]:
+        """Block until the state is in the buffers; (key, version) of each part."""
+        parts = self.job.result()
+        error: BaseException | None = None
+        for _, _, t in parts:  # every part settles before raising: they fill our buffers
+            try:
+                t.wait()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise OffloadError(f"reading the optimizer state of shard {self.index} failed: "
+                               f"{error}") from error
+        return [(k, v) for k, v, _ in parts]
+
+    def settle(self) -> None:
+        """Wait without raising (used while unwinding another failure)."""
+        try:
+            self.wait()
+        except BaseException as exc:
+            log.warning("while unwinding a failed optimizer step: %s", exc)
+
+
+class AdamStream:
+    """Adam over every shard of ``keys`` (class -> manager key per shard), streamed.
+
+    keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param16" of shard i
+    (param16 optional: without it only the fp32 state is updated).
+    order: the shard order of every step; put first the shards the next forward
+        needs first (their param16 is then written first).
+    sets: buffer sets, each the largest shard's master + moments (+ param16): the
+        host memory of the step, and how far reads run ahead and writes behind.
+    """
+
+    def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
+                 numels: Sequence[int], *, order: Sequence[int] | None = None, sets: int = 3,
+                 shadow: torch.dtype | None, threads: AdamThreads | None = None,
+                 backend: Backend = "auto") -> None:
+        n = len(numels)
+        if len(keys) != n:
+            raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
+        self._order = list(range(n)) if order is None else list(order)
+        if sorted(self._order) != list(range(n)):
+            raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
+                             f"{self._order[:10]}")
+        if not isinstance(sets, int) or sets < 1:
+            raise ValueError(f"AdamStream sets={sets!r}; need an int >= 1")
+        if shadow not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
+        for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
+            missing = [c for c in (*STATE, "grad") if c not in k]
+            if numel and missing:
+                raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
+        self._mgr = manager
+        self._keys = [dict(k) for k in keys]
+        self._numels = list(numels)
+        self._shadow = shadow
+        self._threads = threads
+        self._backend = backend
+        largest = max(self._numels, default=0)
+        fp32 = [[manager.host_empty(largest, torch.float32) for _ in STATE]
+                for _ in range(sets)]
+        self._sets = [_Set(m, a, b, None if shadow is None else manager.host_empty(largest, shadow))
+                      for m, a, b in fp32]
+        self.buffer_bytes = sum(t.nbytes for s in self._sets for t in (
+            s.master, s.exp_avg, s.exp_avg_sq, s.param16) if t is not None)
+        self._free: deque[_Set] = deque(self._sets)
+        self._ahead: deque[_Read] = deque()  # reads issued, in step order
+        self._writes: deque[tuple[_Set, list[TierTransfer]]] = deque()  # oldest first
+        self._issued = 0  # reads issued for positions of the current cycle (may run past n)
+        # One thread issues the read-ahead once the write that holds its buffer set lands,
+        # so step() never blocks on those writes.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierzero-adam-ahead")
+        self._closed = False
+
+    # ----------------------------------------------------------------- step
+    def step(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> PipelineStats:
+        """One Adam update of every shard; returns with the last writes in flight."""
+        if self._closed:
+            raise OffloadError("AdamStream.step() after close()")
+        t0 = time.perf_counter()
+        compute = wait = 0.0
+        try:
+            for pos, index in enumerate(self._order):
+                self._top_up(pos)
+                rd = self._ahead.popleft()
+                if rd.index != index:
+                    raise OffloadError(f"internal: read-ahead holds shard {rd.index}, the step "
+                                       f"is at shard {index}")
+                t = time.perf_counter()
+                seen = rd.wait()
+                wait += time.perf_counter() - t
+                n = self._numels[index]
+                if n == 0:
+                    self._free.append(rd.bufs)
+                    continue
+                keys = self._keys[index]
+                for key, version in seen:  # written by someone else since: read again
+                    if self._mgr.version(key) != version:
+                        name = next(c for c in STATE if keys[c] == key)
+                        self._mgr.read_into(key, rd.bufs.part(name, n)).wait()
+                compute += self._update(rd.bufs, index, hyper, step, grad_scale)
+                self._write(rd.bufs, index)
+            self._issued -= len(self._order)
+            self._top_up(0)  # the next step's first shards, chained behind the writes
+        except BaseException:
+            self._unwind()
+            raise
+        return PipelineStats(len(self._order), time.perf_counter() - t0, compute, wait, 0.0,
+                             self.buffer_bytes)
+
+    def _update(self, bufs: _Set, index: int, hyper: AdamHyper, step: float,
+                grad_scale: float) -> float:
+        n = self._numels[index]
+        gkey = self._keys[index]["grad"]
+        tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
+        grad = self._mgr.fetch(gkey, tier).wait()  # 1D, its home (host) or a cache
+        try:
+            t = time.perf_counter()
+            adam_update(bufs.part("master", n), bufs.part("exp_avg", n),
+                        bufs.part("exp_avg_sq", n), grad, hyper=hyper, step=step,
+                        grad_scale=grad_scale,
+                        shadow=None if bufs.param16 is None else bufs.param16[:n],
+                        threads=self._threads, backend=self._backend)
+            return time.perf_counter() - t
+        finally:
+            self._mgr.release(gkey, tier)
+
+    def _write(self, bufs: _Set, index: int) -> None:
+        n, keys = self._numels[index], self._keys[index]
+        writes = [self._mgr.write_from(keys[c], bufs.part(c, n)) for c in STATE]
+        p16 = keys.get("param16")
+        if p16 is not None:  # fp32 compute: param16 is the master itself
+            src = bufs.part("master", n) if bufs.param16 is None else bufs.param16[:n]
+            writes.append(self._mgr.write_from(p16, src))
+        self._writes.append((bufs, writes))
+        while self._writes and all(t.done() for t in self._writes[0][1]):
+            done, parts = self._writes.popleft()
+            _wait_all(parts)
+            self._free.append(done)
+
+    def _top_up(self, pos: int) -> None:
+        """Issue reads up to ``len(sets)`` positions past ``pos`` (wrapping into the next
+        step), into free sets or, chained, into the sets of the oldest writes."""
+        while self._issued < pos + len(self._sets) and (self._free or self._writes):
+            index = self._order[self._issued % len(self._order)]
+            after: list[TierTransfer] = []
+            if self._free:
+                bufs = self._free.popleft()
+            else:
+                bufs, after = self._writes.popleft()
+            job = self._reader.submit(self._issue_read, index, bufs, after)
+            self._ahead.append(_Read(index, bufs, after, job))
+            self._issued += 1
+
+    def _issue_read(self, index: int, bufs: _Set, after: list[TierTransfer]
+                    ) -> list[tuple[str, int, TierTransfer]]:
+        _wait_all(after)  # the set's previous contents are written: it may be refilled
+        n = self._numels[index]
+        out: list[tuple[str, int, TierTransfer]] = []
+        for c in STATE if n else ():
+            key = self._keys[index][c]
+            version = self._mgr.version(key)  # before the read: a later change is caught
+            out.append((key, version, self._mgr.read_into(key, bufs.part(c, n))))
+        return out
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Shards whose writes were issued and have not all landed yet."""
+        groups = [parts for _, parts in self._writes] + [rd.after for rd in self._ahead]
+        return sum(not all(t.done() for t in parts) for parts in groups)
+
+    def wait_idle(self) -> None:
+        """Block until every issued write and read-ahead has landed, keeping the
+        read-ahead (for exact traffic counts per step); raises a failure."""
+        for rd in list(self._ahead):
+            rd.wait()
+        for _, parts in list(self._writes):
+            _wait_all(parts)
+
+    # ------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """Wait for every write in flight (raising the first failure) and drop the
+        read-ahead; afterwards the stream holds no transfer."""
+        try:
+            while self._writes:
+                bufs, parts = self._writes.popleft()
+                self._free.append(bufs)
+                _wait_all(parts)
+        except BaseException:
+            self._unwind()
+            raise
+        self._unwind()
+
+    def _unwind(self) -> None:
+        for rd in self._ahead:
+            rd.settle()
+        for _, parts in self._writes:
+            for t in parts:
+                try:
+                    t.wait()
+                except BaseException as exc:
+                    log.warning("while unwinding the optimizer stream: %s", exc)
+        self._ahead.clear()
+        self._writes.clear()
+        self._free = deque(self._sets)
+        self._issued = 0
+
+    def close(self) -> None:
+        """Finish every write (raising a failure) and stop the read-ahead thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush()
+        finally:
+            self._reader.shutdown(wait=True)
+            self._sets = []
+            self._free.clear()
+
+
+def _wait_all(parts: Sequence[TierTransfer]) -> None:
+    """Wait for every transfer, then raise the first failure (all of them use our buffers)."""
+    error: BaseException | None = None
+    for t in parts:
+        try:
+            t.wait()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
