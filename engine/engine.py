@@ -25,7 +25,7 @@ from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
-from engine.offload_bridge import TieredShardStore, offload_wanted, pipeline_sets
+from engine.offload_bridge import TieredShardStore, offload_wanted
 from engine.offload_step import OffloadedAdam, threads_per_rank
 from engine.optim import OptimizerFactory, build_optimizer, run_step
 from engine.precision import LossScaler, compute_dtype, has_overflow
@@ -94,7 +94,7 @@ class ZeroEngine:
                 self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
                 threads=threads_per_rank(self.comm.world_size),
-                sets=pipeline_sets(self.config), order=order)
+                buffer_bytes=self.store.pipeline_bytes(), order=order)
         else:
             self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)

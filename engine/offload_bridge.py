@@ -34,17 +34,11 @@ import swap
 from engine.config import Config
 from engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
 from offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierManager, TierSettings
+from offload.host_ring import page_up
 from offload.settings import OffloadDevice, Tier
 
 log = logging.getLogger(__name__)
 
-
-
-def pipeline_sets(config: Config) -> int:
-    """Buffer sets of the streamed CPU Adam ([Note: streamed optimizer step] in
-    offload/adam_stream.py): offload.optimizer.buffer_count, the host staging for the
-    optimizer's NVMe reads and writes. At least 2: one updated while the next is read."""
-    return max(2, config.offload.optimizer.buffer_count)
 _OPTIMIZER_KINDS: tuple[ShardKind, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
 
 
@@ -88,8 +82,8 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
         if host <= host_outside:
             raise ValueError(
                 f"offload.budgets.host_bytes = {host} does not cover the CPU Adam's pipeline "
-                f"buffers ({host_outside} bytes: offload.optimizer.buffer_count sets of the "
-                "largest unit's shard); raise it "
+                f"buffers ({host_outside} bytes: offload.optimizer.buffer_count x "
+                "buffer_bytes); raise it "
                 "well above that, or use smaller units (zero.units / zero.unit_min_bytes)")
         host -= host_outside
     budgets = Budgets(device=dev_budget, host=host, nvme=b.nvme_bytes, **reserve)
@@ -207,14 +201,26 @@ class TieredShardStore(ShardStore):
         return all(self.homes[k] == "cpu" for k in ("master", "exp_avg", "exp_avg_sq"))
 
     def pipeline_bytes(self) -> int:
-        """Host bytes of the CPU Adam's buffer sets (pipeline_sets() sets of the largest
-        trainable shard: master and moments in fp32, plus the bf16/fp16 param16)."""
+        """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]):
+        offload.optimizer.buffer_count buffers of offload.optimizer.buffer_bytes each
+        (null: the mean trainable shard's master, moments and bf16/fp16 param16), and at
+        least the largest shard's. Shards of very different sizes (a large root of
+        embeddings next to small blocks) share it, so the largest does not set the size
+        of every buffer."""
         if self.optimizer_on_device or self.state_in_host():
             return 0
-        largest = max((n for n, kinds, _ in self._kinds.values() if len(kinds) > 1), default=0)
-        dtype = next(iter(self._kinds.values()))[2] if self._kinds else torch.float32
+        numels = [n for n, kinds, _ in self._kinds.values() if len(kinds) > 1 and n]
+        if not numels:
+            return 0
+        dtype = next(iter(self._kinds.values()))[2]
         low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
-        return pipeline_sets(self.config) * largest * (3 * 4 + low)
+
+        def footprint(n: int) -> int:
+            return 3 * page_up(4 * n) + (page_up(low * n) if low else 0)
+
+        o = self.config.offload.optimizer
+        each = o.buffer_bytes or sum(map(footprint, numels)) // len(numels)
+        return max(o.buffer_count * each, *map(footprint, numels))
 
     def _place(self, key: str, pend: _Pending) -> None:
         mgr = self._mgr()

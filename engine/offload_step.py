@@ -7,8 +7,8 @@ one per trainable flat group, because the fp32 masters, moments and gradients
 live in the tier manager, not in tensors it could hold. When the state is
 homed off the host (NVMe, or placed by the planner) `step()` runs an
 `offload.AdamStream` over every group ([Note: streamed optimizer step]): each
-shard's state is read once into one of offload.optimizer.buffer_count buffer
-sets, updated, and written once, with the new compute-dtype `param16` written
+shard's state is read once into a host ring (offload.optimizer.buffer_count x
+buffer_bytes), updated, and written once, with the new compute-dtype `param16` written
 in the same pass to its home tier; the last writes drain, and the next step's
 first reads run, behind the next forward and backward. When the state is
 homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
@@ -45,9 +45,10 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, adamw: bool,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 threads: int, sets: int = 3, order: Sequence[int] | None = None) -> None:
-        """sets: the stream's buffer sets (offload.optimizer.buffer_count); order: the
-        shard order of each step (the groups the next forward gathers first, first)."""
+                 threads: int, buffer_bytes: int = 0, order: Sequence[int] | None = None
+                 ) -> None:
+        """buffer_bytes: the stream's host ring (TieredShardStore.pipeline_bytes()); order:
+        the shard order of each step (the groups the next forward gathers first, first)."""
         handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager
         super().__init__(handles, {"lr": lr, "betas": betas, "eps": eps,
                                    "weight_decay": weight_decay})
@@ -72,7 +73,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if not self._in_place:
             self._stream = AdamStream(
                 manager, [{n: store.manager_key(k, n) for n in names} for k in self._keys],
-                [store.numel(k) for k in self._keys], order=order, sets=sets,
+                [store.numel(k) for k in self._keys], order=order, buffer_bytes=buffer_bytes,
                 shadow=self._shadow, threads=self._threads)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]

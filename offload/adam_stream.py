@@ -3,12 +3,12 @@
 [Note: streamed optimizer step]
 ``pipelined_step`` fetches, updates and stores every shard inside one call, so
 its NVMe traffic runs only while the caller waits in ``step()``. ``AdamStream``
-keeps ``sets`` host buffer sets for the whole run and lets the traffic spill
-into the time around the step:
+keeps one host ring of ``buffer_bytes`` (offload/host_ring.py) for the whole run
+and lets the traffic spill into the time around the step:
 
     step N        ... adam i | write i, queued | adam i+1 | ...  returns with the
                   last writes still in flight
-    fwd/bwd N+1   those writes drain; each buffer set a write frees is filled at
+    fwd/bwd N+1   those writes drain; the ring room each one frees is filled at
                   once with the state of the next step's first shards (read-ahead)
     step N+1      starts on shards whose state is already in host memory
 
@@ -20,8 +20,8 @@ kernel's low-precision shadow, or the fp32 master itself with fp32 compute) is
 written in the same pass.
 
 Ordering, so no one ever sees stale data:
-- a read-ahead into a buffer set starts only after the write that held the set
-  has landed (one background thread waits for it, so ``step()`` does not);
+- a read-ahead into ring room starts only after the writes that held the room
+  have landed (one background thread waits for it, so ``step()`` does not);
 - reads and writes of one key are ordered by the manager (the home copy is in
   flight until the write lands: a gather of param16 waits for it) and by the
   swap store (a read waits for earlier writes of its key);
@@ -51,6 +51,7 @@ from .adam_kernel import Backend, adam_update
 from .adam_math import AdamHyper
 from .adam_threads import AdamThreads
 from .errors import OffloadError
+from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .pipelined_adam import PipelineStats
 from .settings import Tier
@@ -63,8 +64,9 @@ STATE = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True, eq=False)
 class _Set:
-    """One shard's working buffers: 1D host tensors of the largest shard's size."""
+    """One shard's working buffers: 1D host views into the ring, `numel` elements each."""
 
+    start: int  # the ring region holding them (-1: an empty shard, no region)
     master: torch.Tensor  # fp32
     exp_avg: torch.Tensor  # fp32
     exp_avg_sq: torch.Tensor  # fp32
@@ -119,12 +121,15 @@ class AdamStream:
     (param16 optional: without it only the fp32 state is updated).
     order: the shard order of every step; put first the shards the next forward
         needs first (their param16 is then written first).
-    sets: buffer sets, each the largest shard's master + moments (+ param16): the
-        host memory of the step, and how far reads run ahead and writes behind.
+    buffer_bytes: the host ring the shards' master + moments (+ param16) are carved
+        from (at least the largest shard's): the host memory of the step, and how far
+        reads run ahead and writes behind. A shard's region is taken when its read is
+        issued and returned when its write has landed, in order (offload/host_ring.py).
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
-                 numels: Sequence[int], *, order: Sequence[int] | None = None, sets: int = 3,
+                 numels: Sequence[int], *, order: Sequence[int] | None = None,
+                 buffer_bytes: int,
                  shadow: torch.dtype | None, threads: AdamThreads | None = None,
                  backend: Backend = "auto") -> None:
         n = len(numels)
@@ -134,8 +139,8 @@ class AdamStream:
         if sorted(self._order) != list(range(n)):
             raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
                              f"{self._order[:10]}")
-        if not isinstance(sets, int) or sets < 1:
-            raise ValueError(f"AdamStream sets={sets!r}; need an int >= 1")
+        if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
+            raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
         if shadow not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
         for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
@@ -148,17 +153,13 @@ class AdamStream:
         self._shadow = shadow
         self._threads = threads
         self._backend = backend
-        largest = max(self._numels, default=0)
-        fp32 = [[manager.host_empty(largest, torch.float32) for _ in STATE]
-                for _ in range(sets)]
-        self._sets = [_Set(m, a, b, None if shadow is None else manager.host_empty(largest, shadow))
-                      for m, a, b in fp32]
-        self.buffer_bytes = sum(t.nbytes for s in self._sets for t in (
-            s.master, s.exp_avg, s.exp_avg_sq, s.param16) if t is not None)
-        self._free: deque[_Set] = deque(self._sets)
+        capacity = max([buffer_bytes, *(self.footprint(n) for n in self._numels)])
+        self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(nbytes, torch.uint8))
+        self.buffer_bytes = self._ring.capacity
         self._ahead: deque[_Read] = deque()  # reads issued, in step order
         self._writes: deque[tuple[_Set, list[TierTransfer]]] = deque()  # oldest first
         self._issued = 0  # reads issued for positions of the current cycle (may run past n)
+        self._carry: list[TierTransfer] = []  # writes of returned ring room, not yet awaited
         # One thread issues the read-ahead once the write that holds its buffer set lands,
         # so step() never blocks on those writes.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierzero-adam-ahead")
@@ -183,7 +184,6 @@ class AdamStream:
                 wait += time.perf_counter() - t
                 n = self._numels[index]
                 if n == 0:
-                    self._free.append(rd.bufs)
                     continue
                 keys = self._keys[index]
                 for key, version in seen:  # written by someone else since: read again
@@ -228,21 +228,46 @@ class AdamStream:
         while self._writes and all(t.done() for t in self._writes[0][1]):
             done, parts = self._writes.popleft()
             _wait_all(parts)
-            self._free.append(done)
+            self._ring.give_back(done.start)
+
+    def footprint(self, numel: int) -> int:
+        """Ring bytes of one shard's buffers (each part page-aligned)."""
+        low = 0 if self._shadow is None else page_up(numel * 2)
+        return 3 * page_up(numel * 4) + low if numel else 0
 
     def _top_up(self, pos: int) -> None:
-        """Issue reads up to ``len(sets)`` positions past ``pos`` (wrapping into the next
-        step), into free sets or, chained, into the sets of the oldest writes."""
-        while self._issued < pos + len(self._sets) and (self._free or self._writes):
-            index = self._order[self._issued % len(self._order)]
-            after: list[TierTransfer] = []
-            if self._free:
-                bufs = self._free.popleft()
-            else:
-                bufs, after = self._writes.popleft()
+        """Issue reads for the positions after ``pos`` (at most one step ahead, wrapping
+        into the next step) while the ring has room, taking room from the oldest writes
+        (the read is then chained behind them)."""
+        n_order = len(self._order)
+        while self._issued < pos + n_order:
+            index = self._order[self._issued % n_order]
+            numel = self._numels[index]
+            start = self._ring.take(self.footprint(numel)) if numel else -1
+            while start is None and self._writes:
+                # Room still being written: the next read issued waits for these writes
+                # (and every later one too: the read-ahead thread runs in order).
+                done, parts = self._writes.popleft()
+                self._carry += parts
+                self._ring.give_back(done.start)
+                start = self._ring.take(self.footprint(numel))
+            if start is None:  # the ring is full of read-ahead: enough
+                return
+            after, self._carry = self._carry, []
+            bufs = self._carve(start, numel)
             job = self._reader.submit(self._issue_read, index, bufs, after)
             self._ahead.append(_Read(index, bufs, after, job))
             self._issued += 1
+
+    def _carve(self, start: int, numel: int) -> _Set:
+        if start < 0:
+            empty = torch.empty(0)
+            return _Set(start, empty, empty, empty, None)
+        size = page_up(numel * 4)
+        fp32 = [self._ring.view(start + i * size, numel, torch.float32) for i in range(3)]
+        p16 = (None if self._shadow is None
+               else self._ring.view(start + 3 * size, numel, self._shadow))
+        return _Set(start, fp32[0], fp32[1], fp32[2], p16)
 
     def _issue_read(self, index: int, bufs: _Set, after: list[TierTransfer]
                     ) -> list[tuple[str, int, TierTransfer]]:
@@ -259,6 +284,7 @@ class AdamStream:
     def writes_in_flight(self) -> int:
         """Shards whose writes were issued and have not all landed yet."""
         groups = [parts for _, parts in self._writes] + [rd.after for rd in self._ahead]
+        groups += [[t] for t in self._carry]
         return sum(not all(t.done() for t in parts) for parts in groups)
 
     def wait_idle(self) -> None:
@@ -266,7 +292,7 @@ class AdamStream:
         read-ahead (for exact traffic counts per step); raises a failure."""
         for rd in list(self._ahead):
             rd.wait()
-        for _, parts in list(self._writes):
+        for parts in [self._carry, *(p for _, p in self._writes)]:
             _wait_all(parts)
 
     # ------------------------------------------------------------ lifecycle
@@ -274,9 +300,10 @@ class AdamStream:
         """Wait for every write in flight (raising the first failure) and drop the
         read-ahead; afterwards the stream holds no transfer."""
         try:
+            _wait_all(self._carry)
+            self._carry = []
             while self._writes:
-                bufs, parts = self._writes.popleft()
-                self._free.append(bufs)
+                _, parts = self._writes.popleft()
                 _wait_all(parts)
         except BaseException:
             self._unwind()
@@ -286,7 +313,7 @@ class AdamStream:
     def _unwind(self) -> None:
         for rd in self._ahead:
             rd.settle()
-        for _, parts in self._writes:
+        for parts in [self._carry, *(p for _, p in self._writes)]:
             for t in parts:
                 try:
                     t.wait()
@@ -294,7 +321,8 @@ class AdamStream:
                     log.warning("while unwinding the optimizer stream: %s", exc)
         self._ahead.clear()
         self._writes.clear()
-        self._free = deque(self._sets)
+        self._carry = []
+        self._ring.reset()
         self._issued = 0
 
     def close(self) -> None:
@@ -306,8 +334,6 @@ class AdamStream:
             self.flush()
         finally:
             self._reader.shutdown(wait=True)
-            self._sets = []
-            self._free.clear()
 
 
 def _wait_all(parts: Sequence[TierTransfer]) -> None:

@@ -70,8 +70,9 @@ class Rig:
                 for c in DTYPES:
                     self.mgr.place(self.keys[i][c], self.ref.tensors[i][c]).wait()
 
-    def stream(self, sets: int) -> AdamStream:
-        return AdamStream(self.mgr, self.keys, NUMELS, order=ORDER, sets=sets,
+    def stream(self, ring: int) -> AdamStream:
+        """`ring` bytes of host ring (raised to the largest shard's buffers)."""
+        return AdamStream(self.mgr, self.keys, NUMELS, order=ORDER, buffer_bytes=ring,
                           shadow=torch.bfloat16)
 
     def new_grads(self) -> None:
@@ -105,11 +106,13 @@ class Rig:
         self.ref.close()
 
 
-@pytest.mark.parametrize("sets", [1, 2, 4])
+@pytest.mark.parametrize("ring", [0, 150_000, 1 << 20])
 def test_stream_matches_pipelined_step_and_moves_each_byte_once(tmp_path: Path,
-                                                                sets: int) -> None:
+                                                                ring: int) -> None:
+    """ring 0: one shard at a time; 150 kB: a few shards of mixed sizes in flight, with
+    wrap-around; 1 MiB: every shard fits (the whole next step is read ahead)."""
     rig = Rig(tmp_path)
-    stream = rig.stream(sets)
+    stream = rig.stream(ring)
     try:
         counts = []
         for step in range(1, 5):
@@ -138,7 +141,7 @@ def test_deferred_writes_are_seen_by_the_next_reader(tmp_path: Path) -> None:
     """Slow writes are still in flight when step() returns; a gather-like fetch of param16
     and a read of the state right after see the new values (the manager orders them)."""
     rig = Rig(tmp_path, DelayIO(write_delay=0.01))
-    stream = rig.stream(3)
+    stream = rig.stream(150_000)
     try:
         rig.new_grads()
         pipelined_step(rig.ref, hyper=HYPER, step=1)
@@ -157,7 +160,7 @@ def test_state_written_between_steps_is_read_again(tmp_path: Path) -> None:
     """A read-ahead taken before someone else wrote the state (e.g. a checkpoint load) is
     not used: the version check reads it again."""
     rig = Rig(tmp_path)
-    stream = rig.stream(3)
+    stream = rig.stream(150_000)
     try:
         rig.new_grads()
         pipelined_step(rig.ref, hyper=HYPER, step=1)
@@ -182,7 +185,7 @@ def test_failure_mid_step_leaves_each_shard_whole(tmp_path: Path,
     """The kernel fails on the third shard: the shards before it are fully updated, the
     rest untouched, the manager holds nothing, and the next step runs."""
     rig = Rig(tmp_path)
-    stream = rig.stream(3)
+    stream = rig.stream(150_000)
     initial = [{c: t.clone() for c, t in s.items()} for s in rig.ref.tensors]
     calls = {"n": 0}
     real = adam_stream.adam_update
@@ -218,7 +221,7 @@ def test_failure_mid_step_leaves_each_shard_whole(tmp_path: Path,
 def test_read_failure_is_raised_naming_the_shard_and_unwinds(tmp_path: Path) -> None:
     io = FailingIO()
     rig = Rig(tmp_path, io)
-    stream = rig.stream(2)
+    stream = rig.stream(0)
     try:
         rig.new_grads()
         io.armed = True
@@ -240,11 +243,11 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     try:
         with pytest.raises(ValueError, match="order must list every shard"):
-            AdamStream(rig.mgr, rig.keys, NUMELS, order=[0, 1], shadow=None)
-        with pytest.raises(ValueError, match="sets=0"):
-            AdamStream(rig.mgr, rig.keys, NUMELS, sets=0, shadow=None)
+            AdamStream(rig.mgr, rig.keys, NUMELS, order=[0, 1], buffer_bytes=0, shadow=None)
+        with pytest.raises(ValueError, match="buffer_bytes=-1"):
+            AdamStream(rig.mgr, rig.keys, NUMELS, buffer_bytes=-1, shadow=None)
         with pytest.raises(ValueError, match="no key for"):
-            AdamStream(rig.mgr, [{}] * len(NUMELS), NUMELS, shadow=None)
+            AdamStream(rig.mgr, [{}] * len(NUMELS), NUMELS, buffer_bytes=0, shadow=None)
         with pytest.raises(OffloadError, match="the shard is"):
             rig.mgr.write_from(rig.keys[0]["master"], torch.zeros(3))
     finally:
