@@ -36,6 +36,20 @@ from engine.units import UnitSpec, check_parameters_supported, discover_units
 log = logging.getLogger(__name__)
 
 
+def _cut(named: list[tuple[str, nn.Parameter]], cap: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive runs of `named` of at most `cap` elements (a larger parameter alone);
+    cap 0: one run."""
+    runs: list[list[tuple[str, nn.Parameter]]] = [[]]
+    size = 0
+    for qname, p in named:
+        if cap and runs[-1] and size + p.numel() > cap:
+            runs.append([])
+            size = 0
+        runs[-1].append((qname, p))
+        size += p.numel()
+    return runs
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -65,6 +79,9 @@ class ZeroEngine:
                              f"{shape_sig} on rank {self.comm.rank}); every rank must build "
                              "the same model with the same zero.units")
         self._move_buffers()
+        # Largest block unit (elements): the root's flat groups are cut to this size.
+        self._group_cap = max((sum(p.numel() for _, p in s.params) for s in specs
+                               if not s.is_root), default=0)
         # Plain device-resident shards, or the tier manager when anything is offloaded.
         self.store: ShardStore = (TieredShardStore(self.device, self.config)
                                   if offload_wanted(self.config) else ShardStore(self.device))
@@ -85,11 +102,13 @@ class ZeroEngine:
         self.optimizer: torch.optim.Optimizer
         if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
             o = self.config.optimizer
-            # Step order: the root's groups first, then the units in model order, the order
-            # the next forward gathers them (their new param16 is written in that order).
-            root_keys = {g.key for g in self.root.groups}
+            # Step order: backward's (the blocks last to first, the root last), the order in
+            # which gradients turn final, so the step can follow backward (overlap_step) and
+            # the read-ahead during forward fetches what backward finalises first.
+            rank = {g.key: r for r, u in enumerate([*self.units[-2::-1], self.root])
+                    for g in u.groups}
             order = sorted(range(len(self._train_keys)),
-                           key=lambda i: self._train_keys[i] not in root_keys)
+                           key=lambda i: rank[self._train_keys[i]])
             self.optimizer = OffloadedAdam(
                 self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
@@ -101,6 +120,7 @@ class ZeroEngine:
         self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
         self.micro_steps = 0
+        self._abandoned = False  # a step begun in backward failed: skip this boundary's step
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -115,14 +135,25 @@ class ZeroEngine:
                     mod._buffers[name] = buf.to(self.device)
 
     def _group_plan(self, spec: UnitSpec) -> list[tuple[str, bool, list[tuple[str, nn.Parameter]]]]:
-        """(store key, trainable, named params) of each flat group of a unit."""
+        """(store key, trainable, named params) of each flat group of a unit.
+
+        The root's groups are cut, at parameter boundaries in module order, into pieces no
+        larger than the largest block unit (`_group_cap`): a root of untied embeddings and
+        head is often several blocks' worth, and every per-shard buffer (the CPU Adam's
+        ring, NVMe staging) is sized by the largest shard. Pieces after the first get a
+        "#i" suffix; a root within the cap keeps one group per kind."""
         by_kind: dict[bool, list[tuple[str, nn.Parameter]]] = {}
         for qname, p in spec.params:
             by_kind.setdefault(p.requires_grad, []).append((qname, p))
         label = spec.name or "<root>"
         dtype_name = str(self.dtype).removeprefix("torch.")
-        return [(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}", trainable,
-                 named) for trainable, named in sorted(by_kind.items(), reverse=True)]
+        out = []
+        for trainable, named in sorted(by_kind.items(), reverse=True):
+            key = f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}"
+            pieces = _cut(named, self._group_cap) if spec.is_root else [named]
+            out += [(key if i == 0 else f"{key}#{i}", trainable, piece)
+                    for i, piece in enumerate(pieces)]
+        return out
 
     def _declare_groups(self, specs: list[UnitSpec]) -> None:
         """Tell the store every shard before any is created, so placement is planned over
@@ -183,10 +214,56 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.scheduler.begin_backward()
+        self._begin_step_early()
+        ok = False
         try:
             (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
+            ok = True
         finally:
-            self.scheduler.end_backward()
+            if not ok:
+                self._abandon_early_step()
+            try:
+                self.scheduler.end_backward()
+            except BaseException:
+                self._abandon_early_step()
+                raise
+            finally:
+                self.scheduler.on_final = None
+
+    def _begin_step_early(self) -> bool:
+        """On an accumulation boundary, with state streamed from NVMe and nothing that needs
+        every gradient first (clipping's global norm, fp16's overflow check), start the
+        optimizer step now: each unit is updated once its gradient is reduced, while
+        backward runs on the others (offload.optimizer.overlap_step). `lr` and the other
+        hyper-parameters are taken now, as `step()` would take them."""
+        opt = self.optimizer
+        if not (isinstance(opt, OffloadedAdam) and opt.can_begin_early
+                and self.config.offload.optimizer.overlap_step
+                and self.is_gradient_accumulation_boundary()
+                and self.config.gradient_clipping <= 0 and self.loss_scaler is None):
+            return False
+        if opt.step_open:
+            raise RuntimeError("backward() on an accumulation boundary again before step(): "
+                               "the optimizer step begun by the previous backward is still "
+                               "open; call eng.step() after each backward()")
+        opt.begin_step()
+        self.scheduler.on_final = self._unit_final
+        return True
+
+    def _unit_final(self, unit: Unit) -> None:
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.groups_final([g.key for g in unit.groups if g.trainable])
+
+    def _abandon_early_step(self) -> None:
+        """Backward failed with a step begun early: units updated so far stay updated (each
+        whole); the step of this boundary is skipped, never applied twice."""
+        self.scheduler.on_final = None
+        if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_open:
+            done = self.optimizer.abort_step()
+            self._abandoned = True
+            log.error("backward failed after the optimizer step had updated %d of %d "
+                      "parameter groups (overlap_step); those keep their update, the step "
+                      "of this boundary is skipped", done, len(self._train_keys))
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
@@ -197,6 +274,11 @@ class ZeroEngine:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
+            return
+        if self._abandoned:  # [see _abandon_early_step]
+            self._abandoned = False
+            self.skipped_steps += 1
+            self.zero_grad()
             return
         unscale = 1.0
         if self.loss_scaler is not None:

@@ -57,6 +57,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.last_stats: PipelineStats | None = None
         self._store = store
         self._keys = list(keys)
+        self._index = {k: i for i, k in enumerate(self._keys)}
         dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
         # the master itself (written from it).
@@ -79,20 +80,61 @@ class OffloadedAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0) -> None:
         """One Adam step over every shard; gradients are multiplied by `grad_scale` on the
-        fly (clipping coefficient, fp16 unscale), so no extra pass over them is needed."""
+        fly (clipping coefficient, fp16 unscale), so no extra pass over them is needed.
+        A step begun during backward (begin_step) is finished here."""
         if closure is not None:
             raise ValueError("OffloadedAdam.step() takes no closure; the engine steps it")
-        group = self.param_groups[0]
-        hyper = AdamHyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                          beta2=float(group["betas"][1]), eps=float(group["eps"]),
-                          weight_decay=float(group["weight_decay"]), adamw=self.adamw)
+        if self.step_open:
+            if grad_scale != 1.0:
+                raise RuntimeError("OffloadedAdam: a step begun during backward cannot scale "
+                                   "its gradients (clipping / fp16 disable begin_step)")
+            self.last_stats = self._need_stream().finish()
+            return
+        hyper = self._hyper()
         self.steps += 1
         if self._in_place:
             self.last_stats = self._step_in_place(hyper, grad_scale)
             return
+        self.last_stats = self._need_stream().step(hyper, float(self.steps), grad_scale)
+
+    # -- a step started while backward runs ([Note: streamed optimizer step]) ---------------
+    @property
+    def can_begin_early(self) -> bool:
+        """The state streams (not updated in place): shards can be updated as they turn final."""
+        return self._stream is not None
+
+    @property
+    def step_open(self) -> bool:
+        return self._stream is not None and self._stream.is_open
+
+    def begin_step(self) -> None:
+        """Start a step (unscaled gradients) with the current hyper-parameters; shards are
+        updated as `groups_final` reports them, the rest by `step()`."""
+        stream = self._need_stream()
+        hyper = self._hyper()
+        self.steps += 1
+        stream.begin(hyper, float(self.steps))
+
+    def groups_final(self, keys: Sequence[str]) -> None:
+        """These groups' gradients are final for this step: update what can be updated."""
+        self._need_stream().mark_final([self._index[k] for k in keys])
+
+    def abort_step(self) -> int:
+        """Abandon a step begun early (its backward failed): shards updated so far stay
+        updated, each whole; returns their number."""
+        return 0 if self._stream is None else self._stream.abort()
+
+    def _hyper(self) -> AdamHyper:
+        group = self.param_groups[0]
+        return AdamHyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                         beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), adamw=self.adamw)
+
+    def _need_stream(self) -> AdamStream:
         if self._stream is None:
-            raise RuntimeError("OffloadedAdam.step() after close()")
-        self.last_stats = self._stream.step(hyper, float(self.steps), grad_scale)
+            raise RuntimeError("OffloadedAdam: no optimizer stream (state updated in place, "
+                               "or closed)")
+        return self._stream
 
     def flush(self) -> None:
         """Wait for the optimizer's writes still in flight (a failure is raised here)."""

@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,6 +114,20 @@ class _Read:
             log.warning("while unwinding a failed optimizer step: %s", exc)
 
 
+@dataclass
+class _Open:
+    """A step in progress: its hyper-parameters, how far it got, where the time went."""
+
+    hyper: AdamHyper
+    step: float
+    grad_scale: float
+    t0: float
+    pos: int = 0  # shards of `order` updated so far
+    final: set[int] = field(default_factory=set)  # shards whose gradient is final
+    compute: float = 0.0
+    wait: float = 0.0
+
+
 class AdamStream:
     """Adam over every shard of ``keys`` (class -> manager key per shard), streamed.
 
@@ -160,6 +174,7 @@ class AdamStream:
         self._writes: deque[tuple[_Set, list[TierTransfer]]] = deque()  # oldest first
         self._issued = 0  # reads issued for positions of the current cycle (may run past n)
         self._carry: list[TierTransfer] = []  # writes of returned ring room, not yet awaited
+        self._open: _Open | None = None  # the step begun and not finished
         # One thread issues the read-ahead once the write that holds its buffer set lands,
         # so step() never blocks on those writes.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierzero-adam-ahead")
@@ -168,37 +183,89 @@ class AdamStream:
     # ----------------------------------------------------------------- step
     def step(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> PipelineStats:
         """One Adam update of every shard; returns with the last writes in flight."""
+        self.begin(hyper, step, grad_scale)
+        return self.finish()
+
+    # A step in parts, for starting it while backward still runs: begin(), then
+    # mark_final() as each shard's gradient is final (the shards are updated in `order`, as
+    # far as the final ones reach), then finish() updates the rest.
+    def begin(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> None:
         if self._closed:
-            raise OffloadError("AdamStream.step() after close()")
-        t0 = time.perf_counter()
-        compute = wait = 0.0
+            raise OffloadError("AdamStream.begin() after close()")
+        if self._open is not None:
+            raise OffloadError("AdamStream.begin() while a step is open; finish() or abort() "
+                               "it first")
+        self._open = _Open(hyper, step, grad_scale, time.perf_counter())
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def mark_final(self, indices: Sequence[int]) -> None:
+        """These shards' gradients will not change this step: update every shard, in order,
+        up to the first whose gradient is not final yet."""
+        op = self._need_open("mark_final")
+        op.final.update(indices)
+        self._advance(op, everything=False)
+
+    def finish(self) -> PipelineStats:
+        """Update the shards not updated yet; the step is closed."""
+        op = self._need_open("finish")
+        self._advance(op, everything=True)
+        self._open = None
         try:
-            for pos, index in enumerate(self._order):
-                self._top_up(pos)
-                rd = self._ahead.popleft()
-                if rd.index != index:
-                    raise OffloadError(f"internal: read-ahead holds shard {rd.index}, the step "
-                                       f"is at shard {index}")
-                t = time.perf_counter()
-                seen = rd.wait()
-                wait += time.perf_counter() - t
-                n = self._numels[index]
-                if n == 0:
-                    continue
-                keys = self._keys[index]
-                for key, version in seen:  # written by someone else since: read again
-                    if self._mgr.version(key) != version:
-                        name = next(c for c in STATE if keys[c] == key)
-                        self._mgr.read_into(key, rd.bufs.part(name, n)).wait()
-                compute += self._update(rd.bufs, index, hyper, step, grad_scale)
-                self._write(rd.bufs, index)
             self._issued -= len(self._order)
             self._top_up(0)  # the next step's first shards, chained behind the writes
         except BaseException:
             self._unwind()
             raise
-        return PipelineStats(len(self._order), time.perf_counter() - t0, compute, wait, 0.0,
-                             self.buffer_bytes)
+        return PipelineStats(len(self._order), time.perf_counter() - op.t0, op.compute,
+                             op.wait, 0.0, self.buffer_bytes)
+
+    def abort(self) -> int:
+        """Close an open step without updating the rest; returns how many shards it had
+        updated (each of them whole). The next step starts from the first shard."""
+        op, self._open = self._open, None
+        if op is None:
+            return 0
+        self._unwind()
+        return op.pos
+
+    def _need_open(self, what: str) -> _Open:
+        if self._open is None:
+            raise OffloadError(f"AdamStream.{what}() without begin()")
+        return self._open
+
+    def _advance(self, op: _Open, *, everything: bool) -> None:
+        try:
+            while op.pos < len(self._order) and (everything or self._order[op.pos] in op.final):
+                self._one(op, op.pos)
+                op.pos += 1
+        except BaseException:
+            self._open = None
+            self._unwind()
+            raise
+
+    def _one(self, op: _Open, pos: int) -> None:
+        index = self._order[pos]
+        self._top_up(pos)
+        rd = self._ahead.popleft()
+        if rd.index != index:
+            raise OffloadError(f"internal: read-ahead holds shard {rd.index}, the step is at "
+                               f"shard {index}")
+        t = time.perf_counter()
+        seen = rd.wait()
+        op.wait += time.perf_counter() - t
+        n = self._numels[index]
+        if n == 0:
+            return
+        keys = self._keys[index]
+        for key, version in seen:  # written by someone else since: read again
+            if self._mgr.version(key) != version:
+                name = next(c for c in STATE if keys[c] == key)
+                self._mgr.read_into(key, rd.bufs.part(name, n)).wait()
+        op.compute += self._update(rd.bufs, index, op.hyper, op.step, op.grad_scale)
+        self._write(rd.bufs, index)
 
     def _update(self, bufs: _Set, index: int, hyper: AdamHyper, step: float,
                 grad_scale: float) -> float:
@@ -330,6 +397,7 @@ class AdamStream:
         if self._closed:
             return
         self._closed = True
+        self._open = None
         try:
             self.flush()
         finally:

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import full_params, make_batches, make_config, make_model
+from engine_helpers import (
+    assert_match,
+    engine_train,
+    full_params,
+    make_batches,
+    make_config,
+    make_model,
+    reference_train,
+)
 from tiers_util import DelayIO
 
 import engine
@@ -113,3 +121,99 @@ def test_deferred_write_back_is_seen_by_the_next_gather(tmp_path: Path,
     assert slow_losses == fast_losses
     for k, v in fast_params.items():
         assert torch.equal(slow_params[k], v), k
+
+
+def overlap_config(path: Path, *, gas: int, overlap: bool) -> Config:
+    """fp32, no clipping: the step may start during backward (overlap_step)."""
+    base = make_config(gas=gas)
+    opt = OptimizerOffloadConfig(device="nvme", path=str(path), overlap_step=overlap)
+    return dataclasses.replace(base, offload=OffloadConfig(
+        params=ParamOffloadConfig(device="nvme", path=str(path)), optimizer=opt,
+        budgets=BudgetsConfig(device_bytes=64 << 20)))
+
+
+@pytest.mark.parametrize("gas", [1, 4])
+def test_step_during_backward_is_bit_identical_and_matches_pytorch(gas: int,
+                                                                   tmp_path: Path) -> None:
+    """Updating each unit as its gradient turns final changes when the kernel runs, not
+    what it computes: bit-identical to the step after backward, and within the parity
+    tolerance of plain PyTorch (engine_helpers.PARAM_ATOL, LOSS_RTOL)."""
+    steps = 6
+    batches = make_batches(steps * gas)
+    ref = reference_train(make_model(), make_config(gas=gas), [batches], steps)
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    on = engine_train(overlap_config(tmp_path / "on", gas=gas, overlap=True), batches, steps)
+    off = engine_train(overlap_config(tmp_path / "off", gas=gas, overlap=False), batches, steps)
+    assert on.losses == off.losses
+    for k, v in off.params.items():
+        assert torch.equal(on.params[k], v), k
+    assert_match(on.losses, on.params, ref.losses, ref.params)
+
+
+def test_units_are_updated_inside_backward(tmp_path: Path) -> None:
+    eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                       config=overlap_config(tmp_path, gas=1, overlap=True))
+    try:
+        assert isinstance(opt, OffloadedAdam) and opt._stream is not None
+        seen: list[int] = []
+        real = opt.groups_final
+
+        def spy(keys: list[str]) -> None:
+            real(keys)
+            op = opt._stream._open if opt._stream is not None else None
+            seen.append(op.pos if op is not None else -1)
+
+        opt.groups_final = spy  # type: ignore[method-assign]
+        ids, tg = make_batches(1)[0]
+        eng.backward(eng(ids, tg))
+        # every group was updated before backward returned, one unit after another
+        assert opt.step_open and seen == sorted(seen) and seen[0] >= 1
+        assert seen[-1] == len(eng._train_keys)
+        eng.step()
+        assert not opt.step_open and eng.global_steps == 1
+    finally:
+        eng.close()
+
+
+def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
+        tmp_path: Path) -> None:
+    """A backward that raises after some units were updated: those keep their update (each
+    whole: master, moments and param16 together), the others are untouched, the step of
+    that boundary is skipped (never applied twice), and training goes on."""
+    model = make_model()
+    eng, opt, _, _ = engine.initialize(device="cpu", model=model,
+                                       config=overlap_config(tmp_path, gas=1, overlap=True))
+    try:
+        before = full_params(eng, model)
+        fail = {"on": True}
+
+        def boom(*_: object) -> None:
+            if fail["on"]:
+                raise RuntimeError("injected backward failure")
+
+        handle = model.blocks[0].register_full_backward_hook(boom)  # last block of backward
+        ids, tg = make_batches(1)[0]
+        with pytest.raises(RuntimeError, match="injected backward failure"):
+            eng.backward(eng(ids, tg))
+        eng.step()  # skipped: some units already took this step's update
+        assert eng.skipped_steps == 1 and not opt.step_open
+        after = full_params(eng, model)
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        # the blocks finished backward before the failure (the hook runs once block 0's
+        # gradients exist); the root (embedding, norm, head) is reduced only at the end
+        assert changed and all(k.startswith("blocks.") for k in changed), changed
+        assert all(torch.equal(before[k], after[k]) for k in before
+                   if not k.startswith("blocks.")), "the root was updated"
+        store = eng.store
+        assert store.manager is not None
+        store.manager.synchronize()
+        store.manager.audit()
+        handle.remove()
+        fail["on"] = False
+        for ids, tg in make_batches(2):
+            eng.backward(eng(ids, tg))
+            eng.step()
+        assert eng.global_steps == 2
+    finally:
+        eng.close()
