@@ -26,7 +26,7 @@ from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
 from engine.offload_bridge import TieredShardStore, offload_wanted
-from engine.offload_step import OffloadedAdam, threads_per_rank
+from engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
 from engine.optim import OptimizerFactory, build_optimizer, run_step
 from engine.precision import LossScaler, compute_dtype, has_overflow
 from engine.schedule import Scheduler, Unit
@@ -120,7 +120,10 @@ class ZeroEngine:
         self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
         self.micro_steps = 0
-        self._abandoned = False  # a step begun in backward failed: skip this boundary's step
+        # The optimizer step begun during backward (offload.optimizer.overlap_step).
+        self._early = (EarlyStep(self.optimizer, self.scheduler, self.config,
+                                 fp16=self.loss_scaler is not None)
+                       if isinstance(self.optimizer, OffloadedAdam) else None)
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -214,56 +217,23 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.scheduler.begin_backward()
-        self._begin_step_early()
+        if self._early is not None:
+            self._early.begin(boundary=self.is_gradient_accumulation_boundary())
         ok = False
         try:
             (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
             ok = True
         finally:
-            if not ok:
-                self._abandon_early_step()
+            if not ok and self._early is not None:
+                self._early.abandon()
             try:
                 self.scheduler.end_backward()
             except BaseException:
-                self._abandon_early_step()
+                if self._early is not None:
+                    self._early.abandon()
                 raise
             finally:
                 self.scheduler.on_final = None
-
-    def _begin_step_early(self) -> bool:
-        """On an accumulation boundary, with state streamed from NVMe and nothing that needs
-        every gradient first (clipping's global norm, fp16's overflow check), start the
-        optimizer step now: each unit is updated once its gradient is reduced, while
-        backward runs on the others (offload.optimizer.overlap_step). `lr` and the other
-        hyper-parameters are taken now, as `step()` would take them."""
-        opt = self.optimizer
-        if not (isinstance(opt, OffloadedAdam) and opt.can_begin_early
-                and self.config.offload.optimizer.overlap_step
-                and self.is_gradient_accumulation_boundary()
-                and self.config.gradient_clipping <= 0 and self.loss_scaler is None):
-            return False
-        if opt.step_open:
-            raise RuntimeError("backward() on an accumulation boundary again before step(): "
-                               "the optimizer step begun by the previous backward is still "
-                               "open; call eng.step() after each backward()")
-        opt.begin_step()
-        self.scheduler.on_final = self._unit_final
-        return True
-
-    def _unit_final(self, unit: Unit) -> None:
-        if isinstance(self.optimizer, OffloadedAdam):
-            self.optimizer.groups_final([g.key for g in unit.groups if g.trainable])
-
-    def _abandon_early_step(self) -> None:
-        """Backward failed with a step begun early: units updated so far stay updated (each
-        whole); the step of this boundary is skipped, never applied twice."""
-        self.scheduler.on_final = None
-        if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_open:
-            done = self.optimizer.abort_step()
-            self._abandoned = True
-            log.error("backward failed after the optimizer step had updated %d of %d "
-                      "parameter groups (overlap_step); those keep their update, the step "
-                      "of this boundary is skipped", done, len(self._train_keys))
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
@@ -275,8 +245,7 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
-        if self._abandoned:  # [see _abandon_early_step]
-            self._abandoned = False
+        if self._early is not None and self._early.take_abandoned():  # see EarlyStep.abandon
             self.skipped_steps += 1
             self.zero_grad()
             return
@@ -395,6 +364,11 @@ class ZeroEngine:
         return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
 
     def _check_checkpointable(self, what: str) -> None:
+        if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_open:
+            raise CheckpointError(
+                f"{what} between backward() and step(): the optimizer step begun during "
+                "backward (offload.optimizer.overlap_step) has updated some units and not "
+                "others; call eng.step() first")
         # Checkpoints read optimizer state from the torch optimizer; with offload the
         # moments live in the tier manager, which checkpoints do not read yet.
         if isinstance(self.store, TieredShardStore):

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from engine.config import Config
 from engine.offload_bridge import TieredShardStore
+from engine.schedule import Scheduler, Unit
 from engine.shard_store import ShardKind
 from offload import AdamHyper, AdamStream, AdamThreads, PipelineStats, adam_update
 
@@ -180,3 +182,52 @@ class OffloadedAdam(torch.optim.Optimizer):
         finally:
             self._stream = None
             self._threads.close()
+
+
+class EarlyStep:
+    """The optimizer step begun during backward (offload.optimizer.overlap_step).
+
+    On an accumulation boundary, with state streamed from NVMe and nothing that needs
+    every gradient first (clipping's global norm, fp16's overflow check), the step begins
+    when backward starts and each unit is updated once its gradient shard is reduced
+    (Scheduler.on_final), while backward runs on the others; `OffloadedAdam.step()`
+    finishes it. `lr` and the other hyper-parameters are taken when backward starts.
+    """
+
+    def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
+                 fp16: bool) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.enabled = (optimizer.can_begin_early and config.offload.optimizer.overlap_step
+                        and config.gradient_clipping <= 0 and not fp16)
+        self.abandoned = False  # a step begun in backward failed: skip this boundary's step
+        self.total = len(optimizer.param_groups[0]["params"])
+
+    def begin(self, *, boundary: bool) -> None:
+        if not (self.enabled and boundary):
+            return
+        if self.optimizer.step_open:
+            raise RuntimeError("backward() on an accumulation boundary again before step(): "
+                               "the optimizer step begun by the previous backward is still "
+                               "open; call eng.step() after each backward()")
+        self.optimizer.begin_step()
+        self.scheduler.on_final = self._unit_final
+
+    def _unit_final(self, unit: Unit) -> None:
+        self.optimizer.groups_final([g.key for g in unit.groups if g.trainable])
+
+    def abandon(self) -> None:
+        """Backward failed with a step begun early: units updated so far keep their update
+        (each whole: master, moments and param16 together); the step of this boundary is
+        skipped, never applied twice."""
+        self.scheduler.on_final = None
+        if self.optimizer.step_open:
+            done = self.optimizer.abort_step()
+            self.abandoned = True
+            log.error("backward failed after the optimizer step had updated %d of %d "
+                      "parameter groups (overlap_step); those keep their update, the step "
+                      "of this boundary is skipped", done, self.total)
+
+    def take_abandoned(self) -> bool:
+        out, self.abandoned = self.abandoned, False
+        return out

@@ -42,8 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -55,78 +54,10 @@ from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .pipelined_adam import PipelineStats
 from .settings import Tier
+from .stream_parts import STATE, OpenStep, StreamRead, StreamSet, wait_all
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
-
-STATE = ("master", "exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True, eq=False)
-class _Set:
-    """One shard's working buffers: 1D host views into the ring, `numel` elements each."""
-
-    start: int  # the ring region holding them (-1: an empty shard, no region)
-    master: torch.Tensor  # fp32
-    exp_avg: torch.Tensor  # fp32
-    exp_avg_sq: torch.Tensor  # fp32
-    param16: torch.Tensor | None  # the compute dtype when it is bf16/fp16, else None
-
-    def part(self, name: str, numel: int) -> torch.Tensor:
-        t = getattr(self, name)
-        if not isinstance(t, torch.Tensor):
-            raise OffloadError(f"internal: buffer set has no {name!r} buffer")
-        return t[:numel]
-
-
-class _Read:
-    """A shard's state on its way into a buffer set: the set and the completion together.
-
-    ``job`` resolves, on the read-ahead thread, to (key, version read, transfer) per
-    state tensor once the reads are issued."""
-
-    def __init__(self, index: int, bufs: _Set, after: list[TierTransfer],
-                 job: Future[list[tuple[str, int, TierTransfer]]]) -> None:
-        self.index = index
-        self.bufs = bufs
-        self.after = after  # the writes of the set's previous shard, which the job awaits
-        self.job = job
-
-    def wait(self) -> list[tuple[str, int]]:
-        """Block until the state is in the buffers; (key, version) of each part."""
-        parts = self.job.result()
-        error: BaseException | None = None
-        for _, _, t in parts:  # every part settles before raising: they fill our buffers
-            try:
-                t.wait()
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise OffloadError(f"reading the optimizer state of shard {self.index} failed: "
-                               f"{error}") from error
-        return [(k, v) for k, v, _ in parts]
-
-    def settle(self) -> None:
-        """Wait without raising (used while unwinding another failure)."""
-        try:
-            self.wait()
-        except BaseException as exc:
-            log.warning("while unwinding a failed optimizer step: %s", exc)
-
-
-@dataclass
-class _Open:
-    """A step in progress: its hyper-parameters, how far it got, where the time went."""
-
-    hyper: AdamHyper
-    step: float
-    grad_scale: float
-    t0: float
-    pos: int = 0  # shards of `order` updated so far
-    final: set[int] = field(default_factory=set)  # shards whose gradient is final
-    compute: float = 0.0
-    wait: float = 0.0
-
 
 class AdamStream:
     """Adam over every shard of ``keys`` (class -> manager key per shard), streamed.
@@ -170,11 +101,11 @@ class AdamStream:
         capacity = max([buffer_bytes, *(self.footprint(n) for n in self._numels)])
         self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(nbytes, torch.uint8))
         self.buffer_bytes = self._ring.capacity
-        self._ahead: deque[_Read] = deque()  # reads issued, in step order
-        self._writes: deque[tuple[_Set, list[TierTransfer]]] = deque()  # oldest first
+        self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
+        self._writes: deque[tuple[StreamSet, list[TierTransfer]]] = deque()  # oldest first
         self._issued = 0  # reads issued for positions of the current cycle (may run past n)
         self._carry: list[TierTransfer] = []  # writes of returned ring room, not yet awaited
-        self._open: _Open | None = None  # the step begun and not finished
+        self._open: OpenStep | None = None  # the step begun and not finished
         # One thread issues the read-ahead once the write that holds its buffer set lands,
         # so step() never blocks on those writes.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierzero-adam-ahead")
@@ -195,7 +126,7 @@ class AdamStream:
         if self._open is not None:
             raise OffloadError("AdamStream.begin() while a step is open; finish() or abort() "
                                "it first")
-        self._open = _Open(hyper, step, grad_scale, time.perf_counter())
+        self._open = OpenStep(hyper, step, grad_scale, time.perf_counter())
 
     @property
     def is_open(self) -> bool:
@@ -231,12 +162,12 @@ class AdamStream:
         self._unwind()
         return op.pos
 
-    def _need_open(self, what: str) -> _Open:
+    def _need_open(self, what: str) -> OpenStep:
         if self._open is None:
             raise OffloadError(f"AdamStream.{what}() without begin()")
         return self._open
 
-    def _advance(self, op: _Open, *, everything: bool) -> None:
+    def _advance(self, op: OpenStep, *, everything: bool) -> None:
         try:
             while op.pos < len(self._order) and (everything or self._order[op.pos] in op.final):
                 self._one(op, op.pos)
@@ -246,7 +177,7 @@ class AdamStream:
             self._unwind()
             raise
 
-    def _one(self, op: _Open, pos: int) -> None:
+    def _one(self, op: OpenStep, pos: int) -> None:
         index = self._order[pos]
         self._top_up(pos)
         rd = self._ahead.popleft()
@@ -267,7 +198,7 @@ class AdamStream:
         op.compute += self._update(rd.bufs, index, op.hyper, op.step, op.grad_scale)
         self._write(rd.bufs, index)
 
-    def _update(self, bufs: _Set, index: int, hyper: AdamHyper, step: float,
+    def _update(self, bufs: StreamSet, index: int, hyper: AdamHyper, step: float,
                 grad_scale: float) -> float:
         n = self._numels[index]
         gkey = self._keys[index]["grad"]
@@ -284,7 +215,7 @@ class AdamStream:
         finally:
             self._mgr.release(gkey, tier)
 
-    def _write(self, bufs: _Set, index: int) -> None:
+    def _write(self, bufs: StreamSet, index: int) -> None:
         n, keys = self._numels[index], self._keys[index]
         writes = [self._mgr.write_from(keys[c], bufs.part(c, n)) for c in STATE]
         p16 = keys.get("param16")
@@ -294,7 +225,7 @@ class AdamStream:
         self._writes.append((bufs, writes))
         while self._writes and all(t.done() for t in self._writes[0][1]):
             done, parts = self._writes.popleft()
-            _wait_all(parts)
+            wait_all(parts)
             self._ring.give_back(done.start)
 
     def footprint(self, numel: int) -> int:
@@ -323,22 +254,22 @@ class AdamStream:
             after, self._carry = self._carry, []
             bufs = self._carve(start, numel)
             job = self._reader.submit(self._issue_read, index, bufs, after)
-            self._ahead.append(_Read(index, bufs, after, job))
+            self._ahead.append(StreamRead(index, bufs, after, job))
             self._issued += 1
 
-    def _carve(self, start: int, numel: int) -> _Set:
+    def _carve(self, start: int, numel: int) -> StreamSet:
         if start < 0:
             empty = torch.empty(0)
-            return _Set(start, empty, empty, empty, None)
+            return StreamSet(start, empty, empty, empty, None)
         size = page_up(numel * 4)
         fp32 = [self._ring.view(start + i * size, numel, torch.float32) for i in range(3)]
         p16 = (None if self._shadow is None
                else self._ring.view(start + 3 * size, numel, self._shadow))
-        return _Set(start, fp32[0], fp32[1], fp32[2], p16)
+        return StreamSet(start, fp32[0], fp32[1], fp32[2], p16)
 
-    def _issue_read(self, index: int, bufs: _Set, after: list[TierTransfer]
+    def _issue_read(self, index: int, bufs: StreamSet, after: list[TierTransfer]
                     ) -> list[tuple[str, int, TierTransfer]]:
-        _wait_all(after)  # the set's previous contents are written: it may be refilled
+        wait_all(after)  # the set's previous contents are written: it may be refilled
         n = self._numels[index]
         out: list[tuple[str, int, TierTransfer]] = []
         for c in STATE if n else ():
@@ -360,18 +291,21 @@ class AdamStream:
         for rd in list(self._ahead):
             rd.wait()
         for parts in [self._carry, *(p for _, p in self._writes)]:
-            _wait_all(parts)
+            wait_all(parts)
 
     # ------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Wait for every write in flight (raising the first failure) and drop the
-        read-ahead; afterwards the stream holds no transfer."""
+        read-ahead; afterwards the stream holds no transfer. Not while a step is open."""
+        if self._open is not None:
+            raise OffloadError("AdamStream.flush() while a step is open; finish() or abort() "
+                               "it first")
         try:
-            _wait_all(self._carry)
+            wait_all(self._carry)
             self._carry = []
             while self._writes:
                 _, parts = self._writes.popleft()
-                _wait_all(parts)
+                wait_all(parts)
         except BaseException:
             self._unwind()
             raise
@@ -402,15 +336,3 @@ class AdamStream:
             self.flush()
         finally:
             self._reader.shutdown(wait=True)
-
-
-def _wait_all(parts: Sequence[TierTransfer]) -> None:
-    """Wait for every transfer, then raise the first failure (all of them use our buffers)."""
-    error: BaseException | None = None
-    for t in parts:
-        try:
-            t.wait()
-        except BaseException as exc:
-            error = error or exc
-    if error is not None:
-        raise error
