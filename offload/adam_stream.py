@@ -19,6 +19,12 @@ where it lives (a view of its host home, no copy). The new param16 (the
 kernel's low-precision shadow, or the fp32 master itself with fp32 compute) is
 written in the same pass.
 
+The step can also start while backward runs (the engine's
+offload.optimizer.overlap_step): begin(), then mark_final(shards) as gradients
+turn final (shards are updated in ``order`` as far as the final ones reach),
+then finish() for the rest. The engine orders the shards as backward finalises
+them, so the read-ahead taken during forward is what backward needs first.
+
 Ordering, so no one ever sees stale data:
 - a read-ahead into ring room starts only after the writes that held the room
   have landed (one background thread waits for it, so ``step()`` does not);
