@@ -90,16 +90,17 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     p, o = config.offload.params, config.offload.optimizer
     homes = homes_from(config)
     # The pool stages NVMe traffic that goes through the manager's caches: parameter
-    # gathers (offload.params.buffer_count). The optimizer step reads and writes its state
-    # straight into its own buffer sets (offload.optimizer.buffer_count, outside the pool,
-    # see pipeline_bytes); what else touches NVMe-homed state (initial placement,
-    # checkpoints, one shard at a time) needs one buffer, plus one for a write-back.
+    # gathers (offload.params.buffer_count x buffer_bytes). The optimizer step reads and
+    # writes its state straight into its own ring (offload.optimizer.buffer_count x
+    # buffer_bytes, outside the pool, see pipeline_bytes); what else touches NVMe-homed
+    # state (initial placement, checkpoints, one shard at a time) needs one buffer, plus
+    # one for a write-back.
+    params_nvme = homes["param16"] in ("nvme", "auto")
     nvme_buffers = [c.buffer_count if c is p else 2
                     for c, d in ((p, homes["param16"]), (o, homes["master"]))
                     if d in ("nvme", "auto")]
-    buf_bytes = [c.buffer_bytes for c in (p, o) if c.buffer_bytes is not None]
     pool = PoolSettings(buffer_count=max(nvme_buffers) if nvme_buffers else None,
-                        buffer_bytes=max(buf_bytes) if buf_bytes else None,
+                        buffer_bytes=p.buffer_bytes if params_nvme else None,
                         pin_memory=p.pin_memory and o.pin_memory)
     # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads run further
     # ahead, bounded by the host bytes offload.params may cache.
