@@ -133,7 +133,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "precision": "bf16", "optimizer": {"type": "adamw", "lr": 1e-4},
             "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None},
                         "optimizer": {"device": o_dev, "path": path if "nvme" in (
-                            p_dev, o_dev) else None}}})
+                            p_dev, o_dev) else None,
+                                      "overlap_step": args.overlap_step == "on"}}})
         eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
 
         def one() -> None:
@@ -180,12 +181,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
     """GB/s of SwapStore write and read of `nbytes` at `directory` (same run)."""
-    t = torch.ones(nbytes // 4)
+    # page-aligned, as the engine's buffers are (an unaligned one goes through a bounce copy)
+    t = swap.aligned_empty(nbytes // 4, torch.float32).fill_(1.0)
     with swap.SwapStore(directory) as st:
         t0 = time.perf_counter()
         st.write("bw", t).wait()
         w = time.perf_counter() - t0
-        out = torch.empty_like(t)
+        out = swap.aligned_empty(nbytes // 4, torch.float32)
         t0 = time.perf_counter()
         st.read("bw", out=out).wait()
         r = time.perf_counter() - t0
@@ -195,7 +197,8 @@ def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
 def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--config", config,
            "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
-           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
+           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads),
+           "--overlap-step", ns.overlap_step]
     if ns.quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
@@ -220,6 +223,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--overlap-step", choices=("on", "off"), default="on",
+                    help="offload.optimizer.overlap_step of the tierzero rows (A/B of the "
+                         "optimizer step during backward)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="plain", help=argparse.SUPPRESS)

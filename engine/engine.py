@@ -22,13 +22,14 @@ from engine import checkpoint, checkpoint_load
 from engine.access import AccessGuard, register_owner, unregister_owner
 from engine.activations import HostActivations, HostActivationStats
 from engine.checkpoint_async import BackgroundSaver, PendingSave
+from engine.checkpoint_layout import CheckpointError
 from engine.collectives import Comm
 from engine.config import Config
 from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
 from engine.offload_bridge import TieredShardStore, offload_wanted
-from engine.offload_step import OffloadedAdam, threads_per_rank
+from engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
 from engine.optim import OptimizerFactory, build_optimizer, run_step
 from engine.precision import LossScaler, compute_dtype, has_overflow
 from engine.schedule import Scheduler, Unit
@@ -36,6 +37,20 @@ from engine.shard_store import ShardStore
 from engine.units import UnitSpec, check_parameters_supported, discover_units
 
 log = logging.getLogger(__name__)
+
+
+def _cut(named: list[tuple[str, nn.Parameter]], cap: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive runs of `named` of at most `cap` elements (a larger parameter alone);
+    cap 0: one run."""
+    runs: list[list[tuple[str, nn.Parameter]]] = [[]]
+    size = 0
+    for qname, p in named:
+        if cap and runs[-1] and size + p.numel() > cap:
+            runs.append([])
+            size = 0
+        runs[-1].append((qname, p))
+        size += p.numel()
+    return runs
 
 
 def _default_device() -> torch.device:
@@ -67,6 +82,9 @@ class ZeroEngine:
                              f"{shape_sig} on rank {self.comm.rank}); every rank must build "
                              "the same model with the same zero.units")
         self._move_buffers()
+        # Largest block unit (elements): the root's flat groups are cut to this size.
+        self._group_cap = max((sum(p.numel() for _, p in s.params) for s in specs
+                               if not s.is_root), default=0)
         # Plain device-resident shards, or the tier manager when anything is offloaded.
         self.store: ShardStore = (TieredShardStore(self.device, self.config)
                                   if offload_wanted(self.config) else ShardStore(self.device))
@@ -87,16 +105,28 @@ class ZeroEngine:
         self.optimizer: torch.optim.Optimizer
         if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
             o = self.config.optimizer
+            # Step order: backward's (the blocks last to first, the root last), the order in
+            # which gradients turn final, so the step can follow backward (overlap_step) and
+            # the read-ahead during forward fetches what backward finalises first.
+            rank = {g.key: r for r, u in enumerate([*self.units[-2::-1], self.root])
+                    for g in u.groups}
+            order = sorted(range(len(self._train_keys)),
+                           key=lambda i: rank[self._train_keys[i]])
             self.optimizer = OffloadedAdam(
                 self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
-                threads=threads_per_rank(self.comm.world_size))
+                threads=threads_per_rank(self.comm.world_size),
+                buffer_bytes=self.store.pipeline_bytes(), order=order)
         else:
             self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
         self.micro_steps = 0
+        # The optimizer step begun during backward (offload.optimizer.overlap_step).
+        self._early = (EarlyStep(self.optimizer, self.scheduler, self.config,
+                                 fp16=self.loss_scaler is not None)
+                       if isinstance(self.optimizer, OffloadedAdam) else None)
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -119,14 +149,25 @@ class ZeroEngine:
                     mod._buffers[name] = buf.to(self.device)
 
     def _group_plan(self, spec: UnitSpec) -> list[tuple[str, bool, list[tuple[str, nn.Parameter]]]]:
-        """(store key, trainable, named params) of each flat group of a unit."""
+        """(store key, trainable, named params) of each flat group of a unit.
+
+        The root's groups are cut, at parameter boundaries in module order, into pieces no
+        larger than the largest block unit (`_group_cap`): a root of untied embeddings and
+        head is often several blocks' worth, and every per-shard buffer (the CPU Adam's
+        ring, NVMe staging) is sized by the largest shard. Pieces after the first get a
+        "#i" suffix; a root within the cap keeps one group per kind."""
         by_kind: dict[bool, list[tuple[str, nn.Parameter]]] = {}
         for qname, p in spec.params:
             by_kind.setdefault(p.requires_grad, []).append((qname, p))
         label = spec.name or "<root>"
         dtype_name = str(self.dtype).removeprefix("torch.")
-        return [(f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}", trainable,
-                 named) for trainable, named in sorted(by_kind.items(), reverse=True)]
+        out = []
+        for trainable, named in sorted(by_kind.items(), reverse=True):
+            key = f"{label}/{dtype_name}/{'trainable' if trainable else 'frozen'}"
+            pieces = _cut(named, self._group_cap) if spec.is_root else [named]
+            out += [(key if i == 0 else f"{key}#{i}", trainable, piece)
+                    for i, piece in enumerate(pieces)]
+        return out
 
     def _declare_groups(self, specs: list[UnitSpec]) -> None:
         """Tell the store every shard before any is created, so placement is planned over
@@ -192,10 +233,23 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.scheduler.begin_backward()
+        if self._early is not None:
+            self._early.begin(boundary=self.is_gradient_accumulation_boundary())
+        ok = False
         try:
             (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
+            ok = True
         finally:
-            self.scheduler.end_backward()
+            if not ok and self._early is not None:
+                self._early.abandon()
+            try:
+                self.scheduler.end_backward()
+            except BaseException:
+                if self._early is not None:
+                    self._early.abandon()
+                raise
+            finally:
+                self.scheduler.on_final = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
@@ -206,6 +260,10 @@ class ZeroEngine:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
+            return
+        if self._early is not None and self._early.take_abandoned():  # see EarlyStep.abandon
+            self.skipped_steps += 1
+            self.zero_grad()
             return
         unscale = 1.0
         if self.loss_scaler is not None:
@@ -310,6 +368,7 @@ class ZeroEngine:
         `background`: snapshot now, write while training goes on; returns a PendingSave
         (with offloaded shards the save streams from the tier manager before returning)."""
         self._check_open()
+        self._check_checkpointable("save_checkpoint")
         self._saver.wait()
         return checkpoint.save_checkpoint(self, directory, tag, client_state,
                                           background=self._saver if background else None)
@@ -318,8 +377,16 @@ class ZeroEngine:
                         *, verify: bool = True) -> tuple[Path, Any]:
         """Resume from `directory/tag` (default `latest`); returns (path, client_state)."""
         self._check_open()
+        self._check_checkpointable("load_checkpoint")
         self._saver.wait()
         return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
+
+    def _check_checkpointable(self, what: str) -> None:
+        if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_open:
+            raise CheckpointError(
+                f"{what} between backward() and step(): the optimizer step begun during "
+                "backward (offload.optimizer.overlap_step) has updated some units and not "
+                "others; call eng.step() first")
 
     # -- lifecycle ----------------------------------------------------------------
     def _check_open(self) -> None:

@@ -34,11 +34,11 @@ import swap
 from engine.config import Config
 from engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
 from offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierManager, TierSettings
+from offload.host_ring import page_up
 from offload.settings import OffloadDevice, Tier
 
 log = logging.getLogger(__name__)
 
-PIPELINE_BUFFERS = 3  # the CPU Adam's buffer sets: fetch ahead, update, store behind
 _OPTIMIZER_KINDS: tuple[ShardKind, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
 
 
@@ -82,17 +82,25 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
         if host <= host_outside:
             raise ValueError(
                 f"offload.budgets.host_bytes = {host} does not cover the CPU Adam's pipeline "
-                f"buffers ({host_outside} bytes: 3 sets of the largest unit's shard); raise it "
+                f"buffers ({host_outside} bytes: offload.optimizer.buffer_count x "
+                "buffer_bytes); raise it "
                 "well above that, or use smaller units (zero.units / zero.unit_min_bytes)")
         host -= host_outside
     budgets = Budgets(device=dev_budget, host=host, nvme=b.nvme_bytes, **reserve)
     p, o = config.offload.params, config.offload.optimizer
     homes = homes_from(config)
-    nvme_buffers = [c.buffer_count for c, d in ((p, homes["param16"]), (o, homes["master"]))
+    # The pool stages NVMe traffic that goes through the manager's caches: parameter
+    # gathers (offload.params.buffer_count x buffer_bytes). The optimizer step reads and
+    # writes its state straight into its own ring (offload.optimizer.buffer_count x
+    # buffer_bytes, outside the pool, see pipeline_bytes); what else touches NVMe-homed
+    # state (initial placement, checkpoints, one shard at a time) needs one buffer, plus
+    # one for a write-back.
+    params_nvme = homes["param16"] in ("nvme", "auto")
+    nvme_buffers = [c.buffer_count if c is p else 2
+                    for c, d in ((p, homes["param16"]), (o, homes["master"]))
                     if d in ("nvme", "auto")]
-    buf_bytes = [c.buffer_bytes for c in (p, o) if c.buffer_bytes is not None]
-    pool = PoolSettings(buffer_count=sum(nvme_buffers) or None,
-                        buffer_bytes=max(buf_bytes) if buf_bytes else None,
+    pool = PoolSettings(buffer_count=max(nvme_buffers) if nvme_buffers else None,
+                        buffer_bytes=p.buffer_bytes if params_nvme else None,
                         pin_memory=p.pin_memory and o.pin_memory)
     # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads run further
     # ahead, bounded by the host bytes offload.params may cache.
@@ -196,14 +204,26 @@ class TieredShardStore(ShardStore):
         return all(self.homes[k] == "cpu" for k in ("master", "exp_avg", "exp_avg_sq"))
 
     def pipeline_bytes(self) -> int:
-        """Host bytes of the CPU Adam's buffer sets (engine.offload_step.PIPELINE_BUFFERS
-        sets of the largest trainable shard: master, moments, fp32 grad, param16)."""
+        """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]):
+        offload.optimizer.buffer_count buffers of offload.optimizer.buffer_bytes each
+        (null: the mean trainable shard's master, moments and bf16/fp16 param16), and at
+        least the largest shard's. Shards of very different sizes (a large root of
+        embeddings next to small blocks) share it, so the largest does not set the size
+        of every buffer."""
         if self.optimizer_on_device or self.state_in_host():
             return 0
-        largest = max((n for n, kinds, _ in self._kinds.values() if len(kinds) > 1), default=0)
-        dtype = next(iter(self._kinds.values()))[2] if self._kinds else torch.float32
+        numels = [n for n, kinds, _ in self._kinds.values() if len(kinds) > 1 and n]
+        if not numels:
+            return 0
+        dtype = next(iter(self._kinds.values()))[2]
         low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
-        return PIPELINE_BUFFERS * largest * (4 * 4 + low)
+
+        def footprint(n: int) -> int:
+            return 3 * page_up(4 * n) + (page_up(low * n) if low else 0)
+
+        o = self.config.offload.optimizer
+        each = o.buffer_bytes or sum(map(footprint, numels)) // len(numels)
+        return max(o.buffer_count * each, *map(footprint, numels))
 
     def _place(self, key: str, pend: _Pending) -> None:
         mgr = self._mgr()

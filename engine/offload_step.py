@@ -1,16 +1,18 @@
-"""The optimizer step when optimizer state is offloaded (cpu or nvme): CPU Adam, pipelined.
+"""The optimizer step when optimizer state is offloaded (cpu or nvme): CPU Adam, streamed.
 
 `OffloadedAdam` is the `torch.optim.Optimizer` that `initialize()` returns in
 that case. Its one param group carries the hyper-parameters (so the lr
 schedule and user code change `lr` as usual); its "params" are size-0 handles,
 one per trainable flat group, because the fp32 masters, moments and gradients
-live in the tier manager, not in tensors it could hold. `step()` runs
-`offload.pipelined_step` over every group's shard through an
-`offload.TierShardStore`: read state for shard i+1, Adam on shard i, write
-shard i-1 back, with the new compute-dtype `param16` written in the same pass
-to its home tier (with fp32 compute the master is copied to `param16` after).
-When the state is homed in host memory (offload.optimizer.device = cpu) the
-kernel runs in place on it instead, group by group (no staging copies).
+live in the tier manager, not in tensors it could hold. When the state is
+homed off the host (NVMe, or placed by the planner) `step()` runs an
+`offload.AdamStream` over every group ([Note: streamed optimizer step]): each
+shard's state is read once into a host ring (offload.optimizer.buffer_count x
+buffer_bytes), updated, and written once, with the new compute-dtype `param16` written
+in the same pass to its home tier; the last writes drain, and the next step's
+first reads run, behind the next forward and backward. When the state is
+homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
+on it instead, group by group (no staging copies).
 """
 
 from __future__ import annotations
@@ -24,18 +26,11 @@ from typing import Any
 
 import torch
 
-from engine.offload_bridge import PIPELINE_BUFFERS, TieredShardStore
+from engine.config import Config
+from engine.offload_bridge import TieredShardStore
+from engine.schedule import Scheduler, Unit
 from engine.shard_store import ShardKind
-from offload import (
-    AdamHyper,
-    AdamThreads,
-    PipelineStats,
-    ShardBuffers,
-    ShardLayout,
-    TierShardStore,
-    adam_update,
-    pipelined_step,
-)
+from offload import AdamHyper, AdamStream, AdamThreads, PipelineStats, adam_update
 from swap import trace
 
 log = logging.getLogger(__name__)
@@ -53,7 +48,10 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, adamw: bool,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 threads: int) -> None:
+                 threads: int, buffer_bytes: int = 0, order: Sequence[int] | None = None
+                 ) -> None:
+        """buffer_bytes: the stream's host ring (TieredShardStore.pipeline_bytes()); order:
+        the shard order of each step (the groups the next forward gathers first, first)."""
         handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager
         super().__init__(handles, {"lr": lr, "betas": betas, "eps": eps,
                                    "weight_decay": weight_decay})
@@ -62,49 +60,89 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.last_stats: PipelineStats | None = None
         self._store = store
         self._keys = list(keys)
+        self._index = {k: i for i, k in enumerate(self._keys)}
         dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
-        # refreshed from the master after the step instead.
+        # the master itself (written from it).
         self._shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
-        layout = ShardLayout(tuple(store.numel(k) for k in self._keys),
-                             grad_dtype=torch.float32, param16_dtype=self._shadow)
-        names: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad") + (
-            ("param16",) if self._shadow is not None else ())
-        key_maps: list[dict[str, str]] = [{n: store.manager_key(k, n) for n in names}
-                                          for k in self._keys]
+        names: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad", "param16")
         manager = store.manager
         if manager is None:
             raise RuntimeError("OffloadedAdam needs a finalized TieredShardStore")
-        self._tier_store = TierShardStore(manager, key_maps, layout)
-        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
-        # the planner) it streams through the pipeline's buffers.
-        self._in_place = store.state_in_host()
-        largest = 0 if self._in_place else max(layout.numels, default=0)
-        # Allocated once, reused every step: the host bytes of the step are fixed.
-        self._sets = [ShardBuffers.allocate(self._tier_store, largest)
-                      for _ in range(PIPELINE_BUFFERS)]
         self._threads = AdamThreads(threads)
+        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
+        # the planner) it streams through the buffer sets, allocated once for the run.
+        self._in_place = store.state_in_host()
+        self._stream: AdamStream | None = None
+        if not self._in_place:
+            self._stream = AdamStream(
+                manager, [{n: store.manager_key(k, n) for n in names} for k in self._keys],
+                [store.numel(k) for k in self._keys], order=order, buffer_bytes=buffer_bytes,
+                shadow=self._shadow, threads=self._threads)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0) -> None:
         """One Adam step over every shard; gradients are multiplied by `grad_scale` on the
-        fly (clipping coefficient, fp16 unscale), so no extra pass over them is needed."""
+        fly (clipping coefficient, fp16 unscale), so no extra pass over them is needed.
+        A step begun during backward (begin_step) is finished here."""
         if closure is not None:
             raise ValueError("OffloadedAdam.step() takes no closure; the engine steps it")
-        group = self.param_groups[0]
-        hyper = AdamHyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                          beta2=float(group["betas"][1]), eps=float(group["eps"]),
-                          weight_decay=float(group["weight_decay"]), adamw=self.adamw)
+        if self.step_open:
+            if grad_scale != 1.0:
+                raise RuntimeError("OffloadedAdam: a step begun during backward cannot scale "
+                                   "its gradients (clipping / fp16 disable begin_step)")
+            self.last_stats = self._need_stream().finish()
+            return
+        hyper = self._hyper()
         self.steps += 1
         if self._in_place:
             self.last_stats = self._step_in_place(hyper, grad_scale)
             return
-        self.last_stats = pipelined_step(self._tier_store, hyper=hyper, step=float(self.steps),
-                                         grad_scale=grad_scale, threads=self._threads,
-                                         buffer_sets=self._sets)
-        if self._shadow is None:
-            for k in self._keys:
-                self._store.write_param16_from_master(k)
+        self.last_stats = self._need_stream().step(hyper, float(self.steps), grad_scale)
+
+    # -- a step started while backward runs ([Note: streamed optimizer step]) ---------------
+    @property
+    def can_begin_early(self) -> bool:
+        """The state streams (not updated in place): shards can be updated as they turn final."""
+        return self._stream is not None
+
+    @property
+    def step_open(self) -> bool:
+        return self._stream is not None and self._stream.is_open
+
+    def begin_step(self) -> None:
+        """Start a step (unscaled gradients) with the current hyper-parameters; shards are
+        updated as `groups_final` reports them, the rest by `step()`."""
+        stream = self._need_stream()
+        hyper = self._hyper()
+        self.steps += 1
+        stream.begin(hyper, float(self.steps))
+
+    def groups_final(self, keys: Sequence[str]) -> None:
+        """These groups' gradients are final for this step: update what can be updated."""
+        self._need_stream().mark_final([self._index[k] for k in keys])
+
+    def abort_step(self) -> int:
+        """Abandon a step begun early (its backward failed): shards updated so far stay
+        updated, each whole; returns their number."""
+        return 0 if self._stream is None else self._stream.abort()
+
+    def _hyper(self) -> AdamHyper:
+        group = self.param_groups[0]
+        return AdamHyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                         beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), adamw=self.adamw)
+
+    def _need_stream(self) -> AdamStream:
+        if self._stream is None:
+            raise RuntimeError("OffloadedAdam: no optimizer stream (state updated in place, "
+                               "or closed)")
+        return self._stream
+
+    def flush(self) -> None:
+        """Wait for the optimizer's writes still in flight (a failure is raised here)."""
+        if self._stream is not None:
+            self._stream.flush()
 
     def _step_in_place(self, hyper: AdamHyper, grad_scale: float) -> PipelineStats:
         """State homed in host memory: the kernel updates it where it lives (no copies into
@@ -140,6 +178,58 @@ class OffloadedAdam(torch.optim.Optimizer):
                 "buffer_bytes": s.buffer_bytes}
 
     def close(self) -> None:
-        self._tier_store.close()
-        self._threads.close()
-        self._sets = []
+        try:
+            if self._stream is not None:
+                self._stream.close()
+        finally:
+            self._stream = None
+            self._threads.close()
+
+
+class EarlyStep:
+    """The optimizer step begun during backward (offload.optimizer.overlap_step).
+
+    On an accumulation boundary, with state streamed from NVMe and nothing that needs
+    every gradient first (clipping's global norm, fp16's overflow check), the step begins
+    when backward starts and each unit is updated once its gradient shard is reduced
+    (Scheduler.on_final), while backward runs on the others; `OffloadedAdam.step()`
+    finishes it. `lr` and the other hyper-parameters are taken when backward starts.
+    """
+
+    def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
+                 fp16: bool) -> None:
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.enabled = (optimizer.can_begin_early and config.offload.optimizer.overlap_step
+                        and config.gradient_clipping <= 0 and not fp16)
+        self.abandoned = False  # a step begun in backward failed: skip this boundary's step
+        self.total = len(optimizer.param_groups[0]["params"])
+
+    def begin(self, *, boundary: bool) -> None:
+        if not (self.enabled and boundary):
+            return
+        if self.optimizer.step_open:
+            raise RuntimeError("backward() on an accumulation boundary again before step(): "
+                               "the optimizer step begun by the previous backward is still "
+                               "open; call eng.step() after each backward()")
+        self.optimizer.begin_step()
+        self.scheduler.on_final = self._unit_final
+
+    def _unit_final(self, unit: Unit) -> None:
+        self.optimizer.groups_final([g.key for g in unit.groups if g.trainable])
+
+    def abandon(self) -> None:
+        """Backward failed with a step begun early: units updated so far keep their update
+        (each whole: master, moments and param16 together); the step of this boundary is
+        skipped, never applied twice."""
+        self.scheduler.on_final = None
+        if self.optimizer.step_open:
+            done = self.optimizer.abort_step()
+            self.abandoned = True
+            log.error("backward failed after the optimizer step had updated %d of %d "
+                      "parameter groups (overlap_step); those keep their update, the step "
+                      "of this boundary is skipped", done, self.total)
+
+    def take_abandoned(self) -> bool:
+        out, self.abandoned = self.abandoned, False
+        return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,10 @@ class Scheduler:
         self._order: list[int] = []
         self._in_backward = False
         self._backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # Called with each unit whose gradient shards are final (reduced, and waited for)
+        # on an accumulation boundary, while backward goes on: the engine starts the
+        # optimizer on it ([Note: streamed optimizer step]). None: nobody listens.
+        self.on_final: Callable[[Unit], None] | None = None
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         self.gathered_peak_bytes = 0
 
@@ -281,6 +286,9 @@ class Scheduler:
             self._inflight.append(pending)
             self.inflight_peak = max(self.inflight_peak, len(self._inflight))
         unit.reduced = True
+        if self.on_final is not None:
+            self.wait_reductions()  # the shard holds the reduced gradient only after wait()
+            self.on_final(unit)
 
     def wait_reductions(self) -> None:
         """Every gradient reduction started so far has landed in its shard."""

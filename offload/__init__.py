@@ -17,6 +17,7 @@ from . import numa
 from .adam_build import kernel_status
 from .adam_kernel import Backend, adam_update, to_low_precision
 from .adam_math import AdamHyper
+from .adam_stream import AdamStream
 from .adam_threads import AdamThreads
 from .budget import TierBudgets, memlock_limit, resolve_budgets
 from .cpu_adam import CPUAdam
@@ -56,6 +57,7 @@ __all__ = [
     "TIERS",
     "TRANSITIONS",
     "AdamHyper",
+    "AdamStream",
     "AdamThreads",
     "Backend",
     "BudgetError",

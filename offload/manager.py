@@ -47,7 +47,7 @@ from swap import trace
 from .core import ResidencyCore
 from .errors import OffloadError
 from .report import MemoryReport
-from .residency import Op, Role, State, transition
+from .residency import Op, Role, ShardRecord, State, transition
 from .settings import TIERS, Tier
 from .transfer import TierTransfer
 
@@ -127,6 +127,7 @@ class TierManager(ResidencyCore):
                 rec.copies[t].drop_when_clean = False
             copy.touch()
             copy.write_held = copy.write_held or writable
+            rec.version += writable
             if writable and copy.role is Role.CACHE:
                 if copy.state is State.LOADING:
                     copy.modify_on_load = True
@@ -145,11 +146,89 @@ class TierManager(ResidencyCore):
                 raise OffloadError(f"release({key!r}, {tier!r}): the shard is not held there; "
                                    "call release() once per fetch()")
             copy = rec.copies[held[0]]
+            rec.version += copy.write_held
             copy.users -= 1
             copy.write_held = copy.write_held and copy.users > 0
             self._settle_all()
             self._pump()
             self._cond.notify_all()
+
+    def version(self, key: str) -> int:
+        """A counter bumped whenever the shard's data may change; a copy taken out by
+        read_into() at version v is current while version() still returns v."""
+        with self._lock:
+            return self._rec(key).version
+
+    def read_into(self, key: str, out: torch.Tensor) -> TierTransfer:
+        """Copy the shard's newest data into the caller's host buffer ``out``; no cache is
+        made. A shard homed on NVMe with no host cache is read straight from the swap file
+        into ``out`` (page-aligned: O_DIRECT, no pool buffer, no extra copy; the swap store
+        orders it after earlier writes of the key); otherwise ``out`` is copied from the
+        fastest present copy at once. Keep ``out`` alive until ``wait()``."""
+        with self._lock:
+            rec = self._rec(key)
+            self._check_out(rec, out, "read_into")
+            self._settle_all()
+            if rec.home == "nvme" and rec.copies["host"].state is State.ABSENT:
+                self._wait_settled(rec, "nvme")  # a write of the key lands first
+                t = self._mover.read(key, out.reshape(-1))
+                self._acct.moved_bytes(t.direction, t.nbytes)
+                return t
+        tier: Tier = "device" if rec.home == "device" else "host"
+        view = self.fetch(key, tier).wait()
+        try:
+            out.reshape(-1).copy_(view)
+        finally:
+            self.release(key, tier)
+        return TierTransfer.completed(out)
+
+    def write_from(self, key: str, src: torch.Tensor) -> TierTransfer:
+        """Overwrite the whole shard with the caller's host buffer ``src``.
+
+        A shard homed on NVMe is written straight from ``src`` to the swap file (no pool
+        buffer); its caches are discarded first (they would be stale), so none may be held
+        or pinned. The home copy stays in flight until the write lands: fetches wait for it
+        and a failure is raised by the transfer and the manager call that settles it.
+        Other homes are copied into at once. Keep ``src`` unchanged until ``wait()``.
+        """
+        with self._lock:
+            rec = self._rec(key)
+            self._check_out(rec, src, "write_from")
+            if rec.home == "nvme":
+                self._settle_all()
+                for c in rec.cache_tiers():
+                    copy = rec.copies[c]
+                    if copy.users or copy.pinned or copy.write_held:
+                        raise OffloadError(f"write_from({key!r}): its {c} cache is held or "
+                                           "pinned and would turn stale; release it first")
+                for c in rec.cache_tiers():  # fastest first: caches are inclusive
+                    self._wait_settled(rec, c)
+                    if rec.copies[c].state is not State.ABSENT:
+                        self._drop(rec, c, Op.DISCARD)
+                self._wait_settled(rec, "nvme")  # one write of the key in flight at a time
+                home = rec.copies["nvme"]
+                transition(rec, "nvme", Op.RECEIVE)
+                out = home.transfer = self._mover.write(key, src.reshape(-1))
+                self._acct.moved_bytes(out.direction, out.nbytes)
+                self._acct.writebacks += 1
+                self._busy.add(key)
+                rec.version += 1
+                return out
+        tier: Tier = "device" if rec.home == "device" else "host"
+        view = self.fetch(key, tier, writable=True).wait()
+        try:
+            view.copy_(src.reshape(-1))
+        finally:
+            self.release(key, tier)
+        return TierTransfer.completed(src)
+
+    @staticmethod
+    def _check_out(rec: ShardRecord, buf: torch.Tensor, what: str) -> None:
+        spec = rec.spec
+        if buf.numel() != spec.numel or buf.dtype != spec.dtype or buf.device.type != "cpu":
+            raise OffloadError(f"{what}({spec.key!r}): got {buf.numel()} x {buf.dtype} on "
+                               f"{buf.device}; the shard is {spec.numel} x {spec.dtype} and "
+                               "the buffer must be in host memory")
 
     def evict(self, key: str, tier: Tier | None = None) -> None:
         """Drop the cache on ``tier`` (all caches when None), writing dirty data down.

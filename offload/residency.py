@@ -49,6 +49,7 @@ class Op(enum.Enum):
     RECEIVE = "receive"  # start receiving a write-back from above
     FILLED = "filled"
     DROP = "drop"
+    DISCARD = "discard"  # the whole shard is overwritten at its home: caches are void
 
 
 class Role(enum.Enum):
@@ -78,6 +79,9 @@ TRANSITIONS: dict[tuple[Role, State, Op], State] = {
     (_C, _S.FILLING, _O.FILLED): _S.DIRTY,
     (_C, _S.FILLING, _O.FAILED): _S.DIRTY,  # the source above is still DIRTY and newer
     (_C, _S.CLEAN, _O.DROP): _S.ABSENT,  # never DIRTY -> ABSENT: data would be lost
+    # ... unless the home copy is about to be overwritten whole (TierManager.write_from)
+    (_C, _S.CLEAN, _O.DISCARD): _S.ABSENT,
+    (_C, _S.DIRTY, _O.DISCARD): _S.ABSENT,
 }
 TRANSIENT = frozenset({State.LOADING, State.STORING, State.FILLING})
 PRESENT = frozenset(State) - {State.ABSENT}
@@ -132,6 +136,9 @@ class ShardRecord:
     spec: ShardSpec
     home: Tier
     copies: dict[Tier, Copy] = field(default_factory=dict)
+    # Bumped whenever the shard's data may change (a writable fetch and its release,
+    # write_from): a copy read out at version v is current while the version is v.
+    version: int = 0
 
     def __post_init__(self) -> None:
         for tier in TIERS:

@@ -6,13 +6,12 @@ it (host, or NVMe through the pool) under the manager's budgets and accounting.
 ``keys[i]`` maps tensor class -> the manager's shard key for optimizer shard i
 (``param16`` optional; shards with 0 elements have no keys and move nothing).
 
-fetch(i, into): the manager fetches of master, exp_avg, exp_avg_sq and grad are
-  issued on the caller's thread, so NVMe reads start at once; one worker then
-  waits for each, copies the view into ``into`` and releases it.
-store(i, source): the worker fetches each state tensor (and param16) writable
-  on its fastest addressable tier, copies ``source`` in and releases it; state
-  homed on NVMe is then evicted from host, which writes it back and frees its
-  pool buffer. The host cache left by fetch(i) usually makes that fetch a hit.
+fetch(i, into): one worker reads master, exp_avg, exp_avg_sq and grad straight
+  into ``into`` (TierManager.read_into: NVMe-homed state goes from the swap file
+  to the buffer, no pool buffer); store(i, source): the worker writes the state
+  (and param16) from ``source`` (TierManager.write_from), reading nothing first.
+  The engine's optimizer uses offload.AdamStream instead, which also keeps its
+  traffic running across steps.
 """
 
 from __future__ import annotations
@@ -22,10 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from swap import trace
-
 from .manager import TierManager
-from .settings import Tier
 from .shard_store import STATE_NAMES, ShardBuffers, ShardLayout, Transfer
 
 _FETCHED = (*STATE_NAMES, "grad")
@@ -57,26 +53,18 @@ class TierShardStore:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._mgr.host_empty(numel, dtype)
 
-    def _tier(self, key: str) -> Tier:
-        return "device" if self._mgr.home_of(key) == "device" else "host"
-
     def fetch(self, index: int, into: ShardBuffers) -> Transfer:
         numel = self._layout.numels[index]
         if numel == 0:
             return Transfer("fetch", index, into, [_done()])
         keys = self._keys[index]
-        pending = [(name, keys[name], self._mgr.fetch(keys[name], self._tier(keys[name])))
-                   for name in _FETCHED]
 
         def run() -> None:
-            try:
-                for name, key, t in pending:
-                    view = t.wait()
-                    with trace.span("copy", key, direction="state_in", bytes=view.nbytes):
-                        getattr(into, name)[:numel].copy_(view)
-            finally:
-                for _name, key, _t in pending:
-                    self._mgr.release(key)
+            # straight into the caller's buffers (NVMe: no pool buffer, no extra copy)
+            pending = [self._mgr.read_into(keys[name], getattr(into, name)[:numel])
+                       for name in _FETCHED]
+            for t in pending:
+                t.wait()
 
         return Transfer("fetch", index, into, [self._worker.submit(run)])
 
@@ -90,16 +78,12 @@ class TierShardStore:
             names.append("param16")
 
         def run() -> None:
-            for name in names:
-                key, tier = keys[name], self._tier(keys[name])
-                view = self._mgr.fetch(key, tier, writable=True).wait()
-                try:
-                    with trace.span("copy", key, direction="state_out", bytes=view.nbytes):
-                        view.copy_(getattr(source, name)[:numel])
-                finally:
-                    self._mgr.release(key, tier)
-                if self._mgr.home_of(key) == "nvme":
-                    self._mgr.evict(key)  # write back now, free the pool buffer
+            # the whole shard is overwritten: nothing is read first (a staged store that
+            # fetched the old state writable read every byte twice per step)
+            pending = [self._mgr.write_from(keys[name], getattr(source, name)[:numel])
+                       for name in names]
+            for t in pending:
+                t.wait()
 
         return Transfer("store", index, source, [self._worker.submit(run)])
 

@@ -51,6 +51,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.optimizer.buffer_count", 4, 6, 6, {}),
     ("offload.optimizer.buffer_bytes", None, 4096, 4096, {}),
     ("offload.optimizer.ratio", 1.0, 0.25, 0.25, {}),
+    ("offload.optimizer.overlap_step", True, False, False, {}),
     ("offload.optimizer.pipeline_read", True, False, False, {}),
     ("offload.optimizer.pipeline_write", True, False, False, {}),
     ("offload.budgets.device_bytes", None, "80GB", 80 * 10**9, {}),

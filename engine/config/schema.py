@@ -183,12 +183,34 @@ class ParamOffloadConfig(_TierHomeConfig):
 class OptimizerOffloadConfig(_TierHomeConfig):
     """Home tier of fp32 master weights, gradients and Adam moments."""
 
+    # The CPU Adam streams NVMe-homed state through one host ring of buffer_count x
+    # buffer_bytes ([Note: streamed optimizer step] in offload/adam_stream.py): how far
+    # reads run ahead and writes behind, and the host memory of the step.
+    buffer_count: int = field(
+        default=4, metadata=meta("CPU Adam host buffers for state streamed from NVMe", gt=0)
+    )
+    buffer_bytes: int | None = field(
+        default=None,
+        metadata=meta(
+            "bytes per CPU Adam buffer; null = the mean unit shard's master, moments and "
+            "param16 (the buffers together hold at least the largest shard)",
+            gt=0,
+            unit="bytes",
+        ),
+    )
     ratio: float = field(
         default=1.0,
         metadata=meta(
             "fraction of optimizer state updated on the CPU; the rest stays on the device",
             gt=0,
             le=1,
+        ),
+    )
+    overlap_step: bool = field(
+        default=True,
+        metadata=meta(
+            "with state streamed from NVMe, update each unit as soon as its gradient is final "
+            "while backward runs (not with gradient clipping or fp16 loss scaling)"
         ),
     )
     pipeline_read: bool = field(

@@ -1,0 +1,347 @@
+"""The CPU Adam step over tier-managed shards, streamed across steps.
+
+[Note: streamed optimizer step]
+``pipelined_step`` fetches, updates and stores every shard inside one call, so
+its NVMe traffic runs only while the caller waits in ``step()``. ``AdamStream``
+keeps one host ring of ``buffer_bytes`` (offload/host_ring.py) for the whole run
+and lets the traffic spill into the time around the step:
+
+    step N        ... adam i | write i, queued | adam i+1 | ...  returns with the
+                  last writes still in flight
+    fwd/bwd N+1   those writes drain; the ring room each one frees is filled at
+                  once with the state of the next step's first shards (read-ahead)
+    step N+1      starts on shards whose state is already in host memory
+
+Each shard's state (master, exp_avg, exp_avg_sq) is read once and written once
+per step, straight between its buffer set and its home (TierManager.read_into /
+write_from: for NVMe no pool buffer and no staging copy); the gradient is used
+where it lives (a view of its host home, no copy). The new param16 (the
+kernel's low-precision shadow, or the fp32 master itself with fp32 compute) is
+written in the same pass.
+
+The step can also start while backward runs (the engine's
+offload.optimizer.overlap_step): begin(), then mark_final(shards) as gradients
+turn final (shards are updated in ``order`` as far as the final ones reach),
+then finish() for the rest. The engine orders the shards as backward finalises
+them, so the read-ahead taken during forward is what backward needs first.
+
+Ordering, so no one ever sees stale data:
+- a read-ahead into ring room starts only after the writes that held the room
+  have landed (one background thread waits for it, so ``step()`` does not);
+- reads and writes of one key are ordered by the manager (the home copy is in
+  flight until the write lands: a gather of param16 waits for it) and by the
+  swap store (a read waits for earlier writes of its key);
+- a read-ahead whose key changed after it was issued (``TierManager.version``,
+  e.g. a checkpoint load wrote the state) is read again before use.
+
+Failures: an exception inside ``step()`` waits for every transfer still using
+the buffers, drops the read-ahead and re-raises; every shard is then either
+fully updated (its writes were issued) or untouched, the manager holds nothing
+for the stream, and the next ``step()`` starts over from the first shard. A
+failed write is raised by the next ``step()`` or ``flush()`` (and by the manager
+call that settles it), naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from swap import trace
+
+from .adam_kernel import Backend, adam_update
+from .adam_math import AdamHyper
+from .adam_threads import AdamThreads
+from .errors import OffloadError
+from .host_ring import HostRing, page_up
+from .manager import TierManager
+from .pipelined_adam import PipelineStats
+from .settings import Tier
+from .stream_parts import STATE, OpenStep, StreamRead, StreamSet, wait_all
+from .transfer import TierTransfer
+
+log = logging.getLogger(__name__)
+
+class AdamStream:
+    """Adam over every shard of ``keys`` (class -> manager key per shard), streamed.
+
+    keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param16" of shard i
+    (param16 optional: without it only the fp32 state is updated).
+    order: the shard order of every step; put first the shards the next forward
+        needs first (their param16 is then written first).
+    buffer_bytes: the host ring the shards' master + moments (+ param16) are carved
+        from (at least the largest shard's): the host memory of the step, and how far
+        reads run ahead and writes behind. A shard's region is taken when its read is
+        issued and returned when its write has landed, in order (offload/host_ring.py).
+    """
+
+    def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
+                 numels: Sequence[int], *, order: Sequence[int] | None = None,
+                 buffer_bytes: int,
+                 shadow: torch.dtype | None, threads: AdamThreads | None = None,
+                 backend: Backend = "auto") -> None:
+        n = len(numels)
+        if len(keys) != n:
+            raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
+        self._order = list(range(n)) if order is None else list(order)
+        if sorted(self._order) != list(range(n)):
+            raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
+                             f"{self._order[:10]}")
+        if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
+            raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
+        if shadow not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
+        for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
+            missing = [c for c in (*STATE, "grad") if c not in k]
+            if numel and missing:
+                raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
+        self._mgr = manager
+        self._keys = [dict(k) for k in keys]
+        self._numels = list(numels)
+        self._shadow = shadow
+        self._threads = threads
+        self._backend = backend
+        capacity = max([buffer_bytes, *(self.footprint(n) for n in self._numels)])
+        self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(nbytes, torch.uint8))
+        self.buffer_bytes = self._ring.capacity
+        self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
+        self._writes: deque[tuple[StreamSet, list[TierTransfer]]] = deque()  # oldest first
+        self._issued = 0  # reads issued for positions of the current cycle (may run past n)
+        self._carry: list[TierTransfer] = []  # writes of returned ring room, not yet awaited
+        self._open: OpenStep | None = None  # the step begun and not finished
+        # One thread issues the read-ahead once the write that holds its buffer set lands,
+        # so step() never blocks on those writes.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierzero-adam-ahead")
+        self._closed = False
+
+    # ----------------------------------------------------------------- step
+    def step(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> PipelineStats:
+        """One Adam update of every shard; returns with the last writes in flight."""
+        self.begin(hyper, step, grad_scale)
+        return self.finish()
+
+    # A step in parts, for starting it while backward still runs: begin(), then
+    # mark_final() as each shard's gradient is final (the shards are updated in `order`, as
+    # far as the final ones reach), then finish() updates the rest.
+    def begin(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> None:
+        if self._closed:
+            raise OffloadError("AdamStream.begin() after close()")
+        if self._open is not None:
+            raise OffloadError("AdamStream.begin() while a step is open; finish() or abort() "
+                               "it first")
+        self._open = OpenStep(hyper, step, grad_scale, time.perf_counter())
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def mark_final(self, indices: Sequence[int]) -> None:
+        """These shards' gradients will not change this step: update every shard, in order,
+        up to the first whose gradient is not final yet."""
+        op = self._need_open("mark_final")
+        op.final.update(indices)
+        self._advance(op, everything=False)
+
+    def finish(self) -> PipelineStats:
+        """Update the shards not updated yet; the step is closed."""
+        op = self._need_open("finish")
+        self._advance(op, everything=True)
+        self._open = None
+        try:
+            self._issued -= len(self._order)
+            self._top_up(0)  # the next step's first shards, chained behind the writes
+        except BaseException:
+            self._unwind()
+            raise
+        return PipelineStats(len(self._order), time.perf_counter() - op.t0, op.compute,
+                             op.wait, 0.0, self.buffer_bytes)
+
+    def abort(self) -> int:
+        """Close an open step without updating the rest; returns how many shards it had
+        updated (each of them whole). The next step starts from the first shard."""
+        op, self._open = self._open, None
+        if op is None:
+            return 0
+        self._unwind()
+        return op.pos
+
+    def _need_open(self, what: str) -> OpenStep:
+        if self._open is None:
+            raise OffloadError(f"AdamStream.{what}() without begin()")
+        return self._open
+
+    def _advance(self, op: OpenStep, *, everything: bool) -> None:
+        try:
+            while op.pos < len(self._order) and (everything or self._order[op.pos] in op.final):
+                self._one(op, op.pos)
+                op.pos += 1
+        except BaseException:
+            self._open = None
+            self._unwind()
+            raise
+
+    def _one(self, op: OpenStep, pos: int) -> None:
+        index = self._order[pos]
+        self._top_up(pos)
+        rd = self._ahead.popleft()
+        if rd.index != index:
+            raise OffloadError(f"internal: read-ahead holds shard {rd.index}, the step is at "
+                               f"shard {index}")
+        t = time.perf_counter()
+        seen = rd.wait()
+        op.wait += time.perf_counter() - t
+        n = self._numels[index]
+        if n == 0:
+            return
+        keys = self._keys[index]
+        for key, version in seen:  # written by someone else since: read again
+            if self._mgr.version(key) != version:
+                name = next(c for c in STATE if keys[c] == key)
+                self._mgr.read_into(key, rd.bufs.part(name, n)).wait()
+        op.compute += self._update(rd.bufs, index, op.hyper, op.step, op.grad_scale)
+        self._write(rd.bufs, index)
+
+    def _update(self, bufs: StreamSet, index: int, hyper: AdamHyper, step: float,
+                grad_scale: float) -> float:
+        n = self._numels[index]
+        gkey = self._keys[index]["grad"]
+        tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
+        grad = self._mgr.fetch(gkey, tier).wait()  # 1D, its home (host) or a cache
+        try:
+            t = time.perf_counter()
+            with trace.span("adam", self._keys[index]["master"], numel=n):
+                adam_update(bufs.part("master", n), bufs.part("exp_avg", n),
+                            bufs.part("exp_avg_sq", n), grad, hyper=hyper, step=step,
+                            grad_scale=grad_scale,
+                            shadow=None if bufs.param16 is None else bufs.param16[:n],
+                            threads=self._threads, backend=self._backend)
+            return time.perf_counter() - t
+        finally:
+            self._mgr.release(gkey, tier)
+
+    def _write(self, bufs: StreamSet, index: int) -> None:
+        n, keys = self._numels[index], self._keys[index]
+        writes = [self._mgr.write_from(keys[c], bufs.part(c, n)) for c in STATE]
+        p16 = keys.get("param16")
+        if p16 is not None:  # fp32 compute: param16 is the master itself
+            src = bufs.part("master", n) if bufs.param16 is None else bufs.param16[:n]
+            writes.append(self._mgr.write_from(p16, src))
+        self._writes.append((bufs, writes))
+        while self._writes and all(t.done() for t in self._writes[0][1]):
+            done, parts = self._writes.popleft()
+            wait_all(parts)
+            self._ring.give_back(done.start)
+
+    def footprint(self, numel: int) -> int:
+        """Ring bytes of one shard's buffers (each part page-aligned)."""
+        low = 0 if self._shadow is None else page_up(numel * 2)
+        return 3 * page_up(numel * 4) + low if numel else 0
+
+    def _top_up(self, pos: int) -> None:
+        """Issue reads for the positions after ``pos`` (at most one step ahead, wrapping
+        into the next step) while the ring has room, taking room from the oldest writes
+        (the read is then chained behind them)."""
+        n_order = len(self._order)
+        while self._issued < pos + n_order:
+            index = self._order[self._issued % n_order]
+            numel = self._numels[index]
+            start = self._ring.take(self.footprint(numel)) if numel else -1
+            while start is None and self._writes:
+                # Room still being written: the next read issued waits for these writes
+                # (and every later one too: the read-ahead thread runs in order).
+                done, parts = self._writes.popleft()
+                self._carry += parts
+                self._ring.give_back(done.start)
+                start = self._ring.take(self.footprint(numel))
+            if start is None:  # the ring is full of read-ahead: enough
+                return
+            after, self._carry = self._carry, []
+            bufs = self._carve(start, numel)
+            job = self._reader.submit(self._issue_read, index, bufs, after)
+            self._ahead.append(StreamRead(index, bufs, after, job))
+            self._issued += 1
+
+    def _carve(self, start: int, numel: int) -> StreamSet:
+        if start < 0:
+            empty = torch.empty(0)
+            return StreamSet(start, empty, empty, empty, None)
+        size = page_up(numel * 4)
+        fp32 = [self._ring.view(start + i * size, numel, torch.float32) for i in range(3)]
+        p16 = (None if self._shadow is None
+               else self._ring.view(start + 3 * size, numel, self._shadow))
+        return StreamSet(start, fp32[0], fp32[1], fp32[2], p16)
+
+    def _issue_read(self, index: int, bufs: StreamSet, after: list[TierTransfer]
+                    ) -> list[tuple[str, int, TierTransfer]]:
+        wait_all(after)  # the set's previous contents are written: it may be refilled
+        n = self._numels[index]
+        out: list[tuple[str, int, TierTransfer]] = []
+        for c in STATE if n else ():
+            key = self._keys[index][c]
+            version = self._mgr.version(key)  # before the read: a later change is caught
+            out.append((key, version, self._mgr.read_into(key, bufs.part(c, n))))
+        return out
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Shards whose writes were issued and have not all landed yet."""
+        groups = [parts for _, parts in self._writes] + [rd.after for rd in self._ahead]
+        groups += [[t] for t in self._carry]
+        return sum(not all(t.done() for t in parts) for parts in groups)
+
+    def wait_idle(self) -> None:
+        """Block until every issued write and read-ahead has landed, keeping the
+        read-ahead (for exact traffic counts per step); raises a failure."""
+        for rd in list(self._ahead):
+            rd.wait()
+        for parts in [self._carry, *(p for _, p in self._writes)]:
+            wait_all(parts)
+
+    # ------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """Wait for every write in flight (raising the first failure) and drop the
+        read-ahead; afterwards the stream holds no transfer. Not while a step is open."""
+        if self._open is not None:
+            raise OffloadError("AdamStream.flush() while a step is open; finish() or abort() "
+                               "it first")
+        try:
+            wait_all(self._carry)
+            self._carry = []
+            while self._writes:
+                _, parts = self._writes.popleft()
+                wait_all(parts)
+        except BaseException:
+            self._unwind()
+            raise
+        self._unwind()
+
+    def _unwind(self) -> None:
+        for rd in self._ahead:
+            rd.settle()
+        for parts in [self._carry, *(p for _, p in self._writes)]:
+            for t in parts:
+                try:
+                    t.wait()
+                except BaseException as exc:
+                    log.warning("while unwinding the optimizer stream: %s", exc)
+        self._ahead.clear()
+        self._writes.clear()
+        self._carry = []
+        self._ring.reset()
+        self._issued = 0
+
+    def close(self) -> None:
+        """Finish every write (raising a failure) and stop the read-ahead thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._open = None
+        try:
+            self.flush()
+        finally:
+            self._reader.shutdown(wait=True)
