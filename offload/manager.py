@@ -222,10 +222,10 @@ class TierManager(ResidencyCore):
             self.release(key, tier)
         return TierTransfer.completed(src)
 
-    @staticmethod
-    def _check_out(rec: ShardRecord, buf: torch.Tensor, what: str) -> None:
+    def _check_out(self, rec: ShardRecord, buf: torch.Tensor, what: str) -> None:
         spec = rec.spec
-        if buf.numel() != spec.numel or buf.dtype != spec.dtype or buf.device.type != "cpu":
+        host = "meta" if self.device.type == "meta" else "cpu"  # a dry run's host is meta
+        if buf.numel() != spec.numel or buf.dtype != spec.dtype or buf.device.type != host:
             raise OffloadError(f"{what}({spec.key!r}): got {buf.numel()} x {buf.dtype} on "
                                f"{buf.device}; the shard is {spec.numel} x {spec.dtype} and "
                                "the buffer must be in host memory")

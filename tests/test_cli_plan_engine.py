@@ -68,7 +68,7 @@ def test_dry_run_world_two_equals_each_rank(tmp_path: Path) -> None:
     dry = dry_run(module, config, world_size=2, steps=3)
     ranks = run_two_ranks(tmp_path, {"steps": partial(_rank_steps, swap_dir=str(tmp_path))})
     for r in ranks:
-        assert r["steps"] == [manager_part(dry, i) for i in range(3)]
+        assert_matches(r["steps"], dry, 3)
     one = dry_run(TinyLM(SIZES["tiny"]).to("meta"), config, steps=3)
     assert dry.step().nvme_written < one.step().nvme_written  # each rank holds half
 
@@ -82,16 +82,33 @@ def manager_part(run: DryRun, step: int) -> Traffic:
                    host_to_device=t.host_to_device, device_to_host=t.device_to_host)
 
 
+def assert_matches(real: list[Traffic], dry: DryRun, steps: int) -> None:
+    """Writes and host->device copies equal step by step. Reads equal in total up to the
+    read-ahead: the CPU Adam starts reading the next step's state as ring space frees,
+    which in a real run depends on how fast its writes land (in the dry run at once), so
+    which step a read is counted in moves, by at most one step's NVMe bytes (measured over
+    10 steps: cumulative reads of real and dry runs stay within 1.3 MB of each other; a
+    step reads 1.75 MB)."""
+    plan = [manager_part(dry, i) for i in range(steps)]
+    assert [(r.nvme_written, r.host_to_device, r.device_to_host) for r in real] == [
+        (d.nvme_written, d.host_to_device, d.device_to_host) for d in plan]
+    window = plan[-1].nvme_written  # every NVMe-homed byte is written (and read) once a step
+    got = want = 0
+    for r, d in zip(real, plan, strict=True):
+        got, want = got + r.nvme_read, want + d.nvme_read
+        assert abs(got - want) <= window, (got, want, window)
+
+
 def test_dry_run_bytes_equal_a_real_run(tmp_path: Path) -> None:
     """A staging pool with room for every NVMe shard: no eviction depends on how fast a
-    transfer lands, so the real run is deterministic and the dry run must match it
-    byte for byte, step by step (the first step records the trace: no prefetch yet)."""
+    transfer lands, so the dry run must match the real run's counters (see
+    assert_matches for the one timing-dependent part)."""
     config = nvme_config(tmp_path, buffer_count=64)
     with torch.device("meta"):
         module = TinyLM(SIZES["tiny"])
     dry = dry_run(module, config, steps=3)
     real = real_steps(config, steps=3)
-    assert [manager_part(dry, i) for i in range(3)] == real
+    assert_matches(real, dry, 3)
     # sanity: the step moves something on every path the tiers have
     p16 = 2 * sum(n for _, n in model_shape("builtin:tiny").units)  # padded shards below
     assert real[-1].host_to_device >= p16 > 0 and real[-1].nvme_written > 0
@@ -110,9 +127,11 @@ def test_dry_run_under_pool_pressure_writes_equal(tmp_path: Path) -> None:
     assert [r.nvme_written for r in real] == [dry.step(i).nvme_written for i in range(3)]
     assert [r.host_to_device for r in real] == [dry.step(i).host_to_device for i in range(3)]
     # both read every state shard (master, two moments: 12 bytes per element) at least
-    # once a step, for the CPU Adam
+    # once a step for the CPU Adam, counted over the run (a read-ahead may be counted in
+    # the step before)
     states = 12 * dry.step().adam_params
-    assert dry.step().nvme_read >= states and all(r.nvme_read >= states for r in real)
+    assert sum(dry.step(i).nvme_read for i in range(3)) >= 3 * states
+    assert sum(r.nvme_read for r in real) >= 3 * states
 
 
 def test_dry_run_placement_is_the_tables(tmp_path: Path) -> None:

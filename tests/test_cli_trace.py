@@ -45,9 +45,13 @@ def test_trace_every_kind_nested_in_steps(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     evs = events(doc)
     kinds = {e["cat"] for e in evs}
-    # stall depends on timing (a wait that found its transfer done is not one); the rest
-    # happen every step of an NVMe run
-    assert kinds - {"stall"} == set(KINDS) - {"stall"}, set(KINDS) - kinds
+    # stall depends on timing (a wait that found its transfer done is not one); evict and
+    # writeback only under cache pressure or a dirty cache: the CPU Adam writes NVMe state
+    # straight from its buffers (TierManager.write_from), so a step leaves no dirty cache to
+    # write back (both are checked at the tier manager in test_evict_and_writeback_traced);
+    # the rest happen every step of an NVMe run
+    optional = {"stall", "evict", "writeback"}
+    assert kinds - optional == set(KINDS) - optional, set(KINDS) - kinds
     steps = sorted((e for e in evs if e["cat"] == "step"), key=lambda e: e["ts"])
     assert [e["name"] for e in steps] == ["step 2", "step 3"]
     assert steps[0]["ts"] + steps[0]["dur"] <= steps[1]["ts"] + 1e-3  # one after the other
@@ -91,12 +95,13 @@ def test_trace_every_kind_nested_in_steps(tmp_path: Path) -> None:
     # swap read and write is one of its transfers)
     written = sum(e["args"]["bytes"] for e in evs if e["cat"] == "nvme_write")
     read = sum(e["args"]["bytes"] for e in evs if e["cat"] == "nvme_read")
-    moved = [steps_m[i]["moved_bytes"] for i in (1, 2)]
-    assert read == sum(m["nvme_to_host"] for m in moved)  # reads finish inside their step
-    # writes issued in step 1 may land in step 2 (they are in the trace), writes issued
-    # in step 3 may land after it (they are not)
-    issued = [steps_m[i]["moved_bytes"]["host_to_nvme"] for i in (0, 1, 2)]
-    assert sum(issued[1:]) - issued[2] <= written <= sum(issued)
+    # Both directions cross step boundaries: the CPU Adam's writes drain, and its reads
+    # for the next step start, behind the next forward. Bytes issued in step 1 may land
+    # in step 2 (they are in the trace), bytes issued in step 3 may land after it (they
+    # are not).
+    for direction, traced in (("host_to_nvme", written), ("nvme_to_host", read)):
+        issued = [steps_m[i]["moved_bytes"][direction] for i in (0, 1, 2)]
+        assert issued[1] <= traced <= sum(issued), direction
     # forward compute spans lie inside the forward span of their step
     forwards = [e for e in evs if e["cat"] == "forward"]
     for e in evs:

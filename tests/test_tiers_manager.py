@@ -24,7 +24,7 @@ from offload import (
     TransferError,
 )
 from offload.residency import transition
-from swap import FileIO
+from swap import FileIO, trace
 
 N = 1024  # elements per shard: 4 KiB in fp32
 HOMES = {"param16": "nvme", "grad": "cpu", "master": "none"}
@@ -99,6 +99,18 @@ def test_dirty_cache_is_written_back_and_clean_one_is_not(tmp_path: Path) -> Non
         assert torch.equal(out, data["p0"] * 2)
         mgr.audit()
         assert mgr.memory_report().pool_in_use == 0
+
+
+def test_evict_and_writeback_traced(tmp_path: Path) -> None:
+    """The tier manager records its evict and writeback events where they happen."""
+    mgr, _ = make(tmp_path)
+    with mgr, trace.recording(trace.Recorder()) as rec:
+        mgr.fetch("p0", "device", writable=True).wait().mul_(2)
+        mgr.release("p0")
+        mgr.evict("p0")
+        mgr.synchronize()
+        marks = {(e["cat"], e["name"]) for e in rec.events}
+    assert ("writeback", "p0") in marks and ("evict", "p0") in marks
 
 
 def test_fetch_below_a_dirty_cache_sees_the_newest_data(tmp_path: Path) -> None:
