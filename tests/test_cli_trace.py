@@ -45,12 +45,14 @@ def test_trace_every_kind_nested_in_steps(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     evs = events(doc)
     kinds = {e["cat"] for e in evs}
-    # stall depends on timing (a wait that found its transfer done is not one); evict and
-    # writeback only under cache pressure or a dirty cache: the CPU Adam writes NVMe state
-    # straight from its buffers (TierManager.write_from), so a step leaves no dirty cache to
-    # write back (both are checked at the tier manager in test_evict_and_writeback_traced);
-    # the rest happen every step of an NVMe run
-    optional = {"stall", "evict", "writeback"}
+    # stall and prefetch depend on timing (a wait that found its transfer done is not a
+    # stall; a shard whose cache is still there, or already on its way on demand, is not
+    # prefetched: seen missing in the traced steps under load); evict and writeback only
+    # under cache pressure or a dirty cache: the CPU Adam writes NVMe state straight from
+    # its buffers (TierManager.write_from), so a step leaves no dirty cache to write back.
+    # Those three are checked where they happen, in tests/test_tiers_manager.py
+    # (test_prefetch_evict_and_writeback_traced); the rest happen every step of an NVMe run
+    optional = {"stall", "prefetch", "evict", "writeback"}
     assert kinds - optional == set(KINDS) - optional, set(KINDS) - kinds
     steps = sorted((e for e in evs if e["cat"] == "step"), key=lambda e: e["ts"])
     assert [e["name"] for e in steps] == ["step 2", "step 3"]

@@ -101,16 +101,20 @@ def test_dirty_cache_is_written_back_and_clean_one_is_not(tmp_path: Path) -> Non
         assert mgr.memory_report().pool_in_use == 0
 
 
-def test_evict_and_writeback_traced(tmp_path: Path) -> None:
-    """The tier manager records its evict and writeback events where they happen."""
-    mgr, _ = make(tmp_path)
+def test_prefetch_evict_and_writeback_traced(tmp_path: Path) -> None:
+    """The tier manager records its prefetch, evict and writeback events where they
+    happen (a training run has them only when timing and cache pressure say so)."""
+    mgr, _ = make(tmp_path, device_caches=3, pool=4)
     with mgr, trace.recording(trace.Recorder()) as rec:
+        mgr.set_order([(f"p{i}", "device") for i in range(4)])
+        mgr.synchronize()
         mgr.fetch("p0", "device", writable=True).wait().mul_(2)
         mgr.release("p0")
         mgr.evict("p0")
         mgr.synchronize()
         marks = {(e["cat"], e["name"]) for e in rec.events}
     assert ("writeback", "p0") in marks and ("evict", "p0") in marks
+    assert {("prefetch", f"p{i}") for i in range(2)} <= marks
 
 
 def test_fetch_below_a_dirty_cache_sees_the_newest_data(tmp_path: Path) -> None:
