@@ -206,12 +206,15 @@ def deepspeed_configs(ns: argparse.Namespace, configs: list[str]) -> list[str]:
             sys.stdout.write(DS_HOWTO + "\n")
             return []
     code = "import deepspeed; print(deepspeed.__version__)"
-    probe = subprocess.run([ns.deepspeed_python, "-c", code], capture_output=True, text=True,
-                           check=False, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    if probe.returncode != 0:
+    try:
+        probe = subprocess.run([ns.deepspeed_python, "-c", code], capture_output=True,
+                               text=True, check=False, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
+    except OSError as e:
+        why = [str(e)]
+    if why is not None:
         raise SystemExit(f"--deepspeed-python {ns.deepspeed_python!r} cannot import deepspeed "
-                         f"({probe.stderr.strip().splitlines()[-1:]}); build one with "
-                         "benchmarks/install_deepspeed.sh")
+                         f"({why}); build one with benchmarks/install_deepspeed.sh")
     sys.stdout.write(f"deepspeed {probe.stdout.strip()} at {ns.deepspeed_python}\n")
     ds = [f"ds_{c}" for c in configs if c in OFFLOAD]
     return ds + (["ds_all_nvme_nocache"] if "all_nvme" in configs else [])
@@ -274,11 +277,11 @@ def main() -> None:
     if ns.quick:
         ns.repeats, ns.steps = 1, 3
     ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
+    configs = ns.configs.split(",")
+    configs += deepspeed_configs(ns, configs)
     info = machine.describe(ns.swap)
     bw = disk_bandwidth(ns.swap, (64 if ns.quick else 512) << 20)
     sys.stdout.write(f"machine: {json.dumps(info)}\ndisk at {ns.swap}: {bw}\n")
-    configs = ns.configs.split(",")
-    configs += deepspeed_configs(ns, configs)
     rows: list[dict[str, Any]] = []
     for model in ns.models.split(","):
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
