@@ -71,7 +71,8 @@ def zero_config(config: str, path: str, model: nn.Module) -> dict[str, Any]:
     elif config in ("ds_all_nvme", "ds_all_nvme_nocache"):
         zero["offload_optimizer"] = dict(nvme)
         zero["offload_param"] = dict(nvme)
-        # without a GPU the NVMe param swapper stalls on prefetch (issue 6's note)
+        # issue 6's note; checked: with the default 5e7 and params really swapped
+        # (max_in_cpu 0) DeepSpeed fails: "param 27 already assigned swap buffer id 22"
         zero["stage3_prefetch_bucket_size"] = 0
     if config == "ds_all_nvme_nocache":
         # [Note: DeepSpeed max_in_cpu] DeepSpeed's default offload_param.max_in_cpu (1e9
