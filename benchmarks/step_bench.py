@@ -51,10 +51,11 @@ import swap  # noqa: E402
 CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme")
 OFFLOAD = {"none": ("none", "none"), "cpu": ("cpu", "cpu"), "opt_nvme": ("none", "nvme"),
            "all_nvme": ("nvme", "nvme")}
-DS_HOWTO = ("DeepSpeed rows skipped: `deepspeed` is not importable. To add them: "
-            "pip install deepspeed (CPU-only build: DS_BUILD_OPS=0), then rerun; it runs "
-            "ZeRO-3 with the gloo backend at world size 1 (param offload to NVMe needs "
-            "stage3_prefetch_bucket_size: 0 on a CPU-only machine).")
+DS_HOWTO = ("DeepSpeed rows skipped: `deepspeed` is not importable here and no "
+            "--deepspeed-python was given. To add them: benchmarks/install_deepspeed.sh "
+            "/work/ds-venv, then rerun with --deepspeed-python /work/ds-venv/bin/python "
+            "(ZeRO-3, gloo, world size 1; see benchmarks/ds_runner.py).")
+DS_RUNNER = Path(__file__).resolve().parent / "ds_runner.py"
 
 
 
@@ -194,11 +195,55 @@ def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
     return {"write_gbs": nbytes / w / 1e9, "read_gbs": nbytes / r / 1e9}
 
 
+def deepspeed_configs(ns: argparse.Namespace, configs: list[str]) -> list[str]:
+    """The ds_* twins of `configs` if a python with `deepspeed` is at hand, else [].
+
+    Sets ns.deepspeed_python to that interpreter (this one when it imports deepspeed).
+    """
+    if ns.deepspeed_python is None:
+        try:
+            import deepspeed  # noqa: F401
+            ns.deepspeed_python = sys.executable
+        except ImportError:
+            sys.stdout.write(DS_HOWTO + "\n")
+            return []
+    code = "import deepspeed; print(deepspeed.__version__)"
+    try:
+        probe = subprocess.run([ns.deepspeed_python, "-c", code], capture_output=True,
+                               text=True, check=False, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
+    except OSError as e:
+        why = [str(e)]
+    if why is not None:
+        raise SystemExit(f"--deepspeed-python {ns.deepspeed_python!r} cannot import deepspeed "
+                         f"({why}); build one with benchmarks/install_deepspeed.sh")
+    sys.stdout.write(f"deepspeed {probe.stdout.strip()} at {ns.deepspeed_python}\n")
+    ds = [f"ds_{c}" for c in configs if c in OFFLOAD]
+    return ds + (["ds_all_nvme_nocache"] if "all_nvme" in configs else [])
+
+
+def report_deepspeed(model: str, med: dict[str, dict[str, Any]]) -> None:
+    """Adds to each ds_* row its step time and peak RSS over tierzero's same config's."""
+    for c, m in med.items():
+        name = c[3:].removesuffix("_nocache")
+        tz = med.get(name) if c.startswith("ds_") else None
+        if tz is None:
+            continue
+        m["vs_tierzero"] = m["step_s"] / tz["step_s"]
+        m["rss_vs_tierzero"] = m["peak_rss_train"] / tz["peak_rss_train"]
+        sys.stdout.write(f"{model:4s} {c}: DeepSpeed step / tierzero {name} step = "
+                         f"{m['vs_tierzero']:.2f} (target >= 2), peak RSS ratio "
+                         f"{m['rss_vs_tierzero']:.2f}\n")
+
+
 def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", "--model", model, "--config", config,
+    ds = config.startswith("ds_")  # DeepSpeed runs in its own virtualenv (ds_runner.py)
+    cmd = [ns.deepspeed_python if ds else sys.executable, str(DS_RUNNER) if ds else __file__,
+           "--child", "--model", model, "--config", config,
            "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
-           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads),
-           "--overlap-step", ns.overlap_step]
+           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
+    if not ds:
+        cmd += ["--overlap-step", ns.overlap_step]
     if ns.quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
@@ -226,6 +271,9 @@ def main() -> None:
     ap.add_argument("--overlap-step", choices=("on", "off"), default="on",
                     help="offload.optimizer.overlap_step of the tierzero rows (A/B of the "
                          "optimizer step during backward)")
+    ap.add_argument("--deepspeed-python", default=None,
+                    help="python of a virtualenv with deepspeed (install_deepspeed.sh) for the "
+                    "ds_* rows; default: this python if it imports deepspeed, else no ds rows")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="plain", help=argparse.SUPPRESS)
@@ -236,16 +284,11 @@ def main() -> None:
     if ns.quick:
         ns.repeats, ns.steps = 1, 3
     ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
+    configs = ns.configs.split(",")
+    configs += deepspeed_configs(ns, configs)
     info = machine.describe(ns.swap)
     bw = disk_bandwidth(ns.swap, (64 if ns.quick else 512) << 20)
     sys.stdout.write(f"machine: {json.dumps(info)}\ndisk at {ns.swap}: {bw}\n")
-    try:
-        import deepspeed  # noqa: F401
-        sys.stdout.write("deepspeed imports, but its rows are not implemented in this "
-                         "script yet\n")
-    except ImportError:
-        sys.stdout.write(DS_HOWTO + "\n")
-    configs = ns.configs.split(",")
     rows: list[dict[str, Any]] = []
     for model in ns.models.split(","):
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -271,6 +314,7 @@ def main() -> None:
                 f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {io_s:.3f}s"
                 f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"
                 f"/{m['peak_rss_train'] / 2**20:.0f} MiB\n")
+        report_deepspeed(model, med)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": info, "disk": bw, "args": vars(ns), "rows": rows},
