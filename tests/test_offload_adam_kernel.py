@@ -278,6 +278,8 @@ def test_fp16_subnormal_grads_are_not_flushed() -> None:
 @pytest.mark.skipif(not HAS_KERNEL, reason="C kernel unavailable here")
 def test_subnormal_state_costs_no_microcode_assists() -> None:
     # Without FTZ/DAZ this ratio measured 17x here; 4x is a generous bound, same run.
+    # Fastest of 7 interleaved repeats, not the median: other processes on the cores only
+    # ever add time (the median once read 4.96x on a loaded 2-core machine).
     n = 2_000_000
     times: dict[str, list[float]] = {"normal": [], "subnormal": []}
     state = {k: (torch.randn(n), torch.full((n,), val), torch.full((n,), val), torch.zeros(n))
@@ -287,5 +289,5 @@ def test_subnormal_state_costs_no_microcode_assists() -> None:
             t = time.perf_counter()
             adam_update(p, m, v, g, hyper=AdamHyper(), step=1000 + rep, backend="compiled")
             times[k].append(time.perf_counter() - t)
-    med = {k: sorted(ts)[3] for k, ts in times.items()}
-    assert med["subnormal"] < 4 * med["normal"], med
+    best = {k: min(ts) for k, ts in times.items()}
+    assert best["subnormal"] < 4 * best["normal"], best
