@@ -21,15 +21,11 @@ MALLOC_MMAP_THRESHOLD_ = 1 MiB for the reason given in test_engine_offload_memor
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from memory_child import MiB, run_memory_child
 
-MiB = 1 << 20
 HOST_BUDGET = 800 * MiB
 DEVICE_BUDGET = 64 * MiB
 INIT_BOUND = (32 + 64 + 64) * MiB
@@ -39,15 +35,8 @@ BLOCKS, DIM = 24, 724
 
 @pytest.mark.slow
 def test_init_onto_nvme_peak_rss(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MiB), OMP_NUM_THREADS="2",
-               PYTHONPATH=str(root))
-    proc = subprocess.run(
-        [sys.executable, str(root / "tests" / "ckpt_init_memory_child.py"), str(tmp_path),
-         str(BLOCKS), str(DIM), str(HOST_BUDGET), str(DEVICE_BUDGET)],
-        capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    r = run_memory_child("ckpt_init_memory_child.py", tmp_path, BLOCKS, DIM, HOST_BUDGET,
+                         DEVICE_BUDGET)
     n = r["n_params"]
     assert 95e6 < n < 105e6
     state = n * (2 + 4 + 8)  # param16 + master + moments

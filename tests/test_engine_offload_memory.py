@@ -19,16 +19,12 @@ what we recommend to users with tight host budgets (docs/engine.md).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from memory_child import MiB, run_memory_child
 
-MiB = 1 << 20
 HOST_BUDGET = 800 * MiB
 DEVICE_BUDGET = 64 * MiB
 OVERHEAD = 128 * MiB
@@ -37,15 +33,8 @@ BLOCKS, DIM = 24, 724  # 24 x (2 x 724 x 2896 + biases) + head = 100.7M paramete
 
 @pytest.mark.multiproc
 def test_nvme_offload_peak_rss_within_budgets(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MiB), OMP_NUM_THREADS="2",
-               PYTHONPATH=str(root))
-    proc = subprocess.run(
-        [sys.executable, str(root / "tests" / "engine_memory_child.py"), str(tmp_path),
-         str(BLOCKS), str(DIM), str(HOST_BUDGET), str(DEVICE_BUDGET)],
-        capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    r = run_memory_child("engine_memory_child.py", tmp_path, BLOCKS, DIM, HOST_BUDGET,
+                         DEVICE_BUDGET)
     n = r["n_params"]
     assert 95e6 < n < 105e6
     model_state = n * (2 + 4 + 4 + 8)
