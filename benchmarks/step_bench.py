@@ -135,7 +135,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None},
                         "optimizer": {"device": o_dev, "path": path if "nvme" in (
                             p_dev, o_dev) else None,
-                                      "overlap_step": args.overlap_step == "on"}}})
+                                      "overlap_step": args.overlap_step == "on",
+                                      **({"buffer_count": args.buffer_count}
+                                         if args.buffer_count else {})}}})
         eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
 
         def one() -> None:
@@ -244,6 +246,8 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
            "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
     if not ds:
         cmd += ["--overlap-step", ns.overlap_step]
+        if ns.buffer_count:
+            cmd += ["--buffer-count", str(ns.buffer_count)]
     if ns.quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
@@ -271,6 +275,9 @@ def main() -> None:
     ap.add_argument("--overlap-step", choices=("on", "off"), default="on",
                     help="offload.optimizer.overlap_step of the tierzero rows (A/B of the "
                          "optimizer step during backward)")
+    ap.add_argument("--buffer-count", type=int, default=None,
+                    help="offload.optimizer.buffer_count of the tierzero rows (CPU Adam host "
+                         "ring depth); default: the config's default")
     ap.add_argument("--deepspeed-python", default=None,
                     help="python of a virtualenv with deepspeed (install_deepspeed.sh) for the "
                     "ds_* rows; default: this python if it imports deepspeed, else no ds rows")
