@@ -150,3 +150,15 @@ def crash_child(ckpt: str, ready: str, offload: str = "none", swap: str | None =
         eng.save_checkpoint(ckpt, tag=f"t{step}")
         if step == 0:
             Path(ready).write_text("ready")
+
+
+def run_cuda_steps(eng: engine.ZeroEngine,
+                   batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """One step per batch; after each, a draw from the CUDA RNG, so a resume that failed to
+    restore the CUDA RNG stream shows in the draws."""
+    draws = []
+    for ids, tg in batches:
+        eng.backward(eng(ids, tg))
+        eng.step()
+        draws.append(float(torch.rand(1, device="cuda")))  # the CUDA RNG stream moves on
+    return draws

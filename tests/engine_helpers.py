@@ -208,3 +208,19 @@ def comm_scenario(rank: int) -> dict[str, torch.Tensor]:
     gathered = torch.empty(2 * 4, dtype=torch.bfloat16)
     comm.all_gather(gathered, torch.full((4,), float(rank), dtype=torch.bfloat16))
     return {"native": native, "fallback": fallback, "gathered": gathered}
+
+
+def train_and_gather(model: nn.Module, cfg: Config, seed: int = 1) -> dict[str, object]:
+    """Three engine steps on `make_batches(3, seed=seed)` (CPU); the losses and the gathered
+    parameters after them. For comparing a partitioned build with a plain one."""
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    losses = []
+    for ids, tg in make_batches(3, seed=seed):
+        loss = eng(ids, tg)
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+    with engine.GatheredParameters(list(model.parameters())):
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    eng.close()
+    return {"losses": losses, "params": params}

@@ -7,18 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import run_cuda_steps
 from engine_helpers import full_params, make_batches, make_config, make_model
 
 import engine
-
-
-def _run(eng: engine.ZeroEngine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    draws = []
-    for ids, tg in batches:
-        eng.backward(eng(ids, tg))
-        eng.step()
-        draws.append(float(torch.rand(1, device="cuda")))  # the CUDA RNG stream moves on
-    return draws
 
 
 @pytest.mark.cuda
@@ -29,16 +21,16 @@ def test_cuda_save_load_resume_is_exact(tmp_path: Path, precision: str) -> None:
     model = make_model()
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cuda")
     assert eng.store.tensor(eng._train_keys[0], "master").is_cuda
-    _run(eng, batches[:4])
+    run_cuda_steps(eng, batches[:4])
     eng.save_checkpoint(tmp_path)
-    want_draws = _run(eng, batches[4:])
+    want_draws = run_cuda_steps(eng, batches[4:])
     want = full_params(eng, model)
     eng.close()
 
     model2 = make_model(seed=3)
     eng2, _, _, _ = engine.initialize(model=model2, config=cfg, device="cuda")
     eng2.load_checkpoint(tmp_path)
-    got_draws = _run(eng2, batches[4:])
+    got_draws = run_cuda_steps(eng2, batches[4:])
     got = full_params(eng2, model2)
     eng2.close()
     assert got_draws == want_draws

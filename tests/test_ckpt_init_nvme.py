@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_dist import run_two_ranks
-from engine_helpers import make_batches, make_model
+from engine_helpers import make_model, train_and_gather
 from safetensors.torch import save_file
 
 import engine
@@ -33,20 +33,6 @@ def _cfg(swap: Path, max_live: int = 8_000, progress: str = "auto") -> engine.Co
         "logging": {"progress": progress}})
 
 
-def _train(model: torch.nn.Module, cfg: engine.Config) -> dict[str, object]:
-    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
-    losses = []
-    for ids, tg in make_batches(3):
-        loss = eng(ids, tg)
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
-    with engine.GatheredParameters(list(model.parameters())):
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    eng.close()
-    return {"losses": losses, "params": params}
-
-
 def _swap_files(swap: Path) -> list[Path]:
     return sorted(swap.rglob("*.swp"))
 
@@ -65,9 +51,9 @@ def test_init_slices_go_to_nvme_and_values_equal_plain_build(tmp_path: Path) -> 
     # every slice was written (some twice: partitioned again after make_model's edits)
     assert ini.nvme_bytes >= slices >= sum(p.numel() * 4 for p in ref.parameters())
     assert len(_swap_files(tmp_path / "swap")) == 1  # Init's staging file
-    got = _train(model, cfg)
+    got = train_and_gather(model, cfg)
     assert len(_swap_files(tmp_path / "swap")) == 0  # every slice consumed, file removed
-    want = _train(ref, cfg)
+    want = train_and_gather(ref, cfg)
     assert got["losses"] == want["losses"]
     assert all(torch.equal(v, want["params"][k]) for k, v in got["params"].items())
 
@@ -80,7 +66,8 @@ def nvme_init_scenario(rank: int, swap: str) -> dict[str, object]:
         model = make_model(n_blocks=N_BLOCKS)
     on_nvme = all((rec := _record(p)) is not None and rec.nvme is not None
                   for p in model.parameters())
-    return {"got": _train(model, cfg), "want": _train(make_model(n_blocks=N_BLOCKS), cfg),
+    return {"got": train_and_gather(model, cfg),
+            "want": train_and_gather(make_model(n_blocks=N_BLOCKS), cfg),
             "on_nvme": on_nvme, "nvme_bytes": ini.nvme_bytes}
 
 

@@ -8,19 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import resume_config
+from ckpt_helpers import resume_config, run_cuda_steps
 from engine_helpers import full_params, make_batches, make_model
 
 import engine
-
-
-def _run(eng: engine.ZeroEngine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    draws = []
-    for ids, tg in batches:
-        eng.backward(eng(ids, tg))
-        eng.step()
-        draws.append(float(torch.rand(1, device="cuda")))  # the CUDA RNG stream moves on
-    return draws
 
 
 @pytest.mark.cuda
@@ -30,10 +21,10 @@ def test_cuda_offloaded_save_load_resume_is_exact(tmp_path: Path, offload: str) 
     model = make_model()
     cfg = resume_config("bf16", 1, offload, str(tmp_path / "swap1"))
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cuda")
-    _run(eng, batches[:4])
+    run_cuda_steps(eng, batches[:4])
     pending = eng.save_checkpoint(tmp_path / "ck", background=True)
     assert not isinstance(pending, Path) and pending.done()  # streamed before returning
-    want_draws = _run(eng, batches[4:])
+    want_draws = run_cuda_steps(eng, batches[4:])
     want = full_params(eng, model)
     eng.close()
 
@@ -41,7 +32,7 @@ def test_cuda_offloaded_save_load_resume_is_exact(tmp_path: Path, offload: str) 
     cfg2 = resume_config("bf16", 1, offload, str(tmp_path / "swap2"))
     eng2, _, _, _ = engine.initialize(model=model2, config=cfg2, device="cuda")
     eng2.load_checkpoint(tmp_path / "ck")
-    got_draws = _run(eng2, batches[4:])
+    got_draws = run_cuda_steps(eng2, batches[4:])
     got = full_params(eng2, model2)
     eng2.close()
     assert got_draws == want_draws

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_dist import run_two_ranks
-from engine_helpers import make_batches, make_model
+from engine_helpers import make_model, train_and_gather
 
 import engine
 from engine.collectives import Comm
@@ -29,20 +29,6 @@ def _cfg(max_live: int, units: tuple[str, ...] = ("Block",)) -> engine.Config:
                       "weight_decay": 0.1}})
 
 
-def _train(model: torch.nn.Module, cfg: engine.Config, rank: int) -> dict[str, object]:
-    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
-    losses = []
-    for ids, tg in make_batches(3, seed=1 + rank):
-        loss = eng(ids, tg)
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
-    with engine.GatheredParameters(list(model.parameters())):
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    eng.close()
-    return {"losses": losses, "params": params}
-
-
 def init_scenario(rank: int) -> dict[str, object]:
     """One rank: build under Init (tight live bound), check the placeholders, train 3 steps;
     then the same with a plain build."""
@@ -51,8 +37,8 @@ def init_scenario(rank: int) -> dict[str, object]:
         model = make_model(n_blocks=N_BLOCKS)  # also edits LayerNorms after construction
     placeholders = all(p.untyped_storage().nbytes() == 0 and is_partitioned(p)
                        for p in model.parameters())
-    got = _train(model, cfg, rank)
-    want = _train(make_model(n_blocks=N_BLOCKS), cfg, rank)
+    got = train_and_gather(model, cfg, seed=1 + rank)
+    want = train_and_gather(make_model(n_blocks=N_BLOCKS), cfg, seed=1 + rank)
     torch.manual_seed(3)  # odd sizes: rank 1's slice is shorter than rank 0's (7*5 = 35)
     with engine.Init(config=_cfg(max_live=0)):
         odd = torch.nn.Linear(7, 5)
