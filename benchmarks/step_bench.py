@@ -15,9 +15,12 @@ batch 16 x 16 tokens) and "hf" (a small Llama from a config, no download, ~30M).
 Per row: step time (median), forward+backward and optimizer-step time, peak RSS over the
 whole process (VmHWM, model build included) and over the timed steps, NVMe bytes read and
 written per step, CPU Adam time, and overlap efficiency = max(compute, NVMe I/O, Adam) /
-step time, where compute is plain PyTorch's forward+backward in the same run, NVMe I/O is
-the step's bytes at the swap directory's bandwidth measured in the same run, and Adam is
-the CPU Adam kernel's time.
+step time, where compute is plain PyTorch's forward+backward in the same round, Adam is
+the CPU Adam kernel's time, and NVMe I/O is the least time the disk needs for the step's
+bytes: max(read / read bandwidth, write / write bandwidth, (read + write) / bandwidth of
+reads and writes running together). The disk is measured right before every NVMe run (a
+virtual disk's speed drifts by tens of percent between minutes), and each run's overlap
+uses its own measurement; the row reports the median over the rounds.
 
     python benchmarks/step_bench.py --quick
     python benchmarks/step_bench.py --swap /local_nvme --out bench_out/step_bench.json
@@ -183,18 +186,32 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
-    """GB/s of SwapStore write and read of `nbytes` at `directory` (same run)."""
+    """GB/s of SwapStore at `directory`: write, read, and write + read of `nbytes` each
+    running together (an optimizer step's traffic: the disk shares its bandwidth between
+    them, and together they may move more bytes per second than either alone)."""
     # page-aligned, as the engine's buffers are (an unaligned one goes through a bounce copy)
     t = swap.aligned_empty(nbytes // 4, torch.float32).fill_(1.0)
+    out = swap.aligned_empty(nbytes // 4, torch.float32)
     with swap.SwapStore(directory) as st:
         t0 = time.perf_counter()
         st.write("bw", t).wait()
         w = time.perf_counter() - t0
-        out = swap.aligned_empty(nbytes // 4, torch.float32)
         t0 = time.perf_counter()
         st.read("bw", out=out).wait()
         r = time.perf_counter() - t0
-    return {"write_gbs": nbytes / w / 1e9, "read_gbs": nbytes / r / 1e9}
+        t0 = time.perf_counter()
+        both = [st.write("bw2", t), st.read("bw", out=out)]
+        for f in both:
+            f.wait()
+        m = time.perf_counter() - t0
+    return {"write_gbs": nbytes / w / 1e9, "read_gbs": nbytes / r / 1e9,
+            "mixed_gbs": 2 * nbytes / m / 1e9}
+
+
+def io_seconds(read: float, write: float, bw: dict[str, float]) -> float:
+    """The least time the disk `bw` needs to read `read` and write `write` bytes."""
+    return max(read / (bw["read_gbs"] * 1e9), write / (bw["write_gbs"] * 1e9),
+               (read + write) / (bw["mixed_gbs"] * 1e9))
 
 
 def deepspeed_configs(ns: argparse.Namespace, configs: list[str]) -> list[str]:
@@ -294,38 +311,53 @@ def main() -> None:
     configs = ns.configs.split(",")
     configs += deepspeed_configs(ns, configs)
     info = machine.describe(ns.swap)
-    bw = disk_bandwidth(ns.swap, (64 if ns.quick else 512) << 20)
+    disk_bytes = (64 if ns.quick else 512) << 20
+    bw = disk_bandwidth(ns.swap, disk_bytes)
     sys.stdout.write(f"machine: {json.dumps(info)}\ndisk at {ns.swap}: {bw}\n")
     rows: list[dict[str, Any]] = []
+    disks: list[dict[str, float]] = [bw]
     for model in ns.models.split(","):
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
         for _ in range(ns.repeats):
             for c in configs:  # interleaved rounds: load drift hits every config alike
-                runs[c].append(run_child(ns, model, c))
-        med = {c: {k: (statistics.median(r[k] for r in rs) if isinstance(rs[0][k], float | int)
-                       else rs[0][k]) for k in rs[0]} for c, rs in runs.items()}
-        compute = med["plain"]["fwd_bwd_s"] if "plain" in med else None
+                # the disk as it is now, for this run's I/O bound (it drifts between minutes)
+                disk = disk_bandwidth(ns.swap, disk_bytes) if "nvme" in c else None
+                r = run_child(ns, model, c)
+                if disk is not None:
+                    disks.append(disk)
+                    r["disk"] = disk
+                runs[c].append(r)
+        compute_runs = [r["fwd_bwd_s"] for r in runs.get("plain", [])]
+        for rs in runs.values():
+            for i, r in enumerate(rs):
+                io_s = io_seconds(r["nvme_read_per_step"], r["nvme_write_per_step"],
+                                  r.get("disk", bw))
+                parts = [x for x in (compute_runs[i] if compute_runs else None, io_s,
+                                     r["adam_s"]) if x]
+                r["nvme_io_s"] = io_s
+                r["overlap_eff"] = max(parts) / r["step_s"] if parts else None
+        med = {c: {k: (statistics.median(r[k] for r in rs)
+                       if isinstance(rs[0][k], float | int) and rs[0][k] is not None
+                       else rs[0][k]) for k in rs[0] if k != "disk"} for c, rs in runs.items()}
         plain_step = med["plain"]["step_s"] if "plain" in med else None
         for c, m in med.items():
-            io_s = (m["nvme_read_per_step"] / (bw["read_gbs"] * 1e9)
-                    + m["nvme_write_per_step"] / (bw["write_gbs"] * 1e9))
-            parts = [x for x in (compute, io_s, m["adam_s"]) if x]
-            m["nvme_io_s"] = io_s
-            m["overlap_eff"] = max(parts) / m["step_s"] if parts else None
             m["vs_plain"] = m["step_s"] / plain_step if plain_step else None
             rows.append(m)
             sys.stdout.write(
                 f"{model:4s} {c:9s} step {m['step_s']:.3f}s (x{m['vs_plain'] or 0:.2f} plain)"
                 f" fwd+bwd {m['fwd_bwd_s']:.3f}s opt {m['opt_s']:.3f}s adam {m['adam_s']:.3f}s"
                 f" nvme r/w {m['nvme_read_per_step'] / 1e6:.0f}/"
-                f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {io_s:.3f}s"
+                f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {m['nvme_io_s']:.3f}s"
                 f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"
                 f"/{m['peak_rss_train'] / 2**20:.0f} MiB\n")
         report_deepspeed(model, med)
+    spread = {k: (min(d[k] for d in disks), max(d[k] for d in disks)) for k in bw}
+    sys.stdout.write("disk GB/s over the run (min, max): " + ", ".join(
+        f"{k.removesuffix('_gbs')} {lo:.2f}-{hi:.2f}" for k, (lo, hi) in spread.items()) + "\n")
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "disk": bw, "args": vars(ns), "rows": rows},
-                              indent=1))
+    out.write_text(json.dumps({"machine": info, "disk": bw, "disks": disks, "args": vars(ns),
+                               "rows": rows}, indent=1))
     sys.stdout.write(f"wrote {out}\n")
 
 
