@@ -27,6 +27,7 @@ hands the tier manager the order of the coming param16 fetches.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,15 +108,20 @@ class Scheduler:
         # optimizer on it ([Note: streamed optimizer step]). None: nobody listens.
         self.on_final: Callable[[Unit], None] | None = None
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
+        # seconds the training thread spent gathering units (forward and backward, NVMe
+        # reads, copies and collectives included): the "wait" of `tierzero train`
+        self.gather_s = 0.0
         self.gathered_peak_bytes = 0
 
     # -- residency -------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:
         if unit.gathered and not unit.stale:
             return
+        start = time.perf_counter()
         with trace.span("gather", unit.label):
             for g in unit.groups:
                 gather_group(g, self.comm, self.store)
+        self.gather_s += time.perf_counter() - start
         unit.stale = False
         self.gathers += 1
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes())

@@ -181,3 +181,23 @@ def test_prefetch_follows_trace_and_reuse_distance_bounds_live(tmp_path: Path) -
     assert kept_rep["units_kept_for_backward"] > 0 and rel_rep["units_kept_for_backward"] == 0
     assert kept_gathers < rel_gathers
     assert all(torch.equal(kept_params[k], rel_params[k]) for k in kept_params)
+
+
+def test_gather_time_counts_backward_regathers(tmp_path: Path) -> None:
+    """scheduler.gather_s (the "wait" of `tierzero train`) counts every unit gather: with
+    zero.max_live_bytes = 0 each unit is released after its forward and gathered again in
+    backward, and that time is in it too, not only the forward's."""
+    base = make_config(clip=0.5)
+    cfg = offload_config(dataclasses.replace(
+        base, zero=dataclasses.replace(base.zero, max_live_bytes=0)), "nvme", tmp_path)
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+    try:
+        for ids, tg in make_batches(2):
+            loss = eng(ids, tg)
+            fwd_s, fwd_n = eng.scheduler.gather_s, eng.scheduler.gathers
+            eng.backward(loss)
+            assert eng.scheduler.gathers > fwd_n  # units gathered again for backward
+            assert eng.scheduler.gather_s > fwd_s
+            eng.step()
+    finally:
+        eng.close()

@@ -5,7 +5,7 @@ from engine.train.data import ByteBatches, DataError, load_bytes
 from engine.train.loop import TrainOptions, TrainResult, run
 from engine.train.metrics import StepRecord
 from engine.train.model_source import ModelError, build_model
-from engine.train.timeline import TraceWindow, UnitProbes
+from engine.train.timeline import TraceWindow
 from swap.trace import KINDS
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "TrainError",
     "TrainOptions",
     "TrainResult",
-    "UnitProbes",
     "build_model",
     "load_bytes",
     "run",

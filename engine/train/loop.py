@@ -1,7 +1,7 @@
 """The training job behind `tierzero train`: build, partition, train, record.
 
 Composition in order (one place): checks on everything a user gave (before
-any work), process group, data, model, engine, probes, then the step loop.
+any work), process group, data, model, engine, then the step loop.
 Rank 0 shows the progress bar, logs a line every logging.steps_per_print
 steps and writes the metrics file, the trace and the plot.
 """
@@ -37,7 +37,7 @@ from engine.train.metrics import (
     tier_bytes,
 )
 from engine.train.model_source import build_model, pretrained_dir
-from engine.train.timeline import TraceWindow, UnitProbes
+from engine.train.timeline import TraceWindow
 from swap import trace
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,6 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     first, count = options.trace_steps
     window = TraceWindow(options.trace_path if rank0 else None, first, count,
                          process=f"tierzero train (rank {rank})")
-    probes = UnitProbes([(u.label, u.module) for u in eng.units if not u.is_root])
     disk = DiskCounter()
     moves = TierCounter(eng.memory_report())
     writer = MetricsWriter(metrics_path) if rank0 else None
@@ -168,7 +167,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                        initial=start, total=tc.steps, disable=not (rank0 and options.progress))
             for step in bar:
                 window.before(step)
-                record = _one_step(eng, batches, probes, disk=disk, moves=moves, step=step,
+                record = _one_step(eng, batches, disk=disk, moves=moves, step=step,
                                    accum=accum, world=world)
                 window.after(step)
                 result.records.append(record)
@@ -184,7 +183,6 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
             writer.write(_summary(result.records))
     finally:
         window.close()
-        probes.close()
         eng.close()
         if writer:
             writer.close()
@@ -193,11 +191,11 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     return result
 
 
-def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, *,
+def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, *,
               disk: DiskCounter, moves: TierCounter, step: int, accum: int,
               world: int) -> StepRecord:
     start = time.perf_counter()
-    wait_before = probes.wait_s
+    wait_before = eng.scheduler.gather_s  # every unit gather, forward and backward
     losses: list[float] = []
     optimizer_s = 0.0
     n_tokens = 0
@@ -217,7 +215,7 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, probes: UnitProbes, 
             eng.step()
         optimizer_s += time.perf_counter() - t_opt
     step_s = time.perf_counter() - start
-    wait_s = probes.wait_s - wait_before
+    wait_s = eng.scheduler.gather_s - wait_before
     read, written = disk.delta()
     report = eng.memory_report()
     now, peak = tier_bytes(report)

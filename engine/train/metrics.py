@@ -28,7 +28,7 @@ class StepRecord:
     tokens_per_s: float
     step_s: float  # wall time of the whole step
     compute_s: float  # forward + backward, minus the gather waits
-    wait_s: float  # blocked on parameters being gathered (I/O included, once tiered)
+    wait_s: float  # gathering units, forward and backward (NVMe reads and copies included)
     optimizer_s: float  # the engine's optimizer step
     tier_bytes: dict[str, int]  # tier -> bytes held on this rank now
     tier_peak_bytes: dict[str, int]  # tier -> peak so far

@@ -1,4 +1,4 @@
-"""The trace window of `tierzero train --trace`, and the probes behind the step split.
+"""The trace window of `tierzero train --trace`.
 
 Events come from where the work happens, through the tracing seam swap.trace
 ([Note: trace event kinds] in swap/trace.py): the scheduler (gather, release,
@@ -13,13 +13,8 @@ after it stops), and a span still running when recording stops is dropped.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
-
-from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from swap import trace
 
@@ -65,42 +60,3 @@ class TraceWindow:
     def write(self) -> None:
         if self.recorder is not None and self.path:
             self.recorder.write(self.path)
-
-
-class UnitProbes:
-    """Forward hooks around each block unit measuring the time spent gathering it.
-
-    Registered after the engine's hooks: the `prepend=True` pre-hook runs before
-    the engine gathers, the other after, so the gather is bracketed without
-    touching the engine. `wait_s` accumulates the forward gather time of every
-    step (with offloading, waiting on NVMe reads and copies is inside it).
-    `close()` removes the hooks.
-    """
-
-    def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
-        self.wait_s = 0.0
-        self._marks: dict[int, float] = {}
-        self._handles: list[RemovableHandle] = []
-        for _name, module in units:
-            self._register(module)
-
-    def _register(self, module: nn.Module) -> None:
-        key = id(module)
-
-        def before_gather(_m: nn.Module, _a: Any) -> None:
-            self._marks[key] = time.perf_counter()
-
-        def after_gather(_m: nn.Module, _a: Any) -> None:
-            start = self._marks.pop(key, None)
-            if start is not None:
-                self.wait_s += time.perf_counter() - start
-
-        self._handles += [
-            module.register_forward_pre_hook(before_gather, prepend=True),
-            module.register_forward_pre_hook(after_gather),
-        ]
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
