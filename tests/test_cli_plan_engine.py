@@ -214,3 +214,19 @@ def test_dry_run_failure_is_reported_not_fatal(tmp_path: Path) -> None:
     cpu = plans["cpu"]
     assert cpu.fits and cpu.by_tier["host"]["master"] > 0  # the placement still holds
     assert cpu.step_s is None and "item" in (cpu.traffic_error or "").lower()
+
+
+@pytest.mark.parametrize(("clip", "precision", "early"), [
+    (0.0, "bf16", True), (1.0, "bf16", False), (0.0, "fp16", False)])
+def test_dry_config_keeps_the_step_where_the_real_run_has_it(
+        tmp_path: Path, clip: float, precision: str, early: bool) -> None:
+    """Clipping and fp16 need every gradient before the step (the real run then does not
+    begin it during backward); the dry run drops them but must not begin early either."""
+    from engine.plan.dry_run import dry_config
+    config = engine.load_config({"zero": {"stage": 3}, "precision": precision,
+                                 "gradient_clipping": clip,
+                                 "offload": {"device": "nvme", "path": str(tmp_path)}})
+    assert config.offload.optimizer.overlap_step
+    dry = dry_config(config)
+    assert dry.gradient_clipping == 0.0 and dry.precision.dtype == "bf16"
+    assert dry.offload.optimizer.overlap_step is early

@@ -148,11 +148,18 @@ def default_micro(eng: ZeroEngine, seq_len: int) -> torch.Tensor:
 
 
 def dry_config(config: Config) -> Config:
-    """The config a dry run can execute: clipping off, fp16 as bf16 (see the Note)."""
+    """The config a dry run can execute: clipping off, fp16 as bf16 (see the Note). Either
+    keeps the real run's optimizer step after backward (they disable
+    offload.optimizer.overlap_step), so the dry run does not begin it early either."""
     precision = config.precision
+    offload = config.offload
+    if config.gradient_clipping > 0 or precision.dtype == "fp16":
+        offload = dataclasses.replace(offload, optimizer=dataclasses.replace(
+            offload.optimizer, overlap_step=False))
     if precision.dtype == "fp16":
         precision = dataclasses.replace(precision, dtype="bf16")
-    return dataclasses.replace(config, gradient_clipping=0.0, precision=precision)
+    return dataclasses.replace(config, gradient_clipping=0.0, precision=precision,
+                               offload=offload)
 
 
 def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: int = 2,
