@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,19 +14,14 @@ from cli_helpers import read_metrics, write_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.multiproc
 def test_two_ranks_with_torchrun(tmp_path: Path) -> None:
     config = write_config(tmp_path, steps=3)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "engine.cli", "train", str(config), "--no-progress"]
+    # --standalone: torchrun binds its own free port (a port probed here first could be
+    # taken by another process before torchrun binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "engine.cli", "train", str(config), "--no-progress"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
