@@ -50,14 +50,21 @@ class Prefetcher:
         return self.cursor < len(self._entries)
 
     def consume(self, key: str, tier: Tier) -> None:
-        """Advance past ``key``'s next use; note a mismatch if it was not next."""
+        """Advance past ``key``'s next use; note a mismatch if it was not next.
+
+        A key whose every use in the order is already behind the cursor is being used
+        again (e.g. the optimizer reading a gradient shard the reduce just wrote): that
+        does not depart from the order, so it neither counts nor moves the cursor."""
         if not self.active:
             return
         if self._entries[self.cursor] == (key, tier):
             self.cursor += 1
             return
-        self.mismatches += 1
         pos = self._next_index(key)
+        positions = self._positions.get(key)
+        if pos is None and positions and positions[0] < self.cursor:
+            return
+        self.mismatches += 1
         if pos is not None:
             log.debug("fetch of %s/%s skipped %d entries of the recorded order",
                       key, tier, pos - self.cursor)

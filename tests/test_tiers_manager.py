@@ -327,3 +327,23 @@ def test_nvme_budget_is_detected_at_the_swap_store(tmp_path: Path) -> None:
         mgr.place("a", torch.ones(N)).wait()
         assert torch.equal(mgr.fetch("a", "host").wait(), torch.ones(N))
         mgr.release("a")
+
+
+def test_order_cursor_counts_skips_not_reuses() -> None:
+    """A fetch that jumps ahead of the recorded order is a mismatch and moves the cursor
+    there; fetching again a key whose uses are all behind the cursor (the optimizer
+    reading a gradient the reduce just wrote) is not, and leaves the cursor alone; a key
+    the order never named is a mismatch."""
+    from offload.prefetch import Prefetcher
+    from offload.settings import PrefetchSettings
+    pf = Prefetcher(PrefetchSettings())
+    pf.set_order([("a", "host"), ("b", "host"), ("c", "host"), ("d", "host")])
+    pf.consume("a", "host")
+    pf.consume("a", "host")  # used again: every use of "a" is behind the cursor
+    assert (pf.mismatches, pf.cursor) == (0, 1)
+    pf.consume("c", "host")  # skips "b"
+    assert (pf.mismatches, pf.cursor) == (1, 3)
+    pf.consume("zz", "host")  # never in the order
+    assert (pf.mismatches, pf.cursor) == (2, 3)
+    pf.consume("d", "host")
+    assert (pf.mismatches, pf.cursor, pf.active) == (2, 4, False)
