@@ -80,7 +80,7 @@ class TierManager(ResidencyCore):
             src = data.detach().reshape(-1)
             if rec.home == "nvme":  # stage through a pool buffer, then write down
                 self._room("host", rec, demand=True)
-                slot = self._take()
+                slot = self._take(spec.nbytes)
                 cache = rec.copies["host"]
                 transition(rec, "host", Op.WRITE)
                 cache.slot, cache.data = slot, slot.view(spec)
@@ -320,7 +320,7 @@ class TierManager(ResidencyCore):
                 for t in present:
                     copy = rec.copies[t]
                     if copy.slot is not None:
-                        slots += 1
+                        slots += copy.slot.span
                     else:
                         derived[t] += rec.spec.nbytes
                     if copy.role is Role.HOME and copy.state is State.DIRTY:
