@@ -107,6 +107,11 @@ class BufferPool:
         return self._count
 
     @property
+    def arena(self) -> torch.Tensor:
+        """The one allocation every buffer is a slice of (1D uint8)."""
+        return self._arena
+
+    @property
     def in_use(self) -> int:
         """Slots taken (a span counts each of its slots)."""
         return self._count - sum(self._free)

@@ -5,6 +5,7 @@ for bit the same while the next forward's first gathers stop reading NVMe."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,28 @@ def test_kept_write_falls_back_to_a_direct_write_when_the_pool_is_full(tmp_path:
         got = mgr.fetch("p0", "host").wait().clone()
         mgr.release("p0")
         assert torch.equal(got, new)
+        mgr.audit()
+
+
+@pytest.mark.cuda
+def test_kept_cache_feeds_a_cuda_device_copy(tmp_path: Path) -> None:
+    """On CUDA the kept cache is in the pinned pool and the gather's H2D copy reads it."""
+    specs = [ShardSpec(f"p{i}", "param16", 1 << 20, torch.bfloat16) for i in range(2)]
+    settings = cpu_settings({"param16": "nvme"}, device=64 << 20, host=64 << 20,
+                            buffer_count=2)
+    settings = dataclasses.replace(settings, device="cuda")
+    with TierManager(specs, settings, swap=store(tmp_path)) as mgr:
+        for i, s in enumerate(specs):
+            mgr.place(s.key, data_for(s, i)).wait()
+        mgr.synchronize()
+        new = torch.randn(1 << 20).to(torch.bfloat16)
+        read0 = mgr.memory_report().moved["nvme_to_host"]
+        mgr.write_from("p0", new, keep_host=True)  # not awaited: the copy reads the cache
+        view = mgr.fetch("p0", "device").wait()
+        assert view.is_cuda and torch.equal(view.cpu(), new)
+        mgr.release("p0")
+        mgr.synchronize()
+        assert mgr.memory_report().moved["nvme_to_host"] == read0
         mgr.audit()
 
 
