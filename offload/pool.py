@@ -161,4 +161,4 @@ class BufferPool:
     def close(self) -> None:
         self._taken.clear()
         self._singles.clear()
-        self._free = [False] * self._count
+        self._free, self._count = [], 0
