@@ -162,7 +162,9 @@ def _pool_shape(
     count = min(want, max(0, host_room) // buf)
     if count >= 1 and count * buf < largest.nbytes and fixed is None:
         buf = align_up(-(-largest.nbytes // count))  # fewer buffers left: make them larger
-        count = count if count * buf <= host_room else 0
+        if count * buf > host_room:  # page rounding of the split: one buffer, if it fits
+            count, buf = (1, align_up(largest.nbytes)) if align_up(
+                largest.nbytes) <= host_room else (0, buf)
     if 1 <= count < want:
         log.warning("host budget is tight: the NVMe pool gets %d buffers of %d bytes instead of "
                     "%d; fewer transfers can be in flight (slower, not failing)", count, buf, want)

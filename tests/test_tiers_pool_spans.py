@@ -131,3 +131,17 @@ def test_a_pool_too_small_for_a_shard_in_any_span_is_refused_by_the_plan(tmp_pat
     with pytest.raises(PlanError, match=r"buffer_count x buffer_bytes = 1 x 2097152 is "
                                         r"smaller than NVMe shard 'm'"):
         TierManager(specs, settings, swap=store(tmp_path))
+
+
+def test_a_tight_host_budget_still_gets_a_pool_that_holds_the_largest_shard() -> None:
+    """Room for two 8 KiB buffers (16384 B) but a 16388-byte master: two larger buffers
+    would round up past the room (2 x 12 KiB), so the pool is one 20 KiB buffer."""
+    specs = [ShardSpec("p", "param16", 4096, torch.bfloat16),  # 8 KiB: the staged size
+             ShardSpec("m", "master", 4097, torch.float32)]  # 16388 B
+    settings = TierSettings(homes={"param16": "nvme", "master": "nvme"}, device="cpu",
+                            pool=PoolSettings(buffer_count=5, staged=("param16",)))
+    plan = plan_placement(specs, settings, TierBudgets(device=1 << 20, host=20480, nvme=1 << 30),
+                          CPU)
+    assert (plan.pool_count, plan.pool_buffer_bytes) == (1, 20480)
+    with pytest.raises(PlanError, match="tier host is short by 2048 bytes"):
+        plan_placement(specs, settings, TierBudgets(device=1 << 20, host=18432, nvme=1 << 30), CPU)
