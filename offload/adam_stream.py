@@ -72,8 +72,8 @@ class AdamStream:
 
     keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param16" of shard i
     (param16 optional: without it only the fp32 state is updated).
-    order: the shard order of every step; put first the shards the next forward
-        needs first (their param16 is then written first).
+    order: the shard order of every step. The engine uses backward's (gradients final
+        first, the root last), so the last shards are the next forward's first gathers.
     buffer_bytes: the host ring the shards' master + moments (+ param16) are carved
         from (at least the largest shard's): the host memory of the step, and how far
         reads run ahead and writes behind. A shard's region is taken when its read is
