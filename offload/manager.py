@@ -239,7 +239,6 @@ class TierManager(ResidencyCore):
         cache.slot, cache.data = slot, slot.view(rec.spec)
         cache.data.copy_(src.reshape(-1))
         cache.touch()
-        trace.instant("keep_host", rec.spec.key, bytes=rec.spec.nbytes)
         return self._store(rec, "host")  # dirty -> storing -> clean; stays cached
 
     def _check_out(self, rec: ShardRecord, buf: torch.Tensor, what: str) -> None:
