@@ -94,14 +94,17 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     # writes its state straight into its own ring (offload.optimizer.buffer_count x
     # buffer_bytes, outside the pool, see pipeline_bytes); what else touches NVMe-homed
     # state (initial placement, checkpoints, one shard at a time) needs one buffer, plus
-    # one for a write-back.
+    # one for a write-back. So only param16 and grad are staged every step: the buffers
+    # are sized for them, and a larger optimizer shard on those rare paths takes a span
+    # of adjacent buffers ([Note: pool spans] in offload/pool.py).
     params_nvme = homes["param16"] in ("nvme", "auto")
     nvme_buffers = [c.buffer_count if c is p else 2
                     for c, d in ((p, homes["param16"]), (o, homes["master"]))
                     if d in ("nvme", "auto")]
     pool = PoolSettings(buffer_count=max(nvme_buffers) if nvme_buffers else None,
                         buffer_bytes=p.buffer_bytes if params_nvme else None,
-                        pin_memory=p.pin_memory and o.pin_memory)
+                        pin_memory=p.pin_memory and o.pin_memory,
+                        staged=("param16", "grad"))
     # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads run further
     # ahead, bounded by the host bytes offload.params may cache.
     ahead = config.zero.prefetch_bytes

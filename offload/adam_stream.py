@@ -72,19 +72,24 @@ class AdamStream:
 
     keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param16" of shard i
     (param16 optional: without it only the fp32 state is updated).
-    order: the shard order of every step; put first the shards the next forward
-        needs first (their param16 is then written first).
+    order: the shard order of every step. The engine uses backward's (gradients final
+        first, the root last), so the last shards are the next forward's first gathers.
     buffer_bytes: the host ring the shards' master + moments (+ param16) are carved
         from (at least the largest shard's): the host memory of the step, and how far
         reads run ahead and writes behind. A shard's region is taken when its read is
         issued and returned when its write has landed, in order (offload/host_ring.py).
+    keep_host_buffers: pool buffers the new param16 of the last shards in ``order`` may
+        take as host caches (TierManager.write_from keep_host; None: all but one). The
+        last shards updated are the next forward's first gathers when the order follows
+        backward: they then find their param16 in host memory instead of waiting for its
+        write to land and reading it back (see [Note: param16 kept in host memory]).
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
                  numels: Sequence[int], *, order: Sequence[int] | None = None,
                  buffer_bytes: int,
                  shadow: torch.dtype | None, threads: AdamThreads | None = None,
-                 backend: Backend = "auto") -> None:
+                 backend: Backend = "auto", keep_host_buffers: int | None = None) -> None:
         n = len(numels)
         if len(keys) != n:
             raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
@@ -108,6 +113,7 @@ class AdamStream:
         self._backend = backend
         capacity = max([buffer_bytes, *(self.footprint(n) for n in self._numels)])
         self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(nbytes, torch.uint8))
+        self._keep = self._kept_shards(keep_host_buffers)
         self.buffer_bytes = self._ring.capacity
         self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
         self._writes: deque[tuple[StreamSet, list[TierTransfer]]] = deque()  # oldest first
@@ -230,12 +236,38 @@ class AdamStream:
         p16 = keys.get("param16")
         if p16 is not None:  # fp32 compute: param16 is the master itself
             src = bufs.part("master", n) if bufs.param16 is None else bufs.param16[:n]
-            writes.append(self._mgr.write_from(p16, src))
+            writes.append(self._mgr.write_from(p16, src, keep_host=index in self._keep))
         self._writes.append((bufs, writes))
         while self._writes and all(t.done() for t in self._writes[0][1]):
             done, parts = self._writes.popleft()
             wait_all(parts)
             self._ring.give_back(done.start)
+
+    # [Note: param16 kept in host memory]
+    # The last shards of a step are the first the next forward gathers, and their param16
+    # writes are the ones still in flight when it starts: a gather would wait for the
+    # write to land and then read the same bytes back from NVMe. Their new param16 is
+    # instead copied into pool buffers as host caches, written down from there (the home
+    # stays authoritative, the cache is clean once the write lands, evictable as any).
+    def _kept_shards(self, buffers: int | None) -> frozenset[int]:
+        plan = self._mgr.plan
+        room = max(0, plan.pool_count - 1) if buffers is None else buffers
+        kept: set[int] = set()
+        for index in reversed(self._order):
+            key = self._keys[index].get("param16")
+            if key is None or not self._numels[index] or plan.homes.get(key) != "nvme":
+                continue
+            need = -(-plan.specs[key].nbytes // max(1, plan.pool_buffer_bytes))
+            if need > room:
+                break
+            room -= need
+            kept.add(index)
+        return frozenset(kept)
+
+    @property
+    def kept(self) -> frozenset[int]:
+        """Shards whose new param16 is offered to the manager as a host cache."""
+        return self._keep
 
     def footprint(self, numel: int) -> int:
         """Ring bytes of one shard's buffers (each part page-aligned)."""

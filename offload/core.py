@@ -287,7 +287,7 @@ class ResidencyCore:
         spec = rec.spec
         transition(rec, tier, Op.LOAD)
         if tier == "host":
-            slot = self._take()
+            slot = self._take(spec.nbytes)
             copy.slot, copy.data = slot, slot.view(spec)
             t = self._mover.read(spec.key, copy.data)
         else:
@@ -301,15 +301,15 @@ class ResidencyCore:
         self._busy.add(spec.key)
         return True
 
-    def _take(self) -> PoolBuffer:
-        slot = self._pool.try_acquire()
+    def _take(self, nbytes: int) -> PoolBuffer:
+        slot = self._pool.try_acquire(nbytes)  # a span of buffers if larger than one
         if slot is None:
             raise OffloadError("internal: no free pool buffer after room was made")
         return slot
 
     def _fits(self, tier: Tier, nbytes: int) -> bool:
-        if tier == "host":  # host caches and staging live in the pool
-            return self._pool.in_use < self._pool.count
+        if tier == "host":  # host caches and staging live in the pool ([Note: pool spans])
+            return self._pool.can_take(nbytes)
         return self._acct.current(tier) + nbytes <= self._acct.budget[tier]
 
     def _room(self, tier: Tier, rec: ShardRecord, *, demand: bool) -> bool:
@@ -320,6 +320,10 @@ class ResidencyCore:
             if nbytes > cap:
                 raise BudgetError(f"shard {rec.spec.key!r} ({nbytes} bytes) is larger than the "
                                   f"device tier's cache room ({cap} bytes); raise the budget")
+        elif self._pool.slots_for(nbytes) > self._pool.count:
+            raise BudgetError(f"shard {rec.spec.key!r} ({nbytes} bytes) is larger than the "
+                              f"whole NVMe staging pool ({self._pool.count} x "
+                              f"{self._pool.buffer_bytes} bytes); raise pool.buffer_count")
         deadline = time.monotonic() + self.settings.wait_timeout_s
         while True:
             self._settle_all()

@@ -80,7 +80,7 @@ class TierManager(ResidencyCore):
             src = data.detach().reshape(-1)
             if rec.home == "nvme":  # stage through a pool buffer, then write down
                 self._room("host", rec, demand=True)
-                slot = self._take()
+                slot = self._take(spec.nbytes)
                 cache = rec.copies["host"]
                 transition(rec, "host", Op.WRITE)
                 cache.slot, cache.data = slot, slot.view(spec)
@@ -182,7 +182,8 @@ class TierManager(ResidencyCore):
             self.release(key, tier)
         return TierTransfer.completed(out)
 
-    def write_from(self, key: str, src: torch.Tensor) -> TierTransfer:
+    def write_from(self, key: str, src: torch.Tensor, *, keep_host: bool = False
+                   ) -> TierTransfer:
         """Overwrite the whole shard with the caller's host buffer ``src``.
 
         A shard homed on NVMe is written straight from ``src`` to the swap file (no pool
@@ -190,6 +191,12 @@ class TierManager(ResidencyCore):
         or pinned. The home copy stays in flight until the write lands: fetches wait for it
         and a failure is raised by the transfer and the manager call that settles it.
         Other homes are copied into at once. Keep ``src`` unchanged until ``wait()``.
+
+        ``keep_host=True`` (NVMe homes; a request, honoured when a pool buffer is free now,
+        nothing is evicted for it): ``src`` is copied into a pool buffer that becomes a
+        dirty host cache and is written down from there like any write-back, then stays
+        as a clean cache. A fetch soon after reads it in host memory instead of waiting for
+        the write and reading the bytes back; the cache is evictable like any other.
         """
         with self._lock:
             rec = self._rec(key)
@@ -206,13 +213,15 @@ class TierManager(ResidencyCore):
                     if rec.copies[c].state is not State.ABSENT:
                         self._drop(rec, c, Op.DISCARD)
                 self._wait_settled(rec, "nvme")  # one write of the key in flight at a time
+                rec.version += 1
+                if keep_host and self._pool.can_take(rec.spec.nbytes):
+                    return self._write_through(rec, src)
                 home = rec.copies["nvme"]
                 transition(rec, "nvme", Op.RECEIVE)
                 out = home.transfer = self._mover.write(key, src.reshape(-1))
                 self._acct.moved_bytes(out.direction, out.nbytes)
                 self._acct.writebacks += 1
                 self._busy.add(key)
-                rec.version += 1
                 return out
         tier: Tier = "device" if rec.home == "device" else "host"
         view = self.fetch(key, tier, writable=True).wait()
@@ -221,6 +230,16 @@ class TierManager(ResidencyCore):
         finally:
             self.release(key, tier)
         return TierTransfer.completed(src)
+
+    def _write_through(self, rec: ShardRecord, src: torch.Tensor) -> TierTransfer:
+        """write_from(keep_host=True): new data as a dirty host cache, stored at once."""
+        cache = rec.copies["host"]
+        slot = self._take(rec.spec.nbytes)
+        transition(rec, "host", Op.WRITE)  # absent -> dirty: newer than the home copy
+        cache.slot, cache.data = slot, slot.view(rec.spec)
+        cache.data.copy_(src.reshape(-1))
+        cache.touch()
+        return self._store(rec, "host")  # dirty -> storing -> clean; stays cached
 
     def _check_out(self, rec: ShardRecord, buf: torch.Tensor, what: str) -> None:
         spec = rec.spec
@@ -320,7 +339,7 @@ class TierManager(ResidencyCore):
                 for t in present:
                     copy = rec.copies[t]
                     if copy.slot is not None:
-                        slots += 1
+                        slots += copy.slot.span
                     else:
                         derived[t] += rec.spec.nbytes
                     if copy.role is Role.HOME and copy.state is State.DIRTY:

@@ -123,45 +123,70 @@ def _pool_shape(
     specs: Mapping[str, ShardSpec], homes: Mapping[str, Tier], settings: TierSettings,
     budgets: TierBudgets, pin: bool, *, final: bool,
 ) -> tuple[int, int, bool]:
-    """(buffer count, buffer bytes, pinned) for the NVMe staging pool."""
+    """(buffer count, buffer bytes, pinned) for the NVMe staging pool.
+
+    A buffer holds the largest NVMe shard of a class staged every step
+    (``pool.staged``); the buffers together hold the largest NVMe shard of any
+    class, which takes a span of them when it is staged ([Note: pool spans]).
+    """
     on_nvme = [specs[k] for k, t in homes.items() if t == "nvme"]
     if not on_nvme:
         return 0, 0, pin
     largest = max(on_nvme, key=lambda s: s.nbytes)
-    buf = settings.pool.buffer_bytes or align_up(largest.nbytes)
-    if buf < largest.nbytes:
-        raise PlanError(
-            f"pool.buffer_bytes = {buf} is smaller than NVMe shard {largest.key!r} "
-            f"({largest.nbytes} bytes); raise buffer_bytes to at least {align_up(largest.nbytes)} "
-            "or leave it None to size from the shards"
-        )
+    staged = [s for s in on_nvme if s.cls in settings.pool.staged]
+    fixed = settings.pool.buffer_bytes
     pf = settings.prefetch
-    want = settings.pool.buffer_count or math.ceil((pf.nvme_bytes + pf.device_bytes) / buf) + 2
+    if staged:
+        top = max(staged, key=lambda s: s.nbytes)
+        buf = fixed or align_up(top.nbytes)
+        if buf < top.nbytes:
+            raise PlanError(
+                f"pool.buffer_bytes = {buf} is smaller than NVMe shard {top.key!r} "
+                f"({top.nbytes} bytes); raise buffer_bytes to at least {align_up(top.nbytes)} "
+                "or leave it None to size from the shards"
+            )
+        want = settings.pool.buffer_count or math.ceil((pf.nvme_bytes + pf.device_bytes) / buf) + 2
+    else:  # nothing passes through per step: one staging span plus one for a write-back
+        want = settings.pool.buffer_count or 2
+        buf = fixed or align_up(-(-largest.nbytes // want))
+    if fixed is None:
+        buf = max(buf, align_up(-(-largest.nbytes // want)))
+    elif want * buf < largest.nbytes:
+        raise PlanError(
+            f"pool.buffer_count x buffer_bytes = {want} x {buf} is smaller than NVMe shard "
+            f"{largest.key!r} ({largest.nbytes} bytes), which must fit a span of the pool; "
+            "raise either, or leave buffer_bytes None to size from the shards")
     if not final:  # auto placement reserves the full pool before filling the host
         return want, buf, pin
     host_room = budgets.host - _sum(specs, homes, "host")
     count = min(want, max(0, host_room) // buf)
+    if count >= 1 and count * buf < largest.nbytes and fixed is None:
+        buf = align_up(-(-largest.nbytes // count))  # fewer buffers left: make them larger
+        if count * buf > host_room:  # page rounding of the split: one buffer, if it fits
+            count, buf = (1, align_up(largest.nbytes)) if align_up(
+                largest.nbytes) <= host_room else (0, buf)
     if 1 <= count < want:
         log.warning("host budget is tight: the NVMe pool gets %d buffers of %d bytes instead of "
                     "%d; fewer transfers can be in flight (slower, not failing)", count, buf, want)
     limit = memlock_limit()
     if pin and limit is not None and limit // buf < count:
-        if limit // buf >= 1:
+        if (limit // buf) * buf >= largest.nbytes:
             log.warning("ulimit -l is %d bytes: the pinned pool is cut to %d buffers "
                         "(wanted %d); raise the memlock limit for more in flight",
                         limit, limit // buf, count)
             count = limit // buf
         else:
-            log.warning("ulimit -l is %d bytes, less than one %d-byte pool buffer: the "
-                        "pool stays pageable (slower copies); raise the memlock limit "
-                        "to pin it", limit, buf)
+            log.warning("ulimit -l is %d bytes, less than the largest NVMe shard (%d bytes) "
+                        "in %d-byte pool buffers: the pool stays pageable (slower copies); "
+                        "raise the memlock limit to pin it", limit, largest.nbytes, buf)
             pin = False
     if count < 1:
+        need = align_up(largest.nbytes)
         raise PlanError(
-            f"tier host is short by {buf - host_room} bytes: the NVMe staging pool needs at least "
-            f"one {buf}-byte buffer but the host budget ({budgets.host}) minus host-homed shards "
-            f"({_sum(specs, homes, 'host')}) leaves {host_room}; raise the host budget or move "
-            "classes to nvme"
+            f"tier host is short by {need - host_room} bytes: the NVMe staging pool needs at "
+            f"least {need} bytes (NVMe shard {largest.key!r}) but the host budget "
+            f"({budgets.host}) minus host-homed shards ({_sum(specs, homes, 'host')}) leaves "
+            f"{host_room}; raise the host budget or move classes to nvme"
         )
     return count, buf, pin
 

@@ -73,13 +73,25 @@ class PoolSettings:
     """
 
     buffer_count: int | None = None  # None: cover both prefetch windows + 2
-    buffer_bytes: int | None = None  # None: the largest NVMe-homed shard, aligned
+    # None: the largest NVMe-homed shard of a ``staged`` class, aligned (and at least
+    # 1/buffer_count of the largest NVMe shard of any class, [Note: pool spans])
+    buffer_bytes: int | None = None
+    # Classes whose NVMe shards pass through the pool every step (fetched as caches).
+    # The others reach the pool only on rare paths (initial placement, checkpoints)
+    # and then take a span of adjacent buffers; e.g. the engine streams optimizer
+    # state into its own buffers (TierManager.read_into / write_from), so it lists
+    # only param16 and grad and the pool is not sized by fp32 master shards.
+    staged: tuple[TensorClass, ...] = TENSOR_CLASSES
     pin_memory: bool = True  # page-lock the pool and host homes when CUDA exists
     numa_local: bool = True  # allocate on the GPU's NUMA node when there are several
 
     def __post_init__(self) -> None:
         _check_bytes("pool.buffer_count", self.buffer_count, allow_none=True, minimum=1)
         _check_bytes("pool.buffer_bytes", self.buffer_bytes, allow_none=True, minimum=1)
+        bad = [c for c in self.staged if c not in TENSOR_CLASSES]
+        if bad or not isinstance(self.staged, tuple):
+            raise SettingsError(f"pool.staged = {self.staged!r} is not allowed; expected a "
+                                f"tuple of tensor classes from {list(TENSOR_CLASSES)}")
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,11 @@ def test_llama_7b_traffic_counted_by_the_engine(tmp_path: Path) -> None:
     # clipping): each unit's Adam and its writes happen as its gradient turns final.
     backward = plans["nvme"].phases["backward"]
     assert backward.nvme_written == 14 * p and backward.adam_params == p
-    assert plans["nvme"].phases["forward"].nvme_read >= 2 * p - 2 * max(
-        n for _, n in shape.units)  # the first units may already be prefetched
+    # the first unit may already be prefetched, and the CPU Adam keeps the new param16 of
+    # the step's last shards (the next forward's first) in up to offload.params.buffer_count
+    # - 1 = 4 pool buffers of the largest param16 ([Note: param16 kept in host memory])
+    assert plans["nvme"].phases["forward"].nvme_read >= 2 * p - (1 + 4) * 2 * max(
+        n for _, n in shape.units)
     assert not plans["none"].fits and plans["none"].step_s is None  # 126 GB > 80 GB
 
 

@@ -36,7 +36,7 @@ def test_pool_is_pinned_and_round_trip_through_all_tiers(tmp_path: Path) -> None
         with mgr:
             limit = memlock_limit()
             if limit is None or limit >= mgr.plan.pool_bytes:
-                assert mgr.plan.pin and mgr._pool._buffers[0].data.is_pinned()
+                assert mgr.plan.pin and mgr._pool.arena.is_pinned()
             refs = {s.key: torch.randn(NUMEL) for s in specs}
             for k, v in refs.items():
                 mgr.place(k, v).wait()

@@ -1,0 +1,147 @@
+"""param16 kept in host memory after the Adam writes it ([Note: param16 kept in host
+memory] in offload/adam_stream.py, TierManager.write_from(keep_host=True)): the residency
+moves of the kept cache, its fallback when the pool is full, and training that stays bit
+for bit the same while the next forward's first gathers stop reading NVMe."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import TinyLM, make_batches
+from tiers_util import cpu_settings, data_for, store
+
+import engine
+from offload import AdamStream, ShardSpec, State, TierManager
+
+N = 4096  # bf16 elements: 8 KiB, two pages
+
+
+def _manager(tmp_path: Path, pool: int) -> TierManager:
+    specs = [ShardSpec(f"p{i}", "param16", N, torch.bfloat16) for i in range(3)]
+    mgr = TierManager(specs, cpu_settings({"param16": "nvme"}, device=1 << 20, host=1 << 20,
+                                          buffer_count=pool), swap=store(tmp_path))
+    for i, s in enumerate(specs):
+        mgr.place(s.key, data_for(s, i)).wait()
+    mgr.synchronize()
+    return mgr
+
+
+def test_kept_write_is_a_dirty_cache_stored_down_then_a_clean_hit(tmp_path: Path) -> None:
+    with _manager(tmp_path, pool=3) as mgr:
+        rec = mgr._records["p0"]
+        new = torch.randn(N).to(torch.bfloat16)
+        want = new.clone()
+        version = mgr.version("p0")
+        t = mgr.write_from("p0", new, keep_host=True)
+        # the new data went into a pool buffer and is being written down from it
+        assert rec.copies["host"].state in (State.STORING, State.CLEAN)
+        assert rec.copies["nvme"].state in (State.FILLING, State.CLEAN)
+        assert mgr.version("p0") == version + 1  # a read-ahead taken before is stale
+        new.fill_(0)  # the caller's buffer is free at once: the bytes were copied
+        t.wait()
+        mgr.synchronize()
+        assert rec.copies["host"].state is State.CLEAN  # stays as a cache
+        assert mgr.memory_report().pool_in_use == 1
+        mgr.audit()
+        before = mgr.memory_report()
+        got = mgr.fetch("p0", "device").wait().clone()
+        mgr.release("p0")
+        after = mgr.memory_report()
+        assert after.moved["nvme_to_host"] == before.moved["nvme_to_host"]  # no read back
+        assert torch.equal(got, want)  # the bytes given, although the caller zeroed its own
+        # the home copy holds the same bytes: evict the cache, read the file
+        mgr.evict("p0")
+        mgr.synchronize()
+        assert rec.copies["host"].state is State.ABSENT
+        out = torch.empty(N, dtype=torch.bfloat16)
+        mgr.read_into("p0", out).wait()
+        assert torch.equal(out, got)
+        mgr.audit()
+
+
+def test_kept_write_falls_back_to_a_direct_write_when_the_pool_is_full(tmp_path: Path
+                                                                       ) -> None:
+    with _manager(tmp_path, pool=2) as mgr:
+        held = [mgr.fetch(k, "host").wait() for k in ("p1", "p2")]  # both buffers in use
+        new = torch.randn(N).to(torch.bfloat16)
+        mgr.write_from("p0", new, keep_host=True).wait()  # nothing evicted for it
+        assert mgr._records["p0"].copies["host"].state is State.ABSENT
+        assert mgr.memory_report().pool_in_use == 2 and len(held) == 2
+        for k in ("p1", "p2"):
+            mgr.release(k)
+        got = mgr.fetch("p0", "host").wait().clone()
+        mgr.release("p0")
+        assert torch.equal(got, new)
+        mgr.audit()
+
+
+@pytest.mark.cuda
+def test_kept_cache_feeds_a_cuda_device_copy(tmp_path: Path) -> None:
+    """On CUDA the kept cache is in the pinned pool and the gather's H2D copy reads it."""
+    specs = [ShardSpec(f"p{i}", "param16", 1 << 20, torch.bfloat16) for i in range(2)]
+    settings = cpu_settings({"param16": "nvme"}, device=64 << 20, host=64 << 20,
+                            buffer_count=2)
+    settings = dataclasses.replace(settings, device="cuda")
+    with TierManager(specs, settings, swap=store(tmp_path)) as mgr:
+        for i, s in enumerate(specs):
+            mgr.place(s.key, data_for(s, i)).wait()
+        mgr.synchronize()
+        new = torch.randn(1 << 20).to(torch.bfloat16)
+        read0 = mgr.memory_report().moved["nvme_to_host"]
+        mgr.write_from("p0", new, keep_host=True)  # not awaited: the copy reads the cache
+        view = mgr.fetch("p0", "device").wait()
+        assert view.is_cuda and torch.equal(view.cpu(), new)
+        mgr.release("p0")
+        mgr.synchronize()
+        assert mgr.memory_report().moved["nvme_to_host"] == read0
+        mgr.audit()
+
+
+# ---------------------------------------------------------------- engine: bit for bit
+def _run(tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    if not keep:  # the same engine with the kept-param16 caches switched off
+        real = AdamStream.__init__
+
+        def no_keep(self: AdamStream, *a: Any, **kw: Any) -> None:
+            real(self, *a, **{**kw, "keep_host_buffers": 0})
+
+        monkeypatch.setattr(AdamStream, "__init__", no_keep)
+    swap = tmp_path / ("keep" if keep else "plain")
+    swap.mkdir()
+    cfg = engine.load_config({
+        "zero": {"stage": 3, "units": ["Block"], "persistence_threshold_bytes": 0},
+        "precision": "bf16",
+        "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "offload": {"device": "nvme", "path": str(swap)}})
+    torch.manual_seed(0)
+    model = TinyLM(3, 128)
+    eng, opt, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    kept = opt._stream.kept if opt._stream is not None else frozenset()
+    losses, reads = [], []
+    for ids, tg in make_batches(5):
+        r0 = eng.memory_report()["tiers"]["moved"]["nvme_to_host"]
+        loss = eng(ids, tg)
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+        reads.append(eng.memory_report()["tiers"]["moved"]["nvme_to_host"] - r0)
+    with engine.GatheredParameters(list(model.parameters())):
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    eng.close()
+    monkeypatch.undo()
+    return {"losses": losses, "params": params, "kept": kept, "reads": reads}
+
+
+def test_training_is_bit_identical_and_reads_less(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    keep = _run(tmp_path, True, monkeypatch)
+    plain = _run(tmp_path, False, monkeypatch)
+    assert keep["kept"] and not plain["kept"]
+    assert keep["losses"] == plain["losses"]
+    assert all(torch.equal(keep["params"][k], plain["params"][k]) for k in plain["params"])
+    # from the second step on, the kept param16 is not read back from NVMe
+    assert sum(keep["reads"][1:]) < sum(plain["reads"][1:])
