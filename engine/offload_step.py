@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from engine.config import Config
+from engine.flat_shard import FlatGroup
 from engine.inplace_step import InPlaceStep
 from engine.offload_bridge import TieredShardStore
 from engine.schedule import Scheduler, Unit
@@ -215,8 +216,9 @@ class EarlyStep:
         self.optimizer.begin_step()
         self.scheduler.on_final = self._unit_final
 
-    def _unit_final(self, unit: Unit) -> None:
-        self.optimizer.groups_final([g.key for g in unit.groups if g.trainable])
+    def _unit_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
+        del unit  # the groups say it all
+        self.optimizer.groups_final([g.key for g in groups if g.trainable])
 
     def abandon(self) -> None:
         """Backward failed with a step begun early: units updated so far keep their update

@@ -23,6 +23,7 @@ import torch
 from engine_dist import run_two_ranks
 from engine_helpers import (
     RefResult,
+    TinyLM,
     assert_match,
     engine_train,
     full_params,
@@ -292,3 +293,52 @@ def test_two_ranks_bit_identical_to_overlap_off_and_match_ddp(tmp_path: Path) ->
         per_rank = [make_batches(4 * 2, seed=1 + r) for r in range(2)]
         ref = reference_train(make_model(), make_config(gas=2), per_rank, 4)
         assert_match(on.losses, on.params, ref.losses, ref.params)
+
+
+def big_root_model() -> torch.nn.Module:
+    """TinyLM whose embedding and head are each larger than a block: the engine cuts the
+    root into several groups, the head's final early in backward."""
+    torch.manual_seed(0)
+    return TinyLM(n_blocks=3, vocab=512)
+
+
+def test_root_groups_final_early_are_handed_over_during_backward() -> None:
+    steps, gas = 4, 2
+    batches = make_batches(steps * gas)
+    eng, opt, _, _ = engine.initialize(device="cpu", model=big_root_model(),
+                                       config=cpu_config(overlap=True, gas=gas))
+    try:
+        root = eng.root
+        assert sum(g.trainable for g in root.groups) >= 2, [g.key for g in root.groups]
+        order: list[str] = []
+        real = opt.groups_final  # type: ignore[union-attr]
+
+        def spy(keys: list[str]) -> None:
+            order.extend(keys)
+            real(keys)
+
+        opt.groups_final = spy  # type: ignore[method-assign, union-attr]
+        for ids, tg in batches[:gas]:
+            eng.backward(eng(ids, tg))
+            eng.step()
+        head = next(g.key for g in root.groups
+                    if any(s.qname.startswith("head") for s in g.slots))
+        emb = next(g.key for g in root.groups
+                   if any(s.qname.startswith("emb") for s in g.slots))
+        first_block = next(k for k in order if k.startswith("blocks.0/"))
+        assert order.index(head) < order.index(first_block) < order.index(emb), order
+        assert sorted(order) == sorted(eng._train_keys)  # each group once
+    finally:
+        eng.close()
+    on = engine_train(cpu_config(overlap=True, gas=gas), batches, steps,
+                      model=big_root_model())
+    off = engine_train(cpu_config(overlap=False, gas=gas), batches, steps,
+                       model=big_root_model())
+    assert on.losses == off.losses
+    for k, v in off.params.items():
+        assert torch.equal(on.params[k], v), k
+    ref = reference_train(big_root_model(), make_config(gas=gas), [batches], steps)
+    torch.testing.assert_close(torch.tensor(on.losses), torch.tensor(ref.losses),
+                               rtol=1e-6, atol=0.0)  # engine_helpers.LOSS_RTOL
+    for k, want in ref.params.items():
+        torch.testing.assert_close(on.params[k], want, rtol=0.0, atol=1e-5, msg=k)
