@@ -238,7 +238,7 @@ class Scheduler:
             return
         if len(unit.fired) == len(unit.trainable):
             trace.end("compute", unit.label)
-            with trace.span("reduce", unit.label):
+            with trace.span("reduce", unit.label, groups=_trainable_keys(unit.groups)):
                 self._reduce(unit)
             self.release(unit)
 
@@ -251,7 +251,7 @@ class Scheduler:
         ready = [g for g in root.groups if g.trainable and g.key not in root.reduced_groups
                  and all(id(s.param) in root.fired for s in g.slots)]
         if ready:
-            with trace.span("reduce", root.label):
+            with trace.span("reduce", root.label, groups=_trainable_keys(ready)):
                 self._reduce(root, ready)
 
     def end_backward(self) -> None:
@@ -260,9 +260,9 @@ class Scheduler:
             for unit in self.units:
                 if unit.trainable and not unit.reduced:
                     trace.end("compute", unit.label)
-                    with trace.span("reduce", unit.label):
-                        self._reduce(unit, [g for g in unit.groups
-                                            if g.key not in unit.reduced_groups])
+                    rest = [g for g in unit.groups if g.key not in unit.reduced_groups]
+                    with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
+                        self._reduce(unit, rest)
             self.wait_reductions()
             for unit in self.units:
                 self.release(unit)
@@ -350,3 +350,8 @@ class Scheduler:
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)
+
+
+def _trainable_keys(groups: list[FlatGroup]) -> list[str]:
+    """The keys a "reduce" trace span carries (the dry run counts their bytes)."""
+    return [g.key for g in groups if g.trainable]
