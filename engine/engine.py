@@ -200,6 +200,7 @@ class ZeroEngine:
         """Run the model's forward with its own signature. Tensor inputs move to the
         engine's device; floating ones are cast to the compute dtype."""
         self._check_open()
+        self._settle_optimizer()
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
         grad_enabled = torch.is_grad_enabled()
         self.scheduler.begin_forward(self.root)
@@ -314,7 +315,13 @@ class ZeroEngine:
         self.last_grad_norm = norm
         return min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
 
+    def _settle_optimizer(self) -> None:
+        """No optimizer thread is writing a shard after this ([Note: in-place early step])."""
+        if isinstance(self.optimizer, OffloadedAdam):
+            self.optimizer.settle()
+
     def zero_grad(self) -> None:
+        self._settle_optimizer()
         for k in self._train_keys:
             with self.store.use(k, "grad", writable=True) as g:
                 g.zero_()
@@ -400,6 +407,7 @@ class ZeroEngine:
         if self._closed:
             return
         self._saver.close()  # a background save finishes (or raises) first
+        self._settle_optimizer()
         for unit in self.units:
             self.scheduler.ensure_gathered(unit)
             for g in unit.groups:

@@ -249,10 +249,17 @@ class TieredShardStore(ShardStore):
 
     def tier_for(self, key: str, kind: ShardKind, *, compute: bool = True) -> Tier:
         """Where `kind` is read or written: param16 for compute (gathers) on the device;
-        otherwise on its home, host for anything below it."""
-        if kind == "param16" and compute:
+        otherwise on its home, host for anything below it.
+
+        With the CPU as the compute device, a param16 homed in host memory is gathered
+        straight from its home: the "device" tier is host memory too, and a copy into it
+        would only add an allocation and a copy per gather (the gather copies the shard
+        into the unit's full buffer anyway)."""
+        home = self._mgr().home_of(f"{key}:{kind}")
+        if kind == "param16" and compute and not (self.device.type == "cpu"
+                                                  and home == "host"):
             return "device"
-        return "device" if self._mgr().home_of(f"{key}:{kind}") == "device" else "host"
+        return "device" if home == "device" else "host"
 
     def manager_key(self, key: str, kind: ShardKind) -> str:
         self._check(key, kind)

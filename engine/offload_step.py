@@ -12,26 +12,26 @@ buffer_bytes), updated, and written once, with the new compute-dtype `param16` w
 in the same pass to its home tier; the last writes drain, and the next step's
 first reads run, behind the next forward and backward. When the state is
 homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
-on it instead, group by group (no staging copies).
+on it instead, group by group (no staging copies; engine/inplace_step.py). Either
+way the step can begin during backward (EarlyStep, offload.optimizer.overlap_step).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from engine.config import Config
+from engine.flat_shard import FlatGroup
+from engine.inplace_step import InPlaceStep
 from engine.offload_bridge import TieredShardStore
 from engine.schedule import Scheduler, Unit
 from engine.shard_store import ShardKind
-from offload import AdamHyper, AdamStream, AdamThreads, PipelineStats, adam_update
-from swap import trace
+from offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._threads = AdamThreads(threads)
         # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
         # the planner) it streams through the buffer sets, allocated once for the run.
-        self._in_place = store.state_in_host()
+        self._in_place: InPlaceStep | None = None
         self._stream: AdamStream | None = None
-        if not self._in_place:
+        if store.state_in_host():
+            self._in_place = InPlaceStep(store, self._keys, shadow=self._shadow,
+                                         threads=self._threads)
+        else:
             self._stream = AdamStream(
                 manager, [{n: store.manager_key(k, n) for n in names} for k in self._keys],
                 [store.numel(k) for k in self._keys], order=order, buffer_bytes=buffer_bytes,
@@ -91,41 +94,60 @@ class OffloadedAdam(torch.optim.Optimizer):
             if grad_scale != 1.0:
                 raise RuntimeError("OffloadedAdam: a step begun during backward cannot scale "
                                    "its gradients (clipping / fp16 disable begin_step)")
-            self.last_stats = self._need_stream().finish()
+            self.last_stats = (self._in_place.finish() if self._in_place is not None
+                               else self._need_stream().finish())
             return
         hyper = self._hyper()
         self.steps += 1
-        if self._in_place:
-            self.last_stats = self._step_in_place(hyper, grad_scale)
+        if self._in_place is not None:
+            self.last_stats = self._in_place.run_all(hyper, float(self.steps), grad_scale)
             return
         self.last_stats = self._need_stream().step(hyper, float(self.steps), grad_scale)
 
-    # -- a step started while backward runs ([Note: streamed optimizer step]) ---------------
+    # -- a step started while backward runs ([Note: streamed optimizer step],
+    # [Note: in-place early step]) ----------------------------------------------------------
     @property
     def can_begin_early(self) -> bool:
-        """The state streams (not updated in place): shards can be updated as they turn final."""
-        return self._stream is not None
+        """Shards can be updated as they turn final (streamed, or in place on a worker)."""
+        return self._stream is not None or self._in_place is not None
 
     @property
     def step_open(self) -> bool:
+        if self._in_place is not None:
+            return self._in_place.is_open
         return self._stream is not None and self._stream.is_open
 
     def begin_step(self) -> None:
         """Start a step (unscaled gradients) with the current hyper-parameters; shards are
         updated as `groups_final` reports them, the rest by `step()`."""
-        stream = self._need_stream()
         hyper = self._hyper()
+        if self._in_place is not None:
+            self._in_place.begin(hyper, float(self.steps + 1))
+        else:
+            self._need_stream().begin(hyper, float(self.steps + 1))
         self.steps += 1
-        stream.begin(hyper, float(self.steps))
 
     def groups_final(self, keys: Sequence[str]) -> None:
-        """These groups' gradients are final for this step: update what can be updated."""
+        """These groups' gradients are final for this step: update what can be updated
+        (streamed: now, on this thread; in place: handed to the step's worker thread)."""
+        if self._in_place is not None:
+            self._in_place.submit(keys)
+            return
         self._need_stream().mark_final([self._index[k] for k in keys])
 
     def abort_step(self) -> int:
         """Abandon a step begun early (its backward failed): shards updated so far stay
         updated, each whole; returns their number."""
+        if self._in_place is not None:
+            return self._in_place.abort()
         return 0 if self._stream is None else self._stream.abort()
+
+    def settle(self) -> None:
+        """Wait until no optimizer thread is updating a shard (the in-place step's worker
+        has run everything handed to it); a no-op for the stream, which updates shards on
+        the caller's thread."""
+        if self._in_place is not None:
+            self._in_place.settle()
 
     def _hyper(self) -> AdamHyper:
         group = self.param_groups[0]
@@ -144,31 +166,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._stream is not None:
             self._stream.flush()
 
-    def _step_in_place(self, hyper: AdamHyper, grad_scale: float) -> PipelineStats:
-        """State homed in host memory: the kernel updates it where it lives (no copies into
-        pipeline buffers and back); param16 in host memory is written as the kernel's
-        shadow, on the device it is copied from the master after."""
-        t0 = time.perf_counter()
-        compute = 0.0
-        for k in self._keys:
-            with contextlib.ExitStack() as held:
-                master, exp_avg, exp_avg_sq = (
-                    held.enter_context(self._store.use(k, kind, writable=True))
-                    for kind in ("master", "exp_avg", "exp_avg_sq"))
-                grad = held.enter_context(self._store.use(k, "grad"))
-                p16 = held.enter_context(self._store.use(k, "param16", writable=True,
-                                                         compute=False))
-                shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
-                t = time.perf_counter()
-                with trace.span("adam", k, numel=master.numel()):
-                    adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper,
-                                step=float(self.steps), grad_scale=grad_scale, shadow=shadow,
-                                threads=self._threads)
-                compute += time.perf_counter() - t
-                if shadow is None:
-                    p16.copy_(master)  # rounds to the compute dtype; host->device on CUDA
-        return PipelineStats(len(self._keys), time.perf_counter() - t0, compute, 0.0, 0.0, 0)
-
     def stats(self) -> dict[str, Any] | None:
         s = self.last_stats
         if s is None:
@@ -179,6 +176,8 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         try:
+            if self._in_place is not None:
+                self._in_place.close()
             if self._stream is not None:
                 self._stream.close()
         finally:
@@ -189,11 +188,13 @@ class OffloadedAdam(torch.optim.Optimizer):
 class EarlyStep:
     """The optimizer step begun during backward (offload.optimizer.overlap_step).
 
-    On an accumulation boundary, with state streamed from NVMe and nothing that needs
+    On an accumulation boundary, with offloaded optimizer state and nothing that needs
     every gradient first (clipping's global norm, fp16's overflow check), the step begins
     when backward starts and each unit is updated once its gradient shard is reduced
-    (Scheduler.on_final), while backward runs on the others; `OffloadedAdam.step()`
-    finishes it. `lr` and the other hyper-parameters are taken when backward starts.
+    (Scheduler.on_final), while backward runs on the others: state streamed from NVMe on
+    the compute thread ([Note: streamed optimizer step]), state in host memory in place on
+    one worker thread ([Note: in-place early step]). `OffloadedAdam.step()` finishes it.
+    `lr` and the other hyper-parameters are taken when backward starts.
     """
 
     def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
@@ -215,8 +216,9 @@ class EarlyStep:
         self.optimizer.begin_step()
         self.scheduler.on_final = self._unit_final
 
-    def _unit_final(self, unit: Unit) -> None:
-        self.optimizer.groups_final([g.key for g in unit.groups if g.trainable])
+    def _unit_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
+        del unit  # the groups say it all
+        self.optimizer.groups_final([g.key for g in groups if g.trainable])
 
     def abandon(self) -> None:
         """Backward failed with a step begun early: units updated so far keep their update

@@ -58,7 +58,8 @@ class Unit:
     has_frozen: bool
     stale: bool = False  # gathered copy predates the last optimizer step
     fired: set[int] = field(default_factory=set)  # ids of params whose grad arrived this backward
-    reduced: bool = False  # grads of this backward already reduce-scattered
+    reduced: bool = False  # grads of this backward already reduce-scattered (every group)
+    reduced_groups: set[str] = field(default_factory=set)  # the root's, reduced one by one
 
     @property
     def gathered(self) -> bool:
@@ -103,10 +104,11 @@ class Scheduler:
         self._order: list[int] = []
         self._in_backward = False
         self._backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        # Called with each unit whose gradient shards are final (reduced, and waited for)
-        # on an accumulation boundary, while backward goes on: the engine starts the
-        # optimizer on it ([Note: streamed optimizer step]). None: nobody listens.
-        self.on_final: Callable[[Unit], None] | None = None
+        # Called with a unit and those of its groups whose gradient shards are final
+        # (reduced, and waited for) on an accumulation boundary, while backward goes on:
+        # the engine starts the optimizer on them ([Note: streamed optimizer step],
+        # [Note: in-place early step]). None: nobody listens.
+        self.on_final: Callable[[Unit, list[FlatGroup]], None] | None = None
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         # seconds the training thread spent gathering units (forward and backward, NVMe
         # reads, copies and collectives included): the "wait" of `tierzero train`
@@ -235,13 +237,28 @@ class Scheduler:
 
     def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
         unit.fired.add(id(param))
-        if unit.is_root or unit.has_frozen or unit.reduced:
-            return  # root and units with frozen params wait for end_backward
+        if unit.has_frozen or unit.reduced:
+            return  # units with frozen params wait for end_backward
+        if unit.is_root:
+            self._reduce_root_groups(unit)
+            return
         if len(unit.fired) == len(unit.trainable):
             trace.end("compute", unit.label)
-            with trace.span("reduce", unit.label):
+            with trace.span("reduce", unit.label, groups=_trainable_keys(unit.groups)):
                 self._reduce(unit)
             self.release(unit)
+
+    def _reduce_root_groups(self, root: Unit) -> None:
+        """The root stays gathered through backward, but each of its groups (the engine
+        cuts a large root into pieces: head, embedding, ...) is final once every parameter
+        in it has its gradient: reduce that group then, so the optimizer step begun during
+        backward can take it while backward goes on (the head's gradient is among the
+        first of backward, the embedding's the last)."""
+        ready = [g for g in root.groups if g.trainable and g.key not in root.reduced_groups
+                 and all(id(s.param) in root.fired for s in g.slots)]
+        if ready:
+            with trace.span("reduce", root.label, groups=_trainable_keys(ready)):
+                self._reduce(root, ready)
 
     def end_backward(self) -> None:
         """Reduce every group not yet reduced (fixed order), release, reset per-pass state."""
@@ -249,13 +266,15 @@ class Scheduler:
             for unit in self.units:
                 if unit.trainable and not unit.reduced:
                     trace.end("compute", unit.label)
-                    with trace.span("reduce", unit.label):
-                        self._reduce(unit)
+                    rest = [g for g in unit.groups if g.key not in unit.reduced_groups]
+                    with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
+                        self._reduce(unit, rest)
             self.wait_reductions()
             for unit in self.units:
                 self.release(unit)
                 unit.fired.clear()
                 unit.reduced = False
+                unit.reduced_groups.clear()
         finally:
             for h in self._backward_hooks:
                 h.remove()
@@ -274,9 +293,12 @@ class Scheduler:
             self.release(unit)
             unit.fired.clear()
             unit.reduced = False
+            unit.reduced_groups.clear()
 
-    def _reduce(self, unit: Unit) -> None:
-        for g in unit.groups:
+    def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None) -> None:
+        """Reduce `groups` of `unit` (default: all), then tell on_final."""
+        groups = unit.groups if groups is None else groups
+        for g in groups:
             if not g.trainable:
                 continue
             need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
@@ -291,10 +313,11 @@ class Scheduler:
                 continue
             self._inflight.append(pending)
             self.inflight_peak = max(self.inflight_peak, len(self._inflight))
-        unit.reduced = True
+        unit.reduced_groups.update(g.key for g in groups)
+        unit.reduced = all(g.key in unit.reduced_groups for g in unit.groups if g.trainable)
         if self.on_final is not None:
             self.wait_reductions()  # the shard holds the reduced gradient only after wait()
-            self.on_final(unit)
+            self.on_final(unit, groups)
 
     def wait_reductions(self) -> None:
         """Every gradient reduction started so far has landed in its shard."""
@@ -333,3 +356,8 @@ class Scheduler:
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)
+
+
+def _trainable_keys(groups: list[FlatGroup]) -> list[str]:
+    """The keys a "reduce" trace span carries (the dry run counts their bytes)."""
+    return [g.key for g in groups if g.trainable]

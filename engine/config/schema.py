@@ -209,8 +209,10 @@ class OptimizerOffloadConfig(_TierHomeConfig):
     overlap_step: bool = field(
         default=True,
         metadata=meta(
-            "with state streamed from NVMe, update each unit as soon as its gradient is final "
-            "while backward runs (not with gradient clipping or fp16 loss scaling)"
+            "update each unit's optimizer state as soon as its gradient is final, while "
+            "backward runs (state on NVMe: streamed on the compute thread; state in host "
+            "memory: in place on one worker thread); not with gradient clipping or fp16 "
+            "loss scaling"
         ),
     )
     pipeline_read: bool = field(

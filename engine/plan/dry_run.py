@@ -44,6 +44,7 @@ from torch import nn
 from engine.config import Config
 from engine.engine import ZeroEngine
 from engine.offload_bridge import TieredShardStore
+from engine.offload_step import OffloadedAdam
 from engine.optim import torch_adam_factory
 from engine.plan.dry_comm import DryComm
 from offload import Plan, TierManager
@@ -117,25 +118,26 @@ class _Counters:
         d = [a - b for a, b in zip(now, self.last, strict=True)]
         self.last = now
         adam = sum(int(e.get("args", {}).get("numel", 0)) for e in events if e["cat"] == "adam")
-        grads = sum(grad_bytes.get(str(e["name"]), 0) for e in events if e["cat"] == "reduce")
+        grads = sum(grad_bytes.get(str(k), 0) for e in events if e["cat"] == "reduce"
+                    for k in e.get("args", {}).get("groups", ()))
         return Traffic(nvme_read=d[0], nvme_written=d[1], host_to_device=d[2],
                        device_to_host=d[3], grads_to_host=grads, adam_params=adam)
 
 
 def grad_bytes_to_host(eng: ZeroEngine) -> dict[str, int]:
-    """Per unit label: bytes one reduction of the unit copies to host gradient shards
-    (see the Note; none when the gradient shard lives on the device)."""
+    """Per trainable group key: bytes one reduction of the group copies to its host
+    gradient shard (see the Note; none when the gradient shard lives on the device).
+    A "reduce" trace span names the groups it reduced (a root's groups are reduced one
+    by one as they turn final)."""
     store = eng.store
     out: dict[str, int] = {}
     for u in eng.units:
-        n = 0
         for g in u.groups:
             if not (g.trainable and isinstance(store, TieredShardStore)
                     and store.tier_for(g.key, "grad") == "host"):
                 continue
-            n += (g.numel * g.full.element_size() if eng.comm.world_size == 1
-                  else g.shard_numel * 4)
-        out[u.label] = n
+            out[g.key] = (g.numel * g.full.element_size() if eng.comm.world_size == 1
+                          else g.shard_numel * 4)
     return out
 
 
@@ -201,6 +203,10 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                     phases["forward"] += counters.delta(since(mark), grad_bytes)
                     mark = len(rec.events)
                     eng.backward(loss)
+                    if isinstance(eng.optimizer, OffloadedAdam):
+                        # the in-place step begun during backward runs on a worker: what
+                        # it was handed during backward counts there, deterministically
+                        eng.optimizer.settle()
                     phases["backward"] += counters.delta(since(mark), grad_bytes)
                     mark = len(rec.events)
                     eng.step()
