@@ -24,6 +24,10 @@ uses its own measurement; the row reports the median over the rounds.
 
     python benchmarks/step_bench.py --quick
     python benchmarks/step_bench.py --swap /local_nvme --out bench_out/step_bench.json
+
+Children run with glibc's default malloc settings, as users run; `--mmap-threshold 1048576`
+reproduces the earlier rows (every row slower: freed blocks are returned and faulted in
+again; RSS lower).
 """
 
 from __future__ import annotations
@@ -267,8 +271,10 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
             cmd += ["--buffer-count", str(ns.buffer_count)]
     if ns.quick:
         cmd.append("--quick")
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20)))
+    env = dict(os.environ)
+    if ns.mmap_threshold is not None:  # glibc: blocks above it are mmapped, freed at once
+        env["MALLOC_MMAP_THRESHOLD_"] = str(ns.mmap_threshold)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{model}/{config} failed:\n{proc.stderr[-4000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -295,6 +301,11 @@ def main() -> None:
     ap.add_argument("--buffer-count", type=int, default=None,
                     help="offload.optimizer.buffer_count of the tierzero rows (CPU Adam host "
                          "ring depth); default: the config's default")
+    ap.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                    help="run every child with MALLOC_MMAP_THRESHOLD_=BYTES (glibc returns "
+                         "freed blocks above it to the system at once: lower RSS, but each "
+                         "new block is page-faulted in again, slower steps for every row). "
+                         "Default: glibc's own dynamic threshold, as users run")
     ap.add_argument("--deepspeed-python", default=None,
                     help="python of a virtualenv with deepspeed (install_deepspeed.sh) for the "
                     "ds_* rows; default: this python if it imports deepspeed, else no ds rows")
@@ -313,6 +324,8 @@ def main() -> None:
     info = machine.describe(ns.swap)
     disk_bytes = (64 if ns.quick else 512) << 20
     bw = disk_bandwidth(ns.swap, disk_bytes)
+    info["malloc_mmap_threshold"] = (ns.mmap_threshold if ns.mmap_threshold is not None
+                                     else os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc"))
     sys.stdout.write(f"machine: {json.dumps(info)}\ndisk at {ns.swap}: {bw}\n")
     rows: list[dict[str, Any]] = []
     disks: list[dict[str, float]] = [bw]
