@@ -175,7 +175,10 @@ class ParamOffloadConfig(_TierHomeConfig):
     )
     max_in_cpu_bytes: int = field(
         default=2_000_000_000,
-        metadata=meta("with nvme: parameter bytes also cached in host memory", ge=0, unit="bytes"),
+        metadata=meta("with nvme: how far ahead of use parameter reads from NVMe may run "
+                      "(read into the host staging pool; DeepSpeed's max_in_cpu maps "
+                      "here, but parameters are not kept in host memory beyond the "
+                      "pool)", ge=0, unit="bytes"),
     )
 
 
