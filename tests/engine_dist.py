@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,17 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str,
     try:
         results = {name: fn(rank) for name, fn in scenarios.items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # both ranks are past their last collective
     finally:
         dist.destroy_process_group()
+    # Results are on disk: leave without interpreter finalization. Gloo's worker threads
+    # can still hold finished work objects whose tensors need the GIL to be freed; freeing
+    # them while the interpreter tears down aborts the process ("terminate called without
+    # an active exception", about 1 run in 20 under load, pytorch/pytorch#179291). A
+    # failing scenario raises above and exits through mp.spawn's normal error path.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_two_ranks(tmp: Path, scenarios: dict[str, Scenario]) -> list[dict[str, Any]]:
