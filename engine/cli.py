@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -151,7 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     code: int = args.run(args)
+    if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        leave_without_finalizing(code)
     return code
+
+
+def leave_without_finalizing(code: int) -> NoReturn:
+    """End a torchrun rank once its outputs are written and its process group destroyed,
+    skipping interpreter finalization: gloo's threads can still hold finished work whose
+    tensors need the GIL, and freeing them while the interpreter tears down aborts the
+    process ("terminate called without an active exception", pytorch/pytorch#179291),
+    which torchrun reports as a failed run although training finished."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
