@@ -185,14 +185,20 @@ def test_units_are_updated_inside_backward(tmp_path: Path) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("home", ["nvme", "cpu"])
 def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
-        tmp_path: Path) -> None:
+        home: str, tmp_path: Path) -> None:
     """A backward that raises after some units were updated: those keep their update (each
     whole: master, moments and param16 together), the others are untouched, the step of
-    that boundary is skipped (never applied twice), and training goes on."""
+    that boundary is skipped (never applied twice), and training goes on. Optimizer state
+    on NVMe (the stream) and in host memory (the in-place step on its worker thread)."""
     model = make_model()
-    eng, opt, _, _ = engine.initialize(device="cpu", model=model,
-                                       config=overlap_config(tmp_path, gas=1, overlap=True))
+    config = overlap_config(tmp_path, gas=1, overlap=True)
+    if home == "cpu":
+        config = dataclasses.replace(config, offload=OffloadConfig(
+            params=ParamOffloadConfig(device="cpu"),
+            optimizer=OptimizerOffloadConfig(device="cpu", overlap_step=True)))
+    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=config)
     try:
         before = full_params(eng, model)
         fail = {"on": True}
@@ -205,6 +211,7 @@ def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
         ids, tg = make_batches(1)[0]
         with pytest.raises(RuntimeError, match="injected backward failure"):
             eng.backward(eng(ids, tg))
+        assert isinstance(opt, OffloadedAdam) and not opt.step_open
         eng.step()  # skipped: some units already took this step's update
         assert eng.skipped_steps == 1 and not opt.step_open
         after = full_params(eng, model)
