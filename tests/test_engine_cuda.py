@@ -22,6 +22,7 @@ STEPS = 10
 
 def _reference(cfg: engine.Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
                ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch AdamW on the GPU with cfg's optimizer, accumulation and clipping."""
     model = copy.deepcopy(make_model()).cuda()
     o = cfg.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -33,7 +34,8 @@ def _reference(cfg: engine.Config, batches: list[tuple[torch.Tensor, torch.Tenso
         (loss / gas).backward()
         losses.append(float(loss.detach()))
         if (i + 1) % gas == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
+            if cfg.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.gradient_clipping)
             opt.step()
             opt.zero_grad()
     return losses, {k: v.detach().float().cpu() for k, v in model.named_parameters()}

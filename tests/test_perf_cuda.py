@@ -9,14 +9,13 @@ relative: the CPU parity bounds with 10x margin for GPU reduction kernels).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config, make_model
-from test_engine_cuda import _engine
+from engine_helpers import make_batches, make_config
+from test_engine_cuda import _engine, _reference
 
 from engine.config.schema import (
     BudgetsConfig,
@@ -28,23 +27,6 @@ from engine.offload_step import OffloadedAdam
 
 pytestmark = pytest.mark.cuda
 STEPS = 8
-
-
-def _reference_no_clip(batches: list[tuple[torch.Tensor, torch.Tensor]], gas: int
-                       ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = copy.deepcopy(make_model()).cuda()
-    o = make_config().optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                            weight_decay=o.weight_decay)
-    losses = []
-    for i, (ids, tg) in enumerate(batches):
-        loss = model(ids.cuda(), tg.cuda())
-        (loss / gas).backward()
-        losses.append(float(loss.detach()))
-        if (i + 1) % gas == 0:
-            opt.step()
-            opt.zero_grad()
-    return losses, {k: v.detach().float().cpu() for k, v in model.named_parameters()}
 
 
 @pytest.mark.parametrize("params", ["none", "nvme"])
@@ -59,7 +41,7 @@ def test_cuda_streamed_step_matches_pytorch(params: str, overlap: bool,
                                          overlap_step=overlap),
         budgets=BudgetsConfig(device_bytes=64 << 20)))
     batches = make_batches(STEPS * gas)
-    ref_losses, ref = _reference_no_clip(batches, gas)
+    ref_losses, ref = _reference(cfg, batches)
     losses, got, eng = _engine(cfg, batches)
     try:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),

@@ -16,8 +16,7 @@ import threading
 import pytest
 import torch
 from engine_helpers import make_batches, make_config
-from test_engine_cuda import _engine
-from test_perf_cuda import _reference_no_clip
+from test_engine_cuda import _engine, _reference
 
 from engine.config import Config
 from engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
@@ -52,7 +51,7 @@ def _record_threads(opt: OffloadedAdam) -> set[str]:
 def test_cuda_in_place_step_during_backward_is_exact(params: str) -> None:
     gas = 2
     batches = make_batches(STEPS * gas)
-    ref_losses, ref = _reference_no_clip(batches, gas)
+    ref_losses, ref = _reference(_config(params, True), batches)
     runs = {}
     for overlap in (True, False):
         losses, got, eng = _engine(_config(params, overlap), batches)
