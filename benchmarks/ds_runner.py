@@ -168,20 +168,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             if not torch.isfinite(loss.detach()):
                 raise RuntimeError(f"{args.model}/{args.config}: loss is {loss.item()}")
 
-        for _ in range(args.warmup):
-            one()
-        fb.clear()
-        opt_s.clear()
-        adam_s.clear()
+        step_bench.warm_up(one, args.warmup, fb, opt_s, adam_s)
         io0 = _io_bytes()
-        step_bench._reset_hwm()
-        t0 = time.perf_counter()
-        steps = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            one()
-            steps.append(time.perf_counter() - t)
-        total = time.perf_counter() - t0
+        steps, total = step_bench.timed_steps(one, args.steps)
         io1 = _io_bytes()
         swap_bytes = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
         import resource

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,20 +162,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         def report() -> dict[str, int] | None:
             tiers = eng.memory_report()["tiers"]
             return None if tiers is None else dict(tiers["moved"])
-    for _ in range(args.warmup):
-        one()
-    fb.clear()
-    opt_s.clear()
-    adam_s.clear()
+    warm_up(one, args.warmup, fb, opt_s, adam_s)
     moved0 = report() or {}
-    _reset_hwm()
-    t0 = time.perf_counter()
-    steps = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        one()
-        steps.append(time.perf_counter() - t)
-    total = time.perf_counter() - t0
+    steps, total = timed_steps(one, args.steps)
     moved1 = report() or {}
     per_step = {k: (moved1.get(k, 0) - moved0.get(k, 0)) / args.steps for k in moved1}
     import resource
@@ -187,6 +177,26 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "nvme_write_per_step": per_step.get("host_to_nvme", 0.0),
             "peak_rss_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_rss_train": _hwm()}
+
+
+def warm_up(one: Callable[[], None], n: int, *samples: list[float]) -> None:
+    """Run `one` n times, then forget the per-phase samples it appended."""
+    for _ in range(n):
+        one()
+    for s in samples:
+        s.clear()
+
+
+def timed_steps(one: Callable[[], None], n: int) -> tuple[list[float], float]:
+    """(each step's seconds, all n steps' seconds), the peak-RSS mark reset first."""
+    _reset_hwm()
+    t0 = time.perf_counter()
+    steps = []
+    for _ in range(n):
+        t = time.perf_counter()
+        one()
+        steps.append(time.perf_counter() - t)
+    return steps, time.perf_counter() - t0
 
 
 def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
@@ -321,6 +331,8 @@ def main() -> None:
     ap.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="plain", help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    if ns.mmap_threshold is not None and ns.mmap_threshold < 0:
+        ap.error(f"--mmap-threshold {ns.mmap_threshold}: need a byte count >= 0")
     if ns.child:
         sys.stdout.write(json.dumps(child(ns)) + "\n")
         return
