@@ -24,6 +24,13 @@ uses its own measurement; the row reports the median over the rounds.
 
     python benchmarks/step_bench.py --quick
     python benchmarks/step_bench.py --swap /local_nvme --out bench_out/step_bench.json
+    python benchmarks/step_bench.py --device cuda --swap /local_nvme   # on a GPU
+
+With `--device cuda` the model computes on the GPU (plain: fused AdamW on the GPU under
+bf16 autocast; tierzero: `initialize(device="cuda")`, so "none" keeps every shard on the
+GPU and the offload rows move them from host memory or NVMe), each step is timed to a
+`torch.cuda.synchronize()`, rows add the peak GPU memory, and the DeepSpeed rows are left
+out (ds_runner.py runs DeepSpeed's CPU accelerator only).
 
 Children run with glibc's default malloc settings, as users run; `--mmap-threshold 1048576`
 reproduces the earlier rows (every row slower: freed blocks are returned and faulted in
@@ -110,27 +117,32 @@ def _reset_hwm() -> None:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
     raw, units, vocab = build(args.model, args.quick)
     model: nn.Module = raw if args.model == "mlp" else HFLoss(raw)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(dev)
     labels = torch.roll(ids, -1, 1)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n_params = sum(p.numel() for p in model.parameters())
     fb: list[float] = []
     opt_s: list[float] = []
     adam_s: list[float] = []
     moved0: dict[str, int] = {}
     if args.config == "plain":
+        model.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
         def one() -> None:
             t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss = model(ids, labels)
             loss.backward()
+            sync()
             t1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync()
             fb.append(t1 - t0)
             opt_s.append(time.perf_counter() - t1)
         report: Any = lambda: None  # noqa: E731
@@ -146,13 +158,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                                       "overlap_step": args.overlap_step == "on",
                                       **({"buffer_count": args.buffer_count}
                                          if args.buffer_count else {})}}})
-        eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+        eng, _, _, _ = engine.initialize(model=model, config=cfg, device=dev)
 
         def one() -> None:
             t0 = time.perf_counter()
             eng.backward(eng(ids, labels))
+            sync()
             t1 = time.perf_counter()
             eng.step()
+            sync()
             fb.append(t1 - t0)
             opt_s.append(time.perf_counter() - t1)
             st = eng.memory_report()["optimizer_step"]
@@ -163,6 +177,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             tiers = eng.memory_report()["tiers"]
             return None if tiers is None else dict(tiers["moved"])
     warm_up(one, args.warmup, fb, opt_s, adam_s)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     moved0 = report() or {}
     steps, total = timed_steps(one, args.steps)
     moved1 = report() or {}
@@ -176,7 +192,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "nvme_read_per_step": per_step.get("nvme_to_host", 0.0),
             "nvme_write_per_step": per_step.get("host_to_nvme", 0.0),
             "peak_rss_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_rss_train": _hwm()}
+            "peak_rss_train": _hwm(),
+            "peak_gpu_bytes": (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
+                               else 0)}
 
 
 def warm_up(one: Callable[[], None], n: int, *samples: list[float]) -> None:
@@ -284,7 +302,7 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
            "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
            "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
     if not ds:
-        cmd += ["--overlap-step", ns.overlap_step]
+        cmd += ["--overlap-step", ns.overlap_step, "--device", ns.device]
         if ns.buffer_count:
             cmd += ["--buffer-count", str(ns.buffer_count)]
     if ns.quick:
@@ -313,6 +331,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model computes (cuda: the offload tiers are the GPU, "
+                         "host memory and NVMe; no DeepSpeed rows)")
     ap.add_argument("--overlap-step", choices=("on", "off"), default="on",
                     help="offload.optimizer.overlap_step of the tierzero rows (A/B of the "
                          "optimizer step during backward)")
@@ -333,6 +354,9 @@ def main() -> None:
     ns = ap.parse_args()
     if ns.mmap_threshold is not None and ns.mmap_threshold < 0:
         ap.error(f"--mmap-threshold {ns.mmap_threshold}: need a byte count >= 0")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False on this machine "
+                 f"(torch {torch.__version__}); use --device cpu or a CUDA build of torch")
     if ns.child:
         sys.stdout.write(json.dumps(child(ns)) + "\n")
         return
@@ -340,7 +364,11 @@ def main() -> None:
         ns.repeats, ns.steps = 1, 3
     ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
     configs = ns.configs.split(",")
-    configs += deepspeed_configs(ns, configs)
+    if ns.device == "cpu":
+        configs += deepspeed_configs(ns, configs)
+    else:
+        sys.stdout.write("DeepSpeed rows skipped: ds_runner.py runs DeepSpeed's CPU "
+                         "accelerator only, not --device cuda\n")
     info = machine.describe(ns.swap)
     disk_bytes = (64 if ns.quick else 512) << 20
     bw = disk_bandwidth(ns.swap, disk_bytes)
@@ -382,7 +410,9 @@ def main() -> None:
                 f" nvme r/w {m['nvme_read_per_step'] / 1e6:.0f}/"
                 f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {m['nvme_io_s']:.3f}s"
                 f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"
-                f"/{m['peak_rss_train'] / 2**20:.0f} MiB\n")
+                f"/{m['peak_rss_train'] / 2**20:.0f} MiB"
+                + (f" peakGPU {m['peak_gpu_bytes'] / 2**20:.0f} MiB" if ns.device == "cuda"
+                   else "") + "\n")
         report_deepspeed(model, med)
     spread = {k: (min(d[k] for d in disks), max(d[k] for d in disks)) for k in bw}
     sys.stdout.write("disk GB/s over the run (min, max): " + ", ".join(

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 6's GPU session, prepared as one command (sized to end within 8 minutes on an H200):
+#   1. every CUDA test (pytest -m cuda: streams, events, pinned pool, device tiers);
+#   2. step_bench on the GPU: plain PyTorch and tierzero none / cpu / opt_nvme / all_nvme on
+#      both models, medians of 3 interleaved rounds, peak RSS and peak GPU memory.
+# Run from the repository root on a machine with a CUDA build of torch:
+#     bash benchmarks/gpu_check.sh [OUTDIR]        (SWAP=/nvme/dir for the NVMe rows)
+# Nothing is installed or downloaded: the machine's own torch, transformers, psutil, ... are
+# used, and the checkout is imported through PYTHONPATH. Logs and JSON go to OUTDIR
+# (default bench_out/gpu). Exit status 1 if either part failed or ran out of its time.
+set -uo pipefail
+out=${1:-bench_out/gpu}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$py" - <<'PY' 2>&1 | tee "$out/machine.txt"
+import os, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+      "cpus", os.cpu_count())
+PY
+status=0
+timeout 270 "$py" -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.log" \
+    || status=1
+timeout 180 "$py" benchmarks/step_bench.py --device cuda --models mlp,hf --repeats 3 --steps 3 \
+    --warmup 2 --threads 8 --swap "${SWAP:-/tmp}" --out "$out/step_bench_gpu.json" 2>&1 \
+    | tee "$out/step_bench_gpu.log" || status=1
+echo "gpu_check: exit $status (logs in $out)"
+exit $status
