@@ -89,20 +89,22 @@ log = logging.getLogger(__name__)
 
 
 @contextmanager
-def shard_use(store: Any, key: str, kind: str, *, writable: bool = False
-              ) -> Iterator[torch.Tensor]:
+def shard_use(store: Any, key: str, kind: str, *, writable: bool = False,
+              overwrite: bool = False) -> Iterator[torch.Tensor]:
     """A shard tensor for the duration of the block, through the store's own access path:
     `use()` where the store has one (a tiered store fetches and releases around the block,
-    [Note: shard residency]), else the resident tensor."""
+    [Note: shard residency]), else the resident tensor. `overwrite=True`: the block
+    writes every element, so a tiered store need not read the old bytes from NVMe."""
     if isinstance(store, TieredShardStore):  # on its home tier (host for NVMe), not gathered
-        with store.use(key, kind, writable=writable, compute=False) as t:  # type: ignore[arg-type]
+        with store.use(key, kind, writable=writable, compute=False,  # type: ignore[arg-type]
+                       overwrite=overwrite) as t:
             yield t
         return
     use = getattr(store, "use", None)
     if use is None:
         yield store.tensor(key, kind)
         return
-    with use(key, kind, writable=writable) as t:
+    with use(key, kind, writable=writable or overwrite) as t:
         yield t
 
 

@@ -162,7 +162,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
             bar.update(1)
             if lay.trainable:
                 if "grad" not in lay.kinds:
-                    with shard_use(store, lay.key, "grad", writable=True) as grad:
+                    with shard_use(store, lay.key, "grad", overwrite=True) as grad:
                         grad.zero_()
                 store.write_param16_from_master(lay.key)
                 if not isinstance(eng.optimizer, OffloadedAdam):
@@ -200,7 +200,8 @@ def _dest(eng: ZeroEngine, key: str, kind: str) -> Iterator[torch.Tensor]:
                                   "optimizer type")
         yield value
         return
-    with shard_use(eng.store, key, kind, writable=True) as t:
+    # every element is replaced from the checkpoint: an NVMe shard's old bytes are not read
+    with shard_use(eng.store, key, kind, overwrite=True) as t:
         yield t
 
 

@@ -284,9 +284,11 @@ class TieredShardStore(ShardStore):
 
     @contextmanager
     def use(self, key: str, kind: ShardKind, *, writable: bool = False,
-            compute: bool = True) -> Iterator[torch.Tensor]:
+            compute: bool = True, overwrite: bool = False) -> Iterator[torch.Tensor]:
         """`compute=False`: not for a gather, so param16 is reached on its home tier (host
-        for NVMe) instead of being copied to the device first."""
+        for NVMe) instead of being copied to the device first. `overwrite=True` (implies
+        writable): the caller writes every element, so old data need not be read
+        (TierManager.fetch discard); the view's contents are undefined until then."""
         self._check(key, kind)
         view = self._views.get((key, kind))
         if view is not None:
@@ -294,7 +296,7 @@ class TieredShardStore(ShardStore):
             return
         mgr, mkey = self._mgr(), f"{key}:{kind}"
         tier = self.tier_for(key, kind, compute=compute)
-        t = mgr.fetch(mkey, tier, writable=writable).wait()
+        t = mgr.fetch(mkey, tier, writable=writable or overwrite, discard=overwrite).wait()
         try:
             yield t
         finally:
@@ -315,7 +317,7 @@ class TieredShardStore(ShardStore):
 
     def write_param16_from_master(self, key: str) -> None:
         with self.use(key, "master") as master, self.use(
-                key, "param16", writable=True, compute=False) as p16:
+                key, "param16", compute=False, overwrite=True) as p16:
             p16.copy_(master)
 
     def nbytes(self) -> dict[str, int]:

@@ -99,7 +99,8 @@ class TierManager(ResidencyCore):
             self._busy.add(key)
             return home.transfer
 
-    def fetch(self, key: str, tier: Tier, *, writable: bool = False) -> TierTransfer:
+    def fetch(self, key: str, tier: Tier, *, writable: bool = False,
+              discard: bool = False) -> TierTransfer:
         """Bring the shard to ``tier``; ``wait()`` gives a 1D view, valid until release().
 
         ``writable=True`` marks a cache dirty (it is written down before being
@@ -107,7 +108,16 @@ class TierManager(ResidencyCore):
         holders of a copy fetched writable have released it, it is never the
         source of another copy: fetching the shard to a faster tier, or a slower
         one that needs it flushed, raises OffloadError (prefetch skips it).
+
+        ``discard=True`` (with ``writable``): the caller overwrites every element, so
+        the old data is not needed. A host cache of an NVMe-homed shard is then made
+        from a free pool buffer (a span for a large shard) without reading the swap
+        file, dirty from the start: loading a checkpoint reads the checkpoint only,
+        not the state it replaces too. The view's contents are undefined until written.
         """
+        if discard and not writable:
+            raise OffloadError(f"fetch({key!r}, discard=True) needs writable=True: the "
+                               "view's old contents are not read")
         with self._lock:
             rec = self._rec(key)
             self._check_tier(rec, tier, "fetch")
@@ -117,7 +127,10 @@ class TierManager(ResidencyCore):
             copy = rec.copies[tier]
             if copy.state in (State.STORING, State.FILLING):
                 self._wait_settled(rec, tier)
-            if copy.state is State.ABSENT:
+            if copy.state is State.ABSENT and discard and tier == "host" and rec.home == "nvme":
+                self._acct.misses += 1
+                self._fresh_host(rec)
+            elif copy.state is State.ABSENT:
                 self._acct.misses += 1
                 self._bring(rec, tier, demand=True)
             else:
@@ -230,6 +243,18 @@ class TierManager(ResidencyCore):
         finally:
             self.release(key, tier)
         return TierTransfer.completed(src)
+
+    def _fresh_host(self, rec: ShardRecord) -> None:
+        """fetch(discard=True): a dirty host cache of an NVMe shard, its old bytes unread."""
+        self._wait_settled(rec, "nvme")  # an earlier write of the key lands first
+        self._room("host", rec, demand=True)
+        cache = rec.copies["host"]
+        if cache.state is not State.ABSENT:  # loaded by another thread while we waited
+            return
+        slot = self._take(rec.spec.nbytes)
+        transition(rec, "host", Op.WRITE)  # absent -> dirty: newer than the home copy
+        cache.slot, cache.data = slot, slot.view(rec.spec)
+        cache.touch()
 
     def _write_through(self, rec: ShardRecord, src: torch.Tensor) -> TierTransfer:
         """write_from(keep_host=True): new data as a dirty host cache, stored at once."""

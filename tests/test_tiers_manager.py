@@ -347,3 +347,29 @@ def test_order_cursor_counts_skips_not_reuses() -> None:
     assert (pf.mismatches, pf.cursor) == (2, 3)
     pf.consume("d", "host")
     assert (pf.mismatches, pf.cursor, pf.active) == (2, 4, False)
+
+
+def test_discard_fetch_reads_nothing_and_its_writes_persist(tmp_path: Path) -> None:
+    """fetch(discard=True) (a caller that overwrites the whole shard, as a checkpoint load
+    does) makes the host cache without reading the swap file; the new data is written down
+    like any dirty cache and read back intact."""
+    mgr, data = make(tmp_path)
+    with mgr:
+        mgr.fetch("p0", "device").wait()  # a clean device cache, to be dropped as stale
+        mgr.release("p0")
+        before = mgr.memory_report().moved["nvme_to_host"]
+        view = mgr.fetch("p0", "host", writable=True, discard=True).wait()
+        view.copy_(data["p1"])
+        mgr.release("p0")
+        after = mgr.memory_report().moved
+        assert after["nvme_to_host"] == before  # the old bytes were not read
+        mgr.evict("p0")
+        mgr.synchronize()
+        assert mgr.memory_report().moved["nvme_to_host"] == before
+        out = mgr.fetch("p0", "device").wait()  # read back from the swap file
+        assert torch.equal(out, data["p1"])
+        mgr.release("p0")
+        with pytest.raises(OffloadError, match="needs writable=True"):
+            mgr.fetch("p1", "host", discard=True)
+        mgr.audit()
+        assert mgr.memory_report().pool_in_use <= 2
