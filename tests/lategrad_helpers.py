@@ -14,10 +14,11 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from engine_helpers import DIM, RefResult, TinyLM, make_config
+from engine_helpers import DIM, RefResult, TinyLM, make_batches, make_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import engine
 from engine.config import (
     BudgetsConfig,
     Config,
@@ -53,6 +54,28 @@ class SharedSegmentsLM(TinyLM):
         x = checkpoint(self._seg_a, x, use_reentrant=self.reentrant)
         x = self.blocks[2](x)
         x = checkpoint(self._seg_b, x, use_reentrant=self.reentrant)
+        logits = self.head(self.norm(x)).float()  # (B, T, V)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1))
+
+
+class RootSegmentLM(TinyLM):
+    """TinyLM whose only reentrant segment holds no unit: the embedding weight (a root
+    parameter) mixed into the activations after the blocks. Its nested backward comes
+    unannounced (no unit runs with gradients off in forward), so the root's group is
+    reduced, and can be handed to the early optimizer step, before the embedding lookup's
+    gradient arrives."""
+
+    def _mix(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return x + 0.1 * torch.tanh(x @ self.emb.weight[:DIM])
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor,
+                order: tuple[int, ...] | None = None) -> torch.Tensor:
+        del order
+        x = self.emb(ids)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = checkpoint(self._mix, x, use_reentrant=True)
         logits = self.head(self.norm(x)).float()  # (B, T, V)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            targets.reshape(-1))
@@ -119,3 +142,42 @@ def shared_config(*, gas: int = 1, clip: float = 0.5, offload: str = "none",
         optimizer=OptimizerOffloadConfig(device=offload, path=where,  # type: ignore[arg-type]
                                          overlap_step=overlap_step),
         budgets=BudgetsConfig(device_bytes=64 << 10)))
+
+
+def first_boundary_grads(rank: int, *, gas: int, world: int, offload: str = "none",
+                         root: str = "", overlap_comm: bool = True) -> dict[str, torch.Tensor]:
+    """The engine's gradient at the first accumulation boundary (gas micro-steps of this
+    rank's batches, before any optimizer step), gathered from every rank's fp32 shards,
+    per parameter. Compared with plain PyTorch's `.grad` by `reference_grads`."""
+    path = Path(root) / f"grads-rank{rank}" if root else None
+    if path is not None:
+        path.mkdir(exist_ok=True)
+    cfg = shared_config(gas=gas, clip=0.0, offload=offload, path=path,
+                        overlap_comm=overlap_comm)
+    model = make_shared_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    for ids, tg in make_batches(gas, seed=1 + rank):
+        eng.backward(eng(ids, tg))
+    out: dict[str, torch.Tensor] = {}
+    for unit in eng.units:
+        for g in unit.groups:
+            if not g.trainable:
+                continue
+            full = torch.empty(g.padded_numel)
+            with eng.store.use(g.key, "grad") as shard:
+                eng.comm.all_gather(full, shard.clone())
+            for s in g.slots:
+                out[s.qname] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+    assert eng.comm.world_size == world
+    eng.close()
+    return out
+
+
+def reference_grads(*, gas: int, world: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch's accumulated `.grad` for first_boundary_grads' micro-steps."""
+    model = make_shared_model()
+    per_rank = [make_batches(gas, seed=1 + r) for r in range(world)]
+    for micro in range(gas):
+        total = torch.stack([model(*per_rank[r][micro]) for r in range(world)]).mean()
+        (total / gas).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
