@@ -80,8 +80,11 @@ class LateGrads:
 
     # -- forward -----------------------------------------------------------------------
     def begin_forward(self) -> None:
+        """A forward begins. One without gradients (no backward follows it) keeps what the
+        last forward with gradients announced for the backward still to come."""
         self._forward_grad = torch.is_grad_enabled()
-        self._nograd_forward = False
+        if self._forward_grad:
+            self._nograd_forward = False
 
     def unit_forward(self) -> None:
         """A unit's forward begins (not a recomputation inside backward)."""
