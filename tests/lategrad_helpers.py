@@ -100,11 +100,11 @@ def make_shared_model(seed: int = 0, *, frozen: bool = False,
 
 def shared_reference(model: nn.Module, cfg: Config,
                      batches_per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]],
-                     steps: int) -> RefResult:
+                     steps: int, device: str = "cpu") -> RefResult:
     """Plain PyTorch, DDP-equivalent (mean over ranks of grad(loss_r / gas)); AdamW over the
     trainable parameters, a trainable one without a gradient getting zeros (as the flat
-    shards); clip_grad_norm_ before each step."""
-    model = copy.deepcopy(model)
+    shards); clip_grad_norm_ before each step. Parameters are returned on the CPU."""
+    model = copy.deepcopy(model).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
     opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps,
@@ -113,7 +113,8 @@ def shared_reference(model: nn.Module, cfg: Config,
     world = len(batches_per_rank)
     losses: list[float] = []
     for micro in range(steps * gas):
-        total = torch.stack([model(*batches_per_rank[r][micro]) for r in range(world)]).mean()
+        total = torch.stack([model(*(t.to(device) for t in batches_per_rank[r][micro]))
+                             for r in range(world)]).mean()
         (total / gas).backward()
         losses.append(float(total.detach()))
         if (micro + 1) % gas == 0:
@@ -124,7 +125,7 @@ def shared_reference(model: nn.Module, cfg: Config,
                 torch.nn.utils.clip_grad_norm_(params, cfg.gradient_clipping)
             opt.step()
             opt.zero_grad()
-    return RefResult(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
+    return RefResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters()})
 
 
 def shared_config(*, gas: int = 1, clip: float = 0.5, offload: str = "none",
