@@ -58,11 +58,11 @@ def test_shared_segments_match_pytorch(offload: str, gas: int, tmp_path: Path) -
     assert_match(got.losses, got.params, ref.losses, ref.params)
 
 
-@pytest.mark.parametrize(("frozen", "stage"), [(True, 3), (False, 2)])
-def test_frozen_units_and_stage2_match_pytorch(frozen: bool, stage: int) -> None:
+@pytest.mark.parametrize(("frozen", "stage"), [(True, 3), (False, 2), (False, 1)])
+def test_frozen_units_and_stages_1_2_match_pytorch(frozen: bool, stage: int) -> None:
     """Frozen: block 0 and the root hold frozen parameters, so they reduce only at the end
-    of backward (nothing of theirs is late); block 2 still is. Stage 2: every block unit
-    persistent (never released), the same scheduler."""
+    of backward (nothing of theirs is late); block 2 still is. Stages 1 and 2: every block
+    unit persistent (never released), the same scheduler."""
     cfg = shared_config(gas=2, clip=0.5, stage=stage)
     batches = make_batches(STEPS * 2)
     model = make_shared_model(frozen=frozen)
