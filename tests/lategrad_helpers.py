@@ -34,17 +34,23 @@ class SharedSegmentsLM(TinyLM):
 
     Block 0 runs in two segments (two graph tasks), block 2 inside and outside a segment,
     and the embedding weight (a root parameter, as a tied weight would be) in segment B and
-    in the root's lookup. `reentrant=False` is the same model with non-reentrant segments."""
+    in the root's lookup. `reentrant=False` is the same model with non-reentrant segments.
+    `plan` (segment A's blocks, the plain block, segment B's blocks) may be changed between
+    steps (dynamic control flow)."""
 
     def __init__(self, reentrant: bool = True) -> None:
         super().__init__(4)
         self.reentrant = reentrant
+        self.plan: tuple[tuple[int, ...], int, tuple[int, ...]] = ((0, 1), 2, (2, 3, 0))
 
     def _seg_a(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        return self.blocks[1](self.blocks[0](x))
+        for i in self.plan[0]:
+            x = self.blocks[i](x)
+        return x
 
     def _seg_b(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        x = self.blocks[0](self.blocks[3](self.blocks[2](x)))
+        for i in self.plan[2]:
+            x = self.blocks[i](x)
         return x + 0.1 * torch.tanh(x @ self.emb.weight[:DIM])  # (C, C) slice of (V, C)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor,
@@ -52,7 +58,7 @@ class SharedSegmentsLM(TinyLM):
         del order
         x = self.emb(ids)  # (B, T, C)
         x = checkpoint(self._seg_a, x, use_reentrant=self.reentrant)
-        x = self.blocks[2](x)
+        x = self.blocks[self.plan[1]](x)
         x = checkpoint(self._seg_b, x, use_reentrant=self.reentrant)
         logits = self.head(self.norm(x)).float()  # (B, T, V)
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),

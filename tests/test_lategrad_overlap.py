@@ -130,3 +130,43 @@ def test_unannounced_late_gradient_without_overlap_step_is_exact() -> None:
     assert eng.memory_report()["late_gradients"] == STEPS
     eng.close()
     assert_match(losses, params, ref.losses, ref.params)
+
+
+def test_changed_unit_order_probes_again(tmp_path: Path) -> None:
+    """Dynamic control flow: from step 3 block 1 (so far updated during backward) is the
+    shared one. The unit order changes, so the next backward probes again instead of
+    handing block 1 over and then failing on its late gradient; training matches plain
+    PyTorch run through the same change."""
+    cfg = shared_config(clip=0.0, offload="cpu", overlap_step=True)
+    change = ((0, 1), 1, (2, 3, 1))  # block 1 plain and in segments A and B
+    model, ref_model = make_shared_model(), make_shared_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    handed = _spy_handed(eng)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay)
+    losses, ref_losses = [], []
+    for step, (ids, tg) in enumerate(make_batches(STEPS)):
+        if step == 2:
+            model.plan = ref_model.plan = change
+        loss = eng(ids, tg)
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+        ref_loss = ref_model(ids, tg)
+        ref_loss.backward()
+        ref_losses.append(float(ref_loss.detach()))
+        for p in ref_model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    params = full_params(eng, model)
+    assert eng.scheduler.trace_changes == 1
+    eng.close()
+    steps_handed = {step: {k for s, k in handed if s == step} for step in range(STEPS)}
+    assert steps_handed[0] == set() and steps_handed[2] == set()  # the probes
+    assert "blocks.1/float32/trainable" in steps_handed[1]
+    assert steps_handed[3] == steps_handed[4] == {"blocks.3/float32/trainable"}
+    assert_match(losses, params, ref_losses,
+                 {k: v.detach() for k, v in ref_model.named_parameters()})
