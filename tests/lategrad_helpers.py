@@ -87,6 +87,38 @@ class RootSegmentLM(TinyLM):
                                            targets.reshape(-1))
 
 
+class HookBackwardLM(TinyLM):
+    """TinyLM with an auxiliary loss on block 0's output that a tensor hook backpropagates
+    from inside the main backward (user code calling torch.autograd.backward in a hook):
+    a nested graph task through block 0 and the embedding, which the main task then
+    reaches again."""
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor,
+                order: tuple[int, ...] | None = None) -> torch.Tensor:
+        del order
+        x = self.blocks[0](self.emb(ids))  # (B, T, C)
+        aux = 0.05 * (x ** 2).mean()
+        x = self.blocks[1](x)
+        if torch.is_grad_enabled():
+            x.register_hook(lambda _g: torch.autograd.backward(aux, retain_graph=True))
+        for block in self.blocks[2:]:
+            x = block(x)
+        logits = self.head(self.norm(x)).float()  # (B, T, V)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1))
+
+
+def make_hook_model(seed: int = 0) -> HookBackwardLM:
+    torch.manual_seed(seed)
+    model = HookBackwardLM(4)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+    return model
+
+
 def make_shared_model(seed: int = 0, *, frozen: bool = False,
                       reentrant: bool = True) -> SharedSegmentsLM:
     """`frozen`: block 0's LayerNorm and the final LayerNorm frozen (the engine's

@@ -25,6 +25,7 @@ from engine_dist import run_two_ranks
 from engine_helpers import LOSS_RTOL, RefResult, assert_match, engine_train, make_batches
 from lategrad_helpers import (
     first_boundary_grads,
+    make_hook_model,
     make_shared_model,
     reference_grads,
     shared_config,
@@ -74,6 +75,18 @@ def test_frozen_units_and_stages_1_2_match_pytorch(frozen: bool, stage: int) -> 
         start = dict(model.named_parameters())
         for k in ("blocks.0.norm.weight", "norm.bias"):
             assert torch.equal(got.params[k], start[k].detach()), k
+
+
+@pytest.mark.parametrize(("offload", "gas"), [("none", 1), ("cpu", 2)])
+def test_backward_called_inside_a_hook_matches_pytorch(offload: str, gas: int) -> None:
+    """torch.autograd.backward of an auxiliary loss inside a hook of the main backward:
+    block 0 and the embedding get their gradient in two graph tasks."""
+    cfg = shared_config(gas=gas, clip=0.5, offload=offload)
+    batches = make_batches(STEPS * gas)
+    ref = shared_reference(make_hook_model(), cfg, [batches], STEPS)
+    got = engine_train(cfg, batches, STEPS, model=make_hook_model())
+    assert _late(got) >= STEPS * gas  # block 0's parameters, or the embedding's
+    assert_match(got.losses, got.params, ref.losses, ref.params)
 
 
 def test_non_reentrant_segments_have_no_late_gradients() -> None:
