@@ -16,9 +16,10 @@ from engine.checkpoint_layout import CheckpointError  # isort: skip
 from engine.checkpoint_async import PendingSave  # isort: skip
 from engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
 from engine.offload_step import OffloadedAdam  # isort: skip
+from engine.late_grads import LateGradientError  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
 __all__ += ["Init", "LoadReport", "PretrainedLoadError", "load_pretrained"]
 __all__ += ["CheckpointError", "PendingSave", "consolidate", "consolidate_to_safetensors"]
-__all__ += ["OffloadedAdam"]
+__all__ += ["LateGradientError", "OffloadedAdam"]

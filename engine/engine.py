@@ -356,6 +356,8 @@ class ZeroEngine:
             "units": len(self.units),
             "persistent_units": sum(u.persistent for u in self.units),
             "trace_changes": self.scheduler.trace_changes,
+            # gradients that arrived after their group was reduced ([Note: late gradients])
+            "late_gradients": self.scheduler.late.arrivals,
             "reductions_in_flight_peak": self.scheduler.inflight_peak,
             "units_kept_for_backward": self.scheduler.kept,  # [Note: reuse distance]
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,

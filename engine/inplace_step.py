@@ -20,8 +20,10 @@ over. The kernel is elementwise, so which thread updates a group, and when, chan
 bit of the result.
 
 Who else touches a group between its reduce and `finish()`, and why it is safe:
-- backward itself: a unit's gradient shard is final once reduced (it is not reduced
-  again this pass) and its param16 is not gathered again this pass; a persistent
+- backward itself: a unit's gradient shard is final once reduced and handed over (a
+  group that may get late gradients, reduced again at the end of backward, is never
+  handed over: [Note: late gradients]) and its param16 is not gathered again this
+  pass; a persistent
   unit's gathered copy is its own buffer (the tiered store always copies out of the
   shard), marked stale by Scheduler.after_step once the step is done;
 - every shard access goes through TierManager, which takes one lock per call;

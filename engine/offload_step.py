@@ -191,7 +191,8 @@ class EarlyStep:
     On an accumulation boundary, with offloaded optimizer state and nothing that needs
     every gradient first (clipping's global norm, fp16's overflow check), the step begins
     when backward starts and each unit is updated once its gradient shard is reduced
-    (Scheduler.on_final), while backward runs on the others: state streamed from NVMe on
+    (Scheduler.on_final; not a group that may still get late gradients, [Note: late
+    gradients]), while backward runs on the others: state streamed from NVMe on
     the compute thread ([Note: streamed optimizer step]), state in host memory in place on
     one worker thread ([Note: in-place early step]). `OffloadedAdam.step()` finishes it.
     `lr` and the other hyper-parameters are taken when backward starts.

@@ -7,15 +7,18 @@ Per training micro-step:
   backward  a unit is re-gathered when the first gradient reaches its
             outputs; once every trainable parameter of the unit has its
             `.grad`, the gradients are reduce-scattered into the fp32 shard
-            and the unit is released; `end_backward` reduces what is left
-            and releases everything that is not persistent.
+            and the unit is released; `end_backward` reduces what is left,
+            reduces again the groups that got late gradients ([Note: late
+            gradients] in late_grads.py) and releases everything that is not
+            persistent.
 
 [Note: reduction order] With several ranks every reduction is a collective,
 so all ranks must reduce the same groups in the same order. Early reductions
 follow autograd's completion order, identical on every rank when the ranks
 run the same graph (as in DDP and DeepSpeed, control flow must not differ
 across ranks within a step); the end-of-backward pass reduces every group
-not yet reduced in fixed unit order, including groups without gradients.
+not yet reduced in fixed unit order, including groups without gradients,
+then the groups that had late gradients, in the same fixed order.
 
 [Note: unit order trace] The order of unit forwards in the first micro-step
 is recorded; every later forward is checked against it and, on a change
@@ -38,6 +41,7 @@ from torch import nn
 from engine.collectives import Comm, PendingReduce
 from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from engine.hooks import register_pre_backward
+from engine.late_grads import LateGrads
 from engine.shard_store import ShardKind, ShardStore
 from swap import trace
 
@@ -60,6 +64,11 @@ class Unit:
     fired: set[int] = field(default_factory=set)  # ids of params whose grad arrived this backward
     reduced: bool = False  # grads of this backward already reduce-scattered (every group)
     reduced_groups: set[str] = field(default_factory=set)  # the root's, reduced one by one
+    # id of each trainable parameter -> its group (which group a late gradient belongs to)
+    group_of: dict[int, FlatGroup] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.group_of = {id(s.param): g for g in self.groups if g.trainable for s in g.slots}
 
     @property
     def gathered(self) -> bool:
@@ -109,6 +118,7 @@ class Scheduler:
         # the engine starts the optimizer on them ([Note: streamed optimizer step],
         # [Note: in-place early step]). None: nobody listens.
         self.on_final: Callable[[Unit, list[FlatGroup]], None] | None = None
+        self.late = LateGrads()  # [Note: late gradients]
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         # seconds the training thread spent gathering units (forward and backward, NVMe
         # reads, copies and collectives included): the "wait" of `tierzero train`
@@ -139,6 +149,7 @@ class Scheduler:
     # -- forward ---------------------------------------------------------------
     def begin_forward(self, root: Unit) -> None:
         self._order = []
+        self.late.begin_forward()
         self._prefetch_from_trace(root)
         self.ensure_gathered(root)
 
@@ -166,6 +177,7 @@ class Scheduler:
     def pre_forward(self, unit: Unit) -> None:
         if not self._in_backward:
             self._order.append(unit.index)
+            self.late.unit_forward()
         self.ensure_gathered(unit)
 
     def post_forward(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
@@ -221,6 +233,7 @@ class Scheduler:
                      "re-recording the trace", first, len(self.trace), len(order))
             self.trace = order
             self._reuse = self._reuse_distances(order)
+            self.late.retraced()
         if len(self._reuse) == 0 and self.trace:
             self._reuse = self._reuse_distances(self.trace)
         if not grad_enabled:
@@ -236,6 +249,11 @@ class Scheduler:
         trace.begin("compute", unit.label, phase="backward")  # ends when its grads reduce
 
     def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
+        if unit.reduced_groups:
+            group = unit.group_of[id(param)]
+            if group.key in unit.reduced_groups:
+                self.late.arrive(unit, group, param)  # [Note: late gradients]
+                return
         unit.fired.add(id(param))
         if unit.has_frozen or unit.reduced:
             return  # units with frozen params wait for end_backward
@@ -269,6 +287,11 @@ class Scheduler:
                     rest = [g for g in unit.groups if g.key not in unit.reduced_groups]
                     with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
                         self._reduce(unit, rest)
+            for unit, groups in self.late.take(self.units):  # [Note: late gradients]
+                with trace.span("reduce", unit.label, groups=_trainable_keys(groups),
+                                late=True):
+                    for g in groups:
+                        self._issue(g)
             self.wait_reductions()
             for unit in self.units:
                 self.release(unit)
@@ -276,6 +299,7 @@ class Scheduler:
                 unit.reduced = False
                 unit.reduced_groups.clear()
         finally:
+            self.late.end_backward()
             for h in self._backward_hooks:
                 h.remove()
             self._backward_hooks.clear()
@@ -289,6 +313,7 @@ class Scheduler:
         self._backward_hooks.clear()
         self._in_backward = False
         self.wait_reductions()  # already issued on every rank: complete them
+        self.late.reset()
         for unit in self.units:
             self.release(unit)
             unit.fired.clear()
@@ -299,25 +324,31 @@ class Scheduler:
         """Reduce `groups` of `unit` (default: all), then tell on_final."""
         groups = unit.groups if groups is None else groups
         for g in groups:
-            if not g.trainable:
-                continue
-            need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
-            while self._inflight and (
-                    sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):
-                self._inflight.popleft().wait()
-            pending = reduce_group_grads(g, self.comm, self.store)
-            if pending is None:
-                continue
-            if not self._overlap:
-                pending.wait()
-                continue
-            self._inflight.append(pending)
-            self.inflight_peak = max(self.inflight_peak, len(self._inflight))
+            self._issue(g)
         unit.reduced_groups.update(g.key for g in groups)
         unit.reduced = all(g.key in unit.reduced_groups for g in unit.groups if g.trainable)
         if self.on_final is not None:
-            self.wait_reductions()  # the shard holds the reduced gradient only after wait()
-            self.on_final(unit, groups)
+            final = self.late.hand_over(groups)  # not those that may get late gradients
+            if final:
+                self.wait_reductions()  # the shard holds the reduced gradient after wait()
+                self.on_final(unit, final)
+
+    def _issue(self, g: FlatGroup) -> None:
+        """Start reducing `g`'s gradients into its shard, within the in-flight bound."""
+        if not g.trainable:
+            return
+        need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
+        while self._inflight and (
+                sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):
+            self._inflight.popleft().wait()
+        pending = reduce_group_grads(g, self.comm, self.store)
+        if pending is None:
+            return
+        if not self._overlap:
+            pending.wait()
+            return
+        self._inflight.append(pending)
+        self.inflight_peak = max(self.inflight_peak, len(self._inflight))
 
     def wait_reductions(self) -> None:
         """Every gradient reduction started so far has landed in its shard."""
