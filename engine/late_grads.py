@@ -123,9 +123,12 @@ class LateGrads:
                 "gradient arrived in a second autograd pass within one backward (a "
                 "parameter shared by reentrant checkpoint segments, or torch.autograd."
                 "backward called inside a hook) that the forward did not announce. This "
-                "boundary's step is skipped; the group is kept out of the early step from "
-                "now on. Fix: set offload.optimizer.overlap_step: false, or use "
-                "non-reentrant checkpointing (use_reentrant=False)")
+                "boundary's step is skipped, but the groups the early step already updated "
+                "keep that update (this one possibly from its incomplete gradient): load "
+                "the last checkpoint to go on from a consistent state. The group is kept "
+                "out of the early step from now on. Fix: set "
+                "offload.optimizer.overlap_step: false, or use non-reentrant checkpointing "
+                "(use_reentrant=False)")
 
     def take(self, units: list[Unit]) -> list[tuple[Unit, list[FlatGroup]]]:
         """The groups to reduce again, in fixed order (units by index, groups by unit)."""
