@@ -5,10 +5,11 @@ with a 64 MiB cache; the peak RSS growth of the cached run exceeds the uncached 
 bytes homed in host memory (eng.memory_report()["tiers"]["params_in_cpu"]: the first 7
 blocks, 59 MB) within SLACK.
 
-SLACK = 24 MiB: both runs hold the same pool, CPU Adam ring and gathered units; what
+SLACK = 12 MiB: both runs hold the same pool, CPU Adam ring and gathered units; what
 differs besides the cached shards is allocator noise (MALLOC_MMAP_THRESHOLD_ = 1 MiB, see
-test_engine_offload_memory) and the timing of transient buffers. Measured here: see the
-assertion message (the difference minus the cached bytes was within a few MiB).
+test_engine_offload_memory) and the timing of transient buffers. Measured here (two
+repeats): growth 382.5 / 383.2 MiB without the cache, 439.1 / 439.1 MiB with it; 56.0 MiB
+kept, so the cache cost its bytes +0.5 / -0.2 MiB.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ BLOCKS, DIM = 12, 724  # 12 x (2 x 724 x 2896 + biases) + head = 50.3M parameter
 HOST_BUDGET = 512 * MiB  # fp32 grad shards 201 MB, staging pool, the CPU Adam's ring
 DEVICE_BUDGET = 64 * MiB
 CACHE = 64 * MiB
-SLACK = 24 * MiB
+SLACK = 12 * MiB
 
 
 @pytest.mark.multiproc
