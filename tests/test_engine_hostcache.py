@@ -231,10 +231,9 @@ def test_dry_run_counts_the_cache(tmp_path: Path) -> None:
     assert sum(plan.specs[k].nbytes for k in plan.host_kept) == kept
     step0, step1 = runs[0].steps[-1], runs[1].steps[-1]
     written = [sum(t.nvme_written for t in s.values()) for s in (step0, step1)]
-    read = [sum(t.nvme_read for t in s.values()) for s in (step0, step1)]
-    assert written[0] - written[1] == kept  # one param16 write per shard per step
-    # (reads: this tiny model's param16 is mostly served by host caches either way)
-    assert read[1] <= read[0]
+    # one param16 write per shard per step. (Reads are not compared: which step the CPU
+    # Adam's read-ahead of optimizer state lands in depends on thread timing, +-0.3 MB.)
+    assert written[0] - written[1] == kept
 
 
 def _big() -> Any:
