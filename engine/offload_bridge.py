@@ -105,8 +105,8 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
                         buffer_bytes=p.buffer_bytes if params_nvme else None,
                         pin_memory=p.pin_memory and o.pin_memory,
                         staged=("param16", "grad"))
-    # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads run 4x as far
-    # ahead (they are slower and start while the optimizer's writes still hold the disk).
+    # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads, slower than
+    # host->device copies, run 4x as far ahead (independent of max_in_cpu_bytes).
     ahead = config.zero.prefetch_bytes
     prefetch = PrefetchSettings(nvme_bytes=4 * ahead, device_bytes=ahead)
     # offload.params.max_in_cpu_bytes: param16 shards homed in host memory instead of NVMe
