@@ -106,12 +106,18 @@ def test_engine_maps_max_in_cpu_bytes_and_keeps_the_prefetch_window() -> None:
         assert s.prefetch.nvme_bytes == 40 * MiB and s.prefetch.device_bytes == 10 * MiB
 
 
-def test_deepspeed_max_in_cpu_maps_and_its_absence_is_zero() -> None:
+def test_deepspeed_max_in_cpu_maps_and_its_absence_is_zero(
+        caplog: pytest.LogCaptureFixture) -> None:
     base = {"zero_optimization": {"stage": 3, "offload_param": {
         "device": "nvme", "nvme_path": "/tmp"}}, "bf16": {"enabled": True}}
-    assert load_config(base).offload.params.max_in_cpu_bytes == 0
+    with caplog.at_level(logging.INFO, logger="engine.config.ds_offload"):
+        assert load_config(base).offload.params.max_in_cpu_bytes == 0
+    assert "max_in_cpu is not set: DeepSpeed's default (1e9 elements)" in caplog.text
+    caplog.clear()
     base["zero_optimization"]["offload_param"]["max_in_cpu"] = 1e9  # type: ignore[index]
-    assert load_config(base).offload.params.max_in_cpu_bytes == 2 * 10**9
+    with caplog.at_level(logging.INFO, logger="engine.config.ds_offload"):
+        assert load_config(base).offload.params.max_in_cpu_bytes == 2 * 10**9
+    assert "max_in_cpu is not set" not in caplog.text
 
 
 def test_manager_serves_and_updates_both_homes(tmp_path: object) -> None:
