@@ -12,7 +12,7 @@ the configurations, the median over `--repeats` rounds is reported):
             2e9: DeepSpeed's default max_in_cpu, 1e9 elements x 2 bytes): parameter shards
             within it are homed in host memory instead
   ds_*      the same under DeepSpeed ZeRO-3 when `deepspeed` imports (else a how-to); each
-            tierzero row is compared with DeepSpeed's same placement (DS_TWIN): all_nvme
+            tierzero row is compared with DeepSpeed's same placement (ds_pairs.py): all_nvme
             with ds_all_nvme_nocache (`max_in_cpu: 0`), all_nvme_cache with ds_all_nvme
             (DeepSpeed's default, parameters kept in host memory); both DeepSpeed rows run
             whenever either tierzero row does
@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import machine  # noqa: E402  (benchmarks/machine.py)
 from bench_models import MLPModel  # noqa: E402  (benchmarks/bench_models.py)
+from ds_pairs import deepspeed_configs, report_deepspeed  # noqa: E402  (benchmarks/ds_pairs.py)
 
 import engine  # noqa: E402
 import swap  # noqa: E402
@@ -66,14 +67,7 @@ import swap  # noqa: E402
 CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme", "all_nvme_cache")
 OFFLOAD = {"none": ("none", "none"), "cpu": ("cpu", "cpu"), "opt_nvme": ("none", "nvme"),
            "all_nvme": ("nvme", "nvme"), "all_nvme_cache": ("nvme", "nvme")}
-# DeepSpeed's configuration with the same placement as each tierzero one (ds_runner.py)
-DS_TWIN = {"none": "ds_none", "cpu": "ds_cpu", "opt_nvme": "ds_opt_nvme",
-           "all_nvme": "ds_all_nvme_nocache", "all_nvme_cache": "ds_all_nvme"}
 DS_DEFAULT_MAX_IN_CPU = 2 * 10**9  # offload_param.max_in_cpu 1e9 elements x 2 bytes (bf16)
-DS_HOWTO = ("DeepSpeed rows skipped: `deepspeed` is not importable here and no "
-            "--deepspeed-python was given. To add them: benchmarks/install_deepspeed.sh "
-            "/work/ds-venv, then rerun with --deepspeed-python /work/ds-venv/bin/python "
-            "(ZeRO-3, gloo, world size 1; see benchmarks/ds_runner.py).")
 DS_RUNNER = Path(__file__).resolve().parent / "ds_runner.py"
 
 
@@ -247,67 +241,6 @@ def io_seconds(read: float, write: float, bw: dict[str, float]) -> float:
     """The least time the disk `bw` needs to read `read` and write `write` bytes."""
     return max(read / (bw["read_gbs"] * 1e9), write / (bw["write_gbs"] * 1e9),
                (read + write) / (bw["mixed_gbs"] * 1e9))
-
-
-def deepspeed_configs(ns: argparse.Namespace, configs: list[str]) -> list[str]:
-    """The ds_* twins of `configs` if a python with `deepspeed` is at hand, else [].
-
-    Sets ns.deepspeed_python to that interpreter (this one when it imports deepspeed).
-    """
-    if ns.deepspeed_python is None:
-        try:
-            import deepspeed  # noqa: F401
-            ns.deepspeed_python = sys.executable
-        except ImportError:
-            sys.stdout.write(DS_HOWTO + "\n")
-            return []
-    code = "import deepspeed; print(deepspeed.__version__)"
-    try:
-        probe = subprocess.run([ns.deepspeed_python, "-c", code], capture_output=True,
-                               text=True, check=False, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
-    except OSError as e:
-        why = [str(e)]
-    if why is not None:
-        raise SystemExit(f"--deepspeed-python {ns.deepspeed_python!r} cannot import deepspeed "
-                         f"({why}); build one with benchmarks/install_deepspeed.sh")
-    sys.stdout.write(f"deepspeed {probe.stdout.strip()} at {ns.deepspeed_python}\n")
-    ds = [DS_TWIN[c] for c in configs if c in DS_TWIN]
-    if {"all_nvme", "all_nvme_cache"} & set(configs):  # both DeepSpeed variants, always
-        ds += [d for d in ("ds_all_nvme", "ds_all_nvme_nocache") if d not in ds]
-    return ds
-
-
-def _twin_of(ds_config: str, med: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """(tierzero config, how it relates) for a ds_* row: its same-placement twin when that
-    ran, else (for the two all-NVMe variants) the other all-NVMe row, marked."""
-    same = next((c for c, d in DS_TWIN.items() if d == ds_config), None)
-    if same is None:
-        return None
-    if same in med:
-        return same, "same placement"
-    other = {"all_nvme": "all_nvme_cache", "all_nvme_cache": "all_nvme"}.get(same)
-    if other in med:
-        return other, ("DIFFERENT placement: DeepSpeed keeps parameters in host memory"
-                       if same == "all_nvme_cache" else
-                       "DIFFERENT placement: tierzero keeps parameters in host memory")
-    return None
-
-
-def report_deepspeed(model: str, med: dict[str, dict[str, Any]]) -> None:
-    """Adds to each ds_* row its step time and peak RSS over tierzero's same config's."""
-    for c, m in med.items():
-        twin = _twin_of(c, med) if c.startswith("ds_") else None
-        if twin is None:
-            continue
-        name, how = twin
-        tz = med[name]
-        m["vs_tierzero"] = m["step_s"] / tz["step_s"]
-        m["rss_vs_tierzero"] = m["peak_rss_train"] / tz["peak_rss_train"]
-        m["tierzero_twin"], m["twin_placement"] = name, how
-        sys.stdout.write(f"{model:4s} {c}: DeepSpeed step / tierzero {name} step = "
-                         f"{m['vs_tierzero']:.2f} (target >= 2; {how}), peak RSS ratio "
-                         f"{m['rss_vs_tierzero']:.2f}\n")
 
 
 def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
