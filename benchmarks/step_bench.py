@@ -8,7 +8,14 @@ the configurations, the median over `--repeats` rounds is reported):
   cpu       params and optimizer state in host memory, CPU Adam
   opt_nvme  optimizer state on NVMe, params on the device
   all_nvme  params and optimizer state on NVMe
-  ds_*      the same under DeepSpeed ZeRO-3 when `deepspeed` imports (else a how-to)
+  all_nvme_cache  all_nvme with offload.params.max_in_cpu_bytes = --cache-bytes (default
+            2e9: DeepSpeed's default max_in_cpu, 1e9 elements x 2 bytes): parameter shards
+            within it are homed in host memory instead
+  ds_*      the same under DeepSpeed ZeRO-3 when `deepspeed` imports (else a how-to); each
+            tierzero row is compared with DeepSpeed's same placement (ds_pairs.py): all_nvme
+            with ds_all_nvme_nocache (`max_in_cpu: 0`), all_nvme_cache with ds_all_nvme
+            (DeepSpeed's default, parameters kept in host memory); both DeepSpeed rows run
+            whenever either tierzero row does
 Models: "mlp" (~80M parameters: embedding, 9 pre-norm MLP blocks of width 1024, head;
 batch 16 x 16 tokens) and "hf" (a small Llama from a config, no download, ~30M).
 
@@ -59,17 +66,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import machine  # noqa: E402  (benchmarks/machine.py)
 from bench_models import MLPModel  # noqa: E402  (benchmarks/bench_models.py)
+from ds_pairs import deepspeed_configs, report_deepspeed  # noqa: E402  (benchmarks/ds_pairs.py)
 
 import engine  # noqa: E402
 import swap  # noqa: E402
 
-CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme")
+CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme", "all_nvme_cache")
 OFFLOAD = {"none": ("none", "none"), "cpu": ("cpu", "cpu"), "opt_nvme": ("none", "nvme"),
-           "all_nvme": ("nvme", "nvme")}
-DS_HOWTO = ("DeepSpeed rows skipped: `deepspeed` is not importable here and no "
-            "--deepspeed-python was given. To add them: benchmarks/install_deepspeed.sh "
-            "/work/ds-venv, then rerun with --deepspeed-python /work/ds-venv/bin/python "
-            "(ZeRO-3, gloo, world size 1; see benchmarks/ds_runner.py).")
+           "all_nvme": ("nvme", "nvme"), "all_nvme_cache": ("nvme", "nvme")}
+DS_DEFAULT_MAX_IN_CPU = 2 * 10**9  # offload_param.max_in_cpu 1e9 elements x 2 bytes (bf16)
 DS_RUNNER = Path(__file__).resolve().parent / "ds_runner.py"
 
 
@@ -152,7 +157,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         cfg = engine.load_config({
             "zero": {"stage": 3, "units": list(units), "persistence_threshold_bytes": 0},
             "precision": "bf16", "optimizer": {"type": "adamw", "lr": 1e-4},
-            "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None},
+            "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None,
+                                   "max_in_cpu_bytes": (args.cache_bytes if args.config
+                                                        == "all_nvme_cache" else 0)},
                         "optimizer": {"device": o_dev, "path": path if "nvme" in (
                             p_dev, o_dev) else None,
                                       "overlap_step": args.overlap_step == "on",
@@ -254,47 +261,6 @@ def io_seconds(read: float, write: float, bw: dict[str, float]) -> float:
                (read + write) / (bw["mixed_gbs"] * 1e9))
 
 
-def deepspeed_configs(ns: argparse.Namespace, configs: list[str]) -> list[str]:
-    """The ds_* twins of `configs` if a python with `deepspeed` is at hand, else [].
-
-    Sets ns.deepspeed_python to that interpreter (this one when it imports deepspeed).
-    """
-    if ns.deepspeed_python is None:
-        try:
-            import deepspeed  # noqa: F401
-            ns.deepspeed_python = sys.executable
-        except ImportError:
-            sys.stdout.write(DS_HOWTO + "\n")
-            return []
-    code = "import deepspeed; print(deepspeed.__version__)"
-    try:
-        probe = subprocess.run([ns.deepspeed_python, "-c", code], capture_output=True,
-                               text=True, check=False, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-        why = probe.stderr.strip().splitlines()[-1:] if probe.returncode else None
-    except OSError as e:
-        why = [str(e)]
-    if why is not None:
-        raise SystemExit(f"--deepspeed-python {ns.deepspeed_python!r} cannot import deepspeed "
-                         f"({why}); build one with benchmarks/install_deepspeed.sh")
-    sys.stdout.write(f"deepspeed {probe.stdout.strip()} at {ns.deepspeed_python}\n")
-    ds = [f"ds_{c}" for c in configs if c in OFFLOAD]
-    return ds + (["ds_all_nvme_nocache"] if "all_nvme" in configs else [])
-
-
-def report_deepspeed(model: str, med: dict[str, dict[str, Any]]) -> None:
-    """Adds to each ds_* row its step time and peak RSS over tierzero's same config's."""
-    for c, m in med.items():
-        name = c[3:].removesuffix("_nocache")
-        tz = med.get(name) if c.startswith("ds_") else None
-        if tz is None:
-            continue
-        m["vs_tierzero"] = m["step_s"] / tz["step_s"]
-        m["rss_vs_tierzero"] = m["peak_rss_train"] / tz["peak_rss_train"]
-        sys.stdout.write(f"{model:4s} {c}: DeepSpeed step / tierzero {name} step = "
-                         f"{m['vs_tierzero']:.2f} (target >= 2), peak RSS ratio "
-                         f"{m['rss_vs_tierzero']:.2f}\n")
-
-
 def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
     ds = config.startswith("ds_")  # DeepSpeed runs in its own virtualenv (ds_runner.py)
     cmd = [ns.deepspeed_python if ds else sys.executable, str(DS_RUNNER) if ds else __file__,
@@ -302,7 +268,8 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
            "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
            "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
     if not ds:
-        cmd += ["--overlap-step", ns.overlap_step, "--device", ns.device]
+        cmd += ["--overlap-step", ns.overlap_step, "--cache-bytes", str(ns.cache_bytes),
+                "--device", ns.device]
         if ns.buffer_count:
             cmd += ["--buffer-count", str(ns.buffer_count)]
     if ns.quick:
@@ -340,6 +307,9 @@ def main() -> None:
     ap.add_argument("--buffer-count", type=int, default=None,
                     help="offload.optimizer.buffer_count of the tierzero rows (CPU Adam host "
                          "ring depth); default: the config's default")
+    ap.add_argument("--cache-bytes", type=int, default=DS_DEFAULT_MAX_IN_CPU,
+                    help="offload.params.max_in_cpu_bytes of the all_nvme_cache rows "
+                         "(default: DeepSpeed's default max_in_cpu, 1e9 elements x 2 bytes)")
     ap.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                     help="run every child with MALLOC_MMAP_THRESHOLD_=BYTES (glibc returns "
                          "freed blocks above it to the system at once: lower RSS, but each "
@@ -354,6 +324,8 @@ def main() -> None:
     ns = ap.parse_args()
     if ns.mmap_threshold is not None and ns.mmap_threshold < 0:
         ap.error(f"--mmap-threshold {ns.mmap_threshold}: need a byte count >= 0")
+    if ns.cache_bytes < 0:
+        ap.error(f"--cache-bytes {ns.cache_bytes}: need a byte count >= 0")
     if ns.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False on this machine "
                  f"(torch {torch.__version__}); use --device cpu or a CUDA build of torch")

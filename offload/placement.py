@@ -13,6 +13,19 @@ step by the CPU optimizer). Each goes to the fastest tier with room, so
 optimizer state spills to NVMe before parameters do. Only ``param16`` may be
 homed on the device: the optimizer runs on the CPU, so the other classes are
 only ever consumed on the host.
+
+[Note: host allowance]
+``TierSettings.host_allowance[cls]`` (the engine fills it for param16 from
+``offload.params.max_in_cpu_bytes``, DeepSpeed's ``max_in_cpu``) lets a class
+fixed on ``nvme`` keep some shards homed in host memory: they are visited in
+the order ``plan_placement`` is given them and each goes to host while the
+class's running total stays within the allowance and the host budget has room
+after fixed homes and the full NVMe staging pool (first fit: a shard too large
+is skipped, later smaller ones may still fit). Such a shard is an ordinary
+host-homed shard from then on (one authoritative copy, no NVMe file space):
+gathers read it from host memory, the optimizer writes it there. The engine
+passes param16 in forward order, blocks first and the root last
+([Note: which shards the host keeps] in engine/offload_bridge.py).
 """
 
 from __future__ import annotations
@@ -52,6 +65,8 @@ class Plan:
 
     specs: Mapping[str, ShardSpec]
     homes: Mapping[str, Tier]
+    # shards of a class fixed on nvme homed in host memory by its host allowance
+    host_kept: frozenset[str]
     budgets: TierBudgets
     pool_count: int  # host staging buffers (0 when nothing lives on NVMe)
     pool_buffer_bytes: int
@@ -93,13 +108,15 @@ def plan_placement(
     pin = device.type == "cuda" and settings.pool.pin_memory
     pool_reserved = 0
     homes: dict[str, Tier] = {}
+    kept: set[str] = set()
     for _ in range(4):  # reserving the pool may spill more to NVMe: iterate to a fixed point
         homes = dict(fixed)
-        room = {
+        room: dict[Tier, int] = {
             "device": budgets.device - device_reserve - _sum(by_key, fixed, "device"),
             "host": budgets.host - pool_reserved - _sum(by_key, fixed, "host"),
             "nvme": budgets.nvme - _sum(by_key, fixed, "nvme"),
         }
+        kept = _keep_in_host(specs, settings, homes, room)
         for spec in order:
             tier: Tier = next((t for t in AUTO_TIERS[spec.cls] if room[t] >= spec.nbytes), "nvme")
             homes[spec.key] = tier
@@ -109,10 +126,28 @@ def plan_placement(
             break
         pool_reserved = count * buf
     count, buf, pin = _pool_shape(by_key, homes, settings, budgets, pin, final=True)
-    plan = Plan(by_key, homes, budgets, count, buf, pin, device_reserve)
+    plan = Plan(by_key, homes, frozenset(kept), budgets, count, buf, pin, device_reserve)
     _check_fit(plan)
     _explain(plan, settings)
     return plan
+
+
+def _keep_in_host(specs: Sequence[ShardSpec], settings: TierSettings, homes: dict[str, Tier],
+                  room: dict[Tier, int]) -> set[str]:
+    """Rehome shards of nvme classes in host memory within their host allowance ([Note:
+    host allowance]); updates `homes` and `room`, returns the keys moved."""
+    kept: set[str] = set()
+    left = dict(settings.host_allowance)
+    for spec in specs:
+        if homes.get(spec.key) != "nvme" or spec.nbytes > min(left.get(spec.cls, 0),
+                                                               room["host"]):
+            continue
+        homes[spec.key] = "host"
+        kept.add(spec.key)
+        left[spec.cls] -= spec.nbytes
+        room["host"] -= spec.nbytes
+        room["nvme"] += spec.nbytes
+    return kept
 
 
 def _sum(specs: Mapping[str, ShardSpec], homes: Mapping[str, Tier], tier: Tier) -> int:
@@ -227,4 +262,14 @@ def _explain(plan: Plan, settings: TierSettings) -> None:
         how = ("auto: fastest tier with room, small shards and param16 first, optimizer "
                "state spills first" if settings.homes[cls] == "auto"
                else f"fixed: offload device {settings.homes[cls]!r}")
+        allowance = settings.host_allowance.get(cls, 0)
+        if allowance:
+            kept = [k for k in keys if k in plan.host_kept]
+            how += (f"; host allowance {allowance} B keeps {len(kept)} shards "
+                    f"({sum(plan.specs[k].nbytes for k in kept)} B) in host memory")
+            if len(kept) < len(keys) and sum(plan.specs[k].nbytes for k in kept) + min(
+                    plan.specs[k].nbytes for k in keys if k not in plan.host_kept) <= allowance:
+                log.warning("placement %s: the host budget (%d B) leaves room for only %d of "
+                            "the shards its host allowance (%d B) would keep; the rest stay "
+                            "on NVMe", cls, plan.budgets.host, len(kept), allowance)
         log.info("placement %s: %d shards -> %s [%s]", cls, len(keys), where, how)

@@ -115,6 +115,10 @@ def _default_homes() -> dict[TensorClass, OffloadDevice]:
     return dict.fromkeys(TENSOR_CLASSES, "auto")
 
 
+def _no_allowance() -> dict[TensorClass, int]:
+    return {}
+
+
 @dataclass(frozen=True)
 class TierSettings:
     """Everything the tier manager needs from the config, validated once."""
@@ -133,8 +137,20 @@ class TierSettings:
     # this long for a release, then raises BudgetError naming the holders.
     wait_timeout_s: float = 60.0
     swap_path: str | None = None  # where NVMe free space is detected
+    # Bytes of a class homed on nvme whose shards are homed in host memory instead
+    # (DeepSpeed's offload_param.max_in_cpu): shards taken in the order given to
+    # plan_placement while they fit, counted against the host budget. [Note: host
+    # allowance] in offload/placement.py.
+    host_allowance: Mapping[TensorClass, int] = field(default_factory=_no_allowance)
 
     def __post_init__(self) -> None:
+        allowance = dict(self.host_allowance)
+        for cls, n in allowance.items():
+            if cls not in TENSOR_CLASSES:
+                raise SettingsError(f"host_allowance has unknown tensor class {cls!r}; "
+                                    f"allowed: {list(TENSOR_CLASSES)}")
+            _check_bytes(f"host_allowance[{cls!r}]", n, allow_none=False)
+        object.__setattr__(self, "host_allowance", allowance)
         homes = dict(self.homes)
         unknown = sorted(set(homes) - set(TENSOR_CLASSES))
         if unknown:
@@ -150,6 +166,10 @@ class TierSettings:
         full: dict[TensorClass, OffloadDevice] = _default_homes()
         full.update(homes)
         object.__setattr__(self, "homes", full)
+        wrong = {c: full[c] for c, n in allowance.items() if n and full[c] != "nvme"}
+        if wrong:
+            raise SettingsError(f"host_allowance applies to classes homed on nvme; "
+                                f"{wrong} are not (set the allowance to 0 for them)")
         if self.device not in get_args(DeviceKind):
             raise SettingsError(
                 f"device = {self.device!r} is not allowed; expected one of "

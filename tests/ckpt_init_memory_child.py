@@ -37,7 +37,7 @@ def main() -> None:
         optimizer=OptimizerConfig(type="adamw", lr=1e-5),
         batch=BatchConfig(gradient_accumulation_steps=1),
         offload=OffloadConfig(
-            params=ParamOffloadConfig(device="nvme", path=path, max_in_cpu_bytes=64 << 20),
+            params=ParamOffloadConfig(device="nvme", path=path),
             optimizer=OptimizerOffloadConfig(device="nvme", path=path),
             budgets=BudgetsConfig(host_bytes=int(host_budget), device_bytes=int(device_budget))))
     base = rss().rss

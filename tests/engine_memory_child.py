@@ -2,7 +2,8 @@
 on NVMe under small host/device budgets and report RSS figures as JSON on stdout.
 
 Run in a fresh interpreter so the RSS high-water mark belongs to this run alone:
-    python tests/engine_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET
+    python tests/engine_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET [CACHE]
+CACHE: offload.params.max_in_cpu_bytes (default 0: every parameter shard on NVMe).
 """
 
 from __future__ import annotations
@@ -93,11 +94,13 @@ def _hwm() -> int:
 
 def main() -> None:
     path, blocks, dim, host_budget, device_budget = sys.argv[1:6]
+    cache = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     torch.manual_seed(0)
     torch.set_num_threads(2)
     rss = psutil.Process().memory_info
     base = rss().rss
     model = MLP(int(blocks), int(dim))
+    model_rss = rss().rss
     n_params = sum(p.numel() for p in model.parameters())
     cfg = Config(
         precision=PrecisionConfig(dtype="bf16"),
@@ -107,7 +110,7 @@ def main() -> None:
         batch=BatchConfig(gradient_accumulation_steps=1),
         gradient_clipping=1.0,
         offload=OffloadConfig(
-            params=ParamOffloadConfig(device="nvme", path=path, max_in_cpu_bytes=64 << 20),
+            params=ParamOffloadConfig(device="nvme", path=path, max_in_cpu_bytes=cache),
             optimizer=OptimizerOffloadConfig(device="nvme", path=path),
             budgets=BudgetsConfig(host_bytes=int(host_budget), device_bytes=int(device_budget))))
     eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
@@ -127,6 +130,7 @@ def main() -> None:
     peak = max(sampler.peak, _hwm() if hwm_ok else 0)
     eng.close()
     json.dump({"n_params": n_params, "base_rss": base, "after_init_rss": after_init,
+               "model_rss": model_rss,
                "train_peak_rss": peak, "hwm_reset": hwm_ok, "losses": losses,
                "step_s": step_s, "tiers": report["tiers"],
                "optimizer_step": report["optimizer_step"]}, sys.stdout)

@@ -44,7 +44,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.params.pin_memory", True, False, False, {}),
     ("offload.params.buffer_count", 5, 8, 8, {}),
     ("offload.params.buffer_bytes", None, "64MiB", 64 << 20, {}),
-    ("offload.params.max_in_cpu_bytes", 2_000_000_000, "1GiB", 1 << 30, {}),
+    ("offload.params.max_in_cpu_bytes", 0, "1GiB", 1 << 30, {}),
     ("offload.optimizer.device", "none", "cpu", "cpu", {}),
     ("offload.optimizer.path", None, "$HOME/swap", f"{HOME}/swap", {}),
     ("offload.optimizer.pin_memory", True, False, False, {}),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from engine.config import values
 from engine.config.ds_common import Mapped, check_keys, elements_to_bytes
 from engine.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 PARAM_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu"}
 OPT_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "pipeline",
@@ -88,6 +91,11 @@ def _map_class(body: Mapping[str, Any], prefix: str, cls: str, itemsize: int,
                 out.set(f"{native}.{ds}", body["pipeline"], f"{prefix}.pipeline")
     # Parameter buffers hold compute-dtype elements; optimizer buffers fp32 state.
     size = itemsize if cls == "params" else 4
+    if cls == "params" and device == "nvme" and "max_in_cpu" not in body:
+        log.info("%s.max_in_cpu is not set: DeepSpeed's default (1e9 elements) would keep "
+                 "parameter partitions up to that size in host memory; tierzero's default "
+                 "is 0 (offload.params.max_in_cpu_bytes): every parameter shard is homed on "
+                 "NVMe. Set %s.max_in_cpu to keep some in host memory", prefix, prefix)
     for ds, nat in (("buffer_size", "buffer_bytes"), ("max_in_cpu", "max_in_cpu_bytes")):
         if ds in body:
             out.set(f"{native}.{nat}", elements_to_bytes(body[ds], size, f"{prefix}.{ds}"),

@@ -173,12 +173,14 @@ class ParamOffloadConfig(_TierHomeConfig):
     buffer_count: int = field(  # DeepSpeed's offload_param default
         default=5, metadata=meta("host staging buffers for NVMe transfers", gt=0)
     )
+    # Not DeepSpeed's default (1e9 elements): params on nvme means on nvme, and the
+    # host memory a cache costs is asked for by name.
     max_in_cpu_bytes: int = field(
-        default=2_000_000_000,
-        metadata=meta("with nvme: how far ahead of use parameter reads from NVMe may run "
-                      "(read into the host staging pool; DeepSpeed's max_in_cpu maps "
-                      "here, but parameters are not kept in host memory beyond the "
-                      "pool)", ge=0, unit="bytes"),
+        default=0,
+        metadata=meta("with nvme: this rank's parameter shard bytes homed in host memory "
+                      "instead of NVMe (the first units in forward order; DeepSpeed's "
+                      "max_in_cpu, whose default is 1e9 elements); counted against "
+                      "offload.budgets.host_bytes", ge=0, unit="bytes"),
     )
 
 

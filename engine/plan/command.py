@@ -50,6 +50,9 @@ def add_plan(sub: Subparsers) -> None:
                        ("nvme-size", "swap space per rank (default: free space at --nvme-path)")):
         plan.add_argument(f"--{name}", metavar="BYTES", help=what + "; e.g. 80GB, 512GiB")
     plan.add_argument("--nvme-path", default="/var/tmp", help="swap directory (default /var/tmp)")
+    plan.add_argument("--max-in-cpu", metavar="BYTES", default="0",
+                      help="offload.params.max_in_cpu_bytes of the nvme choice: parameter shard "
+                      "bytes per rank homed in host memory instead of NVMe (default 0)")
     plan.add_argument("--bench", metavar="FILE",
                       help=f"bandwidths saved by tierzero bench (default {results_path()})")
     for name in ("nvme-read-gbps", "nvme-write-gbps", "copy-gbps", "adam-params-per-s"):
@@ -172,6 +175,9 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, 
     offload: dict[str, Any] = {"device": best.choice}
     if best.choice in ("nvme", "auto"):
         offload["path"] = os.path.abspath(args.nvme_path)
+    cache = _bytes("--max-in-cpu", args.max_in_cpu) or 0
+    if best.choice == "nvme" and cache:
+        offload["max_in_cpu_bytes"] = cache
     return {"precision": args.precision, "zero": {"stage": 3}, "offload": offload}
 
 
@@ -182,7 +188,8 @@ def run_plan(args: argparse.Namespace) -> int:
         shape = model_shape(args.model, layers=args.layers)
         machine, notes = detect_machine(args)
         plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision,
-                         nvme_path=args.nvme_path)
+                         nvme_path=args.nvme_path,
+                         max_in_cpu_bytes=_bytes("--max-in-cpu", args.max_in_cpu) or 0)
     except (ConfigError, ModelError) as exc:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1

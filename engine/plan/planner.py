@@ -106,11 +106,16 @@ class ChoicePlan:
 
 
 def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
-                  nvme_path: str | None, unit_classes: tuple[str, ...] = ()) -> Config:
-    """The config a run with this choice would use, budgets set to the machine's."""
+                  nvme_path: str | None, unit_classes: tuple[str, ...] = (),
+                  max_in_cpu_bytes: int = 0) -> Config:
+    """The config a run with this choice would use, budgets set to the machine's.
+    `max_in_cpu_bytes`: offload.params.max_in_cpu_bytes of the nvme choice (parameter
+    shards homed in host memory instead of NVMe; the other choices do not use it)."""
     offload: dict[str, object] = {"device": choice, "budgets": {
         "device_bytes": machine.device_bytes, "host_bytes": machine.host_bytes,
         "nvme_bytes": machine.nvme_bytes}}
+    if choice == "nvme" and max_in_cpu_bytes:
+        offload["max_in_cpu_bytes"] = max_in_cpu_bytes
     if choice in ("nvme", "auto"):  # the dry run writes nothing there (DrySwap)
         offload["path"] = nvme_path or tempfile.gettempdir()
     zero: dict[str, object] = {"stage": 3}
@@ -120,10 +125,11 @@ def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
 
 
 def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
-                world_size: int, precision: str, nvme_path: str | None = None) -> ChoicePlan:
+                world_size: int, precision: str, nvme_path: str | None = None,
+                max_in_cpu_bytes: int = 0) -> ChoicePlan:
     """Placement only (step 1 of the module docstring)."""
     config = engine_config(choice, machine, precision=precision, nvme_path=nvme_path,
-                           unit_classes=shape.unit_classes)
+                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
     dtype = compute_dtype(config.precision.dtype)
     store = TieredShardStore(torch.device("meta"), config)
     quiet = logging.getLogger("offload")
@@ -152,14 +158,14 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
 
 
 def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
-                precision: str, nvme_path: str | None) -> None:
+                precision: str, nvme_path: str | None, max_in_cpu_bytes: int = 0) -> None:
     """Steps 2 and 3: run the engine dry and time its counted traffic."""
     if out.choice == "none" or not out.fits:
         out.phases = dict.fromkeys(PHASES, Traffic())
         out.step_s = 0.0 if out.fits else None
         return
     config = engine_config(out.choice, machine, precision=precision, nvme_path=nvme_path,
-                           unit_classes=shape.unit_classes)
+                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
     try:
         run = dry_run(shape.fresh_module(), config, world_size=world_size)
     except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
@@ -197,14 +203,17 @@ def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
 
 
 def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision: str,
-             nvme_path: str | None = None, traffic: bool = True) -> list[ChoicePlan]:
-    """Every choice; `traffic=False` stops after placement (no dry run)."""
+             nvme_path: str | None = None, traffic: bool = True,
+             max_in_cpu_bytes: int = 0) -> list[ChoicePlan]:
+    """Every choice; `traffic=False` stops after placement (no dry run).
+    `max_in_cpu_bytes`: the nvme choice's offload.params.max_in_cpu_bytes."""
     plans = [plan_choice(shape, choice, machine, world_size=world_size, precision=precision,
-                         nvme_path=nvme_path) for choice in CHOICES]
+                         nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes)
+             for choice in CHOICES]
     if traffic:
         for p in plans:
             add_traffic(p, shape, machine, world_size=world_size, precision=precision,
-                        nvme_path=nvme_path)
+                        nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes)
     return plans
 
 
