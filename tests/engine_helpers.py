@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -146,6 +147,21 @@ def full_params(eng: object, model: nn.Module) -> dict[str, torch.Tensor]:
         for k, v in model.named_parameters():
             out[k] = v.detach().float().clone()
     return out
+
+
+def train_steps(eng: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                loss_device: str | None = None) -> list[float]:
+    """One forward, backward and step per batch; each loss as a float (its device checked
+    to be `loss_device` when given: the engine moves CPU inputs to its own device)."""
+    losses = []
+    for ids, tg in batches:
+        loss = eng(ids, tg)
+        if loss_device is not None:
+            assert loss.device.type == loss_device, loss.device
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def engine_train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,

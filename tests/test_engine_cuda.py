@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config, make_model
+from engine_helpers import make_batches, make_config, make_model, train_steps
 
 import engine
 
@@ -45,13 +45,7 @@ def _engine(cfg: engine.Config, batches: list[tuple[torch.Tensor, torch.Tensor]]
             ) -> tuple[list[float], dict[str, torch.Tensor], engine.ZeroEngine]:
     model = make_model()
     eng, _, _, _ = engine.initialize(model=model, config=cfg)
-    losses = []
-    for ids, tg in batches:  # CPU batches: the engine moves inputs to its device
-        loss = eng(ids, tg)
-        assert loss.device.type == "cuda"
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
+    losses = train_steps(eng, batches, loss_device="cuda")  # CPU batches, moved by the engine
     with engine.GatheredParameters(list(model.parameters())):
         params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
     return losses, params, eng

@@ -28,6 +28,7 @@ from engine_helpers import (
     make_model,
     reference_train,
     train_and_gather,
+    train_steps,
 )
 
 import engine
@@ -126,16 +127,6 @@ def test_partial_cache_two_ranks_matches_pytorch(tmp_path: Path) -> None:
         assert_match(cached["losses"], cached["params"], ref.losses, ref.params)
 
 
-def _train(eng: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    losses = []
-    for ids, tg in batches:
-        loss = eng(ids, tg)
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     with engine.GatheredParameters(list(model.parameters())):
         return {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -151,9 +142,9 @@ def test_checkpoint_across_different_splits(save_cache: int, load_cache: int,
     model = make_model()
     eng, *_ = engine.initialize(device="cpu", model=model,
                                 config=_cfg(base, tmp_path / "s1", save_cache))
-    _train(eng, batches[:4])
+    train_steps(eng, batches[:4])
     eng.save_checkpoint(tmp_path / "ckpt")
-    full_losses = _train(eng, batches[4:])
+    full_losses = train_steps(eng, batches[4:])
     want = _gathered(model)
     eng.close()
     model2 = make_model(seed=7)  # different initial values: the load must overwrite them
@@ -162,7 +153,7 @@ def test_checkpoint_across_different_splits(save_cache: int, load_cache: int,
     eng2.load_checkpoint(tmp_path / "ckpt")
     # fp32: blocks 0-1 (2 x 17,408 B) within CACHE, or nothing
     assert _tiers(eng2.memory_report())["params_in_cpu"] == (2 * 17_408 if load_cache else 0)
-    assert _train(eng2, batches[4:]) == full_losses
+    assert train_steps(eng2, batches[4:]) == full_losses
     _same(_gathered(model2), want)
     eng2.close()
 
@@ -195,7 +186,7 @@ def test_gathered_parameters_write_back_to_both_homes(tmp_path: Path) -> None:
     homes = eng.store.manager.plan.homes  # type: ignore[attr-defined]
     assert homes["blocks.0/float32/trainable:param16"] == "host"
     assert homes["blocks.3/float32/trainable:param16"] == "nvme"
-    _train(eng, make_batches(2))
+    train_steps(eng, make_batches(2))
     targets = {"blocks.0.up.weight": 0.25, "blocks.3.down.bias": -0.5}
     params = dict(model.named_parameters())
     with engine.GatheredParameters([params[k] for k in targets], modifier_rank=0):
@@ -205,7 +196,7 @@ def test_gathered_parameters_write_back_to_both_homes(tmp_path: Path) -> None:
     for k, v in targets.items():
         assert torch.equal(now[k], torch.full_like(now[k], v)), k
     before = now
-    _train(eng, make_batches(1, seed=5))
+    train_steps(eng, make_batches(1, seed=5))
     after = _gathered(model)
     # the step moved them from the written values (Adam's first update is ~lr per entry)
     for k in targets:

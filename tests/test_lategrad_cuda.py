@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batches
+from engine_helpers import make_batches, train_steps
 from lategrad_helpers import make_shared_model, shared_config, shared_reference
 
 import engine
@@ -33,13 +33,7 @@ def test_cuda_shared_segments_match_pytorch_on_gpu(offload: str, gas: int, overl
     ref = shared_reference(make_shared_model(), cfg, [batches], STEPS, device="cuda")
     model = make_shared_model()
     eng, _, _, _ = engine.initialize(model=model, config=cfg)
-    losses = []
-    for ids, tg in batches:  # CPU batches: the engine moves inputs to its device
-        loss = eng(ids, tg)
-        assert loss.device.type == "cuda"
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
+    losses = train_steps(eng, batches, loss_device="cuda")  # CPU batches, moved by the engine
     with engine.GatheredParameters(list(model.parameters())):
         params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
     assert eng.memory_report()["late_gradients"] >= 3 * STEPS * gas

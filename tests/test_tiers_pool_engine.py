@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import TinyLM, make_batches
+from engine_helpers import TinyLM, make_batches, train_steps
 
 import engine
 from offload import BufferPool, PoolBuffer
@@ -30,17 +30,6 @@ def _cfg(swap: Path) -> engine.Config:
         "precision": "bf16",
         "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
         "offload": {"device": "nvme", "path": str(swap)}})
-
-
-def _train(eng: engine.ZeroEngine, batches: list[tuple[torch.Tensor, torch.Tensor]]
-           ) -> list[float]:
-    losses = []
-    for ids, tg in batches:
-        loss = eng(ids, tg)
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def _params(model: TinyLM) -> dict[str, torch.Tensor]:
@@ -81,23 +70,23 @@ def test_checkpoint_of_nvme_state_through_a_pool_smaller_than_a_master(
     model = _model()
     eng, _, _, _ = engine.initialize(model=model, config=_cfg(tmp_path / "s1"), device="cpu")
     _pool_smaller_than_masters(eng)
-    _train(eng, batches[:3])
+    train_steps(eng, batches[:3])
     placed = len(spans)
     assert placed > 0  # initial placement staged masters over spans
     eng.save_checkpoint(tmp_path / "ckpt")
     assert len(spans) > placed  # so did the save
-    want_losses = _train(eng, batches[3:])
+    want_losses = train_steps(eng, batches[3:])
     want = _params(model)
     eng.close()
 
     model2 = _model()
     eng2, _, _, _ = engine.initialize(model=model2, config=_cfg(tmp_path / "s2"), device="cpu")
-    _train(eng2, batches[:1])  # state to be overwritten by the load
+    train_steps(eng2, batches[:1])  # state to be overwritten by the load
     before_load = len(spans)
     eng2.load_checkpoint(tmp_path / "ckpt")
     assert len(spans) > before_load  # and the load
     _pool_smaller_than_masters(eng2)
-    assert _train(eng2, batches[3:]) == want_losses
+    assert train_steps(eng2, batches[3:]) == want_losses
     got = _params(model2)
     eng2.close()
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -113,12 +102,12 @@ def test_init_onto_nvme_through_a_pool_smaller_than_a_master(tmp_path: Path) -> 
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     _pool_smaller_than_masters(eng)
     batches = make_batches(3)
-    got_losses = _train(eng, batches)
+    got_losses = train_steps(eng, batches)
     got = _params(model)
     eng.close()
     ref = _model()
     eng_ref, _, _, _ = engine.initialize(model=ref, config=_cfg(tmp_path / "ref"), device="cpu")
-    assert _train(eng_ref, batches) == got_losses
+    assert train_steps(eng_ref, batches) == got_losses
     want = _params(ref)
     eng_ref.close()
     assert all(torch.equal(got[k], want[k]) for k in want)
