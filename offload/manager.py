@@ -47,7 +47,7 @@ from swap import trace
 from .core import ResidencyCore
 from .errors import OffloadError
 from .report import MemoryReport
-from .residency import Op, Role, ShardRecord, State, transition
+from .residency import Copy, Op, Role, ShardRecord, State, transition
 from .settings import TIERS, Tier
 from .transfer import TierTransfer
 
@@ -80,11 +80,8 @@ class TierManager(ResidencyCore):
             src = data.detach().reshape(-1)
             if rec.home == "nvme":  # stage through a pool buffer, then write down
                 self._room("host", rec, demand=True)
-                slot = self._take(spec.nbytes)
-                cache = rec.copies["host"]
-                transition(rec, "host", Op.WRITE)
-                cache.slot, cache.data = slot, slot.view(spec)
-                cache.data.copy_(src)
+                cache = self._new_dirty_host(rec)
+                self._need_data(cache).copy_(src)
                 cache.drop_when_clean = True
                 return self._store(rec, "host")
             transition(rec, rec.home, Op.PLACE)
@@ -248,23 +245,23 @@ class TierManager(ResidencyCore):
         """fetch(discard=True): a dirty host cache of an NVMe shard, its old bytes unread."""
         self._wait_settled(rec, "nvme")  # an earlier write of the key lands first
         self._room("host", rec, demand=True)
-        cache = rec.copies["host"]
-        if cache.state is not State.ABSENT:  # loaded by another thread while we waited
-            return
-        slot = self._take(rec.spec.nbytes)
-        transition(rec, "host", Op.WRITE)  # absent -> dirty: newer than the home copy
-        cache.slot, cache.data = slot, slot.view(rec.spec)
-        cache.touch()
+        if rec.copies["host"].state is State.ABSENT:  # else loaded while we waited
+            self._new_dirty_host(rec)
 
     def _write_through(self, rec: ShardRecord, src: torch.Tensor) -> TierTransfer:
         """write_from(keep_host=True): new data as a dirty host cache, stored at once."""
+        self._need_data(self._new_dirty_host(rec)).copy_(src.reshape(-1))
+        return self._store(rec, "host")  # dirty -> storing -> clean; stays cached
+
+    def _new_dirty_host(self, rec: ShardRecord) -> Copy:
+        """An absent host cache made from a free pool buffer (room already made), dirty:
+        newer than the home copy. Its contents are the caller's to write."""
         cache = rec.copies["host"]
         slot = self._take(rec.spec.nbytes)
-        transition(rec, "host", Op.WRITE)  # absent -> dirty: newer than the home copy
+        transition(rec, "host", Op.WRITE)
         cache.slot, cache.data = slot, slot.view(rec.spec)
-        cache.data.copy_(src.reshape(-1))
         cache.touch()
-        return self._store(rec, "host")  # dirty -> storing -> clean; stays cached
+        return cache
 
     def _check_out(self, rec: ShardRecord, buf: torch.Tensor, what: str) -> None:
         spec = rec.spec

@@ -115,10 +115,6 @@ def _default_homes() -> dict[TensorClass, OffloadDevice]:
     return dict.fromkeys(TENSOR_CLASSES, "auto")
 
 
-def _no_allowance() -> dict[TensorClass, int]:
-    return {}
-
-
 @dataclass(frozen=True)
 class TierSettings:
     """Everything the tier manager needs from the config, validated once."""
@@ -141,7 +137,7 @@ class TierSettings:
     # (DeepSpeed's offload_param.max_in_cpu): shards taken in the order given to
     # plan_placement while they fit, counted against the host budget. [Note: host
     # allowance] in offload/placement.py.
-    host_allowance: Mapping[TensorClass, int] = field(default_factory=_no_allowance)
+    host_allowance: Mapping[TensorClass, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         allowance = dict(self.host_allowance)
