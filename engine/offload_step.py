@@ -142,6 +142,28 @@ class OffloadedAdam(torch.optim.Optimizer):
             return self._in_place.abort()
         return 0 if self._stream is None else self._stream.abort()
 
+    @property
+    def step_order(self) -> list[str]:
+        """Group keys in the order the streamed step updates them (the construction
+        order for state updated in place, which has no order)."""
+        if self._stream is None:
+            return list(self._keys)
+        return [self._keys[i] for i in self._stream.order]
+
+    def set_step_order(self, keys: Sequence[str]) -> bool:
+        """Update the groups in this order from the next step on (the streamed step; state
+        updated in place has no order). Groups left out keep their relative order after
+        the named ones. Returns whether the order changed."""
+        if self._stream is None:
+            return False
+        unknown = [k for k in keys if k not in self._index]
+        if unknown:
+            raise ValueError(f"OffloadedAdam.set_step_order: unknown groups {unknown[:3]}")
+        named = [self._index[k] for k in dict.fromkeys(keys)]
+        seen = set(named)
+        rest = [i for i in self._stream.order if i not in seen]
+        return self._stream.set_order(named + rest)
+
     def settle(self) -> None:
         """Wait until no optimizer thread is updating a shard (the in-place step's worker
         has run everything handed to it); a no-op for the stream, which updates shards on

@@ -119,6 +119,12 @@ class Scheduler:
         # [Note: in-place early step]). None: nobody listens.
         self.on_final: Callable[[Unit, list[FlatGroup]], None] | None = None
         self.late = LateGrads()  # [Note: late gradients]
+        # Trainable group keys in the order their gradients turned final in the last
+        # complete backward (each at its last reduction: a late-gradient group where it
+        # was reduced again); the engine's optimizer stream follows it ([Note: step order
+        # learned from backward] in engine/engine.py).
+        self.final_order: list[str] = []
+        self._finals: dict[str, None] = {}
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         # seconds the training thread spent gathering units (forward and backward, NVMe
         # reads, copies and collectives included): the "wait" of `tierzero train`
@@ -243,6 +249,7 @@ class Scheduler:
     # -- backward --------------------------------------------------------------
     def begin_backward(self) -> None:
         self._in_backward = True
+        self._finals = {}
 
     def pre_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit)
@@ -293,6 +300,7 @@ class Scheduler:
                     for g in groups:
                         self._issue(g)
             self.wait_reductions()
+            self.final_order = list(self._finals)
             for unit in self.units:
                 self.release(unit)
                 unit.fired.clear()
@@ -337,6 +345,8 @@ class Scheduler:
         """Start reducing `g`'s gradients into its shard, within the in-flight bound."""
         if not g.trainable:
             return
+        self._finals.pop(g.key, None)  # a group reduced again is final where it is last
+        self._finals[g.key] = None
         need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
         while self._inflight and (
                 sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):

@@ -72,17 +72,19 @@ class AdamStream:
 
     keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param16" of shard i
     (param16 optional: without it only the fp32 state is updated).
-    order: the shard order of every step. The engine uses backward's (gradients final
-        first, the root last), so the last shards are the next forward's first gathers.
+    order: the shard order of every step; ``set_order`` changes it between steps. The
+        engine starts from backward's unit order (blocks last to first, the root last),
+        then follows the order gradients turned final in its backward.
     buffer_bytes: the host ring the shards' master + moments (+ param16) are carved
         from (at least the largest shard's): the host memory of the step, and how far
         reads run ahead and writes behind. A shard's region is taken when its read is
         issued and returned when its write has landed, in order (offload/host_ring.py).
-    keep_host_buffers: pool buffers the new param16 of the last shards in ``order`` may
-        take as host caches (TierManager.write_from keep_host; None: all but one). The
-        last shards updated are the next forward's first gathers when the order follows
-        backward: they then find their param16 in host memory instead of waiting for its
-        write to land and reading it back (see [Note: param16 kept in host memory]).
+    keep_host_buffers: pool buffers the new param16 of the last shards in the
+        construction ``order`` may take as host caches (TierManager.write_from keep_host;
+        None: all but one). That order's reverse is forward's gather order (the root,
+        then the blocks): those shards find their param16 in host memory instead of
+        waiting for its write to land and reading it back (see [Note: param16 kept in
+        host memory]). Chosen once; ``set_order`` does not change it.
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
@@ -141,6 +143,27 @@ class AdamStream:
             raise OffloadError("AdamStream.begin() while a step is open; finish() or abort() "
                                "it first")
         self._open = OpenStep(hyper, step, grad_scale, time.perf_counter())
+
+    @property
+    def order(self) -> list[int]:
+        return list(self._order)
+
+    def set_order(self, order: Sequence[int]) -> bool:
+        """Update the shards in ``order`` from the next step on; returns whether it changed.
+        Not while a step is open. A change waits for the writes in flight and drops the
+        read-ahead (taken for the old order's first shards), once."""
+        order = list(order)
+        if sorted(order) != list(range(len(self._numels))):
+            raise ValueError(f"AdamStream order must list every shard 0..{len(self._numels) - 1}"
+                             f" once; got {order[:10]}")
+        if order == self._order:
+            return False
+        if self._open is not None:
+            raise OffloadError("AdamStream.set_order() while a step is open; finish() or "
+                               "abort() it first")
+        self.flush()
+        self._order = order
+        return True
 
     @property
     def is_open(self) -> bool:

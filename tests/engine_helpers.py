@@ -199,14 +199,17 @@ def rank_scenario(rank: int, *, precision: str, gas: int, clip: float, steps: in
 
 
 def assert_match(got_losses: list[float], got: dict[str, torch.Tensor],
-                 ref_losses: list[float], ref: dict[str, torch.Tensor]) -> None:
+                 ref_losses: list[float], ref: dict[str, torch.Tensor], *,
+                 initial: nn.Module | None = None) -> None:
+    """Losses and params within the parity tolerances; `initial`: the untrained model
+    (default make_model()), to check that training moved the parameters."""
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses),
                                rtol=LOSS_RTOL, atol=0.0)
     assert got.keys() == ref.keys()
     for k, want in ref.items():
         torch.testing.assert_close(got[k], want, rtol=0.0, atol=PARAM_ATOL, msg=k)
     # the run must have moved the parameters, or the comparison proves nothing
-    start = dict(make_model().named_parameters())
+    start = dict((initial if initial is not None else make_model()).named_parameters())
     moved = max(float((ref[k] - start[k].detach()).abs().max()) for k in ref)
     assert moved > 100 * PARAM_ATOL
 

@@ -255,3 +255,49 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path: Path) -> None:
             rig.mgr.write_from(rig.keys[0]["master"], torch.zeros(3))
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("ring", [0, 150_000, 1 << 20])
+def test_new_order_between_steps_keeps_the_state_exact(tmp_path: Path, ring: int) -> None:
+    """set_order after a step, with writes in flight and the read-ahead taken for the old
+    order (slow writes keep them queued): the stream drains once, every later step follows
+    the new order, and the state stays bitwise the plain pipelined step's."""
+    rig = Rig(tmp_path, DelayIO(write_delay=0.002))
+    stream = rig.stream(ring)
+    try:
+        rig.new_grads()
+        pipelined_step(rig.ref, hyper=HYPER, step=1)
+        stream.step(HYPER, 1)
+        assert stream.writes_in_flight > 0
+        kept = stream.kept
+        new = list(reversed(ORDER))
+        assert stream.set_order(new) and stream.order == new
+        assert stream.writes_in_flight == 0  # drained by the change
+        assert not stream.set_order(new)  # the same order again: nothing to do
+        for step in (2, 3):
+            rig.new_grads()
+            pipelined_step(rig.ref, hyper=HYPER, step=step)
+            stream.step(HYPER, step)
+        assert stream.kept == kept  # chosen once, from the construction order
+        stream.flush()
+        rig.assert_equal()
+    finally:
+        stream.close()
+        rig.close()
+
+
+def test_order_change_is_refused_while_open_or_malformed(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    stream = rig.stream(150_000)
+    try:
+        with pytest.raises(ValueError, match="order must list every shard"):
+            stream.set_order([0, 1, 2])
+        rig.new_grads()
+        stream.begin(HYPER, 1)
+        with pytest.raises(OffloadError, match=r"set_order\(\) while a step is open"):
+            stream.set_order(list(reversed(ORDER)))
+        stream.finish()
+        assert stream.order == ORDER
+    finally:
+        stream.close()
+        rig.close()
