@@ -183,7 +183,7 @@ class AdamStream:
         self._open = None
         try:
             self._issued -= len(self._order)
-            self._top_up(0)  # the next step's first shards, chained behind the writes
+            self._top_up(0, now=False)  # the next step's first shards, behind the writes
         except BaseException:
             self._unwind()
             raise
@@ -297,12 +297,15 @@ class AdamStream:
         low = 0 if self._shadow is None else page_up(numel * 2)
         return 3 * page_up(numel * 4) + low if numel else 0
 
-    def _top_up(self, pos: int) -> None:
-        """Issue reads for the positions after ``pos`` (at most one step ahead, wrapping
+    def _top_up(self, pos: int, *, now: bool = True) -> None:
+        """Issue reads for the positions from ``pos`` on (at most one step ahead, wrapping
         into the next step) while the ring has room, taking room from the oldest writes
-        (the read is then chained behind them)."""
+        (the read is then chained behind them). Every read but that of ``pos`` when the
+        step is ``now`` at it is read-ahead: a background read, which the swap store
+        moves behind parameter fetches (SwapStore.read)."""
         n_order = len(self._order)
         while self._issued < pos + n_order:
+            background = not now or self._issued > pos
             index = self._order[self._issued % n_order]
             numel = self._numels[index]
             start = self._ring.take(self.footprint(numel)) if numel else -1
@@ -317,7 +320,7 @@ class AdamStream:
                 return
             after, self._carry = self._carry, []
             bufs = self._carve(start, numel)
-            job = self._reader.submit(self._issue_read, index, bufs, after)
+            job = self._reader.submit(self._issue_read, index, bufs, after, background)
             self._ahead.append(StreamRead(index, bufs, after, job))
             self._issued += 1
 
@@ -331,15 +334,16 @@ class AdamStream:
                else self._ring.view(start + 3 * size, numel, self._shadow))
         return StreamSet(start, fp32[0], fp32[1], fp32[2], p16)
 
-    def _issue_read(self, index: int, bufs: StreamSet, after: list[TierTransfer]
-                    ) -> list[tuple[str, int, TierTransfer]]:
+    def _issue_read(self, index: int, bufs: StreamSet, after: list[TierTransfer],
+                    background: bool) -> list[tuple[str, int, TierTransfer]]:
         wait_all(after)  # the set's previous contents are written: it may be refilled
         n = self._numels[index]
         out: list[tuple[str, int, TierTransfer]] = []
         for c in STATE if n else ():
             key = self._keys[index][c]
             version = self._mgr.version(key)  # before the read: a later change is caught
-            out.append((key, version, self._mgr.read_into(key, bufs.part(c, n))))
+            out.append((key, version,
+                        self._mgr.read_into(key, bufs.part(c, n), background=background)))
         return out
 
     @property

@@ -169,19 +169,22 @@ class TierManager(ResidencyCore):
         with self._lock:
             return self._rec(key).version
 
-    def read_into(self, key: str, out: torch.Tensor) -> TierTransfer:
+    def read_into(self, key: str, out: torch.Tensor, *, background: bool = False
+                  ) -> TierTransfer:
         """Copy the shard's newest data into the caller's host buffer ``out``; no cache is
         made. A shard homed on NVMe with no host cache is read straight from the swap file
         into ``out`` (page-aligned: O_DIRECT, no pool buffer, no extra copy; the swap store
         orders it after earlier writes of the key); otherwise ``out`` is copied from the
-        fastest present copy at once. Keep ``out`` alive until ``wait()``."""
+        fastest present copy at once. Keep ``out`` alive until ``wait()``.
+        background=True: read-ahead, wanted later; its NVMe read goes behind every other
+        read (parameter fetches first; SwapStore.read)."""
         with self._lock:
             rec = self._rec(key)
             self._check_out(rec, out, "read_into")
             self._settle_all()
             if rec.home == "nvme" and rec.copies["host"].state is State.ABSENT:
                 self._wait_settled(rec, "nvme")  # a write of the key lands first
-                t = self._mover.read(key, out.reshape(-1))
+                t = self._mover.read(key, out.reshape(-1), background=background)
                 self._acct.moved_bytes(t.direction, t.nbytes)
                 return t
         tier: Tier = "device" if rec.home == "device" else "host"

@@ -61,7 +61,8 @@ class SwapBackend(Protocol):
 
     def write(self, key: str, tensor: torch.Tensor) -> SwapFuture: ...
 
-    def read(self, key: str, out: torch.Tensor) -> SwapFuture: ...
+    def read(self, key: str, out: torch.Tensor, *, background: bool = False
+             ) -> SwapFuture: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -195,10 +196,12 @@ class Mover:
         with torch.cuda.stream(self._streams["host_to_device"]):
             return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def read(self, key: str, out: torch.Tensor) -> TierTransfer:
-        """NVMe -> host: fill ``out`` from the swap store."""
+    def read(self, key: str, out: torch.Tensor, *, background: bool = False) -> TierTransfer:
+        """NVMe -> host: fill ``out`` from the swap store (background: behind every other
+        read, see SwapStore.read)."""
         nbytes = out.numel() * out.element_size()
-        return TierTransfer.of_swap(out, nbytes, "nvme_to_host", self._store().read(key, out=out))
+        return TierTransfer.of_swap(out, nbytes, "nvme_to_host",
+                                    self._store().read(key, out=out, background=background))
 
     def write(self, key: str, src: torch.Tensor) -> TierTransfer:
         """Host -> NVMe: write ``src`` to the swap store under ``key``."""

@@ -42,7 +42,9 @@ class DrySwap:
             self._bytes["write"] += nbytes
         return _completed("write", key, tensor)
 
-    def read(self, key: str, out: torch.Tensor | None = None) -> SwapFuture:
+    def read(self, key: str, out: torch.Tensor | None = None, *,
+             background: bool = False) -> SwapFuture:
+        del background  # nothing is queued here
         with self._lock:
             self._check_open(key)
             entry = self._index.get(key)

@@ -65,6 +65,7 @@ class Request:
     crcs: list[int] = field(default_factory=list)  # per-block CRC-32, block order
     error: BaseException | None = None
     started: float = 0.0  # perf_counter when it entered service
+    background: bool = False  # a read that yields to every other ([Note: swap I/O order])
 
     @property
     def nbytes(self) -> int:

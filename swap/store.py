@@ -105,11 +105,16 @@ class SwapStore:
         self._work_ready = threading.Condition(self._lock)
         self._index: dict[str, Entry] = {}
         self._chains: dict[str, KeyChain] = {}
-        self._runnable: deque[Request] = deque()  # dependencies done, waiting for service
-        # In service with blocks left to hand out, per direction, oldest first.
+        # Dependencies done, waiting for service: foreground requests, background reads.
+        self._runnable: deque[Request] = deque()
+        self._runnable_bg: deque[Request] = deque()
+        # In service with blocks left to hand out, per direction, oldest first; background
+        # reads in their own queue.
         self._issuing: dict[Op, deque[Request]] = {"read": deque(), "write": deque()}
+        self._issuing_bg: deque[Request] = deque()
         self._picks = 0
-        self._in_service = 0
+        self._in_service = 0  # foreground requests in service
+        self._in_service_bg = 0
         self._generation = 0
         self._traffic = {"read": Traffic(), "write": Traffic()}
         self._bounce_logged = False
@@ -163,8 +168,13 @@ class SwapStore:
         self._settle(done)
         return fut
 
-    def read(self, key: str, out: torch.Tensor | None = None) -> SwapFuture:
-        """Read `key` into `out` (or a new page-aligned tensor); the future yields it."""
+    def read(self, key: str, out: torch.Tensor | None = None, *,
+             background: bool = False) -> SwapFuture:
+        """Read `key` into `out` (or a new page-aligned tensor); the future yields it.
+
+        background=True: a read wanted later rather than now (read-ahead); it moves only
+        when no other read is waiting ([Note: swap I/O order]). Ordering against writes of
+        the key is the same as for any read."""
         check_key(key)
         done: list[Request] = []
         with self._lock:
@@ -179,6 +189,7 @@ class SwapStore:
             check_matches(key, out, latest)
             fut = SwapFuture("read", key, out)
             req = self._new_request("read", key, fut, byte_view(out), 0)
+            req.background = background
             chain = self._chains.setdefault(key, KeyChain())
             if chain.last_write is not None:
                 chain.last_write.dependents.append(req)
@@ -279,14 +290,28 @@ class SwapStore:
     def _submit_locked(self, req: Request, done: list[Request]) -> None:
         req.crcs = [0] * req.n_tasks
         if req.deps_left == 0:
-            self._runnable.append(req)
+            self._runnable_of(req).append(req)
             self._admit_locked(done)
 
+    def _runnable_of(self, req: Request) -> deque[Request]:
+        return self._runnable_bg if req.background else self._runnable
+
+    def _issuing_of(self, req: Request) -> deque[Request]:
+        return self._issuing_bg if req.background else self._issuing[req.op]
+
     def _admit_locked(self, done: list[Request]) -> None:
-        """Move runnable requests into service while there is room (queue_depth)."""
-        while self._runnable and self._in_service < self.queue_depth:
-            req = self._runnable.popleft()
-            self._in_service += 1
+        """Move runnable requests into service while there is room (queue_depth each for
+        foreground requests and for background reads: read-ahead in service never keeps a
+        request that is wanted now waiting for a slot)."""
+        while True:
+            if self._runnable and self._in_service < self.queue_depth:
+                req = self._runnable.popleft()
+                self._in_service += 1
+            elif self._runnable_bg and self._in_service_bg < self.queue_depth:
+                req = self._runnable_bg.popleft()
+                self._in_service_bg += 1
+            else:
+                return
             req.started = time.perf_counter()
             self._traffic[req.op].begin(req.started)
             try:
@@ -295,7 +320,7 @@ class SwapStore:
                 req.error = exc
                 self._finish_locked(req, done)
                 continue
-            self._issuing[req.op].append(req)
+            self._issuing_of(req).append(req)
             self._work_ready.notify(min(req.n_tasks, len(self._threads)))
 
     def _prepare_locked(self, req: Request) -> None:
@@ -331,7 +356,10 @@ class SwapStore:
                     self._space.free(old.offset, old.region_bytes)
             else:
                 self._space.free(entry.offset, entry.region_bytes)
-        self._in_service -= 1
+        if req.background:
+            self._in_service_bg -= 1
+        else:
+            self._in_service -= 1
         self._traffic[req.op].end(time.perf_counter(), req.nbytes, failed=req.error is not None)
         chain = self._chains.get(req.key)
         if chain is not None:
@@ -344,7 +372,7 @@ class SwapStore:
         for dep in req.dependents:
             dep.deps_left -= 1
             if dep.deps_left == 0:
-                self._runnable.append(dep)
+                self._runnable_of(dep).append(dep)
         done.append(req)
         self._admit_locked(done)
 
@@ -364,11 +392,15 @@ class SwapStore:
 
         Reads come first (they are on the critical path: prefetch, optimizer state
         in), but every WRITE_SHARE-th pick goes to a waiting write so writes never
-        starve. Within a direction the oldest request's blocks go out first, in
-        file order, so the drive sees sequential streams, and requests finish in
-        the order they were submitted (the order the engine needs them).
+        starve. Background reads (read-ahead wanted later: the CPU Adam's state for
+        the coming backward) stand behind every other read: a parameter gather issued
+        after them does not wait for them; against writes they count as reads.
+        Within a queue the oldest request's blocks go out first, in file order, so
+        the drive sees sequential streams, and requests finish in the order they
+        were submitted (the order the engine needs them).
         """
-        reads, writes = self._issuing["read"], self._issuing["write"]
+        writes = self._issuing["write"]
+        reads = self._issuing["read"] or self._issuing_bg
         if not reads and not writes:
             return None
         self._picks += 1
@@ -399,8 +431,8 @@ class SwapStore:
                 req.completed += 1
                 if error is not None and req.error is None:
                     req.error = error
-                    if req in self._issuing[req.op]:
-                        self._issuing[req.op].remove(req)
+                    if req in self._issuing_of(req):
+                        self._issuing_of(req).remove(req)
                 last = req.all_issued() and req.completed == min(req.next_block, req.n_tasks)
                 if last and not req.finishing:
                     req.finishing = True

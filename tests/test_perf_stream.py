@@ -301,3 +301,32 @@ def test_order_change_is_refused_while_open_or_malformed(tmp_path: Path) -> None
     finally:
         stream.close()
         rig.close()
+
+
+def test_read_ahead_is_a_background_read(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state a step needs at once is a plain read; every read taken ahead (later
+    shards of the step, the next step's first ones) is a background read, which the swap
+    store moves behind parameter fetches ([Note: swap I/O order])."""
+    rig = Rig(tmp_path)
+    calls: list[tuple[str, bool]] = []
+    real = rig.mgr.read_into
+
+    def spy(key: str, out: torch.Tensor, *, background: bool = False) -> object:
+        calls.append((key, background))
+        return real(key, out, background=background)
+
+    monkeypatch.setattr(rig.mgr, "read_into", spy)
+    stream = rig.stream(150_000)
+    try:
+        rig.new_grads()
+        stream.step(HYPER, 1)
+        stream.wait_idle()
+        first = rig.keys[ORDER[0]]["master"]
+        flags = [bg for key, bg in calls if key == first]
+        assert flags == [False, True]  # step 1 needed it now; step 2's copy is read-ahead
+        assert sum(not bg for _, bg in calls) == 3  # master and moments of the first shard
+        assert any(bg for key, bg in calls if key != first)
+    finally:
+        stream.close()
+        rig.close()

@@ -99,6 +99,40 @@ def test_same_direction_requests_finish_in_submission_order(tmp_path: Path) -> N
     assert finished == ["k0", "k1", "k2", "k3"]
 
 
+def test_background_reads_yield_to_later_reads(tmp_path: Path) -> None:
+    # Read-ahead (background) queued first, filling every service slot; a read wanted now,
+    # submitted after it, still finishes first: it does not wait for a slot or a block.
+    finished: list[str] = []
+    with SwapStore(tmp_path, fileio=SlowIO(read_delay=0.002), block_size=1 << 16,
+                   threads=2, queue_depth=2) as s:
+        data = aligned_empty(16 << 16, torch.uint8).zero_()
+        for key in ("bg0", "bg1", "bg2", "now"):
+            s.write(key, data).wait()
+        futs = [s.read(f"bg{i}", out=aligned_empty(16 << 16, torch.uint8), background=True)
+                for i in range(3)]
+        futs.append(s.read("now", out=aligned_empty(16 << 16, torch.uint8)))
+        for f in futs:
+            f.add_done_callback(lambda f: finished.append(f.key))  # type: ignore[attr-defined]
+        for f in futs:
+            assert torch.equal(f.wait(), data)
+    assert finished[0] == "now", finished
+    assert finished[1:] == ["bg0", "bg1", "bg2"]  # in submission order among themselves
+
+
+def test_background_read_sees_the_write_before_it(tmp_path: Path) -> None:
+    # Same ordering against writes of the key as any read: the write issued before it
+    # lands first, the one issued after it waits for it.
+    with SwapStore(tmp_path, fileio=SlowIO(write_delay=0.002), block_size=1 << 16,
+                   threads=2) as s:
+        s.write("k", torch.zeros(1 << 16))
+        first = s.write("k", torch.ones(1 << 16))
+        got = s.read("k", background=True)
+        s.write("k", torch.full((1 << 16,), 2.0))
+        assert torch.equal(got.wait(), torch.ones(1 << 16))
+        assert first.done()
+        assert torch.equal(s.read("k").wait(), torch.full((1 << 16,), 2.0))
+
+
 def test_writes_are_not_starved_by_reads(tmp_path: Path) -> None:
     # Reads have priority, but a write still gets every 4th block slot.
     with SwapStore(tmp_path, fileio=SlowIO(read_delay=0.003, write_delay=0.003),
