@@ -152,10 +152,14 @@ class ZeroEngine:
     # last-to-first with the root last and, after a step, takes the order the scheduler saw
     # (Scheduler.final_order): at once the first time, later only when two steps in a row
     # agree on a new order, so a model whose order alternates does not re-order every step.
-    # A change drains the stream once (AdamStream.set_order). Measured on step_bench's hf
-    # (head and embedding 117 MB of state each, blocks 40 MB, opt_nvme, 2-core VM, scratch
-    # trace, two rounds each): 0.63 / 0.60 s per step with the root last, 0.56 / 0.52 s with
-    # the head first; the disk's idle time at the start of backward went from 87 to 46 ms.
+    # A change drains the stream once (AdamStream.set_order). Measured with
+    # benchmarks/step_bench.py on hf (Llama-shaped, 40M; its root's head and embedding pieces
+    # hold 117 MB of optimizer state each, a block 40 MB), the old and the new commit run
+    # back to back on the 2-core VM, medians of 3 (benchmarks/RESULTS.md): opt_nvme 0.597 ->
+    # 0.540 s, all_nvme 0.661 -> 0.589 s, all_nvme_cache 0.581 -> 0.556 s per step. Before,
+    # the disk sat idle ~85 ms at the start of backward (the ring full of read-ahead, the
+    # head's gradient final but its state queued last) and the head's state was read at the
+    # end of backward, behind the embedding's. On mlp (one root group) nothing changes.
     def _follow_backward_order(self) -> None:
         if not isinstance(self.optimizer, OffloadedAdam):
             return
