@@ -25,7 +25,13 @@ from engine.checkpoint_async import BackgroundSaver, PendingSave
 from engine.checkpoint_layout import CheckpointError
 from engine.collectives import Comm
 from engine.config import Config
-from engine.flat_shard import FlatGroup, build_group, release_group, shard_numel
+from engine.flat_shard import (
+    FlatGroup,
+    build_group,
+    release_group,
+    shard_numel,
+    zero_fresh_grads,
+)
 from engine.hooks import HookSet
 from engine.lr_schedules import build_scheduler
 from engine.offload_bridge import TieredShardStore, offload_wanted
@@ -298,6 +304,7 @@ class ZeroEngine:
             self.skipped_steps += 1
             self.zero_grad()
             return
+        self.zero_fresh_grads()  # a step with no backward since zero_grad(): zero gradients
         unscale = 1.0
         if self.loss_scaler is not None:
             overflow = False
@@ -354,13 +361,22 @@ class ZeroEngine:
             self.optimizer.settle()
 
     def zero_grad(self) -> None:
+        """Gradients to zero: the fp32 shards are marked, not written ([Note: gradients
+        zeroed by the first reduction] in engine/flat_shard.py)."""
         self._settle_optimizer()
-        for k in self._train_keys:
-            with self.store.use(k, "grad", writable=True) as g:
-                g.zero_()
+        for g in self._train_groups():
+            g.grad_fresh = True
         for u in self.units:
             for p in u.trainable:
                 p.grad = None
+
+    def _train_groups(self) -> list[FlatGroup]:
+        return [g for u in self.units for g in u.groups if g.trainable]
+
+    def zero_fresh_grads(self) -> None:
+        """Write the zeros of gradient shards marked by zero_grad() and not reduced into
+        since (for whoever reads them without a backward first)."""
+        zero_fresh_grads(self._train_groups(), self.store)
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

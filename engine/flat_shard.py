@@ -17,6 +17,7 @@ memory (`FlatGroup.base` says which tensor the views point into).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,9 @@ class FlatGroup:
     world_size: int
     full: torch.Tensor = field(repr=False)  # 1D compute dtype, device; storage 0 when released
     base: torch.Tensor | None = field(default=None, repr=False)  # what params view; None: released
+    # The fp32 gradient shard is logically zero but not written ([Note: gradients zeroed by
+    # the first reduction]): the next reduction overwrites it instead of adding.
+    grad_fresh: bool = False
 
     @property
     def padded_numel(self) -> int:
@@ -158,6 +162,25 @@ def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[lo:hi].add_(part)
 
 
+# [Note: gradients zeroed by the first reduction]
+# zero_grad() does not write zeros over every fp32 gradient shard (on the 2-core VM a 40M-
+# element memset is 23 ms of the step's critical path, which plain PyTorch's set-to-None
+# does not pay). It marks each group `grad_fresh`; the group's next reduction writes its
+# gradient (converted) where it would have added it, and zeros only what no gradient
+# covers. Anything that reads a gradient shard without reducing first (a step with no
+# backward, a checkpoint saved mid-accumulation) zeros the fresh ones first
+# (`zero_fresh_grads`); a checkpoint load that writes gradients clears the marks.
+
+
+def zero_fresh_grads(groups: Iterable[FlatGroup], store: ShardStore) -> None:
+    """Write the zeros a fresh group's gradient shard stands for; clear the mark."""
+    for g in groups:
+        if g.grad_fresh:
+            with torch.no_grad(), store.use(g.key, "grad", writable=True) as grad_shard:
+                grad_shard.zero_()
+            g.grad_fresh = False
+
+
 def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
     """Reduce-scatter the parameters' `.grad` (mean over ranks) into the fp32 shard accumulator.
 
@@ -166,16 +189,29 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     with several this starts a collective and returns it in flight: the shard
     holds the result only after `wait()`. Every rank must reduce the same
     groups in the same order (see [Note: reduction order] in schedule.py).
+    A `grad_fresh` group's shard is overwritten instead ([Note: gradients zeroed
+    by the first reduction]).
     """
+    fresh, group.grad_fresh = group.grad_fresh, False
     with torch.no_grad():
         if comm.world_size == 1:
             with store.use(group.key, "grad", writable=True) as grad_shard:  # 1D fp32
-                for s in group.slots:
+                end = 0  # elements of the shard written so far, in slot order
+                for s in sorted(group.slots, key=lambda s: s.offset) if fresh else group.slots:
+                    dst = grad_shard[s.offset:s.offset + s.numel]
                     g = s.param.grad
-                    if g is not None:
-                        add_upcast(grad_shard[s.offset:s.offset + s.numel],
-                                   g.reshape(-1).to(grad_shard.device))
-                        s.param.grad = None
+                    if fresh:
+                        grad_shard[end:s.offset].zero_()  # a gap between slots
+                        end = max(end, s.offset + s.numel)
+                        if g is None:
+                            dst.zero_()
+                        else:
+                            dst.copy_(g.reshape(-1))  # exact upcast, as add_upcast to 0
+                    elif g is not None:
+                        add_upcast(dst, g.reshape(-1).to(grad_shard.device))
+                    s.param.grad = None
+                if fresh:
+                    grad_shard[end:].zero_()  # padding
             return None
         full = torch.zeros(group.padded_numel, dtype=torch.float32, device=group.full.device)
         for s in group.slots:
@@ -185,13 +221,18 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
                 s.param.grad = None
         mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
         if store.resident:
+            if fresh:  # the collective adds into the shard itself
+                store.tensor(group.key, "grad").zero_()
             return comm.reduce_scatter_mean_async(
                 mine, full, accumulate_into=store.tensor(group.key, "grad"))
         pending = comm.reduce_scatter_mean_async(mine, full)
 
         def accumulate(out: torch.Tensor) -> None:
             with torch.no_grad(), store.use(group.key, "grad", writable=True) as grad_shard:
-                grad_shard.add_(out.to(grad_shard.device))
+                if fresh:
+                    grad_shard.copy_(out)
+                else:
+                    grad_shard.add_(out.to(grad_shard.device))
 
         pending.then = accumulate
         return pending
