@@ -168,10 +168,9 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                 if not isinstance(eng.optimizer, OffloadedAdam):
                     restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
         loaded = {lay.key for lay in saved}
-        for unit in eng.units:  # gradient shards written above: no longer zero_grad()'s
-            for g in unit.groups:
-                if g.key in loaded:
-                    g.grad_fresh = False
+        for g in eng._train_groups:  # gradient shards written above: no longer zero_grad()'s
+            if g.key in loaded:
+                g.grad_fresh = False
         if isinstance(eng.optimizer, OffloadedAdam):
             restore_offloaded_step(eng.optimizer, {lay.key: rank_meta["optimizer"][lay.key]
                                                    for lay in saved if lay.trainable})

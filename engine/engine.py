@@ -107,7 +107,8 @@ class ZeroEngine:
                 for s in g.slots:
                     register_owner(s.param, self.scheduler, unit, s.qname, s.numel)
         self._hooks = HookSet(self.scheduler)
-        self._train_keys = [g.key for u in self.units for g in u.groups if g.trainable]
+        self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
+        self._train_keys = [g.key for g in self._train_groups]
         self.optimizer: torch.optim.Optimizer
         if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
             o = self.config.optimizer
@@ -169,8 +170,7 @@ class ZeroEngine:
     def _follow_backward_order(self) -> None:
         if not isinstance(self.optimizer, OffloadedAdam):
             return
-        train = set(self._train_keys)
-        seen = [k for k in self.scheduler.final_order if k in train]
+        seen = self.scheduler.final_order  # trainable groups only (Scheduler._issue)
         if not seen:
             return
         first = self._seen_order is None
@@ -364,19 +364,16 @@ class ZeroEngine:
         """Gradients to zero: the fp32 shards are marked, not written ([Note: gradients
         zeroed by the first reduction] in engine/flat_shard.py)."""
         self._settle_optimizer()
-        for g in self._train_groups():
+        for g in self._train_groups:
             g.grad_fresh = True
         for u in self.units:
             for p in u.trainable:
                 p.grad = None
 
-    def _train_groups(self) -> list[FlatGroup]:
-        return [g for u in self.units for g in u.groups if g.trainable]
-
     def zero_fresh_grads(self) -> None:
         """Write the zeros of gradient shards marked by zero_grad() and not reduced into
         since (for whoever reads them without a backward first)."""
-        zero_fresh_grads(self._train_groups(), self.store)
+        zero_fresh_grads(self._train_groups, self.store)
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

@@ -196,22 +196,19 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     with torch.no_grad():
         if comm.world_size == 1:
             with store.use(group.key, "grad", writable=True) as grad_shard:  # 1D fp32
-                end = 0  # elements of the shard written so far, in slot order
-                for s in sorted(group.slots, key=lambda s: s.offset) if fresh else group.slots:
+                for s in group.slots:  # back to back from offset 0 (build_group)
                     dst = grad_shard[s.offset:s.offset + s.numel]
                     g = s.param.grad
-                    if fresh:
-                        grad_shard[end:s.offset].zero_()  # a gap between slots
-                        end = max(end, s.offset + s.numel)
-                        if g is None:
+                    if g is None:
+                        if fresh:
                             dst.zero_()
-                        else:
-                            dst.copy_(g.reshape(-1))  # exact upcast, as add_upcast to 0
-                    elif g is not None:
+                    elif fresh:
+                        dst.copy_(g.reshape(-1))  # exact upcast, as add_upcast to 0
+                    else:
                         add_upcast(dst, g.reshape(-1).to(grad_shard.device))
                     s.param.grad = None
                 if fresh:
-                    grad_shard[end:].zero_()  # padding
+                    grad_shard[group.numel:].zero_()  # padding
             return None
         full = torch.zeros(group.padded_numel, dtype=torch.float32, device=group.full.device)
         for s in group.slots:

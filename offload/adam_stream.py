@@ -67,6 +67,14 @@ from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
 
+def _checked_order(order: Sequence[int], n: int) -> list[int]:
+    out = list(order)
+    if sorted(out) != list(range(n)):
+        raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
+                         f"{out[:10]}")
+    return out
+
+
 class AdamStream:
     """Adam over every shard of ``keys`` (class -> manager key per shard), streamed.
 
@@ -95,10 +103,7 @@ class AdamStream:
         n = len(numels)
         if len(keys) != n:
             raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
-        self._order = list(range(n)) if order is None else list(order)
-        if sorted(self._order) != list(range(n)):
-            raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
-                             f"{self._order[:10]}")
+        self._order = list(range(n)) if order is None else _checked_order(order, n)
         if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
             raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
         if shadow not in (None, torch.bfloat16, torch.float16):
@@ -152,10 +157,7 @@ class AdamStream:
         """Update the shards in ``order`` from the next step on; returns whether it changed.
         Not while a step is open. A change waits for the writes in flight and drops the
         read-ahead (taken for the old order's first shards), once."""
-        order = list(order)
-        if sorted(order) != list(range(len(self._numels))):
-            raise ValueError(f"AdamStream order must list every shard 0..{len(self._numels) - 1}"
-                             f" once; got {order[:10]}")
+        order = _checked_order(order, len(self._numels))
         if order == self._order:
             return False
         if self._open is not None:
