@@ -26,7 +26,7 @@ run: setup
 	$(BIN)/tierzero train
 
 lint: setup
-	$(BIN)/ruff check engine offload swap tests benchmarks
+	$(BIN)/ruff check tierzero engine offload swap tests benchmarks
 
 typecheck: setup
 	$(BIN)/mypy

@@ -54,7 +54,7 @@ from adam_bench_pattern import load as load_pattern
 from adam_bench_pattern import pattern_methods
 from machine import describe
 
-from offload import AdamHyper, AdamThreads, adam_update, kernel_status
+from tierzero.offload import AdamHyper, AdamThreads, adam_update, kernel_status
 
 BYTES = {"plain": 28, "tz_offloaded": 28, "baseline_offloaded": 40, "stream": 8}
 DEEPSPEED_HINT = ("pip install deepspeed (its DeepSpeedCPUAdam op is JIT-built with a C++ "

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from offload import (
+from tierzero.offload import (
     AdamHyper,
     AdamThreads,
     ShardBuffers,
@@ -29,7 +29,7 @@ from offload import (
     adam_update,
     pipelined_step,
 )
-from swap import SwapStore
+from tierzero.swap import SwapStore
 
 DISK_BYTES_PER_PARAM = 28
 

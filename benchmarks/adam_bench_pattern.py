@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from offload import AdamThreads
+from tierzero.offload import AdamThreads
 
 SOURCE = r"""
 #include <stdint.h>

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine
 from machine import describe
 
-import engine
-from engine.checkpoint_io import fsync_dir  # fsyncs any path opened read-only
+from tierzero import engine
+from tierzero.engine.checkpoint_io import fsync_dir  # fsyncs any path opened read-only
 
 CONFIG: dict[str, object] = {"precision": "fp32", "zero": {"stage": 3, "units": ["Linear"]},
                              "optimizer": {"type": "adamw", "lr": 1e-4}}

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_models import MLPModel
 from machine import describe
 
-import engine
+from tierzero import engine
 
 
 def plain_runner(model: nn.Module, dev: torch.device, bf16: bool,

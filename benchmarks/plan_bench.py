@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import describe
 
-from engine.plan import Machine, ModelShape, model_shape, plan_all
+from tierzero.engine.plan import Machine, ModelShape, model_shape, plan_all
 
 GB = 10**9
 MACHINE = Machine(device_bytes=80 * GB, host_bytes=512 * GB, nvme_bytes=4000 * GB, cuda=True,

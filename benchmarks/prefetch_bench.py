@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from machine import describe
 
-from offload import (
+from tierzero.offload import (
     Budgets,
     PoolSettings,
     PrefetchSettings,
@@ -47,7 +47,7 @@ from offload import (
     TierManager,
     TierSettings,
 )
-from swap import SwapStore
+from tierzero.swap import SwapStore
 
 MiB = 1 << 20
 

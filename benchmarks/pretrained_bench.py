@@ -38,7 +38,7 @@ CHILD = r"""
 import json, sys, time
 import torch
 sys.path.insert(0, sys.argv[4])
-import engine
+from tierzero import engine
 from safetensors.torch import load_file
 variant, ckpt, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 

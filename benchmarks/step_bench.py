@@ -68,8 +68,7 @@ import machine  # noqa: E402  (benchmarks/machine.py)
 from bench_models import MLPModel  # noqa: E402  (benchmarks/bench_models.py)
 from ds_pairs import deepspeed_configs, report_deepspeed  # noqa: E402  (benchmarks/ds_pairs.py)
 
-import engine  # noqa: E402
-import swap  # noqa: E402
+from tierzero import engine, swap  # noqa: E402
 
 CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme", "all_nvme_cache")
 OFFLOAD = {"none": ("none", "none"), "cpu": ("cpu", "cpu"), "opt_nvme": ("none", "nvme"),

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import describe
 
-from swap import SwapStore, aligned_empty
+from tierzero.swap import SwapStore, aligned_empty
 
 MiB = 1 << 20
 Run = Callable[[str], float]  # direction -> seconds

@@ -37,13 +37,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import describe
 
-import engine
-from engine.models import SIZES, TinyLM
-from engine.train.data import ByteBatches, load_bytes
-from engine.train.loop import _one_step
-from engine.train.metrics import DiskCounter, MetricsWriter, TierCounter, log_line
-from engine.train.timeline import UnitProbes
-from swap import trace
+from tierzero import engine
+from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.train.data import ByteBatches, load_bytes
+from tierzero.engine.train.loop import _one_step
+from tierzero.engine.train.metrics import DiskCounter, MetricsWriter, TierCounter, log_line
+from tierzero.engine.train.timeline import UnitProbes
+from tierzero.swap import trace
 
 
 def build(size: str, batch: int, seq: int, offload: str) -> dict[str, Callable[[], None]]:

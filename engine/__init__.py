@@ -4,19 +4,19 @@ Knows modules and ranks; asks `offload` for residency. Public names are
 re-exported here; everything else is private to the package.
 """
 
-from engine.config import Config, ConfigError, load_config
+from tierzero.engine.config import Config, ConfigError, load_config
 
-from engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
-from engine.engine import ZeroEngine  # isort: skip
-from engine.initialize import initialize  # isort: skip
-from engine.init_context import Init  # isort: skip
-from engine.checkpoint_files import PretrainedLoadError  # isort: skip
-from engine.pretrained import LoadReport, load_pretrained  # isort: skip
-from engine.checkpoint_layout import CheckpointError  # isort: skip
-from engine.checkpoint_async import PendingSave  # isort: skip
-from engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
-from engine.offload_step import OffloadedAdam  # isort: skip
-from engine.late_grads import LateGradientError  # isort: skip
+from tierzero.engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
+from tierzero.engine.engine import ZeroEngine  # isort: skip
+from tierzero.engine.initialize import initialize  # isort: skip
+from tierzero.engine.init_context import Init  # isort: skip
+from tierzero.engine.checkpoint_files import PretrainedLoadError  # isort: skip
+from tierzero.engine.pretrained import LoadReport, load_pretrained  # isort: skip
+from tierzero.engine.checkpoint_layout import CheckpointError  # isort: skip
+from tierzero.engine.checkpoint_async import PendingSave  # isort: skip
+from tierzero.engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
+from tierzero.engine.offload_step import OffloadedAdam  # isort: skip
+from tierzero.engine.late_grads import LateGradientError  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from engine.schedule import Scheduler, Unit
+    from tierzero.engine.schedule import Scheduler, Unit
 
 
 class ParameterNotGatheredError(RuntimeError):

@@ -54,14 +54,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_io import (
+from tierzero.engine.checkpoint_io import (
     SafetensorsWriter,
     TensorEntry,
     fsync_dir,
     replace_durable,
     write_bytes_durable,
 )
-from engine.checkpoint_layout import (
+from tierzero.engine.checkpoint_layout import (
     BUFFER_PREFIX,
     CLIENT_STATE,
     FORMAT,
@@ -76,14 +76,14 @@ from engine.checkpoint_layout import (
     shard_name,
     temp_dir_name,
 )
-from engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
-from engine.config.native import as_dict
-from engine.offload_bridge import TieredShardStore
-from engine.progress import progress_bar, progress_enabled
+from tierzero.engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
+from tierzero.engine.config.native import as_dict
+from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.progress import progress_bar, progress_enabled
 
 if TYPE_CHECKING:
-    from engine.checkpoint_async import BackgroundSaver, PendingSave
-    from engine.engine import ZeroEngine
+    from tierzero.engine.checkpoint_async import BackgroundSaver, PendingSave
+    from tierzero.engine.engine import ZeroEngine
 
 log = logging.getLogger(__name__)
 

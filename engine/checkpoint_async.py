@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from engine.checkpoint import _SaveJob
+    from tierzero.engine.checkpoint import _SaveJob
 
 log = logging.getLogger(__name__)
 

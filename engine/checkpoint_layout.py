@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint_io import ST_DTYPES, file_digest
+from tierzero.engine.checkpoint_io import ST_DTYPES, file_digest
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.checkpoint import gather_objects, group_layouts, raise_if_any_failed, shard_use
-from engine.checkpoint_layout import (
+from tierzero.engine.checkpoint import gather_objects, group_layouts, raise_if_any_failed, shard_use
+from tierzero.engine.checkpoint_layout import (
     BUFFER_PREFIX,
     CLIENT_STATE,
     RNG_PREFIX,
@@ -35,18 +35,18 @@ from engine.checkpoint_layout import (
     shard_name,
     verify_files,
 )
-from engine.checkpoint_state import (
+from tierzero.engine.checkpoint_state import (
     OPTIM_PREFIX,
     restore_engine_state,
     restore_offloaded_step,
     restore_optimizer_scalars,
     restore_rng,
 )
-from engine.offload_step import OffloadedAdam
-from engine.progress import progress_bar
+from tierzero.engine.offload_step import OffloadedAdam
+from tierzero.engine.progress import progress_bar
 
 if TYPE_CHECKING:
-    from engine.engine import ZeroEngine
+    from tierzero.engine.engine import ZeroEngine
 
 log = logging.getLogger(__name__)
 

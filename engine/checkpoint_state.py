@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.checkpoint_layout import RNG_PREFIX, CheckpointError
-from engine.offload_step import OffloadedAdam
+from tierzero.engine.checkpoint_layout import RNG_PREFIX, CheckpointError
+from tierzero.engine.offload_step import OffloadedAdam
 
 if TYPE_CHECKING:
-    from engine.engine import ZeroEngine
+    from tierzero.engine.engine import ZeroEngine
 
 OPTIM_PREFIX = "optim."
 _SCALER_FIELDS = ("scale", "_hysteresis", "_good_steps", "overflows")

@@ -15,11 +15,11 @@ from typing import Any, NoReturn
 
 import yaml
 
-from engine.bench.command import add_bench
-from engine.config import ConfigError, load_config
-from engine.config.native import as_dict
-from engine.plan.command import add_plan
-from engine.train.command import add_train
+from tierzero.engine.bench.command import add_bench
+from tierzero.engine.config import ConfigError, load_config
+from tierzero.engine.config.native import as_dict
+from tierzero.engine.plan.command import add_plan
+from tierzero.engine.train.command import add_train
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
@@ -44,7 +44,7 @@ def run_config_check(args: argparse.Namespace) -> int:
     # This command prints the ignored DeepSpeed keys itself; the load-time
     # warning would report them a second time. Restored after: main() may run
     # in a longer-lived process (tests, notebooks).
-    load_log = logging.getLogger("engine.config.load")
+    load_log = logging.getLogger("tierzero.engine.config.load")
     previous = load_log.level
     load_log.setLevel(logging.ERROR)
     try:
@@ -118,9 +118,9 @@ def add_consolidate(sub: Subparsers) -> None:
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
-    from engine.checkpoint_layout import CheckpointError
-    from engine.config.values import parse_bytes
-    from engine.consolidation import OUT_DTYPES, consolidate_to_safetensors
+    from tierzero.engine.checkpoint_layout import CheckpointError
+    from tierzero.engine.config.values import parse_bytes
+    from tierzero.engine.consolidation import OUT_DTYPES, consolidate_to_safetensors
 
     try:
         max_shard = parse_bytes(args.max_shard_size, "--max-shard-size", int, {"unit": "bytes"})

@@ -25,8 +25,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.checkpoint_io import SafetensorsWriter, TensorEntry, fsync_dir, write_bytes_durable
-from engine.checkpoint_layout import (
+from tierzero.engine.checkpoint_io import (
+    SafetensorsWriter,
+    TensorEntry,
+    fsync_dir,
+    write_bytes_durable,
+)
+from tierzero.engine.checkpoint_layout import (
     BUFFER_PREFIX,
     HF_CONFIG,
     GroupLayout,

@@ -18,29 +18,29 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from engine import checkpoint, checkpoint_load
-from engine.access import AccessGuard, register_owner, unregister_owner
-from engine.activations import HostActivations, HostActivationStats
-from engine.checkpoint_async import BackgroundSaver, PendingSave
-from engine.checkpoint_layout import CheckpointError
-from engine.collectives import Comm
-from engine.config import Config
-from engine.flat_shard import (
+from tierzero.engine import checkpoint, checkpoint_load
+from tierzero.engine.access import AccessGuard, register_owner, unregister_owner
+from tierzero.engine.activations import HostActivations, HostActivationStats
+from tierzero.engine.checkpoint_async import BackgroundSaver, PendingSave
+from tierzero.engine.checkpoint_layout import CheckpointError
+from tierzero.engine.collectives import Comm
+from tierzero.engine.config import Config
+from tierzero.engine.flat_shard import (
     FlatGroup,
     build_group,
     release_group,
     shard_numel,
     zero_fresh_grads,
 )
-from engine.hooks import HookSet
-from engine.lr_schedules import build_scheduler
-from engine.offload_bridge import TieredShardStore, offload_wanted
-from engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
-from engine.optim import OptimizerFactory, build_optimizer, run_step
-from engine.precision import LossScaler, compute_dtype, has_overflow
-from engine.schedule import Scheduler, Unit
-from engine.shard_store import ShardStore
-from engine.units import UnitSpec, check_parameters_supported, discover_units
+from tierzero.engine.hooks import HookSet
+from tierzero.engine.lr_schedules import build_scheduler
+from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
+from tierzero.engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
+from tierzero.engine.optim import OptimizerFactory, build_optimizer, run_step
+from tierzero.engine.precision import LossScaler, compute_dtype, has_overflow
+from tierzero.engine.schedule import Scheduler, Unit
+from tierzero.engine.shard_store import ShardStore
+from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.collectives import Comm, PendingReduce
-from engine.init_context import forget, full_values
-from engine.shard_store import ShardStore
+from tierzero.engine.collectives import Comm, PendingReduce
+from tierzero.engine.init_context import forget, full_values
+from tierzero.engine.shard_store import ShardStore
 
 # Shards are whole multiples of 128 elements so vectorised Adam kernels and
 # aligned I/O never see a ragged tail.

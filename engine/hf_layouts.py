@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from engine.checkpoint_files import TensorEntry
+from tierzero.engine.checkpoint_files import TensorEntry
 
 _FUSED = re.compile(r"^(?P<base>.*\.)mlp\.experts\.(?P<which>gate_up_proj|down_proj)$")
 _GATE = re.compile(r"^(?P<base>.*\.)mlp\.gate\.weight$")

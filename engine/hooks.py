@@ -13,10 +13,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from swap import trace
+from tierzero.swap import trace
 
 if TYPE_CHECKING:
-    from engine.schedule import Scheduler, Unit
+    from tierzero.engine.schedule import Scheduler, Unit
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

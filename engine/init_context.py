@@ -50,12 +50,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from engine.collectives import Comm
-from engine.config import Config, load_config
-from engine.config.load import ConfigSource
-from engine.init_staging import SliceStaging
-from engine.offload_bridge import swap_dir
-from engine.progress import progress_bar
+from tierzero.engine.collectives import Comm
+from tierzero.engine.config import Config, load_config
+from tierzero.engine.config.load import ConfigSource
+from tierzero.engine.init_staging import SliceStaging
+from tierzero.engine.offload_bridge import swap_dir
+from tierzero.engine.progress import progress_bar
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-import swap
-from engine.config import Config
+from tierzero import swap
+from tierzero.engine.config import Config
 
 log = logging.getLogger(__name__)
 

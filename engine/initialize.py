@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.collectives import Comm
-from engine.config import Config, load_config
-from engine.config.load import ConfigSource
-from engine.engine import ZeroEngine
-from engine.optim import factory_from_user, torch_adam_factory
+from tierzero.engine.collectives import Comm
+from tierzero.engine.config import Config, load_config
+from tierzero.engine.config.load import ConfigSource
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.optim import factory_from_user, torch_adam_factory
 
 log = logging.getLogger(__name__)
 

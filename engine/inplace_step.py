@@ -43,9 +43,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.offload_bridge import TieredShardStore
-from offload import AdamHyper, AdamThreads, PipelineStats, adam_update
-from swap import trace
+from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
+from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
 

@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.flat_shard import FlatGroup
+from tierzero.engine.flat_shard import FlatGroup
 
 if TYPE_CHECKING:
-    from engine.schedule import Unit
+    from tierzero.engine.schedule import Unit
 
 log = logging.getLogger(__name__)
 

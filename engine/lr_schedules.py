@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from engine.config import SchedulerConfig
+from tierzero.engine.config import SchedulerConfig
 
 
 def lr_at(cfg: SchedulerConfig, peak: float) -> Callable[[int], float]:

@@ -30,12 +30,19 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-import swap
-from engine.config import Config
-from engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
-from offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierManager, TierSettings
-from offload.host_ring import page_up
-from offload.settings import OffloadDevice, TensorClass, Tier
+from tierzero import swap
+from tierzero.engine.config import Config
+from tierzero.engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
+from tierzero.offload import (
+    Budgets,
+    PoolSettings,
+    PrefetchSettings,
+    ShardSpec,
+    TierManager,
+    TierSettings,
+)
+from tierzero.offload.host_ring import page_up
+from tierzero.offload.settings import OffloadDevice, TensorClass, Tier
 
 log = logging.getLogger(__name__)
 

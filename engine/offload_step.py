@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from engine.config import Config
-from engine.flat_shard import FlatGroup
-from engine.inplace_step import InPlaceStep
-from engine.offload_bridge import TieredShardStore
-from engine.schedule import Scheduler, Unit
-from engine.shard_store import ShardKind
-from offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
+from tierzero.engine.config import Config
+from tierzero.engine.flat_shard import FlatGroup
+from tierzero.engine.inplace_step import InPlaceStep
+from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.schedule import Scheduler, Unit
+from tierzero.engine.shard_store import ShardKind
+from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.shard_store import ShardStore
+from tierzero.engine.shard_store import ShardStore
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine.config import LossScaleConfig
+from tierzero.engine.config import LossScaleConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.access import owner_of
-from engine.checkpoint_files import (
+from tierzero.engine.access import owner_of
+from tierzero.engine.checkpoint_files import (
     PretrainedLoadError,
     SliceReader,
     TensorEntry,
@@ -33,11 +33,11 @@ from engine.checkpoint_files import (
     iter_ranges,
     list_tensors,
 )
-from engine.engine import ZeroEngine
-from engine.flat_shard import FlatGroup, ParamSlot
-from engine.hf_layouts import map_legacy_moe
-from engine.init_context import local_slice
-from engine.shard_store import ShardStore
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.flat_shard import FlatGroup, ParamSlot
+from tierzero.engine.hf_layouts import map_legacy_moe
+from tierzero.engine.init_context import local_slice
+from tierzero.engine.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.collectives import Comm, PendingReduce
-from engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
-from engine.hooks import register_pre_backward
-from engine.late_grads import LateGrads
-from engine.shard_store import ShardKind, ShardStore
-from swap import trace
+from tierzero.engine.collectives import Comm, PendingReduce
+from tierzero.engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
+from tierzero.engine.hooks import register_pre_backward
+from tierzero.engine.late_grads import LateGrads
+from tierzero.engine.shard_store import ShardKind, ShardStore
+from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from swap import trace
+from tierzero.swap import trace
 
 from .adam_kernel import Backend, adam_update
 from .adam_math import AdamHyper

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swap import trace
+from tierzero.swap import trace
 
 from . import numa
 from .budget import resolve_budgets

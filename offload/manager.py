@@ -42,7 +42,7 @@ from types import TracebackType
 
 import torch
 
-from swap import trace
+from tierzero.swap import trace
 
 from .core import ResidencyCore
 from .errors import OffloadError

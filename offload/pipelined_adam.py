@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swap import trace
+from tierzero.swap import trace
 
 from .adam_kernel import Backend, adam_update
 from .adam_math import AdamHyper

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-import swap
+from tierzero import swap
 
 from . import numa
 from .budget import memlock_limit

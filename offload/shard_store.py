@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-import swap
+from tierzero import swap
 
 logger = logging.getLogger(__name__)
 

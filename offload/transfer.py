@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from swap import trace
+from tierzero.swap import trace
 
 from .errors import TransferError
 

@@ -2,7 +2,7 @@
 
 Knows files, offsets, bytes and futures; nothing of tensors' meaning.
 
-    from swap import SwapStore, aligned_empty
+    from tierzero.swap import SwapStore, aligned_empty
     with SwapStore("/local_nvme", block_size=1 << 20, threads=4, verify=True) as store:
         buf = aligned_empty(n, torch.float32)      # page-aligned: O_DIRECT, no copy
         store.write("unit3/exp_avg", buf).wait()   # SwapFuture; buf is held until done
@@ -17,14 +17,14 @@ layout] in swap/header.py and the scratch-file rules in swap/scratch.py.
 seam every package records through ([Note: trace event kinds] in swap/trace.py).
 """
 
-from swap import trace
-from swap.aligned import ALIGN, aligned_empty, is_aligned
-from swap.dry import DrySwap
-from swap.errors import SwapError
-from swap.fileio import FileIO
-from swap.future import SwapFuture
-from swap.stats import DirectionStats, SwapStats
-from swap.store import SwapStore
+from tierzero.swap import trace
+from tierzero.swap.aligned import ALIGN, aligned_empty, is_aligned
+from tierzero.swap.dry import DrySwap
+from tierzero.swap.errors import SwapError
+from tierzero.swap.fileio import FileIO
+from tierzero.swap.future import SwapFuture
+from tierzero.swap.stats import DirectionStats, SwapStats
+from tierzero.swap.store import SwapStore
 
 __all__ = [
     "ALIGN",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from swap.aligned import ALIGN
+from tierzero.swap.aligned import ALIGN
 
 __all__ = ["ExtentAllocator", "round_up"]
 

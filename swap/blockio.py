@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
-from swap.aligned import ALIGN, aligned_empty
-from swap.allocator import round_up
-from swap.errors import SwapError
-from swap.fileio import FileIO
-from swap.header import HEADER_BYTES, Header, combine_block_crcs, crc32, dtype_name
-from swap.request import Request
+from tierzero.swap.aligned import ALIGN, aligned_empty
+from tierzero.swap.allocator import round_up
+from tierzero.swap.errors import SwapError
+from tierzero.swap.fileio import FileIO
+from tierzero.swap.header import HEADER_BYTES, Header, combine_block_crcs, crc32, dtype_name
+from tierzero.swap.request import Request
 
 __all__ = ["BlockIO", "WorkerBuffers"]
 

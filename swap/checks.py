@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from swap.header import MAX_KEY_BYTES, MAX_NDIM
-from swap.request import Entry
+from tierzero.swap.header import MAX_KEY_BYTES, MAX_NDIM
+from tierzero.swap.request import Entry
 
 __all__ = ["check_int", "check_key", "check_matches", "check_tensor"]
 

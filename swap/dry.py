@@ -14,9 +14,9 @@ from types import TracebackType
 
 import torch
 
-from swap.errors import SwapError
-from swap.future import SwapFuture
-from swap.stats import DirectionStats, SwapStats
+from tierzero.swap.errors import SwapError
+from tierzero.swap.future import SwapFuture
+from tierzero.swap.stats import DirectionStats, SwapStats
 
 __all__ = ["DrySwap"]
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swap.aligned import ALIGN
+from tierzero.swap.aligned import ALIGN
 
 __all__ = [
     "HEADER_BYTES",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from swap.aligned import ALIGN, aligned_empty
-from swap.errors import SwapError
-from swap.fileio import FileIO
+from tierzero.swap.aligned import ALIGN, aligned_empty
+from tierzero.swap.errors import SwapError
+from tierzero.swap.fileio import FileIO
 
 __all__ = ["open_data_file"]
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swap.allocator import round_up
-from swap.future import Op, SwapFuture
-from swap.header import HEADER_BYTES
+from tierzero.swap.allocator import round_up
+from tierzero.swap.future import Op, SwapFuture
+from tierzero.swap.header import HEADER_BYTES
 
 __all__ = ["Entry", "KeyChain", "Request", "byte_view"]
 

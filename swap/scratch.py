@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from swap.errors import SwapError
+from tierzero.swap.errors import SwapError
 
 __all__ = ["SUBDIR", "ScratchFiles", "check_free_space", "clean_stale", "open_scratch"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from swap.allocator import ExtentAllocator
-from swap.errors import SwapError
-from swap.fileio import FileIO
+from tierzero.swap.allocator import ExtentAllocator
+from tierzero.swap.errors import SwapError
+from tierzero.swap.fileio import FileIO
 
 __all__ = ["FileSpace"]
 

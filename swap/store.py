@@ -24,19 +24,19 @@ from types import TracebackType
 
 import torch
 
-from swap import trace
-from swap.aligned import ALIGN, aligned_empty
-from swap.allocator import round_up
-from swap.blockio import BlockIO, WorkerBuffers
-from swap.checks import check_int, check_key, check_matches, check_tensor
-from swap.errors import SwapError
-from swap.fileio import FileIO
-from swap.future import Op, SwapFuture
-from swap.opening import open_data_file
-from swap.request import Entry, KeyChain, Request, byte_view, region_bytes
-from swap.scratch import check_free_space, open_scratch
-from swap.space import FileSpace
-from swap.stats import SwapStats, Traffic
+from tierzero.swap import trace
+from tierzero.swap.aligned import ALIGN, aligned_empty
+from tierzero.swap.allocator import round_up
+from tierzero.swap.blockio import BlockIO, WorkerBuffers
+from tierzero.swap.checks import check_int, check_key, check_matches, check_tensor
+from tierzero.swap.errors import SwapError
+from tierzero.swap.fileio import FileIO
+from tierzero.swap.future import Op, SwapFuture
+from tierzero.swap.opening import open_data_file
+from tierzero.swap.request import Entry, KeyChain, Request, byte_view, region_bytes
+from tierzero.swap.scratch import check_free_space, open_scratch
+from tierzero.swap.space import FileSpace
+from tierzero.swap.stats import SwapStats, Traffic
 
 __all__ = ["SwapStore"]
 

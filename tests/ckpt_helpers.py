@@ -13,9 +13,9 @@ import torch
 import torch.multiprocessing as mp
 from engine_helpers import full_params, make_batches, make_config, make_model
 
-import engine
-from engine.config import Config, SchedulerConfig
-from engine.config.schema import (
+from tierzero import engine
+from tierzero.engine.config import Config, SchedulerConfig
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,

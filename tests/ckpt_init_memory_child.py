@@ -14,9 +14,9 @@ import psutil
 import torch
 from engine_memory_child import MLP, PeakSampler
 
-import engine
-from engine.config import BatchConfig, Config, OptimizerConfig, PrecisionConfig, ZeroConfig
-from engine.config.schema import (
+from tierzero import engine
+from tierzero.engine.config import BatchConfig, Config, OptimizerConfig, PrecisionConfig, ZeroConfig
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.cli import main
-from engine.plan import Machine
+from tierzero.engine.cli import main
+from tierzero.engine.plan import Machine
 
 
 def write_config(tmp_path: Path, **train: Any) -> Path:

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import engine
-from engine.collectives import Comm
-from engine.config import (
+from tierzero import engine
+from tierzero.engine.collectives import Comm
+from tierzero.engine.config import (
     BatchConfig,
     Config,
     OptimizerConfig,

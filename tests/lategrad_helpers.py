@@ -18,8 +18,8 @@ from engine_helpers import DIM, RefResult, TinyLM, make_batches, make_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import engine
-from engine.config import (
+from tierzero import engine
+from tierzero.engine.config import (
     BudgetsConfig,
     Config,
     OffloadConfig,

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from swap import FileIO
+from tierzero.swap import FileIO
 
 
 class FaultyIO(FileIO):

@@ -13,9 +13,9 @@ import torch
 from engine_helpers import full_params, make_batches, make_config, make_model
 from safetensors.torch import load_file
 
-import engine
-import engine.consolidation as cons
-from engine.cli import main
+import tierzero.engine.consolidation as cons
+from tierzero import engine
+from tierzero.engine.cli import main
 
 
 def _train_and_save(tmp: Path, precision: str) -> dict[str, torch.Tensor]:

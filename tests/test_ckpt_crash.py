@@ -21,8 +21,8 @@ import pytest
 import torch
 from ckpt_helpers import crash_config
 
-import engine
-from engine.checkpoint_layout import LATEST, load_manifest, resolve, verify_files
+from tierzero import engine
+from tierzero.engine.checkpoint_layout import LATEST, load_manifest, resolve, verify_files
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 4

@@ -10,7 +10,7 @@ import torch
 from ckpt_helpers import run_cuda_steps
 from engine_helpers import full_params, make_batches, make_config, make_model
 
-import engine
+from tierzero import engine
 
 
 @pytest.mark.cuda

@@ -14,9 +14,9 @@ import pytest
 import torch
 from engine_helpers import make_batches, make_config, make_model
 
-import engine
-from engine.activations import HostActivations, HostActivationStats
-from engine.config.schema import ActivationsConfig
+from tierzero import engine
+from tierzero.engine.activations import HostActivations, HostActivationStats
+from tierzero.engine.config.schema import ActivationsConfig
 
 STEPS = 3
 
@@ -69,7 +69,7 @@ def test_deepspeed_cpu_checkpointing_maps_to_the_switch() -> None:
 
 
 def test_cpu_device_is_a_logged_no_op(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="engine.engine")
+    caplog.set_level(logging.INFO, logger="tierzero.engine.engine")
     on = _train(True, "cpu")
     off = _train(False, "cpu")
     assert on[0] == off[0] and _same(on[1], off[1])

@@ -14,9 +14,9 @@ from engine_dist import run_two_ranks
 from engine_helpers import make_model, train_and_gather
 from safetensors.torch import save_file
 
-import engine
-from engine.init_context import _record, is_partitioned
-from engine.progress import ENV, progress_enabled
+from tierzero import engine
+from tierzero.engine.init_context import _record, is_partitioned
+from tierzero.engine.progress import ENV, progress_enabled
 
 N_BLOCKS = 6
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from engine_helpers import full_params, make_batches, make_config, make_model
 
-import engine
-from engine import checkpoint as ckpt_mod
-from engine.checkpoint_layout import LATEST, rank_file
+from tierzero import engine
+from tierzero.engine import checkpoint as ckpt_mod
+from tierzero.engine.checkpoint_layout import LATEST, rank_file
 
 
 def _trained(precision: str = "fp32", n_blocks: int = 4) -> tuple[engine.ZeroEngine,

@@ -21,9 +21,9 @@ from ckpt_helpers import assert_resumed, resume_config, run_fresh, run_phase
 from engine_dist import run_two_ranks
 from engine_helpers import PARAM_ATOL, full_params, make_batches, make_model
 
-import engine
-from engine.checkpoint_layout import RankFiles, load_manifest, rank_file, resolve
-from engine.offload_step import OffloadedAdam
+from tierzero import engine
+from tierzero.engine.checkpoint_layout import RankFiles, load_manifest, rank_file, resolve
+from tierzero.engine.offload_step import OffloadedAdam
 
 
 @pytest.mark.multiproc

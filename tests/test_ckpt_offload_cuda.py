@@ -11,7 +11,7 @@ import torch
 from ckpt_helpers import resume_config, run_cuda_steps
 from engine_helpers import full_params, make_batches, make_model
 
-import engine
+from tierzero import engine
 
 
 @pytest.mark.cuda

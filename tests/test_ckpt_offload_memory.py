@@ -20,8 +20,8 @@ import psutil
 import torch
 from engine_helpers import make_config
 
-import engine
-from engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
+from tierzero import engine
+from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
 
 UNITS, DIM = 8, 2048
 SHARD_BYTES = DIM * DIM * 4

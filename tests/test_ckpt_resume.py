@@ -15,8 +15,8 @@ from ckpt_helpers import resume_config, run_fresh, run_phase
 from engine_dist import run_two_ranks
 from engine_helpers import full_params, make_model
 
-import engine
-from engine.checkpoint_layout import GroupLayout, RankFiles, load_manifest, resolve
+from tierzero import engine
+from tierzero.engine.checkpoint_layout import GroupLayout, RankFiles, load_manifest, resolve
 
 
 @pytest.mark.multiproc

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.cli import main
+from tierzero.engine.cli import main
 
 DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 

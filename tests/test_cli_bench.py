@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench import results_path
-from engine.cli import main
+from tierzero.engine.bench import results_path
+from tierzero.engine.cli import main
 
 
 def test_bench_quick_saves_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

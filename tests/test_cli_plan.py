@@ -13,9 +13,9 @@ import torch
 import yaml
 from cli_helpers import BIG, GB, LLAMAS, MACHINE, llama_config, llama_params, plan_cli
 
-import engine
-from engine.flat_shard import shard_numel
-from engine.plan import model_shape, plan_all, recommend
+from tierzero import engine
+from tierzero.engine.flat_shard import shard_numel
+from tierzero.engine.plan import model_shape, plan_all, recommend
 
 
 @pytest.mark.parametrize("name", list(LLAMAS))

@@ -12,10 +12,18 @@ import torch
 from cli_helpers import BIG, MACHINE, llama_config, plan_cli
 from engine_dist import run_two_ranks
 
-import engine
-from engine.models import SIZES, TinyLM
-from engine.plan import DryRun, ModelShape, Traffic, dry_run, engine_config, model_shape, plan_all
-from engine.plan.planner import plan_choice
+from tierzero import engine
+from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.plan import (
+    DryRun,
+    ModelShape,
+    Traffic,
+    dry_run,
+    engine_config,
+    model_shape,
+    plan_all,
+)
+from tierzero.engine.plan.planner import plan_choice
 
 
 def nvme_config(swap_dir: Path, **offload: Any) -> engine.Config:
@@ -222,7 +230,7 @@ def test_dry_config_keeps_the_step_where_the_real_run_has_it(
         tmp_path: Path, clip: float, precision: str, early: bool) -> None:
     """Clipping and fp16 need every gradient before the step (the real run then does not
     begin it during backward); the dry run drops them but must not begin early either."""
-    from engine.plan.dry_run import dry_config
+    from tierzero.engine.plan.dry_run import dry_config
     config = engine.load_config({"zero": {"stage": 3}, "precision": precision,
                                  "gradient_clipping": clip,
                                  "offload": {"device": "nvme", "path": str(tmp_path)}})

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.cli import main
-from swap import trace
-from swap.trace import INSTANT_KINDS, KINDS, SPAN_KINDS
+from tierzero.engine.cli import main
+from tierzero.swap import trace
+from tierzero.swap.trace import INSTANT_KINDS, KINDS, SPAN_KINDS
 
 NVME_KINDS = {"nvme_read", "nvme_write", "copy", "adam", "prefetch", "evict", "writeback"}
 

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from cli_helpers import read_metrics, write_config
 
-import engine
-from engine.cli import main
-from engine.models import SIZES, TinyLM
-from engine.train import KINDS, ByteBatches, StepRecord, load_bytes
+from tierzero import engine
+from tierzero.engine.cli import main
+from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.train import KINDS, ByteBatches, StepRecord, load_bytes
 
 STEP_FIELDS = set(StepRecord.__dataclass_fields__)
 
@@ -43,7 +43,7 @@ def test_train_end_to_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
     pytest.importorskip("matplotlib", reason="--plot needs the plot extra (in dev)")
     config = write_config(tmp_path)
     trace, plot = tmp_path / "trace.json", tmp_path / "run.png"
-    caplog.set_level("INFO", logger="engine.train")
+    caplog.set_level("INFO", logger="tierzero.engine.train")
     code = main(["train", str(config), "--trace", str(trace), "--trace-steps", "2,2",
                  "--plot", str(plot), "--no-progress"])
     assert code == 0

@@ -9,9 +9,9 @@ import pytest
 import torch
 from cli_helpers import write_config
 
-from engine.cli import main
-from engine.models import SIZES, TinyLM
-from engine.train import ByteBatches, DataError, ModelError, build_model, load_bytes
+from tierzero.engine.cli import main
+from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.train import ByteBatches, DataError, ModelError, build_model, load_bytes
 
 
 def run_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:

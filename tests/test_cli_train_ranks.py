@@ -1,4 +1,4 @@
-"""`torchrun -m engine.cli train` with two gloo ranks: one metrics file, losses over both ranks."""
+"""`torchrun -m tierzero train` with two gloo ranks: one metrics file, losses over both ranks."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_two_ranks_with_torchrun(tmp_path: Path) -> None:
     # --standalone: torchrun binds its own free port (a port probed here first could be
     # taken by another process before torchrun binds it)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "engine.cli", "train", str(config), "--no-progress"]
+           "2", "-m", "tierzero", "train", str(config), "--no-progress"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import engine
-from engine.cli import main
+from tierzero import engine
+from tierzero.engine.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_module_entry_point_runs() -> None:
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "config", "check",
+    done = subprocess.run([sys.executable, "-m", "tierzero", "config", "check",
                            "configs/deepspeed/zero2_cpu.json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import engine
+from tierzero import engine
 
 
 def ds(**sections: Any) -> dict[str, Any]:

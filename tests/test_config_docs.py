@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import reference
+from tierzero.engine.config import reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -13,5 +13,5 @@ def test_generated_tables_are_current() -> None:
     text = DOC.read_text()
     assert text.count("<!-- generated:") == len(reference.SECTIONS)
     assert reference.render(text) == text, (
-        "docs/config.md is stale; run: python -m engine.config.reference docs/config.md")
+        "docs/config.md is stale; run: python -m tierzero.engine.config.reference docs/config.md")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import engine
+from tierzero import engine
 
 
 def error_of(data: Any, **kwargs: Any) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import engine
+from tierzero import engine
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FILES = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*")

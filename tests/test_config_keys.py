@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-import engine
-from engine.config.checks import hints
-from engine.config.native import as_dict
+from tierzero import engine
+from tierzero.engine.config.checks import hints
+from tierzero.engine.config.native import as_dict
 
 HOME = os.path.expanduser("~")
 

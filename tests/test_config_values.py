@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import engine
-from engine.config import values
+from tierzero import engine
+from tierzero.engine.config import values
 
 BYTES = {"unit": "bytes", "ge": 0}
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_helpers import make_batches, make_config, make_model, train_steps
 
-import engine
+from tierzero import engine
 
 pytestmark = pytest.mark.cuda
 STEPS = 10

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import LOSS_RTOL, PARAM_ATOL
 
-import engine
+from tierzero import engine
 
 transformers = pytest.importorskip("transformers")
 

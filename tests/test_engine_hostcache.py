@@ -31,16 +31,16 @@ from engine_helpers import (
     train_steps,
 )
 
-import engine
-from engine.config import Config
-from engine.config.schema import (
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,
     ParamOffloadConfig,
 )
-from engine.plan import dry_run, engine_config, model_shape
-from engine.plan.planner import plan_choice
+from tierzero.engine.plan import dry_run, engine_config, model_shape
+from tierzero.engine.plan.planner import plan_choice
 
 STEPS = 10
 # TinyLM(4 blocks) at world size 1: each block's param16 shard is 17,408 B in fp32 (8,704 B

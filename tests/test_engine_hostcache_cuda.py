@@ -19,7 +19,7 @@ from engine_helpers import make_batches, make_config
 from test_engine_cuda import _engine, _reference
 from test_engine_hostcache import CACHE
 
-from engine.config.schema import (
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,

@@ -28,15 +28,15 @@ from engine_helpers import (
     reference_train,
 )
 
-import engine
-from engine.config import Config
-from engine.config.schema import (
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,
     ParamOffloadConfig,
 )
-from engine.offload_step import OffloadedAdam
+from tierzero.engine.offload_step import OffloadedAdam
 
 STEPS = 20
 # Stand-in device tier budget: smaller than the model's param16 shards (~86 KB fp32),

@@ -30,8 +30,8 @@ from engine_helpers import (
     reference_train,
 )
 
-import engine
-from engine.flat_shard import SHARD_ALIGN
+from tierzero import engine
+from tierzero.engine.flat_shard import SHARD_ALIGN
 
 STEPS = 20
 LOW_PRECISION_LOSS_ATOL = 0.03

@@ -10,10 +10,10 @@ import pytest
 import torch
 from engine_helpers import make_batches, make_config, make_model
 
-import engine
-from engine.config import LossScaleConfig, PrecisionConfig, SchedulerConfig
-from engine.lr_schedules import lr_at
-from engine.precision import LossScaler
+from tierzero import engine
+from tierzero.engine.config import LossScaleConfig, PrecisionConfig, SchedulerConfig
+from tierzero.engine.lr_schedules import lr_at
+from tierzero.engine.precision import LossScaler
 
 
 def test_loss_scaler_hysteresis_growth_and_floor() -> None:
@@ -52,7 +52,7 @@ def test_fp16_overflow_skips_step_and_halves_scale(caplog: pytest.LogCaptureFixt
     eng.backward(eng(ids, tg))
     eng.step()  # micro-step 1 of 2
     eng.backward(eng(ids2, tg2) * 1e9)  # x 2**16 overflows fp16 gradients
-    with caplog.at_level(logging.WARNING, logger="engine.precision"):
+    with caplog.at_level(logging.WARNING, logger="tierzero.engine.precision"):
         eng.step()
     assert eng.skipped_steps == 1 and eng.global_steps == 0
     assert eng.loss_scaler is not None and eng.loss_scaler.scale == 2.0**15

@@ -17,8 +17,8 @@ from engine_helpers import (
 )
 from torch import nn
 
-import engine
-from engine.flat_shard import SHARD_ALIGN
+from tierzero import engine
+from tierzero.engine.flat_shard import SHARD_ALIGN
 
 
 def test_parameters_hold_no_storage_outside_a_gather() -> None:

@@ -26,9 +26,9 @@ from engine_helpers import (
 )
 from test_engine_offload import offload_config
 
-import engine
-from engine.config import Config
-from engine.offload_step import OffloadedAdam
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.offload_step import OffloadedAdam
 
 BIG_VOCAB = 256  # embedding and head 8192 elements each: larger than a block (4256)
 

@@ -19,9 +19,9 @@ from engine_helpers import (
 )
 from torch import nn
 
-import engine
-from engine.hooks import output_tensors
-from engine.units import discover_units
+from tierzero import engine
+from tierzero.engine.hooks import output_tensors
+from tierzero.engine.units import discover_units
 
 
 def _names(model: nn.Module, classes: list[str] | None, min_bytes: int = 1) -> list[str]:

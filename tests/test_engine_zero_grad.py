@@ -16,8 +16,8 @@ import torch
 from engine_helpers import full_params, make_batches, make_config, make_model
 from test_engine_offload import offload_config
 
-import engine
-from engine.config import Config
+from tierzero import engine
+from tierzero.engine.config import Config
 
 
 def config(offload: str, tmp_path: Path, *, gas: int = 1) -> Config:

@@ -16,7 +16,7 @@ import torch
 from engine_helpers import make_batches, train_steps
 from lategrad_helpers import make_shared_model, shared_config, shared_reference
 
-import engine
+from tierzero import engine
 
 pytestmark = pytest.mark.cuda
 STEPS = 6

@@ -20,9 +20,9 @@ from engine_helpers import assert_match, full_params, make_batches
 from lategrad_helpers import RootSegmentLM, make_shared_model, shared_config, shared_reference
 from torch import nn
 
-import engine
-from engine.engine import ZeroEngine
-from engine.offload_step import OffloadedAdam
+from tierzero import engine
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.offload_step import OffloadedAdam
 
 STEPS = 5
 

@@ -15,7 +15,7 @@ FORBIDDEN = {"swap": {"offload", "engine"}, "offload": {"engine"}}
 
 @pytest.mark.parametrize("name", ["engine", "offload", "swap", "configs"])
 def test_package_imports(name: str) -> None:
-    importlib.import_module(name)
+    importlib.import_module(f"tierzero.{name}")
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -31,6 +31,8 @@ def test_imports_point_down(package: str) -> None:
             else:
                 continue
             for mod in names:
-                if mod.split(".")[0] in FORBIDDEN[package]:
+                parts = mod.split(".")
+                layer = parts[1] if parts[0] == "tierzero" and len(parts) > 1 else parts[0]
+                if layer in FORBIDDEN[package]:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {mod}")
     assert not bad, "imports must point down (engine -> offload -> swap):\n" + "\n".join(bad)

@@ -13,8 +13,8 @@ import torch
 from engine_helpers import make_model
 from safetensors.torch import save_file
 
-import engine
-from engine.init_context import is_partitioned
+from tierzero import engine
+from tierzero.engine.init_context import is_partitioned
 
 pytestmark = pytest.mark.cuda
 

@@ -17,7 +17,7 @@ from engine_dist import run_two_ranks
 from engine_helpers import LOSS_RTOL, PARAM_ATOL, TinyLM, make_batches
 from torch import nn
 
-import engine
+from tierzero import engine
 
 STEPS = 3
 

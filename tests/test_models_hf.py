@@ -26,7 +26,7 @@ from engine_dist import run_two_ranks
 from engine_helpers import LOSS_RTOL, PARAM_ATOL
 from torch import nn
 
-import engine
+from tierzero import engine
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 128

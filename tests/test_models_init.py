@@ -13,9 +13,9 @@ import torch
 from engine_dist import run_two_ranks
 from engine_helpers import make_model, train_and_gather
 
-import engine
-from engine.collectives import Comm
-from engine.init_context import full_values, is_partitioned
+from tierzero import engine
+from tierzero.engine.collectives import Comm
+from tierzero.engine.init_context import full_values, is_partitioned
 
 N_BLOCKS = 6
 

@@ -20,9 +20,9 @@ from engine_helpers import make_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import engine
-from engine.collectives import Comm
-from engine.init_context import full_values
+from tierzero import engine
+from tierzero.engine.collectives import Comm
+from tierzero.engine.init_context import full_values
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_two_ranks_read_only_their_slices(tmp_path: Path) -> None:
 _MEMORY_CHILD = textwrap.dedent("""
     import os, resource, sys
     import torch
-    import engine
+    from tierzero import engine
     from safetensors.torch import save_file
     path, n, dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
@@ -300,8 +300,8 @@ def test_mixtral_per_expert_checkpoint_loads_into_fused_experts(tmp_path: Path) 
 
 
 def test_composite_tensor_reads_any_range(tmp_path: Path) -> None:
-    from engine.checkpoint_files import SliceReader, list_tensors
-    from engine.hf_layouts import map_legacy_moe
+    from tierzero.engine.checkpoint_files import SliceReader, list_tensors
+    from tierzero.engine.hf_layouts import map_legacy_moe
 
     g = torch.Generator().manual_seed(0)
     sd = {f"m.block_sparse_moe.experts.{e}.{w}.weight": torch.randn(3, 5, generator=g)

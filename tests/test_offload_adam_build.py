@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import AdamHyper, CPUAdam, adam_build, adam_update
+from tierzero.offload import AdamHyper, CPUAdam, adam_build, adam_update
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 
@@ -58,7 +58,7 @@ def test_fallback_is_logged_once_and_still_correct(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(adam_build.ENV_DISABLE, "torch")
     monkeypatch.setattr(adam_build, "_loaded", {})
     monkeypatch.setattr(adam_build, "_reason", {})
-    with caplog.at_level(logging.WARNING, logger="offload.adam_build"):
+    with caplog.at_level(logging.WARNING, logger="tierzero.offload.adam_build"):
         assert adam_build.compiled_kernel() is None
         assert adam_build.compiled_kernel() is None
         # "auto" now takes the PyTorch path and must still match torch.optim.AdamW exactly.

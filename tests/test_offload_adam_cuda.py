@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import AdamHyper, AdamThreads, CPUAdam, adam_update
+from tierzero.offload import AdamHyper, AdamThreads, CPUAdam, adam_update
 
 pytestmark = pytest.mark.cuda
 

@@ -20,8 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import AdamHyper, AdamThreads, adam_update, kernel_status, to_low_precision
-from offload.adam_build import compiled_kernel
+from tierzero.offload import AdamHyper, AdamThreads, adam_update, kernel_status, to_low_precision
+from tierzero.offload.adam_build import compiled_kernel
 
 REL_TOL = 1e-6
 HAS_KERNEL = compiled_kernel() is not None

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import AdamThreads, CPUAdam, kernel_status
-from offload.adam_build import compiled_kernel
+from tierzero.offload import AdamThreads, CPUAdam, kernel_status
+from tierzero.offload.adam_build import compiled_kernel
 
 REL_TOL = 1e-6
 BACKENDS = [

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-import swap
-from offload import (
+from tierzero import swap
+from tierzero.offload import (
     AdamHyper,
     AdamThreads,
     HostShardStore,

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from offload import AdamThreads, adam_threads
+from tierzero.offload import AdamThreads, adam_threads
 
 
 def test_split_covers_range_aligned() -> None:

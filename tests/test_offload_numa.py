@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from offload import numa
+from tierzero.offload import numa
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_single_node_binding_is_logged_noop(
     fresh_caches: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(numa, "_libnuma", lambda: None)
-    with caplog.at_level(logging.INFO, logger="offload.numa"):
+    with caplog.at_level(logging.INFO, logger="tierzero.offload.numa"):
         assert numa.node_count() == 1
         assert numa.bind_current_thread(0) is False
         assert numa.bind_current_thread(0) is False

@@ -17,13 +17,13 @@ import torch
 from engine_helpers import make_batches, make_config
 from test_engine_cuda import _engine, _reference
 
-from engine.config.schema import (
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,
     ParamOffloadConfig,
 )
-from engine.offload_step import OffloadedAdam
+from tierzero.engine.offload_step import OffloadedAdam
 
 pytestmark = pytest.mark.cuda
 STEPS = 8

@@ -29,17 +29,16 @@ from engine_helpers import (
 )
 from tiers_util import DelayIO
 
-import engine
-import swap
-from engine.config import Config
-from engine.config.schema import (
+from tierzero import engine, swap
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
     OptimizerOffloadConfig,
     ParamOffloadConfig,
 )
-from engine.engine import ZeroEngine
-from engine.offload_step import OffloadedAdam
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.offload_step import OffloadedAdam
 
 
 def nvme_config(params: str, path: Path, precision: str = "bf16") -> Config:

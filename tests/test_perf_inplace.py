@@ -32,13 +32,13 @@ from engine_helpers import (
     reference_train,
 )
 
-import engine
-from engine.checkpoint import CheckpointError
-from engine.config import Config
-from engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
-from engine.engine import ZeroEngine
-from engine.inplace_step import InPlaceStep, threads_during_backward
-from engine.offload_step import OffloadedAdam
+from tierzero import engine
+from tierzero.engine.checkpoint import CheckpointError
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.inplace_step import InPlaceStep, threads_during_backward
+from tierzero.engine.offload_step import OffloadedAdam
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,7 @@ import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 import dataclasses, torch, engine
 from engine_helpers import make_batches, make_model, make_config
-from engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
+from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
 torch.set_num_threads(1)
 cfg = dataclasses.replace(make_config(), offload=OffloadConfig(
     params=ParamOffloadConfig(device="cpu"), optimizer=OptimizerOffloadConfig(device="cpu")))

@@ -18,9 +18,9 @@ import torch
 from engine_helpers import make_batches, make_config
 from test_engine_cuda import _engine, _reference
 
-from engine.config import Config
-from engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
-from engine.offload_step import OffloadedAdam
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
+from tierzero.engine.offload_step import OffloadedAdam
 
 pytestmark = pytest.mark.cuda
 STEPS = 6

@@ -10,9 +10,9 @@ import pytest
 import torch
 from engine_helpers import make_batches, make_config, make_model
 
-import engine
-from engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
-from engine.flat_shard import _UPCAST_CHUNK, add_upcast
+from tierzero import engine
+from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
+from tierzero.engine.flat_shard import _UPCAST_CHUNK, add_upcast
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

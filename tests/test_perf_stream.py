@@ -17,7 +17,7 @@ import pytest
 import torch
 from tiers_util import DelayIO, cpu_settings
 
-from offload import (
+from tierzero.offload import (
     AdamHyper,
     AdamStream,
     HostShardStore,
@@ -28,7 +28,7 @@ from offload import (
     adam_stream,
     pipelined_step,
 )
-from swap import FileIO, SwapStore
+from tierzero.swap import FileIO, SwapStore
 
 NUMELS = (1000, 0, 4097, 33, 7000, 5)
 ORDER = [4, 0, 2, 1, 5, 3]

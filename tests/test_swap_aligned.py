@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from swap import ALIGN, aligned_empty, is_aligned
+from tierzero.swap import ALIGN, aligned_empty, is_aligned
 
 DTYPES = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float32,
           torch.float64, torch.int32, torch.int64, torch.complex64]

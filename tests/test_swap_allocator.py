@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swap.allocator import ExtentAllocator
+from tierzero.swap.allocator import ExtentAllocator
 
 P = 4096
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swap import DrySwap, SwapError
+from tierzero.swap import DrySwap, SwapError
 
 
 def test_counts_bytes_and_requests_on_meta() -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from swap_helpers import FaultyIO, NoDirectIO
 
-from swap import SwapError, SwapStore
-from swap.header import HEADER_BYTES
+from tierzero.swap import SwapError, SwapStore
+from tierzero.swap.header import HEADER_BYTES
 
 
 def _data_file(tmp_path: Path) -> Path:
@@ -157,7 +157,7 @@ def test_region_of_another_key_is_detected(tmp_path: Path) -> None:
 def test_no_o_direct_falls_back_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="swap.opening"), \
+    with caplog.at_level(logging.WARNING, logger="tierzero.swap.opening"), \
             SwapStore(tmp_path, fileio=NoDirectIO(), verify=True) as s:
         assert not s.direct
         s.write("k", torch.arange(10)).wait()

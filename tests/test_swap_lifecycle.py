@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from swap import SwapStore
-from swap.scratch import SUBDIR, clean_stale
+from tierzero.swap import SwapStore
+from tierzero.swap.scratch import SUBDIR, clean_stale
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_interpreter_exit_removes_files(tmp_path: Path) -> None:
     # in about 1 run of 12 before the exit hook closed the store.
     code = """
         import sys, torch
-        from swap import SwapStore
+        from tierzero.swap import SwapStore
         s = SwapStore(sys.argv[1])          # never closed
         s.write("k", torch.zeros(1 << 20)).wait()
         for i in range(16):
@@ -63,7 +63,7 @@ def test_killed_mid_write_then_next_store_starts_clean(tmp_path: Path) -> None:
         [sys.executable, "-c", textwrap.dedent(
             """
             import sys, torch
-            from swap import SwapStore, aligned_empty
+            from tierzero.swap import SwapStore, aligned_empty
             s = SwapStore(sys.argv[1], block_size=1 << 16)
             buf = aligned_empty(16 << 20, torch.uint8).fill_(1)
             s.write("warm", buf).wait()
@@ -98,7 +98,7 @@ def test_live_store_in_another_process_is_not_touched(tmp_path: Path) -> None:
         [sys.executable, "-c", textwrap.dedent(
             """
             import sys, torch
-            from swap import SwapStore
+            from tierzero.swap import SwapStore
             with SwapStore(sys.argv[1]) as s:
                 s.write("k", torch.zeros(1000)).wait()
                 print(s.path, flush=True)

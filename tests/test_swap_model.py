@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swap import SwapError, SwapFuture, SwapStore
+from tierzero.swap import SwapError, SwapFuture, SwapStore
 
 KEYS = ["a", "b", "c"]
 DTYPES = [torch.uint8, torch.float16, torch.float32, torch.int64]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from swap_helpers import SlowIO
 
-from swap import SwapStore, aligned_empty
+from tierzero.swap import SwapStore, aligned_empty
 
 
 def test_many_keys_from_several_threads(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swap import SwapError, SwapStore, aligned_empty, is_aligned
+from tierzero.swap import SwapError, SwapStore, aligned_empty, is_aligned
 
 DTYPES = [torch.uint8, torch.int8, torch.bool, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -118,7 +118,7 @@ def test_bad_settings(tmp_path: Path, kwargs: dict[str, object], match: str) -> 
 
 
 def test_unaligned_buffer_logs_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="swap.store"), SwapStore(tmp_path) as s:
+    with caplog.at_level(logging.WARNING, logger="tierzero.swap.store"), SwapStore(tmp_path) as s:
         for i in range(3):
             s.write(f"k{i}", torch.zeros(10_001, dtype=torch.float32)[1:]).wait()
         st = s.stats()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tiers_util import cpu_settings
 
-from offload import (
+from tierzero.offload import (
     AdamHyper,
     HostShardStore,
     ShardLayout,
@@ -17,7 +17,7 @@ from offload import (
     TierShardStore,
     pipelined_step,
 )
-from swap import SwapStore
+from tierzero.swap import SwapStore
 
 NUMELS = (1000, 0, 4097, 33, 7000, 5)
 HYPER = AdamHyper(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)

@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierManager, TierSettings
-from offload.budget import memlock_limit
-from swap import SwapStore
+from tierzero.offload import (
+    Budgets,
+    PoolSettings,
+    PrefetchSettings,
+    ShardSpec,
+    TierManager,
+    TierSettings,
+)
+from tierzero.offload.budget import memlock_limit
+from tierzero.swap import SwapStore
 
 pytestmark = pytest.mark.cuda
 NUMEL = 1 << 20  # 4 MiB fp32 per shard
@@ -97,8 +104,8 @@ def test_write_back_is_fenced_after_the_writing_kernel(tmp_path: Path) -> None:
 
 
 def test_device_budget_is_detected_from_free_memory(tmp_path: Path) -> None:
-    from offload import Budgets as B
-    from offload import resolve_budgets
+    from tierzero.offload import Budgets as B
+    from tierzero.offload import resolve_budgets
 
     dev = torch.device("cuda", 0)
     free, total = torch.cuda.mem_get_info(dev)

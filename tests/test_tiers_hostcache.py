@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.offload_bridge import tier_settings
-from offload import (
+from tierzero.engine.config import load_config
+from tierzero.engine.offload_bridge import tier_settings
+from tierzero.offload import (
     Budgets,
     PoolSettings,
     SettingsError,
@@ -23,7 +23,7 @@ from offload import (
     TierSettings,
     plan_placement,
 )
-from swap import SwapStore
+from tierzero.swap import SwapStore
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -67,7 +67,7 @@ def test_whole_class_in_host_needs_no_param16_pool() -> None:
 
 def test_host_budget_bounds_the_allowance_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     # host: the pool (2 x 16 KiB buffers, reserved first) + room for two shards
-    with caplog.at_level(logging.INFO, logger="offload.placement"):
+    with caplog.at_level(logging.INFO, logger="tierzero.offload.placement"):
         _, kept, pool = _plan(1 << 30, host=2 * 16384 + 2 * 16384 + 100)
     assert pool == 2 * 16384
     assert len(kept) == 2 and kept == {"u0:param16", "u1:param16"}
@@ -110,12 +110,12 @@ def test_deepspeed_max_in_cpu_maps_and_its_absence_is_zero(
         caplog: pytest.LogCaptureFixture) -> None:
     base = {"zero_optimization": {"stage": 3, "offload_param": {
         "device": "nvme", "nvme_path": "/tmp"}}, "bf16": {"enabled": True}}
-    with caplog.at_level(logging.INFO, logger="engine.config.ds_offload"):
+    with caplog.at_level(logging.INFO, logger="tierzero.engine.config.ds_offload"):
         assert load_config(base).offload.params.max_in_cpu_bytes == 0
     assert "max_in_cpu is not set: DeepSpeed's default (1e9 elements)" in caplog.text
     caplog.clear()
     base["zero_optimization"]["offload_param"]["max_in_cpu"] = 1e9  # type: ignore[index]
-    with caplog.at_level(logging.INFO, logger="engine.config.ds_offload"):
+    with caplog.at_level(logging.INFO, logger="tierzero.engine.config.ds_offload"):
         assert load_config(base).offload.params.max_in_cpu_bytes == 2 * 10**9
     assert "max_in_cpu is not set" not in caplog.text
 

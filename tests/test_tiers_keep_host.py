@@ -14,8 +14,8 @@ import torch
 from engine_helpers import TinyLM, make_batches
 from tiers_util import cpu_settings, data_for, store
 
-import engine
-from offload import AdamStream, ShardSpec, State, TierManager
+from tierzero import engine
+from tierzero.offload import AdamStream, ShardSpec, State, TierManager
 
 N = 4096  # bf16 elements: 8 KiB, two pages
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiers_util import cpu_settings, data_for, store
 
-from offload import (
+from tierzero.offload import (
     TRANSITIONS,
     BudgetError,
     Budgets,
@@ -23,8 +23,8 @@ from offload import (
     TierManager,
     TransferError,
 )
-from offload.residency import transition
-from swap import FileIO, trace
+from tierzero.offload.residency import transition
+from tierzero.swap import FileIO, trace
 
 N = 1024  # elements per shard: 4 KiB in fp32
 HOMES = {"param16": "nvme", "grad": "cpu", "master": "none"}
@@ -334,8 +334,8 @@ def test_order_cursor_counts_skips_not_reuses() -> None:
     there; fetching again a key whose uses are all behind the cursor (the optimizer
     reading a gradient the reduce just wrote) is not, and leaves the cursor alone; a key
     the order never named is a mismatch."""
-    from offload.prefetch import Prefetcher
-    from offload.settings import PrefetchSettings
+    from tierzero.offload.prefetch import Prefetcher
+    from tierzero.offload.settings import PrefetchSettings
     pf = Prefetcher(PrefetchSettings())
     pf.set_order([("a", "host"), ("b", "host"), ("c", "host"), ("d", "host")])
     pf.consume("a", "host")

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from tiers_util import DelayIO, cpu_settings, data_for
 
-from offload import ShardSpec, TierManager
-from swap import SwapStore
+from tierzero.offload import ShardSpec, TierManager
+from tierzero.swap import SwapStore
 
 SHARDS = 12
 NUMEL = 16384  # 64 KiB fp32: one 64 KiB block per shard, so one injected delay per read

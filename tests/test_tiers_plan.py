@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from offload import (
+from tierzero.offload import (
     Budgets,
     PlanError,
     PoolSettings,
@@ -19,7 +19,7 @@ from offload import (
     plan_placement,
     resolve_budgets,
 )
-from offload import placement as placement_mod
+from tierzero.offload import placement as placement_mod
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
@@ -73,7 +73,7 @@ def test_auto_spills_optimizer_state_before_params(caplog: pytest.LogCaptureFixt
                             pool=PoolSettings(buffer_count=2),
                             budgets=Budgets(device=3 * MiB, host=16 * MiB, nvme=1 << 30))
     budgets = TierBudgets(device=3 * MiB, host=16 * MiB, nvme=1 << 30)
-    with caplog.at_level(logging.INFO, logger="offload.placement"):
+    with caplog.at_level(logging.INFO, logger="tierzero.offload.placement"):
         plan = plan_placement(specs, settings, budgets, CPU)
     where = {cls: sorted(plan.homes[s.key] for s in specs if s.cls == cls)
              for cls in ("param16", "grad", "master", "exp_avg", "exp_avg_sq")}
@@ -115,7 +115,7 @@ def test_pool_too_small_for_a_shard_and_degraded_pool(caplog: pytest.LogCaptureF
     with pytest.raises(PlanError, match=r"buffer_bytes = 4096 is smaller than NVMe shard"):
         plan_placement(specs, small, nvme, CPU)
     want8 = TierSettings(device="cpu", homes={"master": "nvme"}, pool=PoolSettings(buffer_count=8))
-    with caplog.at_level(logging.WARNING, logger="offload.placement"):
+    with caplog.at_level(logging.WARNING, logger="tierzero.offload.placement"):
         plan = plan_placement(specs, want8, TierBudgets(device=0, host=3 * MiB, nvme=1 << 30), CPU)
     assert plan.pool_count == 3  # fewer in flight instead of failing
     assert sum("host budget is tight" in r.getMessage() for r in caplog.records) == 1

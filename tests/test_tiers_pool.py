@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from offload import BufferPool, HostAllocator, OffloadError, ShardSpec
-from swap import is_aligned
+from tierzero.offload import BufferPool, HostAllocator, OffloadError, ShardSpec
+from tierzero.swap import is_aligned
 
 
 def test_pool_buffers_are_aligned_reused_and_never_double_freed() -> None:
@@ -37,7 +37,7 @@ def test_pool_buffers_are_aligned_reused_and_never_double_freed() -> None:
 def test_pinning_stops_at_the_memlock_limit(caplog: pytest.LogCaptureFixture) -> None:
     alloc = HostAllocator(pin=True, node=None)
     alloc.limit = 0  # as if ulimit -l were 0: nothing may be pinned
-    with caplog.at_level(logging.WARNING, logger="offload.pool"):
+    with caplog.at_level(logging.WARNING, logger="tierzero.offload.pool"):
         a = alloc.empty(4096)
         b = alloc.empty(4096)
     assert not a.is_pinned() and not b.is_pinned() and alloc.pinned_bytes == 0

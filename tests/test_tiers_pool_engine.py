@@ -12,8 +12,8 @@ import pytest
 import torch
 from engine_helpers import TinyLM, make_batches, train_steps
 
-import engine
-from offload import BufferPool, PoolBuffer
+from tierzero import engine
+from tierzero.offload import BufferPool, PoolBuffer
 
 N_BLOCKS, DIM = 2, 128  # blocks of ~66K params: fp32 master 264 KB, bf16 param16 132 KB
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiers_util import data_for, store
 
-from offload import (
+from tierzero.offload import (
     Budgets,
     BufferPool,
     HostAllocator,
@@ -21,7 +21,7 @@ from offload import (
     TierManager,
     TierSettings,
 )
-from offload.placement import TierBudgets, plan_placement
+from tierzero.offload.placement import TierBudgets, plan_placement
 
 MiB = 1 << 20
 CPU = torch.device("cpu")

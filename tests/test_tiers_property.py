@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from tiers_util import cpu_settings, data_for
 
-from offload import ShardSpec, TierManager
-from swap import SwapStore
+from tierzero.offload import ShardSpec, TierManager
+from tierzero.swap import SwapStore
 
 SPECS = [
     ShardSpec("p0", "param16", 256, torch.float16),

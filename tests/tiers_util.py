@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierSettings
-from swap import FileIO, SwapStore
+from tierzero.offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierSettings
+from tierzero.swap import FileIO, SwapStore
 
 
 class DelayIO(FileIO):

@@ -8,9 +8,9 @@ import os
 import sys
 from typing import Any
 
-from engine.bench.measure import QUICK, BenchSizes, run_bench
-from engine.config import ConfigError, load_config
-from engine.config.checks import check_swap_dir
+from tierzero.engine.bench.measure import QUICK, BenchSizes, run_bench
+from tierzero.engine.config import ConfigError, load_config
+from tierzero.engine.config.checks import check_swap_dir
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from offload import CPUAdam
-from swap import SwapStore, aligned_empty
+from tierzero.offload import CPUAdam
+from tierzero.swap import SwapStore, aligned_empty
 
 MiB = 1 << 20
 

@@ -1,8 +1,8 @@
 """Config: typed, frozen dataclasses loaded from native YAML/JSON or DeepSpeed JSON."""
 
-from engine.config.errors import ConfigError
-from engine.config.load import load_config
-from engine.config.schema import (
+from tierzero.engine.config.errors import ConfigError
+from tierzero.engine.config.load import load_config
+from tierzero.engine.config.schema import (
     ActivationsConfig,
     BatchConfig,
     BudgetsConfig,
@@ -18,7 +18,7 @@ from engine.config.schema import (
     SchedulerConfig,
     ZeroConfig,
 )
-from engine.config.train import TrainConfig
+from tierzero.engine.config.train import TrainConfig
 
 __all__ = [
     "ActivationsConfig",

@@ -14,11 +14,11 @@ import tempfile
 import typing
 from typing import TYPE_CHECKING, Any
 
-from engine.config import values
-from engine.config.errors import ConfigError
+from tierzero.engine.config import values
+from tierzero.engine.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from engine.config.schema import BatchConfig, Config
+    from tierzero.engine.config.schema import BatchConfig, Config
 
 
 def hints(cls: type[Any]) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import ds_offload, ds_optim, hf_auto, values
-from engine.config.ds_common import Mapped, check_keys, elements_to_bytes, section
-from engine.config.errors import ConfigError
+from tierzero.engine.config import ds_offload, ds_optim, hf_auto, values
+from tierzero.engine.config.ds_common import Mapped, check_keys, elements_to_bytes, section
+from tierzero.engine.config.errors import ConfigError
 
 # Top-level keys that only a DeepSpeed config has (native files never use them).
 MARKERS = frozenset({

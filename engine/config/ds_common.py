@@ -7,10 +7,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import values
-from engine.config.errors import ConfigError
+from tierzero.engine.config import values
+from tierzero.engine.config.errors import ConfigError
 
-log = logging.getLogger("engine.config.deepspeed")
+log = logging.getLogger("tierzero.engine.config.deepspeed")
 
 
 @dataclass

@@ -6,9 +6,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import values
-from engine.config.ds_common import Mapped, check_keys, elements_to_bytes
-from engine.config.errors import ConfigError
+from tierzero.engine.config import values
+from tierzero.engine.config.ds_common import Mapped, check_keys, elements_to_bytes
+from tierzero.engine.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

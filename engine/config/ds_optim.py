@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import values
-from engine.config.ds_common import Mapped, check_keys, log
-from engine.config.errors import ConfigError
+from tierzero.engine.config import values
+from tierzero.engine.config.ds_common import Mapped, check_keys, log
+from tierzero.engine.config.errors import ConfigError
 
 ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
                "bias_correction", "amsgrad", "fused"}

@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.config import values
-from engine.config.errors import ConfigError
+from tierzero.engine.config import values
+from tierzero.engine.config.errors import ConfigError
 
 # TrainingArguments defaults (transformers); world_size and hidden_size have none.
 HF_DEFAULTS: dict[str, Any] = {

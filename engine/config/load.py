@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from engine.config import deepspeed, native
-from engine.config.errors import ConfigError
-from engine.config.schema import Config
+from tierzero.engine.config import deepspeed, native
+from tierzero.engine.config.errors import ConfigError
+from tierzero.engine.config.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def load_config(source: ConfigSource = None, *,
     file: str | None = None
     if source is None:
         file = f"<package configs/{DEFAULT_RESOURCE}>"
-        text = importlib.resources.files("configs").joinpath(DEFAULT_RESOURCE).read_text()
+        text = importlib.resources.files("tierzero.configs").joinpath(DEFAULT_RESOURCE).read_text()
         data = _parse(text, file, is_json=False)
     elif isinstance(source, Mapping):
         data = source

@@ -17,10 +17,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from engine.config import values
-from engine.config.checks import hints
-from engine.config.errors import ConfigError
-from engine.config.schema import (
+from tierzero.engine.config import values
+from tierzero.engine.config.checks import hints
+from tierzero.engine.config.errors import ConfigError
+from tierzero.engine.config.schema import (
     Config,
     OffloadConfig,
     OptimizerOffloadConfig,

@@ -2,7 +2,7 @@
 
 docs/config.md embeds these between `<!-- generated:NAME -->` markers; a test
 checks they match, so the reference cannot drift from the code. Regenerate
-with `python -m engine.config.reference docs/config.md`.
+with `python -m tierzero.engine.config.reference docs/config.md`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import re
 import sys
 from typing import Any
 
-from engine.config import deepspeed, ds_offload, values
-from engine.config.checks import hints
-from engine.config.schema import Config
+from tierzero.engine.config import deepspeed, ds_offload, values
+from tierzero.engine.config.checks import hints
+from tierzero.engine.config.schema import Config
 
 
 def _default_text(value: Any, meta: Any) -> str:

@@ -18,10 +18,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.config import checks
-from engine.config.errors import ConfigError
-from engine.config.fields import meta
-from engine.config.train import TrainConfig
+from tierzero.engine.config import checks
+from tierzero.engine.config.errors import ConfigError
+from tierzero.engine.config.fields import meta
+from tierzero.engine.config.train import TrainConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["none", "cpu", "nvme", "auto"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config.fields import meta
+from tierzero.engine.config.fields import meta
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import Field
 from typing import Any, Literal, Union
 
-from engine.config.errors import ConfigError
+from tierzero.engine.config.errors import ConfigError
 
 # Decimal and binary multiples; matched without regard to case ("512mib").
 _UNITS = {

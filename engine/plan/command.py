@@ -19,14 +19,14 @@ import psutil
 import torch
 import yaml
 
-from engine.bench.command import results_path
-from engine.config import ConfigError
-from engine.config.values import parse_bytes
-from engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend, step_time
-from engine.plan.shapes import ModelShape, model_shape
-from engine.train.metrics import human_bytes
-from engine.train.model_source import ModelError
-from offload.settings import TENSOR_CLASSES, TIERS
+from tierzero.engine.bench.command import results_path
+from tierzero.engine.config import ConfigError
+from tierzero.engine.config.values import parse_bytes
+from tierzero.engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend, step_time
+from tierzero.engine.plan.shapes import ModelShape, model_shape
+from tierzero.engine.train.metrics import human_bytes
+from tierzero.engine.train.model_source import ModelError
+from tierzero.offload.settings import TENSOR_CLASSES, TIERS
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.collectives import Comm, PendingReduce
+from tierzero.engine.collectives import Comm, PendingReduce
 
 
 class DryComm(Comm):

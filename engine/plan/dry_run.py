@@ -41,15 +41,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import Config
-from engine.engine import ZeroEngine
-from engine.offload_bridge import TieredShardStore
-from engine.offload_step import OffloadedAdam
-from engine.optim import torch_adam_factory
-from engine.plan.dry_comm import DryComm
-from offload import Plan, TierManager
-from offload.settings import TIERS, Tier
-from swap import DrySwap, trace
+from tierzero.engine.config import Config
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.offload_step import OffloadedAdam
+from tierzero.engine.optim import torch_adam_factory
+from tierzero.engine.plan.dry_comm import DryComm
+from tierzero.offload import Plan, TierManager
+from tierzero.offload.settings import TIERS, Tier
+from tierzero.swap import DrySwap, trace
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     opt = config.optimizer
     factory = torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay)
     accum = config.batch.gradient_accumulation_steps or 1
-    quiet = logging.getLogger("offload")
+    quiet = logging.getLogger("tierzero.offload")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # placement and pool explain themselves at INFO
     try:

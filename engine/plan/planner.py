@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import Config, load_config
-from engine.flat_shard import shard_numel
-from engine.offload_bridge import TieredShardStore
-from engine.plan.dry_run import PHASES, Traffic, dry_run
-from engine.plan.shapes import ModelShape
-from engine.precision import compute_dtype
-from offload import PlanError
-from offload.settings import TENSOR_CLASSES, TIERS, OffloadDevice, TensorClass, Tier
+from tierzero.engine.config import Config, load_config
+from tierzero.engine.flat_shard import shard_numel
+from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.plan.dry_run import PHASES, Traffic, dry_run
+from tierzero.engine.plan.shapes import ModelShape
+from tierzero.engine.precision import compute_dtype
+from tierzero.offload import PlanError
+from tierzero.offload.settings import TENSOR_CLASSES, TIERS, OffloadDevice, TensorClass, Tier
 
 CHOICES: tuple[OffloadDevice, ...] = ("none", "cpu", "nvme", "auto")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,7 +132,7 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
                            unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
     dtype = compute_dtype(config.precision.dtype)
     store = TieredShardStore(torch.device("meta"), config)
-    quiet = logging.getLogger("offload")
+    quiet = logging.getLogger("tierzero.offload")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # placement explains itself at INFO; the table says it all
     try:

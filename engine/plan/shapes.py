@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models import SIZES, TinyLM
-from engine.train.model_source import ModelError, builtin_config, describe_sizes
-from engine.units import discover_units
+from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.train.model_source import ModelError, builtin_config, describe_sizes
+from tierzero.engine.units import discover_units
 
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.I)
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}

@@ -19,10 +19,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import engine
-from engine.checkpoint_layout import LATEST, MANIFEST
-from engine.config.train import TrainConfig
-from engine.train.data import ByteBatches
+from tierzero import engine
+from tierzero.engine.checkpoint_layout import LATEST, MANIFEST
+from tierzero.engine.config.train import TrainConfig
+from tierzero.engine.train.data import ByteBatches
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,13 @@ import logging
 import sys
 from typing import Any
 
-import engine
-from engine.config import ConfigError, load_config
-from engine.train.checkpoints import TrainError
-from engine.train.data import DataError
-from engine.train.loop import TrainOptions, run, with_steps
-from engine.train.model_source import ModelError
-from engine.train.plot import PlotError
+from tierzero import engine
+from tierzero.engine.config import ConfigError, load_config
+from tierzero.engine.train.checkpoints import TrainError
+from tierzero.engine.train.data import DataError
+from tierzero.engine.train.loop import TrainOptions, run, with_steps
+from tierzero.engine.train.model_source import ModelError
+from tierzero.engine.train.plot import PlotError
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
@@ -23,7 +23,7 @@ def add_train(sub: Subparsers) -> None:
         "train", help="train the model a config names (omitted: the embedded default)",
         description="Train what CONFIG's train section names (model, dataset, steps). Without "
         "CONFIG: the built-in byte-level causal LM on the shipped corpus, as configured in "
-        "the embedded default. Multi-rank: torchrun --nproc-per-node N -m engine.cli train "
+        "the embedded default. Multi-rank: torchrun --nproc-per-node N -m tierzero train "
         "[CONFIG]. Writes a JSONL metrics file per run (train.out_dir/<run>/metrics.jsonl).",
     )
     train.add_argument("config", nargs="?", metavar="CONFIG",
@@ -56,7 +56,7 @@ def run_train(args: argparse.Namespace) -> int:
         options = TrainOptions(trace_path=args.trace,
                                trace_steps=_trace_steps(args.trace_steps, config.train.steps),
                                plot_path=args.plot, progress=not args.no_progress)
-        logging.getLogger("engine").setLevel(config.logging.level.upper())
+        logging.getLogger("tierzero.engine").setLevel(config.logging.level.upper())
         run(config, options)
     except (ConfigError, TrainError, DataError, ModelError, PlotError,
             engine.PretrainedLoadError) as exc:

@@ -24,7 +24,7 @@ class DataError(ValueError):
 def load_bytes(path: str | None) -> tuple[torch.Tensor, str]:
     """(1D uint8 tokens, description) for a .txt/.jsonl file, or the shipped corpus."""
     if path is None:
-        raw = resources.files("engine.data").joinpath("corpus.txt").read_bytes()
+        raw = resources.files("tierzero.engine.data").joinpath("corpus.txt").read_bytes()
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8), SHIPPED
     if not os.path.isfile(path):
         raise DataError(f"train.dataset: '{path}' is not a file; give a .txt file or a .jsonl "

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-import engine
-from engine.config import Config
-from engine.config.native import as_dict
-from engine.train import checkpoints
-from engine.train.checkpoints import TrainError
-from engine.train.data import ByteBatches, load_bytes
-from engine.train.metrics import (
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.config.native import as_dict
+from tierzero.engine.train import checkpoints
+from tierzero.engine.train.checkpoints import TrainError
+from tierzero.engine.train.data import ByteBatches, load_bytes
+from tierzero.engine.train.metrics import (
     DiskCounter,
     MetricsWriter,
     StepRecord,
@@ -36,9 +36,9 @@ from engine.train.metrics import (
     log_line,
     tier_bytes,
 )
-from engine.train.model_source import build_model, pretrained_dir
-from engine.train.timeline import TraceWindow
-from swap import trace
+from tierzero.engine.train.model_source import build_model, pretrained_dir
+from tierzero.engine.train.timeline import TraceWindow
+from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def check_settings(config: Config, options: TrainOptions) -> None:
         if parent is not None and not os.path.isdir(parent):
             raise TrainError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if options.plot_path:
-        from engine.train.plot import require_matplotlib
+        from tierzero.engine.train.plot import require_matplotlib
         require_matplotlib()
 
 
@@ -263,7 +263,7 @@ def _write_outputs(result: TrainResult, window: TraceWindow) -> None:
         log.info("trace: %s (%d events; open in ui.perfetto.dev or chrome://tracing)",
                  result.trace_path, len(window.events))
     if result.plot_path:
-        from engine.train.plot import plot_run
+        from tierzero.engine.train.plot import plot_run
         plot_run(result.records, result.plot_path)
         log.info("plot: %s", result.plot_path)
     log.info("metrics: %s", result.metrics_path)

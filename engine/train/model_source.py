@@ -16,7 +16,7 @@ import os
 
 from torch import nn
 
-from engine.models import SIZES, VOCAB, TinyLM, TinyLMConfig
+from tierzero.engine.models import SIZES, VOCAB, TinyLM, TinyLMConfig
 
 
 class ModelError(ValueError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.train.metrics import TIERS, StepRecord
+from tierzero.engine.train.metrics import TIERS, StepRecord
 
 
 class PlotError(RuntimeError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
-from swap import trace
+from tierzero.swap import trace
 
 
 class TraceWindow:

@@ -1,0 +1,60 @@
+"""tierzero: ZeRO-3 training with parameters, gradients and optimizer state offloaded to
+pinned host memory and NVMe swap files.
+
+The user API lives here (`tierzero.initialize`, `tierzero.Init`, `tierzero.load_config`,
+...); the layers are the subpackages `tierzero.engine` (partitioning, hooks, training
+API, config, checkpoints, CLI), `tierzero.offload` (memory tiers, CPU Adam),
+`tierzero.swap` (NVMe swap files) and `tierzero.configs` (example configs).
+
+[Note: package layout] The repository keeps engine/, offload/, swap/ and configs/ at
+its top level; tierzero/ holds this file and one symlink per layer, so a checkout,
+an editable install and the wheel all import the same names (`tierzero.engine.*`),
+and no top-level `engine` or `configs` package of ours can collide with a user's.
+"""
+
+from tierzero.engine import (
+    CheckpointError,
+    Config,
+    ConfigError,
+    GatheredParameters,
+    Init,
+    LateGradientError,
+    LoadReport,
+    OffloadedAdam,
+    ParameterNotGatheredError,
+    PendingSave,
+    PretrainedLoadError,
+    ZeroEngine,
+    consolidate,
+    consolidate_to_safetensors,
+    initialize,
+    load_config,
+    load_pretrained,
+)
+from tierzero.offload import CPUAdam
+from tierzero.swap import SwapError, SwapStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUAdam",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "GatheredParameters",
+    "Init",
+    "LateGradientError",
+    "LoadReport",
+    "OffloadedAdam",
+    "ParameterNotGatheredError",
+    "PendingSave",
+    "PretrainedLoadError",
+    "SwapError",
+    "SwapStore",
+    "ZeroEngine",
+    "consolidate",
+    "consolidate_to_safetensors",
+    "initialize",
+    "load_config",
+    "load_pretrained",
+]
