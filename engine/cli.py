@@ -59,8 +59,11 @@ def run_config_check(args: argparse.Namespace) -> int:
     out = [f"# tierzero config resolved from {where} ({config.source} schema)",
            "# every key below is set; this output loads back as a native config"]
     tree = as_dict(config)
-    del tree["source"], tree["ignored_keys"], tree["ignored_reasons"]
+    del tree["source"], tree["ignored_keys"], tree["ignored_reasons"], tree["run_length_auto"]
     out.append(yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip())
+    if config.run_length_auto:
+        out.append("# 'auto' waiting for the run length (tierzero train: train.steps; or "
+                   "--auto max_steps=N): " + ", ".join(k for k, _ in config.run_length_auto))
     if config.ignored_keys:
         out.append("# DeepSpeed keys accepted but not acted on:")
         out.extend(f"#   {key} ({why})"

@@ -76,6 +76,7 @@ def initialize(
                         f"{type(model).__name__}")
     if not isinstance(config, Config):
         config = load_config(config)
+    config.require_run_length()
     config = _offloaded_optimizer_config(config, optimizer)
     if lr_scheduler is not None:
         raise ValueError("initialize(lr_scheduler=...) is not supported: the schedule comes "

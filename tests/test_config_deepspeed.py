@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tierzero import engine
 
@@ -294,9 +295,54 @@ def test_auto_documented_defaults() -> None:
     assert config.zero.persistence_threshold_bytes == 4 * 10**5
 
 
-def test_auto_total_steps_needs_max_steps() -> None:
-    msg = error_of(HF_STYLE)
-    assert msg.startswith("scheduler.params.total_num_steps: 'auto' needs the run length")
+def test_auto_total_steps_waits_for_the_run_length() -> None:
+    """Without max_steps, "auto" run lengths load and wait ([Note: auto run length]);
+    initialize refuses them still unknown, naming the DeepSpeed key (before: a load error)."""
+    config = engine.load_config(HF_STYLE)
+    assert config.run_length_auto == (("scheduler.params.total_num_steps", 1.0),)
+    assert config.scheduler.total_steps is None
+    filled = config.with_run_length(120)
+    assert (filled.scheduler.total_steps, filled.run_length_auto) == (120, ())
+    assert filled.with_run_length(7) == filled  # nothing waits any more
+    with pytest.raises(engine.ConfigError) as err:
+        engine.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert str(err.value).startswith("scheduler.params.total_num_steps: 'auto' needs the run "
+                                     "length, which is still unknown")
+    with pytest.raises(engine.ConfigError, match=r"total_num_steps: 'auto' resolved with run "
+                                                 r"length 0; allowed: an int >= 1"):
+        config.with_run_length(0)
+
+
+def test_auto_warmup_ratio_waits_for_the_run_length() -> None:
+    # TrainingArguments: warmup steps = ceil(warmup_ratio x run length)
+    config = engine.load_config(HF_STYLE, auto_values={"warmup_ratio": 0.1})
+    assert dict(config.run_length_auto) == {"scheduler.params.total_num_steps": 1.0,
+                                            "scheduler.params.warmup_num_steps": 0.1}
+    s = config.with_run_length(55).scheduler
+    assert (s.warmup_steps, s.total_steps) == (6, 55)
+    known = engine.load_config(HF_STYLE, auto_values={"warmup_ratio": 0.1, "max_steps": 55})
+    assert known.scheduler == s and known.run_length_auto == ()
+
+
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save",
+                                 "stage3_gather_fp16_weights_on_model_save",
+                                 "gather_16bit_weights_on_model_save"])
+def test_auto_gather_16bit_is_accelerates_default(key: str) -> None:
+    config = engine.load_config(ds(zero_optimization={"stage": 3, key: "auto"}))
+    assert config.zero.gather_16bit_weights_on_model_save is False
+
+
+def test_zero_bucket_sizes() -> None:
+    """DeepSpeed takes 0 for its stage-3 sizes: reduce_bucket_size 0 reduces every gradient
+    on its own (one reduction in flight), prefetch 0 fetches nothing ahead, and so on."""
+    config = engine.load_config(ds(zero_optimization={
+        "stage": 3, "reduce_bucket_size": 0, "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0, "allgather_bucket_size": 0}))
+    z = config.zero
+    assert (z.reduce_bucket_bytes, z.prefetch_bytes, z.persistence_threshold_bytes,
+            z.max_live_bytes, z.max_reuse_distance_bytes) == (0, 0, 0, 0, 0)
+    assert "zero_optimization.allgather_bucket_size" in config.ignored_keys
 
 
 def test_auto_where_not_allowed() -> None:

@@ -75,6 +75,9 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
     # time (a 1-byte in-flight bound), and synchronous (overlap_comm off)
     scenarios["fp32-gas2-tight"] = partial(rank_scenario, precision="fp32", gas=2, clip=0.5,
                                            steps=STEPS // 2, reduce_bucket=1)
+    # reduce_bucket_size 0 (DeepSpeed: no bucketing): one reduction in flight at a time
+    scenarios["fp32-gas2-zero"] = partial(rank_scenario, precision="fp32", gas=2, clip=0.5,
+                                          steps=STEPS // 2, reduce_bucket=0)
     scenarios["fp32-gas2-sync"] = partial(rank_scenario, precision="fp32", gas=2, clip=0.5,
                                           steps=STEPS // 2, overlap=False)
     scenarios["comm"] = comm_scenario
@@ -100,7 +103,7 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
     cfg = make_config(gas=2, clip=0.5)
     ref = reference_train(make_model(), cfg, [make_batches(STEPS, seed=1 + r) for r in range(2)],
                           STEPS // 2)
-    for name in ("fp32-gas2-tight", "fp32-gas2-sync"):
+    for name in ("fp32-gas2-tight", "fp32-gas2-zero", "fp32-gas2-sync"):
         got = results[0][name]
         assert_match(got.losses, got.params, ref.losses, ref.params)
     # memory arithmetic on two ranks: each holds half of every padded flat buffer
@@ -118,6 +121,7 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
     peaks = {name: results[0][name].report["reductions_in_flight_peak"]
              for name in ("fp32-gas1", "fp32-gas2-tight", "fp32-gas2-sync")}
     assert peaks == {"fp32-gas1": 5, "fp32-gas2-tight": 1, "fp32-gas2-sync": 0}
+    assert results[0]["fp32-gas2-zero"].report["reductions_in_flight_peak"] == 1
     ref = reference_train(make_model(), make_config(clip=0.5),
                           [make_batches(STEPS, seed=1 + r) for r in range(2)], STEPS)
     diff = (torch.tensor(results[0]["bf16-gas1"].losses) - torch.tensor(ref.losses)).abs().max()

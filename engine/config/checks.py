@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
 import tempfile
 import typing
@@ -119,9 +120,18 @@ def _check_optimizer(config: Config) -> None:
                               f"{beta} is out of range; allowed: 0 <= beta < 1")
 
 
+def of_run_length(factor: float, steps: int) -> int:
+    """ceil(factor x steps): a run-length "auto" ([Note: auto run length] in hf_auto.py)."""
+    return math.ceil(factor * steps)
+
+
 def _check_scheduler(config: Config) -> None:
     sched, lr = config.scheduler, config.optimizer.lr
-    if sched.type != "constant":
+    waiting = {key for key, _ in config.run_length_auto}
+    if waiting - {"scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps"}:
+        raise ConfigError("run_length_auto", f"unknown keys {sorted(waiting)}; allowed: "
+                          "scheduler.params.total_num_steps, scheduler.params.warmup_num_steps")
+    if sched.type != "constant" and not waiting:
         if sched.total_steps is None:
             raise ConfigError("scheduler.total_steps",
                               f"required by scheduler.type {sched.type!r}; set the last step of "

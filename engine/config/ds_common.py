@@ -21,6 +21,9 @@ class Mapped:
     ignored: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # why each ignored key is not acted on
     origin: dict[str, str] = field(default_factory=dict)  # native key -> DeepSpeed key
+    # DeepSpeed key -> factor of the run length its "auto" waits for
+    # ([Note: auto run length] in hf_auto.py)
+    run_length: dict[str, float] = field(default_factory=dict)
 
     def set(self, native_key: str, value: Any, ds_key: str) -> None:
         node = self.native

@@ -19,6 +19,7 @@ from typing import Any
 from tierzero.engine.config import values
 from tierzero.engine.config.ds_common import Mapped, check_keys, log
 from tierzero.engine.config.errors import ConfigError
+from tierzero.engine.config.hf_auto import RunLength
 
 ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
                "bias_correction", "amsgrad", "fused"}
@@ -89,6 +90,9 @@ def map_scheduler(section: Any, out: Mapped) -> None:
         return float(values.coerce(params.get(key, default), float, {}, f"scheduler.params.{key}"))
 
     def put(native: str, key: str, value: Any) -> None:
+        if isinstance(value, RunLength):  # filled by Config.with_run_length
+            out.run_length[f"scheduler.params.{key}"] = value.factor
+            return
         out.set(f"scheduler.{native}", value, f"scheduler.params.{key}")
 
     put("warmup_steps", "warmup_num_steps", params.get("warmup_num_steps", 1000))

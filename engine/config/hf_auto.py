@@ -5,12 +5,21 @@ the file. We do the same from the `auto_values` mapping given to
 load_config (TrainingArguments names, plus `world_size` and the model's
 `hidden_size`); a name not given takes the TrainingArguments default below.
 `"auto"` anywhere else is an error.
+
+[Note: auto run length] `scheduler.params.total_num_steps` (and
+`warmup_num_steps` from `warmup_ratio`) need the run length. Without
+`max_steps` they resolve to a `RunLength` marker; the DeepSpeed mapping
+records them in `Config.run_length_auto`, and `Config.with_run_length(steps)`
+fills them once the run length is known (`tierzero train`: train.steps or the
+epochs' steps; the Trainer: its max_steps). `initialize` refuses a config
+that still waits, naming the DeepSpeed key.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tierzero.engine.config import values
@@ -38,6 +47,13 @@ HF_DEFAULTS: dict[str, Any] = {
 Args = Mapping[str, Any]
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """An "auto" that waits for the run length: ceil(factor x steps) ([Note: auto run length])."""
+
+    factor: float
+
+
 def _train_batch(a: Args) -> Any:
     if a["world_size"] is None:
         return None  # checked by Config.check_world_size at initialize
@@ -47,17 +63,19 @@ def _train_batch(a: Args) -> Any:
 def _warmup(a: Args) -> Any:
     if a["warmup_steps"] > 0:
         return a["warmup_steps"]
-    if a["warmup_ratio"] > 0 and a["max_steps"] > 0:
-        return math.ceil(a["warmup_ratio"] * a["max_steps"])
+    if a["warmup_ratio"] > 0:
+        return _of_run(a, a["warmup_ratio"])
     return 0
 
 
-def _total(a: Args) -> Any:
+def _of_run(a: Args, factor: float) -> Any:
     if a["max_steps"] is None or a["max_steps"] <= 0:
-        raise ConfigError("scheduler.params.total_num_steps",
-                          "'auto' needs the run length; pass auto_values={'max_steps': N} "
-                          "(tierzero config check: --auto max_steps=N) or write the number")
-    return a["max_steps"]
+        return RunLength(factor)
+    return math.ceil(factor * a["max_steps"])
+
+
+def _total(a: Args) -> Any:
+    return _of_run(a, 1.0)
 
 
 def _hidden(square: float, default: float) -> Callable[[Args], Any]:
@@ -93,6 +111,10 @@ RULES: dict[str, Callable[[Args], Any]] = {
     "zero_optimization.prefetch_bucket_size": _hidden(0.9, 5e7),
     "zero_optimization.stage3_param_persistence_threshold": _persistence,
     "zero_optimization.param_persistence_threshold": _persistence,
+    # accelerate's DeepSpeedPlugin fills it from zero3_save_16bit_model (default false)
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": lambda a: False,
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": lambda a: False,
+    "zero_optimization.gather_16bit_weights_on_model_save": lambda a: False,
 }
 
 

@@ -74,7 +74,8 @@ def from_mapping(data: Any, auto_values: Mapping[str, Any] | None = None) -> Con
     try:
         config = native.build(Config, mapped.native, source="deepspeed",
                               ignored_keys=tuple(mapped.ignored),
-                              ignored_reasons=tuple(mapped.reasons))
+                              ignored_reasons=tuple(mapped.reasons),
+                              run_length_auto=tuple(mapped.run_length.items()))
     except ConfigError as exc:
         ds_key = mapped.origin.get(exc.key)
         if ds_key is None:

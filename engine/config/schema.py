@@ -132,7 +132,10 @@ class ZeroConfig:
     )
     reduce_bucket_bytes: int = field(
         default=1_000_000_000,
-        metadata=meta("gradient bytes reduced per collective", gt=0, unit="bytes"),
+        # 0 is DeepSpeed's "no bucketing" (reduce_bucket_size: 0 reduces every gradient on
+        # its own): one reduction in flight at a time (engine/schedule.py).
+        metadata=meta("bound on gradient bytes in flight in reductions behind backward; 0 = one "
+                      "reduction at a time", ge=0, unit="bytes"),
     )
     gather_16bit_weights_on_model_save: bool = field(
         default=False, metadata=meta("gather full compute-dtype weights when saving the model")
@@ -415,6 +418,11 @@ class Config:
     ignored_reasons: tuple[str, ...] = field(
         default=(), metadata=meta("why each of ignored_keys is not acted on", internal=True)
     )
+    run_length_auto: tuple[tuple[str, float], ...] = field(
+        default=(),
+        metadata=meta("DeepSpeed keys whose 'auto' waits for the run length, with the factor "
+                      "of it they take ([Note: auto run length] in hf_auto.py)", internal=True),
+    )
 
     def __post_init__(self) -> None:
         checks.validate(self)
@@ -429,3 +437,30 @@ class Config:
             raise ConfigError("world_size", f"{world_size!r} is not allowed; allowed: an int >= 1")
         batch = checks.resolve_batch(self.batch, world_size)
         return dataclasses.replace(self, batch=batch)
+
+    def with_run_length(self, steps: int) -> Config:
+        """The config with every "auto" that waits for the run length filled for a run of
+        `steps` optimizer steps ([Note: auto run length] in hf_auto.py); itself when none
+        waits."""
+        if not self.run_length_auto:
+            return self
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(self.run_length_auto[0][0], f"'auto' resolved with run length "
+                              f"{steps!r}; allowed: an int >= 1 (optimizer steps)")
+        native = {"scheduler.params.total_num_steps": "total_steps",
+                  "scheduler.params.warmup_num_steps": "warmup_steps"}  # (checks.py refuses others)
+        filled = {native[key]: checks.of_run_length(factor, steps)
+                  for key, factor in self.run_length_auto}
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **filled),
+                                   run_length_auto=())
+
+    def require_run_length(self) -> None:
+        """ConfigError naming the first DeepSpeed key whose "auto" still waits for the run
+        length (called before any work by `initialize`)."""
+        if self.run_length_auto:
+            keys = ", ".join(k for k, _ in self.run_length_auto)
+            raise ConfigError(self.run_length_auto[0][0],
+                              f"'auto' needs the run length, which is still unknown (waiting: "
+                              f"{keys}); pass auto_values={{'max_steps': N}} to load_config, "
+                              "call config.with_run_length(N), run it with `tierzero train` "
+                              "(train.steps fills it) or write the number")

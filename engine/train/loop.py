@@ -234,7 +234,7 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, *,
 def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
                 source: str, start_step: int = 0) -> dict[str, Any]:
     tree = as_dict(config)
-    for key in ("source", "ignored_keys", "ignored_reasons"):
+    for key in ("source", "ignored_keys", "ignored_reasons", "run_length_auto"):
         tree.pop(key, None)
     return {"event": "run", "started": datetime.now(timezone.utc).isoformat(),
             "model": model, "parameters": n_params, "units": units, "world_size": world,
