@@ -157,12 +157,15 @@ def _write_engine_slot(reader: SliceReader, entry: TensorEntry, eng_group: FlatG
     if b <= a:
         return 0
     values = reader.read(entry, a - slot.offset, b - slot.offset)
-    param16 = store.tensor(eng_group.key, "param16")
-    param16[a - lo:b - lo].copy_(values)
+    # Through store.use: a shard homed in the tier manager (offloaded to host or NVMe) is
+    # fetched, written and released (written back) like any other update.
+    with store.use(eng_group.key, "param16", writable=True) as param16:
+        param16[a - lo:b - lo].copy_(values)
     if eng_group.trainable:
-        master = store.tensor(eng_group.key, "master")
-        if master is not param16:
-            master[a - lo:b - lo].copy_(values)  # exact: the file's values, not param16's
+        # exact: the file's values, not param16's (an fp32 master aliasing param16 gets
+        # the same values twice)
+        with store.use(eng_group.key, "master", writable=True) as master:
+            master[a - lo:b - lo].copy_(values)
     return values.numel() * values.element_size()
 
 

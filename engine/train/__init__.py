@@ -1,24 +1,40 @@
 """The main job, `tierzero train`: data, model source, step loop, metrics, timeline, plot."""
 
 from tierzero.engine.train.checkpoints import TrainError
-from tierzero.engine.train.data import ByteBatches, DataError, load_bytes
-from tierzero.engine.train.loop import TrainOptions, TrainResult, run
+from tierzero.engine.train.data import (
+    IGNORE,
+    ByteBatches,
+    DataError,
+    ExampleBatches,
+    TrainData,
+    load_bytes,
+    load_data,
+    load_tokenizer,
+)
+from tierzero.engine.train.loop import TrainOptions, TrainResult, evaluate, run, token_loss
 from tierzero.engine.train.metrics import StepRecord
 from tierzero.engine.train.model_source import ModelError, build_model
 from tierzero.engine.train.timeline import TraceWindow
 from tierzero.swap.trace import KINDS
 
 __all__ = [
+    "IGNORE",
     "KINDS",
     "ByteBatches",
     "DataError",
+    "ExampleBatches",
     "ModelError",
     "StepRecord",
     "TraceWindow",
+    "TrainData",
     "TrainError",
     "TrainOptions",
     "TrainResult",
     "build_model",
+    "evaluate",
     "load_bytes",
+    "load_data",
+    "load_tokenizer",
     "run",
+    "token_loss",
 ]

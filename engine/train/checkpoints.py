@@ -3,7 +3,7 @@
 The engine's checkpoint holds the model, optimizer, schedule, loss scaler and
 RNG states; the job adds its own position as `client_state`:
 
-    {"train": {"step": <steps done>, "batches_drawn": <ByteBatches.drawn>}}
+    {"train": {"step": <steps done>, "batches_drawn": <Batches.drawn>}}
 
 so a resumed run continues the step count, the lr schedule and the data
 stream exactly where the saved one stopped (every rank draws its own batches
@@ -22,7 +22,7 @@ from pathlib import Path
 from tierzero import engine
 from tierzero.engine.checkpoint_layout import LATEST, MANIFEST
 from tierzero.engine.config.train import TrainConfig
-from tierzero.engine.train.data import ByteBatches
+from tierzero.engine.train.data import Batches
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def checkpoint_dir(tc: TrainConfig, run_dir: str) -> str:
     return tc.checkpoint_dir or os.path.join(run_dir, "checkpoints")
 
 
-def resume(eng: engine.ZeroEngine, batches: ByteBatches, source: ResumeFrom) -> int:
+def resume(eng: engine.ZeroEngine, batches: Batches, source: ResumeFrom) -> int:
     """Load the checkpoint into `eng`, move `batches` to its data position; the step
     count reached."""
     path, client = eng.load_checkpoint(source.directory, source.tag)
@@ -110,7 +110,7 @@ def resume(eng: engine.ZeroEngine, batches: ByteBatches, source: ResumeFrom) -> 
     return step
 
 
-def save(eng: engine.ZeroEngine, directory: str, step: int, batches: ByteBatches) -> None:
+def save(eng: engine.ZeroEngine, directory: str, step: int, batches: Batches) -> None:
     """Save `step<step>` in the background (offloaded state is streamed before returning;
     engine/checkpoint.py); every later save and eng.close() waits for it."""
     eng.save_checkpoint(directory, tag=f"step{step}", background=True,

@@ -27,7 +27,7 @@ from tierzero.engine.config import Config
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.train import checkpoints
 from tierzero.engine.train.checkpoints import TrainError
-from tierzero.engine.train.data import ByteBatches, load_bytes
+from tierzero.engine.train.data import IGNORE, Batch, Batches, check_data_settings, load_data
 from tierzero.engine.train.metrics import (
     DiskCounter,
     MetricsWriter,
@@ -58,6 +58,7 @@ class TrainResult:
     run_dir: str
     metrics_path: str
     records: list[StepRecord] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # the "eval" metrics events
     trace_path: str | None = None
     plot_path: str | None = None
 
@@ -66,6 +67,7 @@ def check_settings(config: Config, options: TrainOptions) -> None:
     """Refuse what cannot be done, before any work starts."""
     tc = config.train
     checkpoints.check_checkpoint_settings(tc)
+    check_data_settings(tc)
     first, count = options.trace_steps
     if options.trace_path and (first < 1 or count < 1 or first > tc.steps):
         raise TrainError(f"--trace-steps {first},{count}: needs FIRST >= 1, COUNT >= 1 and FIRST "
@@ -122,12 +124,16 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     config = config.check_world_size(world)
     micro = config.batch.micro_batch_size or 1
     accum = config.batch.gradient_accumulation_steps or 1
-    tokens, source = load_bytes(tc.dataset)
-    batches = ByteBatches(tokens, tc.seq_len, micro, seed=config.seed, rank=rank, source=source)
+    data = load_data(tc, micro=micro, accum=accum, seed=config.seed, rank=rank, world=world)
+    batches, source = data.batches, data.source
+    # The run length is known now (train.epochs may have set it): fill DeepSpeed's
+    # "auto" total_num_steps ([Note: auto run length] in engine/config/hf_auto.py).
+    config = replace(config, train=replace(tc, steps=data.steps)).with_run_length(data.steps)
+    tc = config.train
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     t0 = time.perf_counter()
-    model = build_model(tc.model, tc.seq_len)
+    model = build_model(tc.model, tc.seq_len, data.tokenizer.vocab_size, data.tokenizer.name)
     n_params = sum(p.numel() for p in model.parameters())
     eng, _, _, _ = engine.initialize(model=model, config=config)
     try:
@@ -161,7 +167,11 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     try:
         if writer:
             writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),
-                                     world=world, source=source, start_step=start))
+                                     world=world, source=source, start_step=start,
+                                     tokenizer=data.tokenizer.name, mode=data.mode,
+                                     eval_source=data.eval_source))
+        if data.eval:
+            _eval_event(eng, data.eval, start, world, result, writer)
         with logging_redirect_tqdm():
             bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
                        initial=start, total=tc.steps, disable=not (rank0 and options.progress))
@@ -169,6 +179,10 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                 window.before(step)
                 record = _one_step(eng, batches, disk=disk, moves=moves, step=step,
                                    accum=accum, world=world)
+                if data.eval and (step == tc.steps or (
+                        tc.eval_interval and step % tc.eval_interval == 0)):
+                    # (inside the traced step, so every trace event lies in a step span)
+                    _eval_event(eng, data.eval, step, world, result, writer)
                 window.after(step)
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
@@ -180,7 +194,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                     checkpoints.save(eng, ckpt_dir, step, batches)
             bar.close()
         if writer:
-            writer.write(_summary(result.records))
+            writer.write(_summary(result.records, result.evals))
     finally:
         window.close()
         eng.close()
@@ -191,7 +205,51 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     return result
 
 
-def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, *,
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, *,
+               reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of next-token `labels` (B, T), skipping IGNORE (prompt tokens and
+    padding). A batch with no target at all gives 0 with zero gradients, not NaN."""
+    flat = logits.float().flatten(0, 1)  # (B*T, V)
+    target = labels.to(logits.device).flatten()
+    if reduction == "mean" and not bool((target != IGNORE).any()):
+        return flat.sum() * 0.0
+    return F.cross_entropy(flat, target, ignore_index=IGNORE, reduction=reduction)
+
+
+def evaluate(eng: engine.ZeroEngine, batches: list[Batch], world: int) -> tuple[float, int]:
+    """(mean loss per target token, target tokens) over every rank's evaluation batches;
+    forward only, in eval mode (every rank runs the same number of forwards)."""
+    total = torch.zeros(2, dtype=torch.float64)  # [loss sum, target tokens]
+    eng.eval()
+    try:
+        with torch.no_grad():
+            for x, y in batches:
+                out = eng(input_ids=x)
+                logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+                total[0] += float(token_loss(logits, y, reduction="sum").item())
+                total[1] += int((y != IGNORE).sum())
+    finally:
+        eng.train()
+    if world > 1:
+        dist.all_reduce(total)
+    return float(total[0] / max(total[1], 1.0)), int(total[1])
+
+
+def _eval_event(eng: engine.ZeroEngine, batches: list[Batch], step: int, world: int,
+                result: TrainResult, writer: MetricsWriter | None) -> None:
+    t0 = time.perf_counter()
+    loss, tokens = evaluate(eng, batches, world)
+    event = {"event": "eval", "step": step, "eval_loss": loss, "eval_tokens": tokens,
+             "eval_s": time.perf_counter() - t0}
+    result.evals.append(event)
+    if writer:
+        writer.write(event)
+    if eng.comm.rank == 0:
+        log.info("eval at step %d | eval loss %.4f | %d target tokens | %.2f s", step, loss,
+                 tokens, event["eval_s"])
+
+
+def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
               disk: DiskCounter, moves: TierCounter, step: int, accum: int,
               world: int) -> StepRecord:
     start = time.perf_counter()
@@ -200,12 +258,12 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, *,
     optimizer_s = 0.0
     n_tokens = 0
     for micro in range(accum):
-        x, y = batches.next()  # (B, T) inputs and next-byte labels
+        x, y = batches.next()  # (B, T) inputs and next-token labels (IGNORE: no loss)
         n_tokens += x.numel()
         with trace.span("forward", f"forward {micro}"):
             out = eng(input_ids=x)
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(logits.device).flatten())
+        loss = token_loss(logits, y)
         with trace.span("backward", f"backward {micro}"):
             eng.backward(loss)
         losses.append(float(loss.item()))
@@ -232,23 +290,27 @@ def _one_step(eng: engine.ZeroEngine, batches: ByteBatches, *,
 
 
 def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
-                source: str, start_step: int = 0) -> dict[str, Any]:
+                source: str, start_step: int = 0, tokenizer: str = "bytes",
+                mode: str = "windows", eval_source: str | None = None) -> dict[str, Any]:
     tree = as_dict(config)
     for key in ("source", "ignored_keys", "ignored_reasons", "run_length_auto"):
         tree.pop(key, None)
     return {"event": "run", "started": datetime.now(timezone.utc).isoformat(),
             "model": model, "parameters": n_params, "units": units, "world_size": world,
             "start_step": start_step,
-            "dataset": source, "config": tree,
+            "dataset": source, "tokenizer": tokenizer, "data_mode": mode,
+            "eval_dataset": eval_source, "config": tree,
             "machine": {"cpu": platform.processor() or platform.machine(),
                         "cores": os.cpu_count(), "torch": torch.__version__,
                         "cuda": torch.cuda.is_available()}}
 
 
-def _summary(records: list[StepRecord]) -> dict[str, Any]:
+def _summary(records: list[StepRecord], evals: list[dict[str, Any]]) -> dict[str, Any]:
     if not records:
         return {"event": "end", "steps": 0}
-    return {"event": "end", "steps": len(records), "first_loss": records[0].loss,
+    losses = {"first_eval_loss": evals[0]["eval_loss"],
+              "last_eval_loss": evals[-1]["eval_loss"]} if evals else {}
+    return {"event": "end", "steps": len(records), **losses, "first_loss": records[0].loss,
             "last_loss": records[-1].loss,
             "mean_tokens_per_s": sum(r.tokens for r in records) / sum(r.step_s for r in records),
             "total_s": sum(r.step_s for r in records),
@@ -275,4 +337,4 @@ def with_steps(config: Config, steps: int | None) -> Config:
         return config
     if steps < 1:
         raise TrainError(f"--steps {steps}: allowed: an int >= 1")
-    return replace(config, train=replace(config.train, steps=steps))
+    return replace(config, train=replace(config.train, steps=steps, epochs=0))

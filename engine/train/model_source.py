@@ -5,8 +5,9 @@ Hugging Face `config.json` builds that architecture with fresh weights through
 `transformers` (the `hf` extra); a model directory that also holds weight
 files (`*.safetensors`, `*.bin`) is fine-tuned from them: the training job
 loads them with `engine.load_pretrained` once the model is partitioned
-(`pretrained_dir` says whether there are any). The vocabulary must cover the
-256 byte tokens.
+(`pretrained_dir` says whether there are any). The model's vocabulary must
+cover the tokenizer's: the 256 byte tokens, or the model directory's own
+tokenizer (engine/train/data/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -35,15 +36,21 @@ def builtin_config(spec: str) -> TinyLMConfig:
     return SIZES[size]
 
 
-def build_model(spec: str, seq_len: int) -> nn.Module:
-    """The module `spec` names, with seq_len checked against its context length."""
+def build_model(spec: str, seq_len: int, vocab: int = VOCAB,
+                tokenizer: str = "bytes") -> nn.Module:
+    """The module `spec` names, with seq_len checked against its context length and its
+    vocabulary against the `vocab` ids of the tokenizer named `tokenizer`."""
     if spec.startswith("builtin:") or spec in SIZES:
         cfg = builtin_config(spec if spec.startswith("builtin:") else f"builtin:{spec}")
         if seq_len > cfg.max_seq_len:
             raise ModelError(f"train.seq_len {seq_len} exceeds {spec}'s context of "
                              f"{cfg.max_seq_len} tokens; lower train.seq_len")
+        if vocab > VOCAB:
+            raise ModelError(f"train.model {spec} has the byte vocabulary ({VOCAB}); tokenizer "
+                             f"{tokenizer} has {vocab} tokens; set train.tokenizer: bytes or "
+                             "train a Hugging Face model")
         return TinyLM(cfg)
-    return _hf_model(spec, seq_len)
+    return _hf_model(spec, seq_len, vocab, tokenizer)
 
 
 def pretrained_dir(spec: str) -> str | None:
@@ -55,7 +62,7 @@ def pretrained_dir(spec: str) -> str | None:
     return spec if weights else None
 
 
-def _hf_model(path: str, seq_len: int) -> nn.Module:
+def _hf_model(path: str, seq_len: int, need: int, tokenizer: str) -> nn.Module:
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(config_file):
         raise ModelError(f"train.model: {path!r} is neither a built-in size ({describe_sizes()}) "
@@ -67,9 +74,10 @@ def _hf_model(path: str, seq_len: int) -> nn.Module:
                          "transformers package: pip install 'tierzero[hf]'") from exc
     hf_config = transformers.AutoConfig.from_pretrained(config_file)
     vocab = getattr(hf_config, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < VOCAB:
-        raise ModelError(f"train.model: {config_file} has vocab_size {vocab}; byte-level "
-                         f"training needs at least {VOCAB}")
+    if not isinstance(vocab, int) or vocab < need:
+        needs = (f"byte-level training needs at least {VOCAB}" if tokenizer == "bytes" else
+                 f"tokenizer {tokenizer} has {need} tokens")
+        raise ModelError(f"train.model: {config_file} has vocab_size {vocab}; {needs}")
     context = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(context, int) and seq_len > context:
         raise ModelError(f"train.seq_len {seq_len} exceeds max_position_embeddings {context} "

@@ -1,4 +1,4 @@
-"""Byte-level training data: a text or JSONL file as one stream of byte tokens.
+"""Byte-level random windows: a text or JSONL file as one stream of byte tokens.
 
 Tokenisation is the UTF-8 encoding itself (vocabulary 256), so any text works
 and nothing has to be downloaded. Samples are windows of seq_len + 1 bytes at
@@ -14,11 +14,9 @@ from importlib import resources
 
 import torch
 
+from tierzero.engine.train.data.errors import DataError
+
 SHIPPED = "the shipped corpus (engine/data/corpus.txt)"
-
-
-class DataError(ValueError):
-    """A dataset that cannot be read or is too short; the message names the file."""
 
 
 def load_bytes(path: str | None) -> tuple[torch.Tensor, str]:
