@@ -224,7 +224,7 @@ def test_pack_epochs_shuffle_ranks_and_skip() -> None:
     assert per_epoch == (len(stream) - 1) // 8 // 4
     epochs: list[list[list[int]]] = []
     for _ in range(2):
-        rows = [x[i].tolist() + [0] for b in ranks for _ in range(per_epoch)
+        rows = [[*x[i].tolist(), 0] for b in ranks for _ in range(per_epoch)
                 for x, _ in [b.next()] for i in range(2)]
         epochs.append(rows)
         assert len(rows) == per_epoch * 4

@@ -42,7 +42,7 @@ def finetune_config(tmp_path: Path, model: Path, data: Path, **train: Any) -> Pa
 
 def test_finetune_chat_with_own_tokenizer_on_nvme(tmp_path: Path,
                                                   llama_dir: tuple[Path, Any]) -> None:
-    model, tok = llama_dir
+    model, _tok = llama_dir
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(80))
     config = finetune_config(tmp_path, model, data)
     assert main(["train", str(config), "--no-progress"]) == 0
@@ -75,7 +75,7 @@ def test_prompt_tokens_carry_no_loss_in_the_batches(tmp_path: Path,
     assert got.per_epoch is not None
     labels: list[int] = []
     for _ in range(got.per_epoch):
-        x, y = got.batches.next()
+        _x, y = got.batches.next()
         # packed rows overlap by one token, so each token after the first is one label
         for row in y.tolist():
             labels += [t for t in row if t != IGNORE]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tierzero.engine.config import checks
 from tierzero.engine.config.errors import ConfigError
@@ -449,8 +449,8 @@ class Config:
                               f"{steps!r}; allowed: an int >= 1 (optimizer steps)")
         native = {"scheduler.params.total_num_steps": "total_steps",
                   "scheduler.params.warmup_num_steps": "warmup_steps"}  # (checks.py refuses others)
-        filled = {native[key]: checks.of_run_length(factor, steps)
-                  for key, factor in self.run_length_auto}
+        filled: dict[str, Any] = {native[key]: checks.of_run_length(factor, steps)
+                                  for key, factor in self.run_length_auto}
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **filled),
                                    run_length_auto=())
 

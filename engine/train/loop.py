@@ -171,7 +171,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                                      tokenizer=data.tokenizer.name, mode=data.mode,
                                      eval_source=data.eval_source))
         if data.eval:
-            _eval_event(eng, data.eval, start, world, result, writer)
+            _eval_event(eng, data.eval, start, world=world, result=result, writer=writer)
         with logging_redirect_tqdm():
             bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
                        initial=start, total=tc.steps, disable=not (rank0 and options.progress))
@@ -182,7 +182,8 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                 if data.eval and (step == tc.steps or (
                         tc.eval_interval and step % tc.eval_interval == 0)):
                     # (inside the traced step, so every trace event lies in a step span)
-                    _eval_event(eng, data.eval, step, world, result, writer)
+                    _eval_event(eng, data.eval, step, world=world, result=result,
+                                    writer=writer)
                 window.after(step)
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
@@ -232,10 +233,11 @@ def evaluate(eng: engine.ZeroEngine, batches: list[Batch], world: int) -> tuple[
         eng.train()
     if world > 1:
         dist.all_reduce(total)
-    return float(total[0] / max(total[1], 1.0)), int(total[1])
+    loss_sum, count = float(total[0]), int(total[1])
+    return loss_sum / max(count, 1), count
 
 
-def _eval_event(eng: engine.ZeroEngine, batches: list[Batch], step: int, world: int,
+def _eval_event(eng: engine.ZeroEngine, batches: list[Batch], step: int, *, world: int,
                 result: TrainResult, writer: MetricsWriter | None) -> None:
     t0 = time.perf_counter()
     loss, tokens = evaluate(eng, batches, world)

@@ -92,8 +92,8 @@ def load_data(tc: TrainConfig, *, micro: int, accum: int, seed: int, rank: int,
         data = _windows(tc, rows, source, eval_rows, eval_source, micro=micro, seed=seed,
                         rank=rank, world=world)
     else:
-        data = _examples(tc, tok, rows, source, eval_rows, eval_source, micro=micro,
-                         accum=accum, seed=seed, rank=rank, world=world)
+        data = _examples(tc, tok, rows, source, eval_rows=eval_rows, eval_source=eval_source,
+                         micro=micro, accum=accum, seed=seed, rank=rank, world=world)
     log.info("data: %s, %s tokenizer, %s mode%s%s", source, tok.name, data.mode,
              f", {data.per_epoch} batches per rank per epoch" if data.per_epoch else "",
              f", evaluation: {data.eval_source} ({len(data.eval)} batches per rank)"
@@ -127,8 +127,8 @@ def _stream(examples: list[Example]) -> torch.Tensor:
     return torch.tensor([i for e in examples for i in e.ids], dtype=torch.uint8)
 
 
-def _examples(tc: TrainConfig, tok: Tokenizer, rows: list[Row], source: str,
-              eval_rows: list[Row], eval_source: str | None, *, micro: int, accum: int,
+def _examples(tc: TrainConfig, tok: Tokenizer, rows: list[Row], source: str, *,
+              eval_rows: list[Row], eval_source: str | None, micro: int, accum: int,
               seed: int, rank: int, world: int) -> TrainData:
     packing: Packing = "pad" if tc.packing == "pad" else "pack"
     if tc.eval_fraction:

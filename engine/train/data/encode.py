@@ -53,9 +53,8 @@ def kind_of(row: Row) -> str:
 def encode(row: Row, tok: Tokenizer) -> Example:
     kind = kind_of(row)
     if kind == "text":
-        text = _string(row, "text")
-        ids = tok.encode(text, specials=True) + tok.end
-        return Example(ids, [True] * len(ids))
+        doc = tok.encode(_string(row, "text"), specials=True) + tok.end
+        return Example(doc, [True] * len(doc))
     if kind == "prompt/completion":
         prompt, completion = _string(row, "prompt"), _string(row, "completion")
         head = tok.encode(prompt, specials=True)

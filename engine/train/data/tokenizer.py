@@ -130,8 +130,10 @@ def _hf(path: str, what: str) -> Tokenizer:
         raise DataError(f"{what} needs the transformers package: pip install "
                         "'tierzero[hf]'") from exc
     try:
+        tok: Any
         if os.path.isfile(path):  # a bare tokenizer.json
-            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+            tok = transformers.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
+                tokenizer_file=path)
         else:
             tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
