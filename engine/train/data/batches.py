@@ -46,13 +46,24 @@ class Batches(Protocol):
     def skip(self, n: int) -> None: ...
 
 
-def pack_rows(examples: Sequence[Example], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def as_tensors(examples: Sequence[Example]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each example as (ids 1D int64, target 1D bool), converted once."""
+    return [(torch.tensor(e.ids, dtype=torch.int64), torch.tensor(e.target, dtype=torch.bool))
+            for e in examples]
+
+
+def pack_rows(examples: Sequence[Example] | Sequence[tuple[torch.Tensor, torch.Tensor]],
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (N, T + 1) int64, target (N, T + 1) bool) of the examples concatenated."""
-    ids = torch.tensor([i for e in examples for i in e.ids], dtype=torch.int64)
-    target = torch.tensor([t for e in examples for t in e.target], dtype=torch.bool)
-    n = max(0, (ids.numel() - 1) // seq_len)
-    idx = torch.arange(n)[:, None] * seq_len + torch.arange(seq_len + 1)  # (N, T + 1)
-    return ids[idx], target[idx]
+    pairs = [e if isinstance(e, tuple) else (torch.tensor(e.ids, dtype=torch.int64),
+                                             torch.tensor(e.target, dtype=torch.bool))
+             for e in examples]
+    ids = torch.cat([i for i, _ in pairs]) if pairs else torch.zeros(0, dtype=torch.int64)
+    target = torch.cat([t for _, t in pairs]) if pairs else torch.zeros(0, dtype=torch.bool)
+    if ids.numel() < seq_len + 1:
+        return ids.new_zeros((0, seq_len + 1)), target.new_zeros((0, seq_len + 1))
+    # windows of T + 1 every T tokens, as views: (N, T + 1)
+    return ids.unfold(0, seq_len + 1, seq_len), target.unfold(0, seq_len + 1, seq_len)
 
 
 def pad_rows(examples: Sequence[Example], seq_len: int,
@@ -89,6 +100,7 @@ class ExampleBatches:
         if not examples:
             raise DataError(f"{source} has no rows")
         self.examples = list(examples)
+        self._tensors = as_tensors(examples) if packing == "pack" else []
         self.seq_len, self.batch_size = seq_len, batch_size
         self.packing, self.pad_id, self.shuffle = packing, pad_id, shuffle
         self.seed, self.rank, self.world = seed, rank, world
@@ -115,8 +127,9 @@ class ExampleBatches:
             order = torch.randperm(len(self.examples), generator=gen).tolist()
         else:
             order = list(range(len(self.examples)))
-        return rows_of([self.examples[i] for i in order], self.seq_len, self.packing,
-                       self.pad_id)
+        if self.packing == "pack":
+            return pack_rows([self._tensors[i] for i in order], self.seq_len)
+        return pad_rows([self.examples[i] for i in order], self.seq_len, self.pad_id)
 
     def skip(self, n: int) -> None:
         """Move past `n` batches (resuming at a saved position); rows are built lazily."""
