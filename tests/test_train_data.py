@@ -101,6 +101,11 @@ def test_chat_without_template_and_prompt_completion(tmp_path: Path, tok: HFToke
     assert targets(pc, tok) == " The sky is blue.</s>"
     head = tok.encode("What color is the sky?", specials=True)
     assert pc.ids[:len(head)] == head and not any(pc.target[:len(head)])
+    # the text is tokenised whole, as the model sees it at inference: a boundary inside a
+    # word keeps the word's token (a target only if it starts in the completion)
+    cut = encode(Row("d.jsonl:1", {"prompt": "The sk", "completion": "y is blue."}), tok)
+    assert cut.ids == tok.encode("The sky is blue.", specials=True) + tok.end
+    assert targets(cut, tok) == " is blue.</s>"
     text = encode(Row("d.txt:1", {"text": "The snow is white."}), tok)
     assert all(text.target) and text.ids[-1] == tok.end[0]
 

@@ -12,11 +12,12 @@ Chat with a template ([Note: chat prompt masking]): for each assistant turn i
 the template renders messages[:i] with the generation prompt (the prompt the
 model continues) and messages[:i + 1] (the prompt plus its reply); the reply
 is the difference. Each rendering must begin with the previous one, or the
-template is refused with the row named. Segments are tokenised one by one
-without added special tokens (the template writes its own), so the mask is
-exact. Without a template (byte-level, or a tokenizer without one) each
-message is written `role: content` on its own line, the reply followed by the
-end token.
+template is refused with the row named. The rendered text is tokenised whole,
+without added special tokens (the template writes its own), and a token is a
+target when it starts inside a reply (a fast tokenizer's character offsets; a
+slow one tokenises segment by segment). Without a template (byte-level, or a
+tokenizer without one) each message is written `role: content` on its own
+line, the reply followed by the end token.
 """
 
 from __future__ import annotations
@@ -57,21 +58,15 @@ def encode(row: Row, tok: Tokenizer) -> Example:
         return Example(doc, [True] * len(doc))
     if kind == "prompt/completion":
         prompt, completion = _string(row, "prompt"), _string(row, "completion")
-        head = tok.encode(prompt, specials=True)
-        tail = tok.encode(completion, specials=False) + tok.end
-        return Example(head + tail, [False] * len(head) + [True] * len(tail))
+        ids, target = tok.encode_segments([(prompt, False), (completion, True)], specials=True)
+        return Example(ids + tok.end, target + [True] * len(tok.end))
     messages = _messages(row)
-    segments = _template_segments(row, messages, tok) if tok.has_chat_template else (
-        _plain_segments(messages))
-    ids: list[int] = []
-    target: list[bool] = []
-    for text, trained in segments:
-        seg = tok.encode(text, specials=False) if text else []
-        ids += seg
-        target += [trained] * len(seg)
-    if not tok.has_chat_template:
-        ids += tok.end
-        target += [True] * len(tok.end)
+    if tok.has_chat_template:
+        ids, target = tok.encode_segments(_template_segments(row, messages, tok),
+                                          specials=False)
+    else:
+        ids, target = tok.encode_segments(_plain_segments(messages), specials=False)
+        ids, target = ids + tok.end, target + [True] * len(tok.end)
     if not any(target):
         raise DataError(f"{row.where}: the assistant replies encode to no tokens; nothing to "
                         "train on")

@@ -35,11 +35,30 @@ class Tokenizer(Protocol):
         """Token ids of `text`; `specials` adds the tokenizer's own (BOS) around it."""
         ...
 
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], *,
+                        specials: bool) -> tuple[list[int], list[bool]]:
+        """(ids, target) of the segments' concatenated text: a token is a target when it
+        starts inside a segment marked True."""
+        ...
+
     def render_chat(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
         """The chat template applied to `messages`, as text (has_chat_template only)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def encode_each(tok: Tokenizer, segments: Sequence[tuple[str, bool]], *,
+                specials: bool) -> tuple[list[int], list[bool]]:
+    """Segment by segment (specials only around the first): exact for bytes; for a
+    tokenizer without character offsets, merges across a boundary are lost."""
+    ids: list[int] = []
+    target: list[bool] = []
+    for i, (text, trained) in enumerate(segments):
+        seg = tok.encode(text, specials=specials and i == 0) if text else []
+        ids += seg
+        target += [trained] * len(seg)
+    return ids, target
 
 
 class ByteTokenizer:
@@ -55,6 +74,10 @@ class ByteTokenizer:
 
     def encode(self, text: str, *, specials: bool) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], *,
+                        specials: bool) -> tuple[list[int], list[bool]]:
+        return encode_each(self, segments, specials=specials)
 
     def render_chat(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
         raise DataError("byte-level tokenizer has no chat template")
@@ -79,6 +102,27 @@ class HFTokenizer:
     def encode(self, text: str, *, specials: bool) -> list[int]:
         ids = self._tok(text, add_special_tokens=specials)["input_ids"]
         return [int(i) for i in ids]
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]], *,
+                        specials: bool) -> tuple[list[int], list[bool]]:
+        """A fast tokenizer encodes the whole text once (as the model will see it at
+        inference) and marks targets by character offsets; a slow one, segment by
+        segment."""
+        if not getattr(self._tok, "is_fast", False):
+            return encode_each(self, segments, specials=specials)
+        text = "".join(t for t, _ in segments)
+        trained = [False] * (len(text) + 1)
+        at = 0
+        for seg, on in segments:
+            if on:
+                trained[at:at + len(seg)] = [True] * len(seg)
+            at += len(seg)
+        enc = self._tok(text, add_special_tokens=specials, return_offsets_mapping=True)
+        ids = [int(i) for i in enc["input_ids"]]
+        # a token starting inside a trained segment is a target; added special tokens
+        # (BOS) have the empty span (0, 0) and are never targets
+        target = [end > start and trained[start] for start, end in enc["offset_mapping"]]
+        return ids, target
 
     def render_chat(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
         text = self._tok.apply_chat_template([dict(m) for m in messages], tokenize=False,
