@@ -60,6 +60,20 @@ def test_auto_values_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     assert "--auto: 'oops' is not allowed; allowed: NAME=VALUE" in capsys.readouterr().err
 
 
+def test_auto_run_length_is_listed_as_waiting(capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Path) -> None:
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "WarmupDecayLR",'
+                   ' "params": {"warmup_num_steps": 0, "total_num_steps": "auto"}}}')
+    assert main(["config", "check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "# 'auto' waiting for the run length (tierzero train: train.steps; or --auto " \
+           "max_steps=N): scheduler.params.total_num_steps" in out
+    assert main(["config", "check", str(cfg), "--auto", "max_steps=30"]) == 0
+    out = capsys.readouterr().out
+    assert "total_steps: 30" in out and "waiting" not in out
+
+
 def test_bad_file_exits_1_with_the_error(capsys: pytest.CaptureFixture[str],
                                          tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"

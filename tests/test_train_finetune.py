@@ -140,6 +140,7 @@ def test_windows_mode_holds_out_the_streams_tail(tmp_path: Path) -> None:
     ({"dataset": "/no/such.parquet"}, "train.dataset: '/no/such.parquet' is not a file"),
     ({"tokenizer": "TOK"}, "train.model builtin:tiny has the byte vocabulary (256); tokenizer"),
     ({"eval_fraction": 0.9}, "train.eval_fraction: 0.9 is out of range"),
+    ({"tokenizer": "/no/tok"}, "train.tokenizer: '/no/tok' does not exist"),
 ])
 def test_bad_data_settings_are_refused_before_work(
         train: dict[str, Any], needle: str, tmp_path: Path, llama_dir: tuple[Path, Any],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -62,6 +63,10 @@ def check_data_settings(tc: TrainConfig) -> None:
         if tc.eval_fraction:
             raise DataError(f"train.eval_dataset and train.eval_fraction ({tc.eval_fraction}) "
                             "are both set; give one (eval_fraction 0 with an eval_dataset)")
+    if tc.tokenizer not in (None, "bytes") and not os.path.exists(tc.tokenizer):
+        raise DataError(f"train.tokenizer: '{tc.tokenizer}' does not exist; give a tokenizer "
+                        "directory, a tokenizer.json, 'bytes', or null for the model "
+                        "directory's own")
     if tc.packing == "pad" and tc.dataset is None:
         raise DataError("train.packing: pad needs train.dataset with one example per row; the "
                         "shipped corpus is one stream (use auto or pack)")
