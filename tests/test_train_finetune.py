@@ -159,7 +159,7 @@ def test_resume_continues_the_epochs_data_position(tmp_path: Path) -> None:
     run's losses exactly (fp32, no offload: the same kernels on the same batches)."""
     data = write_jsonl(tmp_path / "pc.jsonl", [
         {"prompt": f"Q{i}: what comes after {i}?", "completion": f" {i + 1}, then {i + 2}."}
-        for i in range(30)])
+        for i in range(6)])
     ck = tmp_path / "ck"
 
     def train(name: str, *flags: str, **train: Any) -> dict[int, float]:
@@ -170,7 +170,7 @@ def test_resume_continues_the_epochs_data_position(tmp_path: Path) -> None:
         return {r["step"]: r["loss"] for r in read_metrics(out) if r["event"] == "step"}
 
     full = train("full")
-    assert len(full) > 8  # two epochs of several batches each
+    assert len(full) == 6  # two epochs of 3 batches: the checkpoint at 5 is in the second
     first = train("first", "--steps", "5", checkpoint_interval=5, checkpoint_dir=str(ck))
     rest = train("rest", checkpoint_dir=str(ck), resume=True)
     assert first == {s: full[s] for s in range(1, 6)}
