@@ -183,7 +183,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                         tc.eval_interval and step % tc.eval_interval == 0)):
                     # (inside the traced step, so every trace event lies in a step span)
                     _eval_event(eng, data.eval, step, world=world, result=result,
-                                    writer=writer)
+                                writer=writer)
                 window.after(step)
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
