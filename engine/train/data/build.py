@@ -148,6 +148,9 @@ def _examples(tc: TrainConfig, tok: Tokenizer, rows: list[Row], source: str, *,
         rows = [rows[i] for i in sorted(order[n_eval:])]
         eval_source = f"{n_eval} of the {len(rows) + n_eval} rows of {source}"
     log.info("rows of %s: %s", source, describe_kinds(rows))
+    if not tok.end:
+        log.warning("tokenizer %s has no EOS token: examples are not closed by one (packed "
+                    "examples run into each other, replies are not taught to stop)", tok.name)
     examples = encode_all(rows, tok)
     _check_vocab(examples, tok, source)
     if packing == "pad":
