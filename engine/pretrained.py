@@ -10,6 +10,9 @@ Every rank reads only the rows of each tensor that hold its slice, one tensor
 at a time, so the extra memory is bounded by the largest tensor. No
 collective runs, so ranks need not agree on anything but the files.
 
+A peft-wrapped model (LoRA) loads the checkpoint of the model it wraps: keys
+are matched to the wrapped names and the adapters keep their initial values.
+
 Everything is checked before any value is written: every parameter present
 under one of its names (tied parameters have several), no unknown key, every
 shape equal, no truncated file.
@@ -35,6 +38,7 @@ from tierzero.engine.checkpoint_files import (
 )
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.flat_shard import FlatGroup, ParamSlot
+from tierzero.engine.hf.lora import peft_aliases
 from tierzero.engine.hf_layouts import map_legacy_moe
 from tierzero.engine.init_context import local_slice
 from tierzero.engine.shard_store import ShardStore
@@ -97,8 +101,30 @@ def _align_prefix(module: nn.Module, tensors: dict[str, TensorEntry]) -> dict[st
     return variants[best]
 
 
+def _peft_names(module: nn.Module, tensors: dict[str, TensorEntry]
+                ) -> tuple[dict[str, TensorEntry], set[str]]:
+    """Checkpoint keys in a peft-wrapped model's naming (engine/hf/lora.py): a Hugging Face
+    checkpoint of the unwrapped model fills the frozen base (`...q_proj.base_layer.weight`
+    from `...q_proj.weight`); the adapters (returned second) are new, never 'missing'."""
+    aliases, adapters = peft_aliases(module)
+    if not aliases:
+        return tensors, adapters
+    out = dict(tensors)
+    used = set()
+    for name, original in aliases.items():
+        if original in tensors and name not in tensors:
+            out[name] = tensors[original]
+            used.add(original)
+    for original in used:
+        out.pop(original, None)
+    log.info("load_pretrained: %d checkpoint keys matched to the peft-wrapped model's names; "
+             "%d adapter parameters keep their initial values", len(used), len(adapters))
+    return out, adapters
+
+
 def _check(module: nn.Module, tensors: dict[str, TensorEntry], strict: bool,
-           slots: dict[int, tuple[FlatGroup, ParamSlot]]) -> tuple[_Params, _Buffers]:
+           slots: dict[int, tuple[FlatGroup, ParamSlot]],
+           fresh: set[str] | None = None) -> tuple[_Params, _Buffers]:
     """Match checkpoint keys to parameters and buffers; every problem is raised at once."""
     by_name = dict(module.named_parameters(remove_duplicate=False))
     buffers = dict(module.named_buffers())
@@ -108,7 +134,8 @@ def _check(module: nn.Module, tensors: dict[str, TensorEntry], strict: bool,
     for pid, names in _alias_names(module).items():
         hits = [n for n in names if n in tensors]
         if not hits:
-            missing.append(names[0])
+            if not fresh or not set(names) & fresh:
+                missing.append(names[0])
             continue
         p = by_name[hits[0]]
         hit = slots.get(pid)
@@ -187,10 +214,11 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
                         f"{type(model_or_engine).__name__}")
     files = checkpoint_files(Path(path))
     with torch.no_grad(), SliceReader() as reader:
-        tensors = _align_prefix(module, list_tensors(files, reader))
+        tensors, fresh = _peft_names(module, list_tensors(files, reader))
+        tensors = _align_prefix(module, tensors)
         tensors = map_legacy_moe({n for n, _ in module.named_parameters()}, tensors)
         slots = _engine_slots(module)
-        matched, buf_matched = _check(module, tensors, strict, slots)
+        matched, buf_matched = _check(module, tensors, strict, slots, fresh)
         param_of = {id(e): p for e, p in matched}
         total = 0
         for entry in iter_ranges([e for e, _ in matched]):

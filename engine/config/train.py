@@ -15,6 +15,46 @@ Packing = Literal["auto", "pack", "pad"]
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters through `peft`: the base stays frozen (partitioned and offloaded like
+    any parameter), only the adapters train and get optimizer state."""
+
+    r: int = field(default=0, metadata=meta("adapter rank; 0 = no LoRA, every parameter trains",
+                                            ge=0))
+    alpha: float = field(default=16.0, metadata=meta("scaling numerator: updates are scaled "
+                                                     "by alpha / r", gt=0))
+    dropout: float = field(default=0.0, metadata=meta("dropout on the adapter input", ge=0,
+                                                      le=1))
+    target_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=meta("module names (suffixes) that get adapters, e.g. [q_proj, v_proj]; "
+                      "empty = peft's default for the architecture"),
+    )
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Hugging Face model directories written by `tierzero train` (Hugging Face models only):
+    config.json, sharded safetensors and the source's tokenizer files, streamed one flat
+    group at a time."""
+
+    at_end: bool = field(default=True, metadata=meta(
+        "write <dir>/final after the last step (skipped for built-in models)"))
+    at_checkpoints: bool = field(default=False, metadata=meta(
+        "also write <dir>/step<N> at every checkpoint (train.checkpoint_interval)"))
+    dir: str | None = field(default=None, metadata=meta(
+        "where exports go; null = <run dir>/hf", path=True))
+    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata=meta(
+        "dtype of the written weights (from the fp32 master of trained parameters)"))
+    lora: Literal["adapter", "merged"] = field(default="adapter", metadata=meta(
+        "with train.lora: adapter = a peft adapter directory (adapter_config.json + "
+        "adapter_model.safetensors); merged = the base model with the adapters folded in"))
+    max_shard_bytes: int = field(default=5 * 10**9, metadata=meta(
+        "largest safetensors file; more weights are split over files with an index",
+        gt=0, unit="bytes"))
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The main job: model, data, steps, checkpoints, output files."""
 
@@ -103,6 +143,10 @@ class TrainConfig:
         default="runs",
         metadata=meta("each run writes its files to a new directory inside this one", path=True),
     )
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata=meta(
+        "LoRA adapters on a frozen base (needs the peft package: the hf extra)"))
+    export: ExportConfig = field(default_factory=ExportConfig, metadata=meta(
+        "Hugging Face model directories written at the end and at checkpoints"))
     metrics_path: str | None = field(
         default=None,
         metadata=meta("JSONL metrics file, one line per step; null = <run dir>/metrics.jsonl",
