@@ -291,8 +291,8 @@ def _fold(values: dict[str, torch.Tensor], merges: dict[str, _Merge], unit_name:
 
 
 def _finish(temp: Path, final: Path, writer: _ShardedOut | None, *,
-            kept: dict[str, torch.Tensor], module: nn.Module, mode: str, config_bytes: bytes, base_model: nn.Module,
-            tokenizer_from: str | Path | None) -> None:
+            kept: dict[str, torch.Tensor], module: nn.Module, mode: str, config_bytes: bytes,
+            base_model: nn.Module, tokenizer_from: str | Path | None) -> None:
     """Rank 0: index, config, adapter files, tokenizer; then publish `temp` as `final`."""
     if writer is not None:
         writer.finish()
