@@ -142,6 +142,12 @@ class _ShardedOut:
             self._writer = None
 
 
+def is_hf_model(module: nn.Module) -> bool:
+    """A Hugging Face model (or a peft wrapper of one): it has a config to write."""
+    base = module.get_base_model() if is_peft_model(module) else module  # type: ignore[operator]
+    return callable(getattr(getattr(base, "config", None), "to_json_string", None))
+
+
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     persistent = set(module.state_dict(keep_vars=True))
     return {n: b for n, b in module.named_buffers() if n in persistent}

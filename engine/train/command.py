@@ -9,6 +9,7 @@ from typing import Any
 
 from tierzero import engine
 from tierzero.engine.config import ConfigError, load_config
+from tierzero.engine.hf import ExportError, LoraError
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import DataError
 from tierzero.engine.train.loop import TrainOptions, run, with_steps
@@ -59,7 +60,7 @@ def run_train(args: argparse.Namespace) -> int:
         logging.getLogger("tierzero.engine").setLevel(config.logging.level.upper())
         run(config, options)
     except (ConfigError, TrainError, DataError, ModelError, PlotError,
-            engine.PretrainedLoadError) as exc:
+            engine.PretrainedLoadError, ExportError, LoraError) as exc:
         sys.stderr.write(f"tierzero train: error: {exc}\n")
         return 1
     return 0

@@ -8,12 +8,14 @@ steps and writes the metrics file, the trace and the plot.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import platform
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +27,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from tierzero import engine
 from tierzero.engine.config import Config
 from tierzero.engine.config.native import as_dict
+from tierzero.engine.config.train import TrainConfig
+from tierzero.engine.hf import apply_lora, export_hf
+from tierzero.engine.hf.export import is_hf_model
+from tierzero.engine.models import SIZES
 from tierzero.engine.train import checkpoints
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import IGNORE, Batch, Batches, check_data_settings, load_data
@@ -36,7 +42,7 @@ from tierzero.engine.train.metrics import (
     log_line,
     tier_bytes,
 )
-from tierzero.engine.train.model_source import build_model, pretrained_dir
+from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
 from tierzero.engine.train.timeline import TraceWindow
 from tierzero.swap import trace
 
@@ -61,6 +67,16 @@ class TrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)  # the "eval" metrics events
     trace_path: str | None = None
     plot_path: str | None = None
+    export_path: str | None = None  # the Hugging Face directory written at the end
+
+
+def _export(eng: engine.ZeroEngine, tc: TrainConfig, out: str) -> str:
+    """Write the model as a Hugging Face directory (engine/hf/export.py); a collective."""
+    ex = tc.export
+    path = export_hf(eng, out, dtype=ex.dtype, lora=ex.lora, max_shard_bytes=ex.max_shard_bytes,
+                     tokenizer_from=model_dir(tc.model))
+    log.info("Hugging Face model written to %s", path)
+    return str(path)
 
 
 def check_settings(config: Config, options: TrainOptions) -> None:
@@ -79,6 +95,29 @@ def check_settings(config: Config, options: TrainOptions) -> None:
     if options.plot_path:
         from tierzero.engine.train.plot import require_matplotlib
         require_matplotlib()
+    _check_hf_settings(tc)
+
+
+def _check_hf_settings(tc: TrainConfig) -> None:
+    """train.lora and train.export: what they need is there, nothing would be overwritten."""
+    hf_model = not (tc.model.startswith("builtin:") or tc.model in SIZES)
+    if tc.lora.r and importlib.util.find_spec("peft") is None:
+        raise TrainError("train.lora.r > 0 needs the peft package: pip install 'tierzero[hf]'")
+    if tc.lora.r and not hf_model and not tc.lora.target_modules:
+        raise TrainError(f"train.lora on the built-in model {tc.model!r} needs "
+                         "train.lora.target_modules (peft knows defaults for Hugging Face "
+                         "architectures only), e.g. [qkv, proj]")
+    if tc.export.at_checkpoints and not hf_model:
+        raise TrainError(f"train.export.at_checkpoints: the built-in model {tc.model!r} has no "
+                         "Hugging Face format; use a Hugging Face model or set it to false")
+    if tc.export.at_checkpoints and not tc.checkpoint_interval:
+        raise TrainError("train.export.at_checkpoints needs train.checkpoint_interval > 0 "
+                         "(exports are written at checkpoints)")
+    if tc.export.dir is not None and tc.export.at_end and hf_model:
+        final = Path(tc.export.dir) / "final"
+        if final.exists():
+            raise TrainError(f"train.export.dir '{tc.export.dir}' already holds {final}; "
+                             "exports are never overwritten: pick another directory")
 
 
 def _init_process_group() -> bool:
@@ -133,8 +172,12 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     t0 = time.perf_counter()
-    model = build_model(tc.model, tc.seq_len, data.tokenizer.vocab_size, data.tokenizer.name)
+    model = apply_lora(build_model(tc.model, tc.seq_len, data.tokenizer.vocab_size,
+                                   data.tokenizer.name), tc.lora)
     n_params = sum(p.numel() for p in model.parameters())
+    if tc.lora.r:
+        log.info("LoRA r=%d: %d of %d parameters train (the base is frozen)", tc.lora.r,
+                 sum(p.numel() for p in model.parameters() if p.requires_grad), n_params)
     eng, _, _, _ = engine.initialize(model=model, config=config)
     try:
         resume_from = checkpoints.resume_source(tc)
@@ -156,6 +199,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
     run_dir = _run_dir(config, rank0)
     metrics_path = tc.metrics_path or os.path.join(run_dir, "metrics.jsonl")
     ckpt_dir = checkpoints.checkpoint_dir(tc, run_dir)
+    export_dir = tc.export.dir or os.path.join(run_dir, "hf")
     result = TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
                          plot_path=options.plot_path)
     first, count = options.trace_steps
@@ -193,7 +237,11 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                     log.info("%s", log_line(record, tc.steps))
                 if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
                     checkpoints.save(eng, ckpt_dir, step, batches)
+                    if tc.export.at_checkpoints:
+                        _export(eng, tc, os.path.join(export_dir, f"step{step}"))
             bar.close()
+        if tc.export.at_end and is_hf_model(eng.module):
+            result.export_path = _export(eng, tc, os.path.join(export_dir, "final"))
         if writer:
             writer.write(_summary(result.records, result.evals))
     finally:

@@ -62,6 +62,14 @@ def pretrained_dir(spec: str) -> str | None:
     return spec if weights else None
 
 
+def model_dir(spec: str) -> str | None:
+    """The directory of a Hugging Face model spec (where its tokenizer files are), else None."""
+    if spec.startswith("builtin:") or spec in SIZES:
+        return None
+    path = spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
+    return path if os.path.isdir(path) else None
+
+
 def _hf_model(path: str, seq_len: int, need: int, tokenizer: str) -> nn.Module:
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(config_file):
