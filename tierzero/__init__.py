@@ -31,10 +31,21 @@ from tierzero.engine import (
     load_config,
     load_pretrained,
 )
+from tierzero.engine.hf import export_hf
 from tierzero.offload import CPUAdam
 from tierzero.swap import SwapError, SwapStore
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """`tierzero.TierZeroTrainer`, imported on first use: it needs transformers, which
+    `import tierzero` does not."""
+    if name == "TierZeroTrainer":
+        from tierzero.engine.hf.trainer import TierZeroTrainer
+        return TierZeroTrainer
+    raise AttributeError(f"module 'tierzero' has no attribute {name!r}")
+
 
 __all__ = [
     "CPUAdam",
@@ -51,9 +62,11 @@ __all__ = [
     "PretrainedLoadError",
     "SwapError",
     "SwapStore",
+    "TierZeroTrainer",
     "ZeroEngine",
     "consolidate",
     "consolidate_to_safetensors",
+    "export_hf",
     "initialize",
     "load_config",
     "load_pretrained",
