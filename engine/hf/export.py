@@ -167,7 +167,7 @@ def _gather_group(eng: ZeroEngine, group: FlatGroup) -> torch.Tensor:
     """The group's full flat buffer (padded_numel elements, CPU): master or param16."""
     kind = "master" if group.trainable and eng.store.has(group.key, "master") else "param16"
     dev = eng.device if eng.comm.backend == "nccl" else torch.device("cpu")
-    with shard_use(eng.store, group.key, kind) as shard:  # type: ignore[arg-type]
+    with shard_use(eng.store, group.key, kind) as shard:
         full = torch.empty(group.padded_numel, dtype=shard.dtype, device=dev)
         eng.comm.all_gather(full, shard.to(dev))
     return full.cpu()
@@ -183,8 +183,8 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
     whose tokenizer files are copied. Refuses, before any collective, an `out` that
     exists (exports are never overwritten) and a model without a Hugging Face config.
     """
-    out_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if out_dtype not in DTYPES.values():
+    out_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if out_dtype is None or out_dtype not in DTYPES.values():
         raise ExportError(f"export dtype {dtype!r}; allowed: fp32, bf16")
     if lora not in ("adapter", "merged"):
         raise ExportError(f"export lora={lora!r}; allowed: adapter, merged")

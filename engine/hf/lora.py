@@ -35,8 +35,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         raise LoraError("train.lora.r > 0 needs the peft package: pip install "
                         "'tierzero[hf]'") from exc
     targets = list(cfg.target_modules) or None
-    lcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=targets, task_type="CAUSAL_LM")
+    lcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+                           lora_dropout=cfg.dropout, target_modules=targets,
+                           task_type="CAUSAL_LM")
     try:
         wrapped: nn.Module = peft.get_peft_model(model, lcfg)  # type: ignore[arg-type,unused-ignore]
     except ValueError as exc:  # peft: no default targets, or targets that match nothing

@@ -54,14 +54,16 @@ from transformers.trainer_utils import TrainOutput
 
 from tierzero.engine.checkpoint_layout import LATEST
 from tierzero.engine.config import Config, ConfigError, load_config
+from tierzero.engine.config.schema import SchedulerType
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.hf.export import export_hf
 from tierzero.engine.initialize import initialize
 
 log = logging.getLogger(__name__)
 
-_SCHEDULES = {"linear": "warmup_linear", "cosine": "warmup_cosine", "constant": "constant",
-              "constant_with_warmup": "constant"}
+_SCHEDULES: dict[str, SchedulerType] = {  # TrainingArguments.lr_scheduler_type -> ours
+    "linear": "warmup_linear", "cosine": "warmup_cosine", "constant": "constant",
+    "constant_with_warmup": "constant"}
 
 
 class _EngineCall:
@@ -166,7 +168,7 @@ class TierZeroTrainer(transformers.Trainer):
                              "dataset); streaming datasets are not supported")
         collator = self.data_collator
         try:
-            import datasets
+            import datasets  # type: ignore[import-untyped,unused-ignore]
             is_hf = isinstance(ds, datasets.Dataset)
         except ImportError:
             is_hf = False
@@ -178,10 +180,10 @@ class TierZeroTrainer(transformers.Trainer):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         sampler: DistributedSampler[Any] = DistributedSampler(
-            ds, num_replicas=world, rank=rank, shuffle=True, seed=a.seed,  # type: ignore[arg-type]
+            ds, num_replicas=world, rank=rank, shuffle=True, seed=a.seed,
             drop_last=a.dataloader_drop_last)
         loader: DataLoader[Any] = DataLoader(
-            ds, batch_size=a.per_device_train_batch_size, sampler=sampler,  # type: ignore[arg-type]
+            ds, batch_size=a.per_device_train_batch_size, sampler=sampler,
             collate_fn=collator, drop_last=a.dataloader_drop_last,
             num_workers=a.dataloader_num_workers)
         return loader, sampler
@@ -203,12 +205,15 @@ class TierZeroTrainer(transformers.Trainer):
             log.warning("TierZeroTrainer: save_total_limit=%s is not applied; tierzero "
                         "checkpoints are kept", a.save_total_limit)
         self.close()
+        if not isinstance(self.model, torch.nn.Module):
+            raise ValueError("TierZeroTrainer needs model= (an nn.Module)")
         eng, _, _, _ = initialize(model=self.model, config=config)
         self.engine = eng
         start, consumed = self._resume(eng, resume_from_checkpoint)
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=math.ceil(
-            max_steps / per_epoch), logging_steps=a.logging_steps, save_steps=a.save_steps,
-            train_batch_size=a.per_device_train_batch_size, global_step=start)
+            max_steps / per_epoch), train_batch_size=a.per_device_train_batch_size,
+            global_step=start)
+        self.state.compute_steps(a, max_steps)  # logging/save steps (a ratio or a count)
         self.state.log_history = self._resumed_history
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
@@ -223,6 +228,9 @@ class TierZeroTrainer(transformers.Trainer):
             for inputs in islice(batches, accum):
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(call, self._prepare_inputs(inputs))  # type: ignore[arg-type]
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError(f"compute_loss returned {type(loss).__name__}; expected "
+                                    "the loss tensor")
                 eng.backward(loss)
                 eng.step()
                 losses.append(float(loss.detach().item()))
@@ -269,10 +277,15 @@ class TierZeroTrainer(transformers.Trainer):
     # -- checkpoints ----------------------------------------------------------------
     def _save_tierzero(self, eng: ZeroEngine, step: int, consumed: int) -> None:
         tag = f"checkpoint-{step}"
-        eng.save_checkpoint(self.args.output_dir, tag=tag,
+        eng.save_checkpoint(self._output_dir(), tag=tag,
                             client_state={"trainer": {"step": step, "consumed": consumed,
                                                       "log_history": self.state.log_history}})
-        log.info("tierzero checkpoint %s", Path(self.args.output_dir) / tag)
+        log.info("tierzero checkpoint %s", self._output_dir() / tag)
+
+    def _output_dir(self) -> Path:
+        if not self.args.output_dir:
+            raise ValueError("TrainingArguments.output_dir is not set; checkpoints go there")
+        return Path(self.args.output_dir)
 
     def _resume(self, eng: ZeroEngine, source: str | bool | None) -> tuple[int, int]:
         """(steps done, micro-batches consumed) of the checkpoint `source` names; (0, 0)."""
@@ -280,7 +293,7 @@ class TierZeroTrainer(transformers.Trainer):
         if source is None or source is False:
             return 0, 0
         if source is True:
-            root, tag = Path(self.args.output_dir), None
+            root, tag = self._output_dir(), None
             if not (root / LATEST).is_file():
                 raise ValueError(f"resume_from_checkpoint=True: no tierzero checkpoint in "
                                  f"{root} (no {LATEST} file); pass a checkpoint directory")
@@ -291,7 +304,7 @@ class TierZeroTrainer(transformers.Trainer):
         if not isinstance(pos, dict) or not {"step", "consumed"} <= set(pos):
             raise ValueError(f"{path} was not saved by TierZeroTrainer (no trainer position "
                              "in its client_state)")
-        self._resumed_history = list(pos.get("log_history", []))  # type: ignore[misc]
+        self._resumed_history = list(pos.get("log_history", []))
         log.info("resumed from %s at step %d", path, pos["step"])
         return int(pos["step"]), int(pos["consumed"])
 
@@ -303,7 +316,7 @@ class TierZeroTrainer(transformers.Trainer):
         if self.engine is None:
             super().save_model(output_dir, _internal_call)
             return
-        out = Path(output_dir or self.args.output_dir)
+        out = Path(output_dir) if output_dir else self._output_dir()
         staging = out / ".tierzero-export"
         if self.engine.comm.rank == 0 and staging.exists():
             shutil.rmtree(staging)  # ours: left by a killed save_model
