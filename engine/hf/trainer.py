@@ -213,7 +213,7 @@ class TierZeroTrainer(transformers.Trainer):
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=math.ceil(
             max_steps / per_epoch), train_batch_size=a.per_device_train_batch_size,
             global_step=start)
-        self.state.compute_steps(a, max_steps)  # logging/save steps (a ratio or a count)
+        self.state.compute_steps(a, max_steps)  # type: ignore[no-untyped-call,unused-ignore]
         self.state.log_history = self._resumed_history
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
