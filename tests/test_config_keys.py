@@ -100,6 +100,16 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("train.checkpoint_dir", None, "$HOME/ckpt", f"{HOME}/ckpt", {}),
     ("train.resume", False, "true", True, {}),
     ("train.out_dir", "runs", "~/runs", f"{HOME}/runs", {}),
+    ("train.lora.r", 0, "8", 8, {}),
+    ("train.lora.alpha", 16.0, 32, 32.0, {}),
+    ("train.lora.dropout", 0.0, "0.05", 0.05, {}),
+    ("train.lora.target_modules", (), ["q_proj", "v_proj"], ("q_proj", "v_proj"), {}),
+    ("train.export.at_end", True, False, False, {}),
+    ("train.export.at_checkpoints", False, "true", True, {}),
+    ("train.export.dir", None, "~/hf", f"{HOME}/hf", {}),
+    ("train.export.dtype", "fp32", "bf16", "bf16", {}),
+    ("train.export.lora", "adapter", "merged", "merged", {}),
+    ("train.export.max_shard_bytes", 5 * 10**9, "2GiB", 2 << 30, {}),
     ("train.metrics_path", None, "m.jsonl", "m.jsonl", {}),
 ]
 
