@@ -82,3 +82,48 @@ def test_lora_bad_targets_named(tmp_path: Path) -> None:
     with pytest.raises(LoraError, match="target_modules"):
         apply_lora(hf, LoraConfig(r=4, target_modules=("no_such_proj",)))
     assert apply_lora(hf, LoraConfig(r=0)) is hf
+
+
+def _two_rank_export(tmp: str, rank: int) -> dict[str, torch.Tensor]:
+    """One rank: LoRA on a tiny Llama (the same seed on both ranks), its own batches,
+    adapter and merged exports into the shared directory, then the gathered logits."""
+    from hf_helpers import llama_config
+
+    torch.manual_seed(0)
+    model = apply_lora(transformers.LlamaForCausalLM(llama_config()),
+                       LoraConfig(r=4, target_modules=("q_proj", "v_proj")))
+    cfg = tierzero.load_config({"precision": "fp32", "optimizer": {"lr": 2e-2},
+                                "zero": {"persistence_threshold_bytes": 0},
+                                "offload": {"device": "cpu"}})
+    eng, *_ = tierzero.initialize(model=model, config=cfg, device="cpu")
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (2, 12), generator=g)
+        out = eng(input_ids=x, labels=x)
+        eng.backward(out.loss)
+        eng.step()
+    export_hf(eng, Path(tmp) / "adapter")
+    export_hf(eng, Path(tmp) / "merged", lora="merged")
+    eng.close()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    return {"logits": logits(model, ids), "ids": ids}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_export_two_ranks(tmp_path: Path) -> None:
+    """Each rank holds half of every group: the exports gather both halves."""
+    from functools import partial
+
+    from engine_dist import run_two_ranks
+    from hf_helpers import llama_config
+
+    res = run_two_ranks(tmp_path, {"x": partial(_two_rank_export, str(tmp_path))})
+    expected, ids = res[0]["x"]["logits"], res[0]["x"]["ids"]
+    torch.testing.assert_close(res[1]["x"]["logits"], expected, rtol=0, atol=0)
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged, ids), expected, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(0)  # the base both ranks built (frozen: unchanged by training)
+    base = transformers.LlamaForCausalLM(llama_config())
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    torch.testing.assert_close(logits(adapted, ids), expected, rtol=0, atol=1e-6)
