@@ -7,6 +7,8 @@ logits. Tested with transformers 5.24."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ DS_AUTO = {
         "total_num_steps": "auto"}},
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                           "offload_param": {"device": "cpu"}, "reduce_bucket_size": "auto",
+                          "stage3_gather_16bit_weights_on_model_save": "auto",
                           "stage3_prefetch_bucket_size": "auto",
                           "stage3_param_persistence_threshold": "auto"},
 }
@@ -143,3 +146,14 @@ def test_trainer_config_errors(tmp_path: Path) -> None:
     trainer.tierzero_config = {**NATIVE, "batch": {"micro_batch_size": 4}}
     with pytest.raises(ConfigError, match=r"batch\.micro_batch_size"):
         trainer.train()
+
+
+def test_import_tierzero_needs_no_transformers() -> None:
+    """TierZeroTrainer is imported on first use; `import tierzero` pulls in neither
+    transformers nor peft."""
+    code = ("import sys, tierzero; assert 'transformers' not in sys.modules, 'transformers'; "
+            "assert 'peft' not in sys.modules, 'peft'; "
+            "assert tierzero.TierZeroTrainer.__name__ == 'TierZeroTrainer'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
