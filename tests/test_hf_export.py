@@ -117,3 +117,33 @@ def test_export_refuses_models_without_hf_config(tmp_path: Path) -> None:
     finally:
         eng.close()
     assert not (tmp_path / "out").exists()
+
+
+def test_export_fault_raises_and_publishes_nothing(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails midway (disk full) is an ExportError naming the directory; the
+    output directory never appears, and a retry after the fault writes it whole."""
+    from tierzero.engine.checkpoint_io import SafetensorsWriter
+
+    base = save_tiny_llama(tmp_path / "base", tokenizer=False)
+    model = transformers.LlamaForCausalLM.from_pretrained(base)
+    eng, *_ = tierzero.initialize(model=model, config=_cfg(tmp_path, "none"))
+    real = SafetensorsWriter.write
+    calls = {"n": 0}
+
+    def failing(self: SafetensorsWriter, name: str, tensor: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(28, "No space left on device")
+        real(self, name, tensor)
+
+    monkeypatch.setattr(SafetensorsWriter, "write", failing)
+    with pytest.raises(ExportError, match=r"No space left on device") as info:
+        export_hf(eng, tmp_path / "out", max_shard_bytes=30_000)
+    assert ".out.partial" in str(info.value)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(SafetensorsWriter, "write", real)
+    export_hf(eng, tmp_path / "out", max_shard_bytes=30_000)  # the leftover is replaced
+    eng.close()
+    assert _tensors(tmp_path / "out").keys() == _tensors(base).keys()
+    assert not (tmp_path / ".out.partial").exists()

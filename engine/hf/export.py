@@ -3,9 +3,9 @@
 Streamed one flat group at a time ([Note: flat layout] in flat_shard.py): each
 rank hands its shard (the fp32 `master` of trained groups, `param16` of frozen
 ones) to an all-gather, rank 0 cuts the group's parameters out of the full
-buffer, writes them and drops it. Extra memory: one group's full buffer (a
-unit's parameters of one dtype; fp32 for trained groups) plus, for a merged
-LoRA export, the unit's tensors until its adapters are folded in.
+buffer, writes them and drops it. Extra memory: one group's full buffer and its
+parameters' copies (a unit's parameters of one dtype; fp32 for trained groups),
+or, for a merged LoRA export, the unit's tensors until its adapters are folded in.
 
 Output (rank 0, into `<out>.partial`, renamed to `<out>` when complete):
     full model / merged LoRA:
@@ -43,6 +43,7 @@ from tierzero.engine.checkpoint_io import (
     fsync_dir,
     write_bytes_durable,
 )
+from tierzero.engine.checkpoint_layout import CheckpointError
 from tierzero.engine.consolidation import DEFAULT_MAX_SHARD_BYTES, _plan_shards
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.flat_shard import FlatGroup
@@ -109,6 +110,7 @@ class _ShardedOut:
         self.names = ([f"{stem}.safetensors"] if n == 1 else
                       [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
         self.directory = directory
+        self.stem = stem
         self._i = 0
         self._left = 0
         self._writer: SafetensorsWriter | None = None
@@ -133,8 +135,8 @@ class _ShardedOut:
             index = {"metadata": {"total_size": sum(e.nbytes for s in self.shards for e in s)},
                      "weight_map": {e.name: f for f, s in zip(self.names, self.shards,
                                                              strict=True) for e in s}}
-            write_bytes_durable(self.directory / f"{self.names[0].split('-')[0]}"
-                                ".safetensors.index.json", json.dumps(index, indent=2).encode())
+            write_bytes_durable(self.directory / f"{self.stem}.safetensors.index.json",
+                                json.dumps(index, indent=2).encode())
 
     def abandon(self) -> None:
         if self._writer is not None:
@@ -219,7 +221,7 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
             temp.mkdir(mode=0o700)
         except OSError as exc:
             error = f"cannot create {temp} ({exc})"
-    raise_if_any_failed(eng, error, f"export_hf({str(final)!r})")
+    _raise_if_any_failed(eng, error, final)
 
     merges = _merges(module) if mode == "merged" else {}
     keep_adapters = mode == "adapter"
@@ -239,9 +241,19 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
                             tuple(b.shape)) for n, b in buffers.items()]
     writer = _ShardedOut(temp, entries, max_shard_bytes) if rank0 and mode != "adapter" else None
     kept: dict[str, torch.Tensor] = {}  # adapter mode: the adapters (small), for peft's names
+    def emit(values: dict[str, torch.Tensor]) -> None:  # rank 0: to the files, or kept
+        for qname, t in values.items():
+            name = out_name(qname)
+            if name is None:
+                continue
+            if keep_adapters:
+                kept[qname] = t.to(out_dtype)
+            elif writer is not None:
+                writer.write(name, t.to(out_dtype))
+
     try:
         for unit in eng.units:
-            values: dict[str, torch.Tensor] = {}  # this unit's parameters, rank 0, fp32/param
+            values: dict[str, torch.Tensor] = {}  # rank 0: this unit's parameters so far
             for u, g in groups:
                 if u is not unit:
                     continue
@@ -250,18 +262,17 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
                     for s in g.slots:
                         values[s.qname] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
                 del full
+                if rank0 and error is None and not merges:  # nothing to fold: write now
+                    try:
+                        emit(values)
+                    except (OSError, ValueError) as exc:
+                        error = f"writing {temp}: {exc}"
+                    values = {}
             if not rank0 or error is not None or not values:
                 continue
-            try:
+            try:  # a merged export: the unit's adapters fold into its base weights first
                 _fold(values, merges, unit_name=unit.name)
-                for qname, t in values.items():
-                    name = out_name(qname)
-                    if name is None:
-                        continue
-                    if keep_adapters:
-                        kept[qname] = t.to(out_dtype)
-                    elif writer is not None:
-                        writer.write(name, t.to(out_dtype))
+                emit(values)
             except (OSError, ValueError) as exc:
                 error = f"writing {temp}: {exc}"
         if rank0 and error is None:
@@ -278,9 +289,17 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
     finally:
         if writer is not None and error is not None:
             writer.abandon()
-    raise_if_any_failed(eng, error, f"export_hf({str(final)!r})")
+    _raise_if_any_failed(eng, error, final)
     log.info("exported %s model to %s (%s)", mode, final, str(out_dtype).removeprefix("torch."))
     return final
+
+
+def _raise_if_any_failed(eng: ZeroEngine, error: str | None, final: Path) -> None:
+    """Collective: ExportError on every rank when one rank failed (none waits forever)."""
+    try:
+        raise_if_any_failed(eng, error, f"export_hf({str(final)!r})")
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _fold(values: dict[str, torch.Tensor], merges: dict[str, _Merge], unit_name: str) -> None:
