@@ -99,6 +99,10 @@ class TierZeroTrainer(transformers.Trainer):
         self.tierzero_config = tierzero_config
         self.engine: ZeroEngine | None = None
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """Nothing: the engine places every shard, so the whole model is never copied to the
+        GPU first (Trainer.__init__ would do that)."""
+
     # -- config -------------------------------------------------------------------
     def tierzero_config_for(self, max_steps: int) -> Config:
         """The engine config: `tierzero_config` (or args.deepspeed) with "auto" values and
