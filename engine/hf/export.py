@@ -182,8 +182,9 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
 
     `dtype`: fp32 / bf16 (or the torch dtype). `lora`: for a peft-wrapped model, the
     adapter alone or the base with the adapters merged. `tokenizer_from`: a directory
-    whose tokenizer files are copied. Refuses, before any collective, an `out` that
-    exists (exports are never overwritten) and a model without a Hugging Face config.
+    whose tokenizer files are copied, or a tokenizer.json. Refuses, before any collective,
+    an `out` that exists (exports are never overwritten) and a model without a Hugging
+    Face config.
     """
     out_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if out_dtype is None or out_dtype not in DTYPES.values():
@@ -330,8 +331,10 @@ def _finish(temp: Path, final: Path, writer: _ShardedOut | None, *,
             write_bytes_durable(temp / "generation_config.json", gen.to_json_string().encode())
     if tokenizer_from is not None:
         src = Path(tokenizer_from)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file() and not (src / name).is_symlink():
+        if src.is_file():  # a bare tokenizer.json
+            write_bytes_durable(temp / "tokenizer.json", src.read_bytes())
+        for name in TOKENIZER_FILES if src.is_dir() else ():
+            if (src / name).is_file():
                 write_bytes_durable(temp / name, (src / name).read_bytes())
     fsync_dir(temp)
     temp.rename(final)

@@ -114,7 +114,7 @@ class TierZeroTrainer(transformers.Trainer):
                               "tierzero_config='ds_config.json' (DeepSpeed or native) or "
                               "TrainingArguments(deepspeed=...)")
         if isinstance(source, Config):
-            cfg = source
+            cfg = source.with_run_length(max_steps)  # a DeepSpeed "auto" run length, if any
         else:
             hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
             auto = {"per_device_train_batch_size": a.per_device_train_batch_size,

@@ -73,8 +73,10 @@ class TrainResult:
 def _export(eng: engine.ZeroEngine, tc: TrainConfig, out: str) -> str:
     """Write the model as a Hugging Face directory (engine/hf/export.py); a collective."""
     ex = tc.export
+    tokenizer = (None if tc.tokenizer == "bytes" else
+                 tc.tokenizer if tc.tokenizer is not None else model_dir(tc.model))
     path = export_hf(eng, out, dtype=ex.dtype, lora=ex.lora, max_shard_bytes=ex.max_shard_bytes,
-                     tokenizer_from=model_dir(tc.model))
+                     tokenizer_from=tokenizer)
     log.info("Hugging Face model written to %s", path)
     return str(path)
 
