@@ -17,8 +17,9 @@ __all__ = ["FileIO"]
 class FileIO:
     """Positional file I/O on raw file descriptors. Subclass to inject faults."""
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(path, flags, mode)
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+        """Open `path`, relative to the directory handle `dir_fd` when given."""
+        return os.open(path, flags, mode, dir_fd=dir_fd)
 
     def close(self, fd: int) -> None:
         os.close(fd)

@@ -1,7 +1,7 @@
 """Region header and payload checksum of a swap file.
 
 [Note: swap file layout]
-A store owns one data file, `<directory>/tierzero-swap/swap-<pid>-<token>.scratch.swp`
+A store owns one data file, `<directory>/tierzero-swap-<uid>/swap-<pid>-<token>.scratch.swp`
 (scratch: never a checkpoint; removed on close, at exit, or by the next store
 when its owner is dead, see scratch.py). The file is a sequence of regions,
 each starting on an ALIGN (4 KiB) boundary, one region per stored key:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -17,7 +19,7 @@ __all__ = ["open_data_file"]
 
 log = logging.getLogger(__name__)
 
-_BASE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_BASE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _NO_DIRECT = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
@@ -31,19 +33,41 @@ def _probe(fileio: FileIO, fd: int) -> None:
     os.ftruncate(fd, 0)
 
 
-def open_data_file(fileio: FileIO, path: Path, direct: bool | None) -> tuple[int, bool]:
-    """Create the data file; return (fd, whether it uses O_DIRECT)."""
+def open_data_file(
+    fileio: FileIO, dir_fd: int, path: Path, direct: bool | None
+) -> tuple[int, bool]:
+    """Create the data file `path` (opened as `path.name` relative to the handle `dir_fd`
+    of its directory) and lock it; return (fd, whether it uses O_DIRECT).
+
+    The lock marks the store live even if its lock file is removed (see
+    [Note: swap directory safety]).
+    """
+    fd, used_direct = _create(fileio, dir_fd, path, direct)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        fileio.close(fd)
+        raise SwapError("cannot lock the swap file", path=path, errno=exc.errno) from exc
+    return fd, used_direct
+
+
+def _create(fileio: FileIO, dir_fd: int, path: Path, direct: bool | None) -> tuple[int, bool]:
     o_direct = getattr(os, "O_DIRECT", 0)
     if direct is not False and o_direct:
         fd = -1
         try:
-            fd = fileio.open(str(path), _BASE_FLAGS | o_direct)
+            fd = fileio.open(path.name, _BASE_FLAGS | o_direct, dir_fd=dir_fd)
             _probe(fileio, fd)
             return fd, True
         except OSError as exc:
             if fd >= 0:
                 fileio.close(fd)
-                path.unlink(missing_ok=True)
+            if fd >= 0 or exc.errno in _NO_DIRECT:
+                # Some file systems (ramfs; tmpfs before Linux 6.6) create the file and
+                # then refuse O_DIRECT: the name is this store's own, so remove it
+                # before the buffered O_EXCL retry.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path.name, dir_fd=dir_fd)
             if exc.errno not in _NO_DIRECT:
                 raise SwapError("cannot create the swap file", path=path,
                                 errno=exc.errno) from exc
@@ -61,6 +85,6 @@ def open_data_file(fileio: FileIO, path: Path, direct: bool | None) -> tuple[int
     elif direct is None:
         log.warning("O_DIRECT is not available on this platform; swap uses buffered I/O")
     try:
-        return fileio.open(str(path), _BASE_FLAGS), False
+        return fileio.open(path.name, _BASE_FLAGS, dir_fd=dir_fd), False
     except OSError as exc:
         raise SwapError("cannot create the swap file", path=path, errno=exc.errno) from exc

@@ -94,7 +94,9 @@ class SwapStore:
         self._finalizer = weakref.finalize(self, self._scratch.remove)  # exit, or failed init
         try:
             check_free_space(self._scratch.subdir, round_up(reserve_bytes))
-            self._fd, self.direct = open_data_file(self._fileio, self._scratch.data_path, direct)
+            self._fd, self.direct = open_data_file(
+                self._fileio, self._scratch.dir_fd, self._scratch.data_path, direct
+            )
         except BaseException:
             self._finalizer()
             raise

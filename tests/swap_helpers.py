@@ -76,7 +76,19 @@ class SlowIO(FileIO):
 class NoDirectIO(FileIO):
     """A file system that refuses O_DIRECT at open (as tmpfs on older kernels, ZFS, sshfs)."""
 
-    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
-        return super().open(path, flags, mode)
+        return super().open(path, flags, mode, dir_fd=dir_fd)
+
+
+class CreateThenRefuseDirectIO(FileIO):
+    """ramfs, or tmpfs before Linux 6.6: open(O_CREAT|O_DIRECT) creates the file, then
+    fails with EINVAL, leaving the file behind."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+        o_direct = getattr(os, "O_DIRECT", 0)
+        if flags & o_direct:
+            os.close(super().open(path, flags & ~o_direct, mode, dir_fd=dir_fd))
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return super().open(path, flags, mode, dir_fd=dir_fd)

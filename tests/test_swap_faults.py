@@ -13,10 +13,11 @@ from swap_helpers import FaultyIO, NoDirectIO
 
 from tierzero.swap import SwapError, SwapStore
 from tierzero.swap.header import HEADER_BYTES
+from tierzero.swap.scratch import SUBDIR
 
 
 def _data_file(tmp_path: Path) -> Path:
-    (path,) = (tmp_path / "tierzero-swap").glob("*.scratch.swp")
+    (path,) = (tmp_path / SUBDIR).glob("*.scratch.swp")
     return path
 
 
