@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from .adam_build import CompiledKernel, HyperParams, compiled_kernel, kernel_status
-from .adam_math import AdamHyper, check_flat, step_scalars, torch_update
+from .adam_math import AdamHyper, check_flat, check_storage, step_scalars, torch_update
 from .adam_threads import AdamThreads
 
 Backend = Literal["auto", "compiled", "torch"]
@@ -113,7 +113,6 @@ def adam_update(
     """
     if master.is_meta:  # a dry run (tierzero plan): no data, nothing to compute
         return
-    check_flat(master, exp_avg, exp_avg_sq, grad, shadow)
     prepared = prepare_step(hyper, step, grad_scale, backend)
     run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads)
 
@@ -128,7 +127,12 @@ def run_prepared(
     shadow: torch.Tensor | None = None,
     threads: AdamThreads | None = None,
 ) -> None:
-    """`adam_update` without the operand checks: the caller guarantees what check_flat checks."""
+    """`adam_update` with scalars prepared once for many tensors.
+
+    Every call checks every operand (check_flat: dtype, device, contiguity, numel and
+    storage size), so no caller can make the kernel touch memory it was not given.
+    """
+    check_flat(master, exp_avg, exp_avg_sq, grad, shadow)
     n = master.numel()
     if n == 0:
         return
@@ -177,6 +181,10 @@ def to_low_precision(src: torch.Tensor, dst: torch.Tensor, threads: AdamThreads 
         )
     if src.numel() != dst.numel() or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("to_low_precision needs contiguous tensors with the same numel")
+    if src.device.type != "cpu" or dst.device.type != "cpu":
+        raise ValueError(f"to_low_precision needs CPU tensors, got {src.device} -> {dst.device}")
+    check_storage("to_low_precision src", src)
+    check_storage("to_low_precision dst", dst)
     kernel = resolve_backend(backend)
     if kernel is None:
         dst.view(-1).copy_(src.view(-1))

@@ -69,6 +69,20 @@ def step_scalars(hyper: AdamHyper, step: float) -> StepScalars:
     )
 
 
+def check_storage(name: str, t: torch.Tensor) -> None:
+    """ValueError unless `t`'s storage holds its numel() elements from its data pointer.
+
+    The C kernel trusts data_ptr() + numel() elements; a tensor whose storage was
+    shrunk (resize_ on a shared storage, set_) would let it run past the end.
+    """
+    n = t.numel()
+    if n and (t.storage_offset() + n) * t.element_size() > t.untyped_storage().nbytes():
+        raise ValueError(
+            f"{name} views {n} elements at offset {t.storage_offset()} of a "
+            f"{t.untyped_storage().nbytes()}-byte storage; it runs past its storage"
+        )
+
+
 def check_flat(
     master: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -78,7 +92,9 @@ def check_flat(
 ) -> None:
     """Raise ValueError naming the operand unless all are flat-compatible.
 
-    Flat-compatible: contiguous CPU tensors of one numel, fp32 state, grad fp32/bf16/fp16.
+    Flat-compatible: contiguous CPU tensors of one numel, each within its storage, fp32
+    state, grad fp32/bf16/fp16. Runs before every kernel call (see run_prepared): the C
+    kernel touches exactly n elements from each data pointer and nothing checks after.
     """
     n = master.numel()
     named: list[tuple[str, torch.Tensor, tuple[torch.dtype, ...]]] = [
@@ -99,6 +115,7 @@ def check_flat(
             raise ValueError(f"Adam {name} has {t.numel()} elements; master has {n}")
         if not t.is_contiguous():
             raise ValueError(f"Adam {name} is not contiguous; pass a contiguous (flat) tensor")
+        check_storage(f"Adam {name}", t)
         if t.requires_grad and t.is_leaf is False:
             raise ValueError(f"Adam {name} is part of an autograd graph; pass .detach()ed tensors")
     for a, b in ((master, exp_avg), (master, exp_avg_sq), (exp_avg, exp_avg_sq)):

@@ -52,12 +52,39 @@ def _check_group_flags(group: Mapping[str, Any], where: str) -> None:
             )
 
 
+def _check_saved_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
+    """ValueError naming the parameter unless its saved AdamW state fits `p`."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        m = state.get(key)
+        if not isinstance(m, torch.Tensor):
+            raise ValueError(
+                f"CPUAdam.load_state_dict: {where} has no tensor {key!r} "
+                f"(got {type(m).__name__}); the state must come from AdamW/Adam or CPUAdam"
+            )
+        if not m.is_floating_point() or m.is_sparse:
+            raise ValueError(f"CPUAdam.load_state_dict: {where} {key} is {m.dtype}"
+                             f"{' (sparse)' if m.is_sparse else ''}; it must be a dense float")
+        if m.shape != p.shape:
+            raise ValueError(
+                f"CPUAdam.load_state_dict: {where} {key} has shape {tuple(m.shape)}, the "
+                f"parameter has {tuple(p.shape)}; the state belongs to another model"
+            )
+    step = state.get("step")
+    if not (isinstance(step, (int, float)) and not isinstance(step, bool)) and not (
+        isinstance(step, torch.Tensor) and step.numel() == 1
+    ):
+        raise ValueError(f"CPUAdam.load_state_dict: {where} step is {step!r}; it must be a "
+                         "number or a one-element tensor")
+
+
 class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW on CPU fp32 params, one memory pass per tensor, matching torch.optim.AdamW.
 
     threads: an int (a pool of that many kernel threads, created on the first step), an
         ``AdamThreads`` shared with other users, or None (all CPUs of this process).
     backend: "auto" (compiled C kernel, else PyTorch ops), "compiled" or "torch".
+    weight_decay: None takes torch's default for the algorithm: 0.01 as torch.optim.AdamW
+        (adamw=True), 0 as torch.optim.Adam (adamw=False).
     """
 
     def __init__(  # noqa: PLR0917 - the signature of torch.optim.AdamW / DeepSpeedCPUAdam
@@ -66,12 +93,14 @@ class CPUAdam(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = None,
         adamw: bool = True,
         *,
         threads: int | AdamThreads | None = None,
         backend: Backend = "auto",
     ) -> None:
+        if weight_decay is None:
+            weight_decay = 0.01 if adamw else 0.0
         AdamHyper(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
                   adamw=adamw)  # validates
         resolve_backend(backend)  # an unknown or unavailable backend fails here, not mid-step
@@ -120,9 +149,33 @@ class CPUAdam(torch.optim.Optimizer):
         super().add_param_group(group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for i, group in enumerate(state_dict.get("param_groups", [])):
+        """torch's loading, with every parameter's moments checked before anything changes
+        and then converted to what the kernel reads: contiguous fp32 CPU tensors in the
+        parameter's logical layout (a moment saved for a non-contiguous parameter, or an
+        expanded one, is copied element by element, not reinterpreted)."""
+        groups = state_dict.get("param_groups", [])
+        for i, group in enumerate(groups):
             _check_group_flags(group, f"state_dict param group {i}")
-        super().load_state_dict(state_dict)
+        saved_state = state_dict.get("state", {})
+        if len(groups) == len(self.param_groups):
+            for gi, (saved, ours) in enumerate(zip(groups, self.param_groups, strict=True)):
+                for pi, (key, p) in enumerate(
+                    zip(saved.get("params", []), ours["params"], strict=False)
+                ):
+                    if key in saved_state:
+                        _check_saved_state(saved_state[key], p, f"group {gi} param {pi}")
+        super().load_state_dict(state_dict)  # checks group and parameter counts itself
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq"):
+                    m = state[key]
+                    if not (m.dtype == torch.float32 and m.device.type == "cpu"
+                            and m.is_contiguous() and m.shape == p.shape):
+                        state[key] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                        state[key].copy_(m)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -224,9 +277,8 @@ class CPUAdam(torch.optim.Optimizer):
                 if prepared is None:  # params of a group normally share one step count
                     prepared = prepare_step(hyper, step, grad_scale, self._backend)
                     steps[step] = prepared
-                # A cheap re-check (the full one ran when the param was added): p.data may
-                # have been swapped since, and the C kernel trusts these sizes. Autograd keeps
-                # p.grad at p's shape, dtype and device.
+                # p.data may have been swapped since the param was added; run_prepared then
+                # checks every operand (the C kernel trusts their sizes).
                 shadow = entry[1] if entry is not None else None
                 if (p.dtype != torch.float32 or not p.is_contiguous()
                         or state["exp_avg"].numel() != p.numel()
@@ -235,10 +287,13 @@ class CPUAdam(torch.optim.Optimizer):
                         f"CPUAdam group {gi} param {pi} changed since it was added (now "
                         f"{p.dtype}, {tuple(p.shape)}, contiguous={p.is_contiguous()}); its "
                         "state or shadow no longer fits; build a new optimizer")
-                run_prepared(
-                    prepared, p.detach(), state["exp_avg"], state["exp_avg_sq"],
-                    grad.detach().contiguous(), shadow=shadow, threads=pool,
-                )
+                try:
+                    run_prepared(
+                        prepared, p.detach(), state["exp_avg"], state["exp_avg_sq"],
+                        grad.detach().contiguous(), shadow=shadow, threads=pool,
+                    )
+                except ValueError as exc:
+                    raise ValueError(f"CPUAdam group {gi} param {pi}: {exc}") from exc
         return loss
 
     def close(self) -> None:

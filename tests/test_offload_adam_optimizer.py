@@ -263,7 +263,7 @@ def test_rejected_group_is_not_added() -> None:
 def test_int_step_and_tensor_lr_from_a_foreign_state_dict() -> None:
     p = torch.randn(50, requires_grad=True)
     ref = p.detach().clone().requires_grad_()
-    opt = CPUAdam([p], lr=1e-2)
+    opt = CPUAdam([p], lr=1e-2, weight_decay=0.0)
     ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, foreach=False)
     g = torch.randn(50)
     p.grad, ref.grad = g.clone(), g.clone()
