@@ -21,7 +21,16 @@ numbers in benchmarks/RESULTS.md, "CPU Adam"):
 
 The shared object is cached per user, keyed by a hash of source, flags,
 compiler and CPU, so a later run (or another process) loads it without
-compiling.
+compiling. Loading a shared object runs its code as the caller, so
+[Note: kernel cache safety]: the cache directory is created 0700 and used
+only when it is a real directory (not a symlink) owned by the caller and not
+writable by group or others; a cached file is loaded only when it is a
+regular file owned by the caller, not group/world-writable, and its SHA-256
+matches the one in its name (`tz_adam_<key>-<sha256 prefix>.so`, set when we
+built it); it is opened with O_NOFOLLOW and loaded through that descriptor,
+so what runs is what was checked. Anything else is ignored (with a warning)
+and rebuilt, or, when the directory itself fails the check, the PyTorch path
+is used with the reason logged.
 
 When no compiler exists or the build fails, ``compiled_kernel()`` returns None
 and logs the reason once; callers then use the pure-PyTorch path, which gives
@@ -30,12 +39,14 @@ the same numbers more slowly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -139,14 +150,93 @@ def _compiler_version(cc: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else "unknown"
 
 
-def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile into `target` atomically; return None on success, else the error text."""
+def _file_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _prepare_cache_dir(directory: Path) -> str | None:
+    """Create `directory` 0700 if missing; None when it is safe to load code from, else why not.
+
+    See [Note: kernel cache safety].
+    """
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+        st = os.lstat(directory)
+    except OSError as exc:
+        return f"cache directory {directory} is not writable ({exc}); set ${ENV_CACHE}"
+    fix = f"set ${ENV_CACHE} to a directory of your own"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"cache directory {directory} is a symbolic link or not a directory; {fix}"
+    if st.st_uid != os.geteuid():
+        return (f"cache directory {directory} belongs to uid {st.st_uid}, not to you "
+                f"(uid {os.geteuid()}); tierzero loads compiled code only from your own; {fix}")
+    if st.st_mode & 0o022:
+        return (f"cache directory {directory} is writable by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}); tierzero loads compiled code only from a "
+                f"directory only you can write: chmod go-w it, or {fix}")
+    return None
+
+
+def _open_checked(path: Path) -> tuple[int | None, str]:
+    """(fd, "") of a cached kernel that passes [Note: kernel cache safety], else (None, why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return None, f"cannot open it ({exc})"
+    st = os.fstat(fd)
+    why = ""
+    if not stat.S_ISREG(st.st_mode):
+        why = "not a regular file"
+    elif st.st_uid != os.geteuid():
+        why = f"owned by uid {st.st_uid}, not by you"
+    elif st.st_mode & 0o022:
+        why = f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            digest = _file_digest(f.read())
+        if not path.stem.endswith("-" + digest):
+            why = f"its SHA-256 ({digest}) is not the one in its name"
+    if why:
+        os.close(fd)
+        return None, why
+    return fd, ""
+
+
+def _load_cached(directory: Path, key: str) -> CompiledKernel | None:
+    """The cached kernel for `key` that passes every check, or None; bad copies are logged
+    (and removed when they are ours, so the rebuild replaces them)."""
+    try:
+        names = sorted(n for n in os.listdir(directory)
+                       if n.startswith(f"tz_adam_{key}-") and n.endswith(".so"))
+    except OSError:
+        return None
+    for name in names:
+        path = directory / name
+        fd, why = _open_checked(path)
+        if fd is None:
+            logger.warning("ignoring cached CPU Adam kernel %s: %s", path, why)
+            with contextlib.suppress(OSError):
+                if os.lstat(path).st_uid == os.geteuid():
+                    path.unlink()
+            continue
+        try:
+            return _load(path, fd)
+        except OSError as exc:
+            logger.warning("ignoring cached CPU Adam kernel %s: load failed: %s", path, exc)
+        finally:
+            os.close(fd)
+    return None
+
+
+def _build(cc: str, flags: tuple[str, ...], directory: Path, key: str) -> tuple[Path | None, str]:
+    """Compile into `directory` atomically; return (the built file, "") or (None, the error)."""
+    try:
+        fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=directory)  # 0600, O_EXCL
         os.close(fd)
     except OSError as exc:
-        return f"cache directory {target.parent} is not writable ({exc}); set ${ENV_CACHE}"
+        return None, f"cache directory {directory} is not writable ({exc}); set ${ENV_CACHE}"
     tmp = Path(tmp_name)
     try:
         proc = subprocess.run(
@@ -157,17 +247,22 @@ def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
             check=False,
         )
         if proc.returncode != 0:
-            return f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+            return None, f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+        os.chmod(tmp, 0o600)  # the linker may have recreated it with the umask's mode
+        target = directory / f"tz_adam_{key}-{_file_digest(tmp.read_bytes())}.so"
         os.replace(tmp, target)  # atomic: a concurrent process sees all or nothing
-        return None
+        return target, ""
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{cc} could not run: {exc}"
+        return None, f"{cc} could not run: {exc}"
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _load(path: Path) -> CompiledKernel:
-    lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): calls release the GIL
+def _load(path: Path, fd: int) -> CompiledKernel:
+    """Load the checked file open as `fd` (through /proc/self/fd where it exists, so the
+    code that runs is the code that was checked); `path` names it in messages."""
+    by_fd = f"/proc/self/fd/{fd}"
+    lib = ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(path))  # CDLL: releases the GIL
     if lib.tz_adam_abi_version() != ABI_VERSION:
         raise OSError(f"{path} has ABI {lib.tz_adam_abi_version()}, expected {ABI_VERSION}")
     step = lib.tz_adam_step
@@ -192,6 +287,10 @@ def _try_compile() -> tuple[CompiledKernel | None, str]:
         return None, "no C compiler found (set $CC, or install gcc/clang)"
     source = SOURCE.read_bytes()
     version = _compiler_version(cc)
+    directory = cache_dir()
+    unsafe = _prepare_cache_dir(directory)
+    if unsafe is not None:
+        return None, unsafe
     errors: list[str] = []
     for arch in ARCH_FLAGS:
         flags = BASE_FLAGS + arch
@@ -199,17 +298,18 @@ def _try_compile() -> tuple[CompiledKernel | None, str]:
             b"\0".join([source, " ".join(flags).encode(), version.encode(),
                         _cpu_signature().encode()])
         ).hexdigest()[:20]
-        target = cache_dir() / f"tz_adam_{key}.so"
-        if not target.exists():
-            err = _build(cc, flags, target)
-            if err is not None:
-                errors.append(f"[{' '.join(flags)}] {err}")
-                continue
-            logger.info("built CPU Adam kernel %s with %s", target, version)
-        try:
-            return _load(target), f"compiled kernel {target}"
-        except OSError as exc:
-            errors.append(f"[{' '.join(flags)}] load of {target} failed: {exc}")
+        kernel = _load_cached(directory, key)
+        if kernel is not None:
+            return kernel, f"compiled kernel {kernel.path}"
+        target, err = _build(cc, flags, directory, key)
+        if target is None:
+            errors.append(f"[{' '.join(flags)}] {err}")
+            continue
+        logger.info("built CPU Adam kernel %s with %s", target, version)
+        kernel = _load_cached(directory, key)
+        if kernel is not None:
+            return kernel, f"compiled kernel {kernel.path}"
+        errors.append(f"[{' '.join(flags)}] load of {target} failed (see the warning above)")
     return None, "C kernel build failed: " + " | ".join(errors)
 
 

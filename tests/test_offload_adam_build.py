@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from tierzero.offload import AdamHyper, CPUAdam, adam_build, adam_update
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
@@ -89,3 +92,106 @@ def test_unusable_cache_dir_gives_reason(tmp_path: Path, monkeypatch: pytest.Mon
     kernel, reason = adam_build._try_compile()
     assert kernel is None
     assert "is not writable" in reason and "TIERZERO_CACHE_DIR" in reason
+
+
+# A shared object whose constructor creates the file named by $TZ_PLANTED_MARKER: loading it
+# would run someone else's code as the caller.
+_PLANTED_C = """
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *p = getenv("TZ_PLANTED_MARKER");
+    FILE *f = p ? fopen(p, "w") : NULL;
+    if (f) fclose(f);
+}
+int tz_adam_abi_version(void) { return 2; }
+"""
+
+
+def _legit_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """(file name of a real build, the old-style name tz_adam_<key>.so) for this machine."""
+    monkeypatch.setenv(adam_build.ENV_CACHE, str(tmp_path / "legit"))
+    kernel, reason = adam_build._try_compile()
+    assert kernel is not None, reason
+    key = kernel.path.name.split("-")[0].removeprefix("tz_adam_")
+    return kernel.path.name, f"tz_adam_{key}.so"
+
+
+def _plant(directory: Path, names: tuple[str, ...], tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Path:
+    src = tmp_path / "planted.c"
+    src.write_text(_PLANTED_C)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", str(src), "-o",
+                        str(directory / name)], check=True)
+    marker = tmp_path / "planted-code-ran"
+    monkeypatch.setenv("TZ_PLANTED_MARKER", str(marker))
+    return marker
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_cache_dir_writable_by_others_is_not_loaded_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(adam_build.ENV_DISABLE, raising=False)
+    names = _legit_name(tmp_path, monkeypatch)
+    shared = tmp_path / "shared"
+    marker = _plant(shared / "adam", names, tmp_path, monkeypatch)
+    os.chmod(shared / "adam", 0o777)
+    monkeypatch.setenv(adam_build.ENV_CACHE, str(shared))
+    kernel, reason = adam_build._try_compile()
+    assert kernel is None
+    assert "writable by group or others (mode 0777)" in reason and "chmod go-w" in reason
+    assert not marker.exists()
+
+
+@root_only
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_cache_dir_of_another_user_is_not_loaded_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(adam_build.ENV_DISABLE, raising=False)
+    names = _legit_name(tmp_path, monkeypatch)
+    theirs = tmp_path / "theirs"
+    marker = _plant(theirs / "adam", names, tmp_path, monkeypatch)
+    os.chmod(theirs / "adam", 0o755)
+    os.chown(theirs / "adam", 65534, 65534)
+    monkeypatch.setenv(adam_build.ENV_CACHE, str(theirs))
+    kernel, reason = adam_build._try_compile()
+    assert kernel is None and "belongs to uid 65534" in reason
+    assert not marker.exists()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_cached_file_with_wrong_hash_or_mode_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(adam_build.ENV_DISABLE, raising=False)
+    names = _legit_name(tmp_path, monkeypatch)
+    for mode in (0o600, 0o666):  # wrong hash; then right dir, writable file
+        mine = tmp_path / f"mine-{mode:o}"
+        marker = _plant(mine / "adam", names, tmp_path, monkeypatch)
+        os.chmod(mine / "adam" / names[0], mode)
+        monkeypatch.setenv(adam_build.ENV_CACHE, str(mine))
+        with caplog.at_level(logging.WARNING, logger="tierzero.offload.adam_build"):
+            kernel, reason = adam_build._try_compile()
+        assert kernel is not None, reason
+        assert not marker.exists()
+        assert any("ignoring cached CPU Adam kernel" in r.message for r in caplog.records)
+        m = torch.zeros(8)
+        adam_update(m, torch.zeros(8), torch.zeros(8), torch.ones(8), hyper=AdamHyper(),
+                    step=1, backend="compiled")
+        assert torch.all(m < 0)
+    built = tmp_path / "mine-600" / "adam" / names[0]
+    assert stat.S_IMODE(built.stat().st_mode) == 0o600
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_new_cache_dir_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(adam_build.ENV_DISABLE, raising=False)
+    monkeypatch.setenv(adam_build.ENV_CACHE, str(tmp_path / "fresh"))
+    kernel, reason = adam_build._try_compile()
+    assert kernel is not None, reason
+    assert stat.S_IMODE(os.lstat(tmp_path / "fresh" / "adam").st_mode) == 0o700
+    assert stat.S_IMODE(kernel.path.stat().st_mode) == 0o600
