@@ -44,6 +44,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,6 +81,7 @@ from tierzero.engine.checkpoint_state import engine_state, rng_state, split_opti
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.progress import progress_bar, progress_enabled
+from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
 if TYPE_CHECKING:
     from tierzero.engine.checkpoint_async import BackgroundSaver, PendingSave
@@ -278,13 +280,15 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
         raise CheckpointError(f"ranks passed different tags {tags}; every rank must save the "
                               "same tag")
     temp = root / temp_dir_name(tag)
+    modes = output_modes(eng.config.outputs.permissions)
     error: str | None = None
     if eng.comm.rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            make_output_dir(root, modes)
             if temp.exists():  # left by a killed save of this tag: ours to remove
                 shutil.rmtree(temp)
-            temp.mkdir()
+            temp.mkdir(mode=modes.dir)
+            os.chmod(temp, modes.dir)  # exactly, whatever the umask
         except OSError as exc:
             error = f"cannot create {temp} ({exc})"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
@@ -298,7 +302,7 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     # PendingSave, already complete.
     snapshot = background is not None and eng.store.resident
     payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
-    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload)
+    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
     if background is not None and snapshot:
         return background.submit(job)
     if background is not None:
@@ -320,6 +324,7 @@ class _SaveJob:
     root: Path
     tag: str
     payload: RankPayload
+    modes: OutputModes  # permission bits of the files and the directory (outputs.permissions)
 
     def run(self, group: dist.ProcessGroup | None) -> Path:
         temp, final = self.root / temp_dir_name(self.tag), self.root / self.tag
@@ -329,13 +334,15 @@ class _SaveJob:
         try:
             digest = _write_rank_file(temp / rank_file(self.rank), self.payload,
                                       desc=f"save {self.tag}")
+            os.chmod(temp / rank_file(self.rank), self.modes.file)  # created 0600
         except (OSError, CheckpointError, ValueError) as exc:
             error = f"writing {temp / rank_file(self.rank)}: {exc}"
         _raise_if_failed(group, self.world, error, what)
         digests = _gather(group, self.world, digest)
         if self.rank == 0:
             try:
-                _publish(self.root, temp, self.tag, self.payload, digests)
+                _publish(self.root, temp, self.tag, self.payload, digests,
+                         mode=self.modes.file)
             except (OSError, CheckpointError, ValueError) as exc:
                 error = f"publishing {final}: {exc}"
         _raise_if_failed(group, self.world, error, what)
@@ -344,23 +351,23 @@ class _SaveJob:
 
 
 def _publish(root: Path, temp: Path, tag: str, payload: RankPayload,
-             digests: list[dict[str, int]]) -> None:
+             digests: list[dict[str, int]], *, mode: int) -> None:
     files = {rank_file(r): d for r, d in enumerate(digests)}
     manifest = dict(payload.manifest)
     hf = manifest.pop("hf_config", None)
     if payload.client_bytes is not None:
-        d = write_bytes_durable(temp / CLIENT_STATE, payload.client_bytes)
+        d = write_bytes_durable(temp / CLIENT_STATE, payload.client_bytes, mode)
         files[CLIENT_STATE] = {"bytes": d.nbytes, "crc32": d.crc32}
     if hf is not None:
-        d = write_bytes_durable(temp / HF_CONFIG, hf.encode())
+        d = write_bytes_durable(temp / HF_CONFIG, hf.encode(), mode)
         files[HF_CONFIG] = {"bytes": d.nbytes, "crc32": d.crc32}
     manifest["tag"] = tag
     manifest["files"] = files
-    write_bytes_durable(temp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_bytes_durable(temp / MANIFEST, json.dumps(manifest, indent=1).encode(), mode)
     fsync_dir(temp)
     final = root / tag
     temp.rename(final)
     fsync_dir(root)
     latest_tmp = root / f".{LATEST}.partial"
-    write_bytes_durable(latest_tmp, tag.encode())
+    write_bytes_durable(latest_tmp, tag.encode(), mode)
     replace_durable(latest_tmp, root / LATEST)

@@ -20,6 +20,8 @@ from types import TracebackType
 
 import torch
 
+from tierzero.swap.safe_files import create_new
+
 log = logging.getLogger(__name__)
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, format spec)
@@ -85,7 +87,7 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: Path, entries: Sequence[TensorEntry],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, mode: int = 0o600) -> None:
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -109,7 +111,8 @@ class SafetensorsWriter:
         self._next = 0
         self._crc = 0
         self._nbytes = 0
-        self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
+        # A new file of ours, never through a planted link (see [Note: output files]).
+        self._file = os.fdopen(create_new(path, mode), "wb")
         self._put(len(raw).to_bytes(8, "little") + raw)
 
     def _put(self, data: bytes | memoryview) -> None:
@@ -152,9 +155,10 @@ class SafetensorsWriter:
             self._file.close()
 
 
-def write_bytes_durable(path: Path, data: bytes) -> FileDigest:
-    """Write `data` to `path` and fsync it (the caller renames or fsyncs the directory)."""
-    with open(path, "wb") as f:
+def write_bytes_durable(path: Path, data: bytes, mode: int = 0o600) -> FileDigest:
+    """Write `data` to `path` as a new file of ours (see [Note: output files]) and fsync it
+    (the caller renames or fsyncs the directory)."""
+    with os.fdopen(create_new(path, mode), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -40,6 +40,7 @@ from tierzero.engine.checkpoint_layout import (
     resolve,
     verify_files,
 )
+from tierzero.swap.safe_files import make_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def consolidate_to_safetensors(directory: str | Path, out: str | Path, tag: str 
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                   for i in range(len(shards))])
-        out_dir.mkdir(parents=True, exist_ok=True)
+        make_output_dir(out_dir)  # 0700 when new; files are created 0600 ([Note: output files])
         total = sum(e.nbytes for e in entries)
         written: list[Path] = []
         with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate",

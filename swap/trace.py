@@ -45,6 +45,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierzero.swap.safe_files import write_atomic
+
 __all__ = ["INSTANT_KINDS", "KINDS", "SPAN_KINDS", "Recorder", "active", "begin", "end", "instant",
            "recording", "span"]
 
@@ -141,9 +143,9 @@ class Recorder:
                       "args": {"sort_index": tid}} for tid, _ in self._threads.values()]
             return {"traceEvents": meta + list(self.events), "displayTimeUnit": "ms"}
 
-    def write(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.document(), f)
+    def write(self, path: str, mode: int = 0o600) -> None:
+        """Write the trace JSON to `path`, never through a planted link."""
+        write_atomic(path, json.dumps(self.document()).encode(), mode)
 
 
 class _State:

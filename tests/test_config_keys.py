@@ -84,6 +84,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("logging.progress", "auto", "off", "off", {}),
     ("logging.steps_per_print", 10, 5, 5, {}),
     ("logging.wall_clock_breakdown", False, True, True, {}),
+    ("outputs.permissions", "private", "group", "group", {}),
     ("train.model", "builtin:small", "builtin:tiny", "builtin:tiny", {}),
     ("train.tokenizer", None, "~/tok", f"{HOME}/tok", {}),
     ("train.dataset", None, "~/data.txt", f"{HOME}/data.txt", {}),

@@ -11,6 +11,7 @@ from typing import Any
 from tierzero.engine.bench.measure import QUICK, BenchSizes, run_bench
 from tierzero.engine.config import ConfigError, load_config
 from tierzero.engine.config.checks import check_swap_dir
+from tierzero.swap.safe_files import make_output_dir, output_modes, write_atomic
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
@@ -74,12 +75,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         rows.append(("device -> host (pinned)", f"{result.d2h_gbps:.2f} GB/s"))
     width = max(len(r[0]) for r in rows)
     out = [f"{name:<{width}}  {value}" for name, value in rows]
+    modes = output_modes(config.outputs.permissions)
     for target in [results_path()] + ([args.out] if args.out else []):
         parent = os.path.dirname(target)
         if parent:
-            os.makedirs(parent, exist_ok=True)
-        with open(target, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
+            make_output_dir(parent, modes)
+        write_atomic(target, json.dumps(doc, indent=2).encode(), modes.file)
         out.append(f"saved: {target}")
     sys.stdout.write("\n".join(out) + "\n")
     return 0

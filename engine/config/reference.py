@@ -15,6 +15,7 @@ from typing import Any
 from tierzero.engine.config import deepspeed, ds_offload, values
 from tierzero.engine.config.checks import hints
 from tierzero.engine.config.schema import Config
+from tierzero.swap.safe_files import write_atomic
 
 
 def _default_text(value: Any, meta: Any) -> str:
@@ -78,5 +79,4 @@ if __name__ == "__main__":
     path = sys.argv[1]
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(render(text))
+    write_atomic(path, render(text).encode(), 0o644)  # a tracked docs file

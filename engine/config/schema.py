@@ -373,6 +373,17 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class OutputsConfig:
+    """Files tierzero writes: checkpoints, metrics, bench results, plots, traces."""
+
+    permissions: Literal["private", "group", "world"] = field(
+        default="private",
+        metadata=meta("who may read them: private = files 0600 and directories 0700 (like the "
+                      "swap files of the same data); group = 0640/0750; world = 0644/0755"),
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole config. Build it with engine.load_config(path | dict | None)."""
 
@@ -404,6 +415,9 @@ class Config:
         metadata=meta("where saved activations wait for backward"),
     )
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=meta("logging"))
+    outputs: OutputsConfig = field(
+        default_factory=OutputsConfig, metadata=meta("permissions of output files")
+    )
     train: TrainConfig = field(
         default_factory=TrainConfig, metadata=meta("what `tierzero train` runs: model, data, steps")
     )

@@ -27,6 +27,7 @@ from tierzero.engine.plan.shapes import ModelShape, model_shape
 from tierzero.engine.train.metrics import human_bytes
 from tierzero.engine.train.model_source import ModelError
 from tierzero.offload.settings import TENSOR_CLASSES, TIERS
+from tierzero.swap.safe_files import write_atomic
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
@@ -203,8 +204,7 @@ def run_plan(args: argparse.Namespace) -> int:
     config = recommended_config(best, args)
     text += f"\nrecommended: offload {best.choice}\n" + yaml.safe_dump(config, sort_keys=False)
     if args.write:
-        with open(args.write, "w", encoding="utf-8") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
+        write_atomic(args.write, yaml.safe_dump(config, sort_keys=False).encode(), 0o600)
         text += f"written: {args.write}\n"
     sys.stdout.write(text)
     return 0

@@ -45,6 +45,7 @@ from tierzero.engine.train.metrics import (
 from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
 from tierzero.engine.train.timeline import TraceWindow
 from tierzero.swap import trace
+from tierzero.swap.safe_files import make_output_dir, output_modes
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,10 @@ def _run_dir(config: Config, rank0: bool) -> str:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = os.path.join(config.train.out_dir, f"{stamp}-{os.getpid()}")
     if rank0:
-        os.makedirs(path, exist_ok=False)
+        modes = output_modes(config.outputs.permissions)
+        make_output_dir(config.train.out_dir, modes)
+        os.mkdir(path, modes.dir)  # a new run directory: never an existing one
+        os.chmod(path, modes.dir)
     return path
 
 
@@ -209,7 +213,8 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                          process=f"tierzero train (rank {rank})")
     disk = DiskCounter()
     moves = TierCounter(eng.memory_report())
-    writer = MetricsWriter(metrics_path) if rank0 else None
+    modes = output_modes(config.outputs.permissions)
+    writer = MetricsWriter(metrics_path, modes) if rank0 else None
     try:
         if writer:
             writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),

@@ -16,6 +16,8 @@ from typing import IO, Any
 
 import psutil
 
+from tierzero.swap.safe_files import OutputModes, create_new, make_output_dir
+
 TIERS = ("device", "host", "nvme")
 
 
@@ -146,12 +148,15 @@ def log_line(r: StepRecord, total_steps: int) -> str:
 class MetricsWriter:
     """Appends JSON lines and flushes each, so a crashed run keeps what it measured."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, modes: OutputModes | None = None) -> None:
+        modes = modes or OutputModes()
         parent = os.path.dirname(path)
         if parent:
-            os.makedirs(parent, exist_ok=True)
+            make_output_dir(parent, modes)
         self.path = path
-        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        # A new file of ours, never written through a planted link ([Note: output files]).
+        self._file: IO[str] | None = os.fdopen(create_new(path, modes.file), "w",
+                                               encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:

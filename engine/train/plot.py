@@ -6,9 +6,12 @@ training starts so a missing package fails fast.
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Sequence
 
 from tierzero.engine.train.metrics import TIERS, StepRecord
+from tierzero.swap.safe_files import write_atomic
 
 
 class PlotError(RuntimeError):
@@ -22,7 +25,7 @@ def require_matplotlib() -> None:
         raise PlotError("--plot needs matplotlib: pip install 'tierzero[plot]'") from exc
 
 
-def plot_run(records: Sequence[StepRecord], path: str) -> None:
+def plot_run(records: Sequence[StepRecord], path: str, mode: int = 0o600) -> None:
     require_matplotlib()
     import matplotlib
 
@@ -49,5 +52,7 @@ def plot_run(records: Sequence[StepRecord], path: str) -> None:
     stall.set_title("step time and stall per step")
     stall.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=100, format=os.path.splitext(path)[1].lstrip(".").lower() or "png")
     plt.close(fig)
+    write_atomic(path, buf.getvalue(), mode)  # never through a planted link
