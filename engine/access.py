@@ -9,7 +9,7 @@ an empty tensor. `GatheredParameters` is that fix.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -68,6 +68,23 @@ def _not_gathered(owner: _Owner, func: Any) -> ParameterNotGatheredError:
 # The `.data` descriptor (defined on torch's C tensor base class, whose name varies
 # between releases).
 _DATA = next(c.__dict__["data"] for c in torch.Tensor.__mro__ if "data" in c.__dict__)
+
+
+def check_state_dict(module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                     _local_metadata: Any) -> None:
+    """The model's state_dict post-hook: a partitioned parameter released at this moment
+    would be saved as an empty tensor (a checkpoint of nothing), so raise instead."""
+    released = [prefix + name for name, p in module.named_parameters(remove_duplicate=False)
+                if (o := owner_of(p)) is not None and o.numel and p.numel() == 0
+                and prefix + name in state_dict]
+    if released:
+        shown = ", ".join(repr(n) for n in released[:3]) + (", ..." if len(released) > 3 else "")
+        raise ParameterNotGatheredError(
+            f"state_dict(): {len(released)} partitioned parameter(s) are released here and "
+            f"would be saved as empty tensors ({shown}). Gather them first: `with "
+            f"tierzero.GatheredParameters(model.parameters()): sd = model.state_dict()` (a "
+            f"collective: every rank enters it), or save with eng.save_checkpoint() and "
+            f"build a full state dict with tierzero.consolidate()")
 
 
 class AccessGuard(TorchFunctionMode):

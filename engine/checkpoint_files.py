@@ -55,6 +55,14 @@ _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLES = ("model.safetensors", "pytorch_model.bin")
 
 
+def _inside(directory: Path, name: str) -> bool:
+    """True when the index entry `name` is a plain file name in `directory` (no absolute
+    path, no '..', no symlink leading out)."""
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return False
+    return (directory / name).resolve().parent == directory.resolve()
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint directory (index JSON first), or `path` itself."""
     if path.is_file():
@@ -70,6 +78,11 @@ def checkpoint_files(path: Path) -> list[Path]:
                 raise PretrainedLoadError(f"{ipath}: not a valid index file (needs a "
                                           f"'weight_map' object): {exc}") from exc
             files = sorted({str(f) for f in weight_map.values()})
+            outside = [f for f in files if not _inside(path, f)]
+            if outside:
+                raise PretrainedLoadError(
+                    f"{ipath} names weight files outside {str(path)!r}: {outside[:5]}; an "
+                    "index may only name files in its own directory (plain file names)")
             missing = [f for f in files if not (path / f).is_file()]
             if missing:
                 raise PretrainedLoadError(f"{ipath} lists files that are missing from "

@@ -145,6 +145,9 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierzero", description="ZeRO-3 training with GPU / host / NVMe offload.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an unexpected error (anywhere on "
+                        "the command line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(sub)
@@ -153,11 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:  # accepted after the subcommand too: moved where argparse wants it
+        argv = ["--debug", *(a for a in argv if a != "--debug")]
     args = build_parser().parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except Exception as exc:  # every other error as one line; the traceback under --debug
+        if args.debug:
+            raise
+        sys.stderr.write(f"{_command_name(args)}: error: {_one_line(exc)} "
+                         "(run with --debug for the traceback)\n")
+        code = 1
     if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         leave_without_finalizing(code)
     return code
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    action = getattr(args, "config_command", None)
+    return " ".join(["tierzero", args.command, *([action] if action else [])])
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def leave_without_finalizing(code: int) -> NoReturn:

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from tierzero.engine.access import check_state_dict
 from tierzero.swap import trace
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class HookSet:
             for p in unit.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                     _post_accumulate(scheduler, unit)))
+            if unit.is_root:  # the whole model: refuse to save released (empty) parameters
+                self._handles.append(unit.module.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                    check_state_dict))
 
     def close(self) -> None:
         for h in self._handles:

@@ -10,7 +10,9 @@ residency]). Any `torch.optim.Optimizer` over flat tensors fits here:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -39,6 +41,15 @@ def torch_adam_factory(
     return make
 
 
+def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes: `defaults` may hold more
+    (torch.optim.AdamW's has `decoupled_weight_decay`, which AdamW() refuses)."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
 def factory_from_user(optimizer: object) -> OptimizerFactory:
     """`optimizer=` of initialize(): a callable `params -> Optimizer`, or an Optimizer built
     over the model's parameters, rebuilt over the master shards with the same defaults."""
@@ -48,7 +59,7 @@ def factory_from_user(optimizer: object) -> OptimizerFactory:
                 f"optimizer= has {len(optimizer.param_groups)} param groups; the engine "
                 "rebuilds it over flat master shards and supports one group. Pass a callable "
                 "params -> Optimizer instead")
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        cls, defaults = type(optimizer), _constructor_kwargs(optimizer)
         return lambda params: cls(params, **defaults)
     if callable(optimizer):
         return optimizer

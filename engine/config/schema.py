@@ -272,10 +272,14 @@ class NvmeConfig:
 
     block_size: int = field(
         default=1 * MiB,
-        metadata=meta("bytes per I/O request; a multiple of 4096", gt=0, unit="bytes"),
+        metadata=meta("bytes per I/O request; a multiple of 4096", gt=0, le=1 << 30,
+                      unit="bytes"),
     )
-    queue_depth: int = field(default=8, metadata=meta("I/O requests in flight per thread", gt=0))
-    threads: int = field(default=4, metadata=meta("I/O worker threads", gt=0))
+    # Upper bounds: what swap.SwapStore accepts.
+    queue_depth: int = field(
+        default=8, metadata=meta("I/O requests in flight per thread", gt=0, le=1 << 16)
+    )
+    threads: int = field(default=4, metadata=meta("I/O worker threads", gt=0, le=256))
     direct_io: DirectIO = field(
         default="auto",
         metadata=meta(
@@ -388,7 +392,10 @@ class Config:
     """The whole config. Build it with engine.load_config(path | dict | None)."""
 
     seed: int = field(
-        default=0, metadata=meta("seed for torch, numpy and Python's random on every rank", ge=0)
+        default=0,
+        # numpy's seed is a uint32: the bound every one of the three takes
+        metadata=meta("seed for torch, numpy and Python's random on every rank", ge=0,
+                      le=2**32 - 1),
     )
     precision: PrecisionConfig = field(
         default_factory=PrecisionConfig, metadata=meta("compute precision")

@@ -29,6 +29,8 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _ENV_RE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 BYTES_FORMS = "an int, an integral float like 1e9, or a string like '5e8', '512MiB', '2GB'"
+# Every integer (counts, byte sizes) ends up in C: an OS call, a torch size or a seed.
+INT_MAX = 2**63 - 1
 
 
 def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
@@ -70,11 +72,21 @@ def describe(hint: Any, meta: Mapping[str, Any], *, short: bool = False) -> str:
         text = "a list of two numbers"
     else:
         text = str(inner)
-    bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
+    bounds = [f"{op} {_num(meta[k])}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
               if meta.get(k) is not None]
     if bounds:
         text += " " + " and ".join(bounds)
     return f"null or {text}" if optional else text
+
+
+def _num(v: float) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"
+
+
+def _check_int(value: int, key: str, raw: Any, hint: Any, meta: Mapping[str, Any]) -> int:
+    if abs(value) > INT_MAX:
+        raise _bad(key, raw, hint, meta, f"too large: more than {INT_MAX}")
+    return value
 
 
 def _bad(key: str, raw: Any, hint: Any, meta: Mapping[str, Any], why: str = "") -> ConfigError:
@@ -87,11 +99,13 @@ def parse_bytes(raw: Any, key: str, hint: Any, meta: Mapping[str, Any]) -> int:
     if isinstance(raw, bool):
         raise _bad(key, raw, hint, meta)
     if isinstance(raw, int):
-        return raw
+        return _check_int(raw, key, raw, hint, meta)
     if isinstance(raw, float):
-        if not math.isfinite(raw) or raw != int(raw):
+        if not math.isfinite(raw):
+            raise _bad(key, raw, hint, meta, "not finite")
+        if raw != int(raw):
             raise _bad(key, raw, hint, meta, "not a whole number of bytes")
-        return int(raw)
+        return _check_int(int(raw), key, raw, hint, meta)
     if isinstance(raw, str):
         match = _SIZE_RE.match(raw)
         unit = match.group(2).lower() if match else ""
@@ -99,9 +113,11 @@ def parse_bytes(raw: Any, key: str, hint: Any, meta: Mapping[str, Any]) -> int:
             why = "unknown unit; use B, KB, MB, GB, TB or KiB, MiB, GiB, TiB" if match else ""
             raise _bad(key, raw, hint, meta, why)
         number = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(number):
+            raise _bad(key, raw, hint, meta, "not finite")
         if number != int(number):
             raise _bad(key, raw, hint, meta, "not a whole number of bytes")
-        return int(number)
+        return _check_int(int(number), key, raw, hint, meta)
     raise _bad(key, raw, hint, meta)
 
 
@@ -130,7 +146,7 @@ def _number(raw: Any, key: str, hint: Any, meta: Mapping[str, Any], *, integer: 
     if integer:
         if value != int(value):
             raise _bad(key, raw, hint, meta, "not a whole number")
-        return int(value)
+        return _check_int(int(value), key, raw, hint, meta)
     return float(value)
 
 

@@ -113,8 +113,13 @@ def _meta_module(spec: str) -> nn.Module:
     except ImportError as exc:
         raise ModelError(f"--model {spec!r} is a Hugging Face config, which needs the "
                          "transformers package: pip install 'tierzero[hf]'") from exc
-    hf_config = transformers.AutoConfig.from_pretrained(config_file)
+    try:
+        # Never run code shipped with a config (auto_map), and never prompt on stdin for it.
+        hf_config = transformers.AutoConfig.from_pretrained(config_file, trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelError(f"--model {spec!r}: cannot read {config_file} as a Hugging Face "
+                         f"config without running code it ships ({exc})") from exc
     with torch.device("meta"):
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
-            hf_config)
+            hf_config, trust_remote_code=False)
     return model

@@ -80,7 +80,12 @@ def _hf_model(path: str, seq_len: int, need: int, tokenizer: str) -> nn.Module:
     except ImportError as exc:
         raise ModelError(f"train.model: {path!r} is a Hugging Face config, which needs the "
                          "transformers package: pip install 'tierzero[hf]'") from exc
-    hf_config = transformers.AutoConfig.from_pretrained(config_file)
+    try:
+        # Never run code shipped with a config (auto_map), and never prompt on stdin for it.
+        hf_config = transformers.AutoConfig.from_pretrained(config_file, trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelError(f"train.model: {path!r}: cannot read {config_file} as a Hugging Face "
+                         f"config without running code it ships ({exc})") from exc
     vocab = getattr(hf_config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < need:
         needs = (f"byte-level training needs at least {VOCAB}" if tokenizer == "bytes" else
@@ -91,5 +96,5 @@ def _hf_model(path: str, seq_len: int, need: int, tokenizer: str) -> nn.Module:
         raise ModelError(f"train.seq_len {seq_len} exceeds max_position_embeddings {context} "
                          f"of {config_file}; lower train.seq_len")
     model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
-        hf_config)
+        hf_config, trust_remote_code=False)
     return model
