@@ -13,7 +13,7 @@ The PyTorch fallback does torch's own ops, so it is checked for equality.
 
 from __future__ import annotations
 
-import time
+import platform
 
 import pytest
 import torch
@@ -276,18 +276,28 @@ def test_fp16_subnormal_grads_are_not_flushed() -> None:
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="C kernel unavailable here")
-def test_subnormal_state_costs_no_microcode_assists() -> None:
-    # Without FTZ/DAZ this ratio measured 17x here; 4x is a generous bound, same run.
-    # Fastest of 7 interleaved repeats, not the median: other processes on the cores only
-    # ever add time (the median once read 4.96x on a loaded 2-core machine).
-    n = 2_000_000
-    times: dict[str, list[float]] = {"normal": [], "subnormal": []}
-    state = {k: (torch.randn(n), torch.full((n,), val), torch.full((n,), val), torch.zeros(n))
-             for k, val in (("normal", 1e-20), ("subnormal", 1e-40))}
-    for rep in range(7):
-        for k, (p, m, v, g) in state.items():
-            t = time.perf_counter()
-            adam_update(p, m, v, g, hyper=AdamHyper(), step=1000 + rep, backend="compiled")
-            times[k].append(time.perf_counter() - t)
-    best = {k: min(ts) for k, ts in times.items()}
-    assert best["subnormal"] < 4 * best["normal"], best
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "i686", "i386"),
+                    reason="flush-to-zero is set only on x86 ([Note: subnormals])")
+def test_subnormal_state_is_flushed_so_it_costs_no_microcode_assists() -> None:
+    # Without FTZ/DAZ a step over subnormal moments measured 17x slower here (a microcode
+    # assist per operation; benchmarks/adam_bench.py measures it). What the kernel
+    # guarantees, and what this checks without timing anything: subnormal moments are
+    # read as zero and results that would be subnormal are written as zero, while
+    # torch's ops (no FTZ) keep them.
+    n = 4096
+    p = torch.randn(n)
+    m, v, g = torch.full((n,), 1e-40), torch.full((n,), 1e-40), torch.zeros(n)
+    assert float(m[0]) != 0.0  # a subnormal float32, not already flushed
+    ref_m, ref_v = m.clone(), v.clone()
+    adam_update(p.clone(), m, v, g, hyper=AdamHyper(), step=1000, backend="compiled")
+    adam_update(p.clone(), ref_m, ref_v, g.clone(), hyper=AdamHyper(), step=1000,
+                backend="torch")
+    assert torch.all(ref_m != 0) and torch.all(ref_v != 0)  # torch keeps subnormals
+    assert torch.all(m == 0) and torch.all(v == 0)  # the kernel flushed them
+    # normal values are untouched by the mode: the same step from 1e-20 matches torch
+    m2, v2, rm2, rv2 = (torch.full((n,), 1e-20) for _ in range(4))
+    q, rq = p.clone(), p.clone()
+    adam_update(q, m2, v2, g, hyper=AdamHyper(), step=1000, backend="compiled")
+    adam_update(rq, rm2, rv2, g.clone(), hyper=AdamHyper(), step=1000, backend="torch")
+    _close("exp_avg", m2, rm2)
+    _close("param", q, rq)
