@@ -74,9 +74,11 @@ def check_state_dict(module: nn.Module, state_dict: Mapping[str, Any], prefix: s
                      _local_metadata: Any) -> None:
     """The model's state_dict post-hook: a partitioned parameter released at this moment
     would be saved as an empty tensor (a checkpoint of nothing), so raise instead."""
+    # keep_vars=True hands out the live Parameters themselves (the engine reads names
+    # that way): nothing is copied, so nothing empty is saved; only copies are checked.
     released = [prefix + name for name, p in module.named_parameters(remove_duplicate=False)
                 if (o := owner_of(p)) is not None and o.numel and p.numel() == 0
-                and prefix + name in state_dict]
+                and prefix + name in state_dict and state_dict[prefix + name] is not p]
     if released:
         shown = ", ".join(repr(n) for n in released[:3]) + (", ..." if len(released) > 3 else "")
         raise ParameterNotGatheredError(

@@ -35,7 +35,8 @@ def test_misspelt_key_without_close_match() -> None:
 
 def test_wrong_type() -> None:
     msg = error_of({"nvme": {"queue_depth": "deep"}})
-    assert msg == "nvme.queue_depth: 'deep' is not allowed; allowed: an integer > 0"
+    assert msg == ("nvme.queue_depth: 'deep' is not allowed; allowed: an integer > 0 and "
+                   "<= 65536")
 
 
 def test_section_must_be_mapping() -> None:

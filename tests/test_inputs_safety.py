@@ -54,6 +54,8 @@ def test_state_dict_of_released_parameters_is_an_error_not_empty_tensors() -> No
                            match=r"state_dict\(\): \d+ partitioned parameter.*'emb\.weight'.*"
                                  r"GatheredParameters"):
             model.state_dict()
+        live = model.state_dict(keep_vars=True)  # the Parameters themselves: not copies
+        assert live["emb.weight"] is model.emb.weight
         with engine.GatheredParameters(list(model.parameters())):
             gathered = {k: v.clone() for k, v in model.state_dict().items()}
         assert all(v.numel() == p.numel() for v, p in zip(

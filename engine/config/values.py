@@ -101,9 +101,7 @@ def parse_bytes(raw: Any, key: str, hint: Any, meta: Mapping[str, Any]) -> int:
     if isinstance(raw, int):
         return _check_int(raw, key, raw, hint, meta)
     if isinstance(raw, float):
-        if not math.isfinite(raw):
-            raise _bad(key, raw, hint, meta, "not finite")
-        if raw != int(raw):
+        if not math.isfinite(raw) or raw != int(raw):
             raise _bad(key, raw, hint, meta, "not a whole number of bytes")
         return _check_int(int(raw), key, raw, hint, meta)
     if isinstance(raw, str):
