@@ -116,6 +116,28 @@ def test_hf_config_with_auto_map_never_prompts_or_runs_code(
         build_model(str(tmp_path), 32)
 
 
+def test_tokenizer_with_auto_map_never_prompts_or_runs_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from data_helpers import tiny_tokenizer
+
+    from tierzero.engine.train.data.tokenizer import load_tokenizer
+
+    tiny_tokenizer(tmp_path)
+    cfg_file = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    cfg_file.write_text(json.dumps(cfg))
+    (tmp_path / "tokenization_evil.py").write_text("raise SystemExit('remote code ran')\n")
+
+    def no_prompt(*_args: Any) -> str:
+        raise AssertionError("transformers prompted on stdin for trust_remote_code")
+
+    monkeypatch.setattr(builtins, "input", no_prompt)
+    tok = load_tokenizer(str(tmp_path), "builtin:tiny")  # the local fast tokenizer
+    assert type(tok).__name__ == "HFTokenizer"
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ("zero: {max_live_bytes: '1e400'}", "zero.max_live_bytes"),
     ("zero: {max_live_bytes: 1.0e+30}", "zero.max_live_bytes"),

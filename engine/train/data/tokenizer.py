@@ -179,7 +179,9 @@ def _hf(path: str, what: str) -> Tokenizer:
             tok = transformers.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
                 tokenizer_file=path)
         else:
-            tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            # never run code shipped with it (auto_map), never prompt on stdin for it
+            tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                             trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise DataError(f"{what}: cannot load a tokenizer from {path} "
                         f"({type(exc).__name__}: {exc})") from exc
