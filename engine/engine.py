@@ -107,6 +107,12 @@ class ZeroEngine:
                 for s in g.slots:
                     register_owner(s.param, self.scheduler, unit, s.qname, s.numel)
         self._hooks = HookSet(self.scheduler)
+        # Units that stay gathered are gathered now, so a read before their first forward
+        # (user code, a parent module) sees their values ([Note: persistent units after the
+        # step] in schedule.py). A collective, in unit order on every rank.
+        for unit in self.units:
+            if unit.persistent:
+                self.scheduler.ensure_gathered(unit)
         self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
         self._train_keys = [g.key for g in self._train_groups]
         self.optimizer: torch.optim.Optimizer
@@ -223,9 +229,11 @@ class ZeroEngine:
             for key, trainable, named in self._group_plan(spec)
         ]
         nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8
-        persistent = (not spec.is_root) and (
-            self.config.zero.stage < 3
-            or nbytes < self.config.zero.persistence_threshold_bytes)
+        # Stage 1/2: every unit, the root included, stays gathered between steps (as their
+        # parameters do in DeepSpeed). Stage 3: blocks under the threshold; the root is
+        # gathered around each forward and backward.
+        persistent = self.config.zero.stage < 3 or (
+            not spec.is_root and nbytes < self.config.zero.persistence_threshold_bytes)
         trainable = tuple(p for _, p in spec.params if p.requires_grad)
         return Unit(index, spec.name, spec.module, spec.is_root, persistent, groups,
                     trainable, has_frozen=len(trainable) < len(spec.params))
@@ -303,6 +311,8 @@ class ZeroEngine:
         if self._early is not None and self._early.take_abandoned():  # see EarlyStep.abandon
             self.skipped_steps += 1
             self.zero_grad()
+            # some groups were updated before the step was abandoned
+            self.scheduler.after_step()  # [Note: persistent units after the step]
             return
         self.zero_fresh_grads()  # a step with no backward since zero_grad(): zero gradients
         unscale = 1.0
@@ -331,8 +341,8 @@ class ZeroEngine:
                     self.store.tensor(k, "grad").mul_(unscale * coef)
             run_step(self.optimizer, self.store, self._train_keys)
         self.lr_scheduler.step()
-        self.zero_grad()
-        self.scheduler.after_step()
+        self.zero_grad()  # also waits for any optimizer thread (settle)
+        self.scheduler.after_step()  # [Note: persistent units after the step] in schedule.py
         self.global_steps += 1
 
     def _clip(self, unscale: float) -> float:
