@@ -80,7 +80,8 @@ class ZeroEngine:
         self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
         check_parameters_supported(module)
         specs = discover_units(module, list(config.zero.units) or None,
-                               config.zero.unit_min_bytes)
+                               config.zero.unit_min_bytes, list(config.zero.leaf_modules),
+                               config.zero.auto_leaf_moe)
         # Validate on every rank before the first collective: a mismatch would hang.
         shape_sig = [len(specs)] + [sum(p.numel() for _, p in s.params) for s in specs]
         if not self.comm.all_equal(shape_sig):
@@ -97,6 +98,7 @@ class ZeroEngine:
         self._declare_groups(specs)
         self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
         self.root = self.units[-1]
+        self.comm.know([g.key for u in self.units for g in u.groups])
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
                                    inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
@@ -236,7 +238,8 @@ class ZeroEngine:
             not spec.is_root and nbytes < self.config.zero.persistence_threshold_bytes)
         trainable = tuple(p for _, p in spec.params if p.requires_grad)
         return Unit(index, spec.name, spec.module, spec.is_root, persistent, groups,
-                    trainable, has_frozen=len(trainable) < len(spec.params))
+                    trainable, has_frozen=len(trainable) < len(spec.params),
+                    dynamic=spec.dynamic)
 
     # -- training API -------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -322,7 +325,7 @@ class ZeroEngine:
                 with self.store.use(k, "grad") as g:
                     overflow = overflow or has_overflow([g])
             flag = torch.tensor([1.0 if overflow else 0.0], device=self.device)
-            self.comm.all_reduce_sum(flag)
+            self.comm.all_reduce_sum(flag, "the fp16 overflow flag")
             if flag.item() > 0:
                 self.loss_scaler.update(overflow=True)
                 self.skipped_steps += 1
@@ -360,7 +363,7 @@ class ZeroEngine:
                 # of the shard), squares summed in fp64
                 sq += torch.linalg.vector_norm(g).double().cpu() ** 2
         sq = sq.to(self.device)
-        self.comm.all_reduce_sum(sq)
+        self.comm.all_reduce_sum(sq, "the squared gradient norm")
         norm = math.sqrt(float(sq.item())) * unscale
         self.last_grad_norm = norm
         return min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
@@ -479,3 +482,4 @@ class ZeroEngine:
         if isinstance(self.optimizer, OffloadedAdam):
             self.optimizer.close()
         self.store.close()
+        self.comm.close()

@@ -60,6 +60,9 @@ class Unit:
     groups: list[FlatGroup]
     trainable: tuple[nn.Parameter, ...]
     has_frozen: bool
+    # holds a leaf module (MoE): which parameters get gradients may differ across ranks, so
+    # its gradients are reduced at the end of backward ([Note: units and rank divergence])
+    dynamic: bool = False
     stale: bool = False  # gathered copy predates the last optimizer step
     fired: set[int] = field(default_factory=set)  # ids of params whose grad arrived this backward
     reduced: bool = False  # grads of this backward already reduce-scattered (every group)
@@ -176,7 +179,7 @@ class Scheduler:
         for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
             if u.index not in kept:
                 entries += [(g.key, "param16") for g in u.groups]
-            if not u.has_frozen:
+            if not (u.has_frozen or u.dynamic):  # those reduce at the end of backward
                 entries += [(g.key, "grad") for g in u.groups if g.trainable]
         self.store.set_order(entries)
 
@@ -262,8 +265,8 @@ class Scheduler:
                 self.late.arrive(unit, group, param)  # [Note: late gradients]
                 return
         unit.fired.add(id(param))
-        if unit.has_frozen or unit.reduced:
-            return  # units with frozen params wait for end_backward
+        if unit.has_frozen or unit.dynamic or unit.reduced:
+            return  # units with frozen params or a leaf module wait for end_backward
         if unit.is_root:
             self._reduce_root_groups(unit)
             return
@@ -371,7 +374,7 @@ class Scheduler:
             for g in unit.groups:
                 if g.base is None:
                     raise RuntimeError(f"write_back: unit {unit.label!r} is not gathered")
-                self.comm.broadcast(g.base, src)
+                self.comm.broadcast(g.base, src, g.key)
                 lo = self.comm.rank * g.shard_numel
                 mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
                 with self.store.use(g.key, "param16", writable=True) as param16:
