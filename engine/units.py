@@ -131,6 +131,7 @@ def _keep_leaves_whole(model: nn.Module, blocks: list[tuple[str, nn.Module]],
     """`blocks` with every leaf whole; also the names of the blocks holding a leaf."""
     out = list(blocks)
     dynamic: set[str] = set()
+    merged: list[str] = []
     for lname, lmod in leaves:
         outer = [b for b, _ in out if lname == b or lname.startswith(b + ".")]
         if outer:  # the leaf is a unit, or inside one
@@ -141,11 +142,12 @@ def _keep_leaves_whole(model: nn.Module, blocks: list[tuple[str, nn.Module]],
         out.append((lname, lmod))
         dynamic.add(lname)
         if split:
-            log.warning("units: %s splits %s %r into %d units (%s, ...); kept whole as one "
-                        "unit, because ranks whose tokens take different paths through it "
-                        "would run different collectives (zero.leaf_modules, "
-                        "zero.auto_leaf_moe)", rule, type(lmod).__name__, lname, len(split),
-                        split[0])
+            merged.append(f"{type(lmod).__name__} {lname!r} ({len(split)} units)")
+    if merged:
+        log.warning("units: %s splits %d leaf modules (%s); each is kept whole as one unit, "
+                    "because ranks whose tokens take different paths through it would run "
+                    "different collectives (zero.leaf_modules, zero.auto_leaf_moe)", rule,
+                    len(merged), ", ".join(merged[:3]) + (", ..." if len(merged) > 3 else ""))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(out, key=lambda item: order[item[0]]), dynamic
 
