@@ -31,8 +31,8 @@ from engine_dist import run_two_ranks
 from engine_helpers import LOSS_RTOL, PARAM_ATOL, full_params
 from torch import nn
 
-from tierzero import engine
-from tierzero.engine.collectives import Comm, RanksDivergedError
+from tierzero import RanksDivergedError, engine
+from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config
 
 VOCAB, DIM, SEQ, BATCH = 64, 16, 6, 2
