@@ -16,6 +16,11 @@ the configurations, the median over `--repeats` rounds is reported):
             with ds_all_nvme_nocache (`max_in_cpu: 0`), all_nvme_cache with ds_all_nvme
             (DeepSpeed's default, parameters kept in host memory); both DeepSpeed rows run
             whenever either tierzero row does
+Variants: a configuration may carry suffixes, run as rows of their own in the same rounds:
+  :clip     gradient clipping at --clip (default 1.0; plain: torch's clip_grad_norm_)
+  :noover   offload.optimizer.overlap_step off (tierzero rows; else --overlap-step decides)
+e.g. `--configs plain,cpu,cpu:clip,cpu:clip:noover` compares the overlapped step with and
+without clipping against the step after backward, in the same run.
 Models: "mlp" (~80M parameters: embedding, 9 pre-norm MLP blocks of width 1024, head;
 batch 16 x 16 tokens) and "hf" (a small Llama from a config, no download, ~30M).
 
@@ -119,8 +124,20 @@ def _reset_hwm() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
+def split_config(config: str) -> tuple[str, set[str]]:
+    """"cpu:clip:noover" -> ("cpu", {"clip", "noover"}); unknown suffixes are an error."""
+    base, *flags = config.split(":")
+    unknown = set(flags) - {"clip", "noover"}
+    if unknown:
+        raise SystemExit(f"--configs {config!r}: unknown variant {sorted(unknown)}; "
+                         "allowed: clip, noover")
+    return base, set(flags)
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    base, flags = split_config(args.config)
+    clip = args.clip if "clip" in flags else 0.0
     dev = torch.device(args.device)
     raw, units, vocab = build(args.model, args.quick)
     model: nn.Module = raw if args.model == "mlp" else HFLoss(raw)
@@ -132,8 +149,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     fb: list[float] = []
     opt_s: list[float] = []
     adam_s: list[float] = []
+    hidden_s: list[float] = []  # the CPU Adam's seconds on its worker beside compute
     moved0: dict[str, int] = {}
-    if args.config == "plain":
+    if base == "plain":
         model.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -144,6 +162,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             loss.backward()
             sync()
             t1 = time.perf_counter()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sync()
@@ -151,22 +171,25 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             opt_s.append(time.perf_counter() - t1)
         report: Any = lambda: None  # noqa: E731
     else:
-        p_dev, o_dev = OFFLOAD[args.config]
+        p_dev, o_dev = OFFLOAD[base]
         path = tempfile.mkdtemp(dir=args.swap, prefix="step_bench-")
         cfg = engine.load_config({
             "zero": {"stage": 3, "units": list(units), "persistence_threshold_bytes": 0},
             "precision": "bf16", "optimizer": {"type": "adamw", "lr": 1e-4},
+            "gradient_clipping": clip,
             "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None,
-                                   "max_in_cpu_bytes": (args.cache_bytes if args.config
+                                   "max_in_cpu_bytes": (args.cache_bytes if base
                                                         == "all_nvme_cache" else 0)},
                         "optimizer": {"device": o_dev, "path": path if "nvme" in (
                             p_dev, o_dev) else None,
-                                      "overlap_step": args.overlap_step == "on",
+                                      "overlap_step": (args.overlap_step == "on"
+                                                       and "noover" not in flags),
                                       **({"buffer_count": args.buffer_count}
                                          if args.buffer_count else {})}}})
         eng, _, _, _ = engine.initialize(model=model, config=cfg, device=dev)
 
         def one() -> None:
+            hidden0 = eng.optimizer_times()[0]
             t0 = time.perf_counter()
             eng.backward(eng(ids, labels))
             sync()
@@ -175,6 +198,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             sync()
             fb.append(t1 - t0)
             opt_s.append(time.perf_counter() - t1)
+            hidden_s.append(eng.optimizer_times()[0] - hidden0)
             st = eng.memory_report()["optimizer_step"]
             if st is not None:
                 adam_s.append(st["compute_s"])
@@ -195,6 +219,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "step_s": statistics.median(steps), "mean_step_s": total / args.steps,
             "fwd_bwd_s": statistics.median(fb), "opt_s": statistics.median(opt_s),
             "adam_s": statistics.median(adam_s) if adam_s else 0.0,
+            "hidden_s": statistics.median(hidden_s) if hidden_s else 0.0,
             "nvme_read_per_step": per_step.get("nvme_to_host", 0.0),
             "nvme_write_per_step": per_step.get("host_to_nvme", 0.0),
             "peak_rss_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -268,7 +293,7 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
            "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
     if not ds:
         cmd += ["--overlap-step", ns.overlap_step, "--cache-bytes", str(ns.cache_bytes),
-                "--device", ns.device]
+                "--device", ns.device, "--clip", str(ns.clip)]
         if ns.buffer_count:
             cmd += ["--buffer-count", str(ns.buffer_count)]
     if ns.quick:
@@ -303,6 +328,8 @@ def main() -> None:
     ap.add_argument("--overlap-step", choices=("on", "off"), default="on",
                     help="offload.optimizer.overlap_step of the tierzero rows (A/B of the "
                          "optimizer step during backward)")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="gradient clipping limit of the :clip variants (default 1.0)")
     ap.add_argument("--buffer-count", type=int, default=None,
                     help="offload.optimizer.buffer_count of the tierzero rows (CPU Adam host "
                          "ring depth); default: the config's default")
@@ -335,6 +362,8 @@ def main() -> None:
         ns.repeats, ns.steps = 1, 3
     ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
     configs = ns.configs.split(",")
+    for c in configs:
+        split_config(c)  # unknown variants fail before anything runs
     if ns.device == "cpu":
         configs += deepspeed_configs(ns, configs)
     else:
@@ -378,6 +407,7 @@ def main() -> None:
             sys.stdout.write(
                 f"{model:4s} {c:9s} step {m['step_s']:.3f}s (x{m['vs_plain'] or 0:.2f} plain)"
                 f" fwd+bwd {m['fwd_bwd_s']:.3f}s opt {m['opt_s']:.3f}s adam {m['adam_s']:.3f}s"
+                f" hidden {m['hidden_s']:.3f}s"
                 f" nvme r/w {m['nvme_read_per_step'] / 1e6:.0f}/"
                 f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {m['nvme_io_s']:.3f}s"
                 f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"

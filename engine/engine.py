@@ -37,7 +37,7 @@ from tierzero.engine.lr_schedules import build_scheduler
 from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
 from tierzero.engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
 from tierzero.engine.optim import OptimizerFactory, build_optimizer, run_step
-from tierzero.engine.precision import LossScaler, compute_dtype, has_overflow
+from tierzero.engine.precision import GradStat, LossScaler, compute_dtype, grad_stat
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shard_store import ShardStore
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
@@ -141,6 +141,12 @@ class ZeroEngine:
         self._early = (EarlyStep(self.optimizer, self.scheduler, self.config,
                                  fp16=self.loss_scaler is not None)
                        if isinstance(self.optimizer, OffloadedAdam) else None)
+        if self._early is not None and self._early.deferred:
+            self.scheduler.updates = self._early.optimizer  # [Note: deferred step]
+        # module.state_dict() between steps sees whole steps (a persistent unit's
+        # parameters may view the shards a deferred update writes)
+        self._state_dict_hook = module.register_state_dict_pre_hook(
+            lambda *_: self._settle_optimizer())
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -249,7 +255,8 @@ class ZeroEngine:
         """Run the model's forward with its own signature. Tensor inputs move to the
         engine's device; floating ones are cast to the compute dtype."""
         self._check_open()
-        self._settle_optimizer()
+        # a deferred update goes on: each unit waits for its own ([Note: deferred step])
+        self._settle_optimizer(deferred=False)
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
         grad_enabled = torch.is_grad_enabled()
         self.scheduler.begin_forward(self.root)
@@ -282,6 +289,7 @@ class ZeroEngine:
         scale = 1.0 / self.grad_accum
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
+        self._settle_optimizer()  # reductions write gradient shards a deferred update reads
         self.scheduler.begin_backward()
         if self._early is not None:
             self._early.begin(boundary=self.is_gradient_accumulation_boundary())
@@ -318,12 +326,10 @@ class ZeroEngine:
             self.scheduler.after_step()  # [Note: persistent units after the step]
             return
         self.zero_fresh_grads()  # a step with no backward since zero_grad(): zero gradients
+        stats = self._grad_stats()
         unscale = 1.0
         if self.loss_scaler is not None:
-            overflow = False
-            for k in self._train_keys:
-                with self.store.use(k, "grad") as g:
-                    overflow = overflow or has_overflow([g])
+            overflow = not all(st.finite for st in stats.values())
             flag = torch.tensor([1.0 if overflow else 0.0], device=self.device)
             self.comm.all_reduce_sum(flag, "the fp16 overflow flag")
             if flag.item() > 0:
@@ -333,11 +339,15 @@ class ZeroEngine:
                 return
             unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(overflow=False)
-        coef = self._clip(unscale)
+        coef = self._clip(unscale, stats)
         if isinstance(self.optimizer, OffloadedAdam):
             # unscale and clip folded into the CPU Adam's one pass over the gradients
-            self.optimizer.step(grad_scale=unscale * coef)
-            self._follow_backward_order()
+            if self._early is not None and self._early.deferred:
+                self.optimizer.step(grad_scale=unscale * coef,
+                                    defer=self.scheduler.forward_keys())
+            else:
+                self.optimizer.step(grad_scale=unscale * coef)
+                self._follow_backward_order()
         else:
             if unscale * coef != 1.0:
                 for k in self._train_keys:
@@ -348,7 +358,17 @@ class ZeroEngine:
         self.scheduler.after_step()  # [Note: persistent units after the step] in schedule.py
         self.global_steps += 1
 
-    def _clip(self, unscale: float) -> float:
+    def _grad_stats(self) -> dict[str, GradStat]:
+        """Per trainable group, its gradient's norm and finiteness when clipping or the fp16
+        overflow check needs them (else empty): measured during backward by the worker
+        ([Note: deferred step]) or here, one pass over every gradient shard."""
+        if self.config.gradient_clipping <= 0 and self.loss_scaler is None:
+            return {}
+        if self._early is not None and self._early.take_measured():
+            return self._early.optimizer.grad_stats(self.scheduler.reissued)
+        return {k: grad_stat(self.store, k) for k in self._train_keys}
+
+    def _clip(self, unscale: float, stats: dict[str, GradStat]) -> float:
         """Global L2 norm of the (unscaled) gradients over every shard on every rank; sets
         `last_grad_norm` and returns the factor that brings it down to the limit (1.0 when
         clipping is off: the norm costs a pass over every gradient, so it is skipped)."""
@@ -356,27 +376,31 @@ class ZeroEngine:
         if limit <= 0:
             self.last_grad_norm = None
             return 1.0
-        sq = torch.zeros(1, dtype=torch.float64)
+        # fp32 norm per shard (as torch's clip_grad_norm_ per tensor; no fp64 copy of the
+        # shard), squares summed in fp64 in fixed group order (precision.grad_stat)
+        total = 0.0
         for k in self._train_keys:
-            with self.store.use(k, "grad") as g:
-                # fp32 norm per shard (as torch's clip_grad_norm_ per tensor; no fp64 copy
-                # of the shard), squares summed in fp64
-                sq += torch.linalg.vector_norm(g).double().cpu() ** 2
-        sq = sq.to(self.device)
+            total += stats[k].sq_norm
+        sq = torch.tensor([total], dtype=torch.float64, device=self.device)
         self.comm.all_reduce_sum(sq, "the squared gradient norm")
         norm = math.sqrt(float(sq.item())) * unscale
         self.last_grad_norm = norm
         return min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
 
-    def _settle_optimizer(self) -> None:
-        """No optimizer thread is writing a shard after this ([Note: in-place early step])."""
+    def _settle_optimizer(self, *, deferred: bool = True) -> None:
+        """No optimizer thread is writing a shard after this ([Note: in-place early step]);
+        with `deferred` False, an update deferred into the next forward goes on ([Note:
+        deferred step]: each unit waits for its groups before it is gathered)."""
         if isinstance(self.optimizer, OffloadedAdam):
-            self.optimizer.settle()
+            self.optimizer.settle(deferred=deferred)
 
     def zero_grad(self) -> None:
         """Gradients to zero: the fp32 shards are marked, not written ([Note: gradients
-        zeroed by the first reduction] in engine/flat_shard.py)."""
-        self._settle_optimizer()
+        zeroed by the first reduction] in engine/flat_shard.py). A deferred update may go
+        on reading them: the mark changes no byte of a shard."""
+        self._settle_optimizer(deferred=False)
+        if self._early is not None and self._early.measuring:
+            self._early.abandon()  # measured gradients are gone: step() measures zeros
         for g in self._train_groups:
             g.grad_fresh = True
         for u in self.units:
@@ -386,6 +410,7 @@ class ZeroEngine:
     def zero_fresh_grads(self) -> None:
         """Write the zeros of gradient shards marked by zero_grad() and not reduced into
         since (for whoever reads them without a backward first)."""
+        self._settle_optimizer()  # a deferred update may still read a marked shard
         zero_fresh_grads(self._train_groups, self.store)
 
     def train(self, mode: bool = True) -> ZeroEngine:
@@ -397,6 +422,14 @@ class ZeroEngine:
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def optimizer_times(self) -> tuple[float, float]:
+        """(hidden, waited), cumulative seconds: the CPU Adam's kernel time on its worker
+        thread while forward or backward ran (the optimizer's time hidden under compute),
+        and the time forward waited for a unit's deferred update ([Note: deferred step])."""
+        hidden = (self.optimizer.background_s if isinstance(self.optimizer, OffloadedAdam)
+                  else 0.0)
+        return hidden, self.scheduler.update_wait_s
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes on this rank, from element counts: shards by kind, gathered params now and
@@ -450,6 +483,11 @@ class ZeroEngine:
         return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
 
     def _check_checkpointable(self, what: str) -> None:
+        # a deferred update runs to the end first: nothing saves or overwrites a shard
+        # half-way through its step ([Note: deferred step])
+        self._settle_optimizer()
+        if self._early is not None and self._early.measuring and what == "load_checkpoint":
+            self._early.abandon()  # the gradients measured in backward are replaced
         if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_open:
             raise CheckpointError(
                 f"{what} between backward() and step(): the optimizer step begun during "
@@ -478,6 +516,7 @@ class ZeroEngine:
                     s.param.data = data
                     unregister_owner(s.param)
         self._hooks.close()
+        self._state_dict_hook.remove()
         self._closed = True
         if isinstance(self.optimizer, OffloadedAdam):
             self.optimizer.close()

@@ -31,6 +31,31 @@ Who else touches a group between its reduce and `finish()`, and why it is safe:
 - forward, zero_grad and close (engine.py) call `settle()` first, which waits for the
   worker, so nobody reads a group the kernel is writing; checkpoints are refused while
   the step is open (ZeroEngine._check_checkpointable).
+
+[Note: deferred step]
+Gradient clipping needs the global norm and fp16 loss scaling needs the overflow
+check, both over every gradient, before any group may be updated. With
+overlap_step on, the step keeps its exact semantics and still runs beside
+compute, in two parts on the same worker:
+
+    backward (compute)   unit 5 | reduce 5 | unit 4 | reduce 4 | ... | end
+    worker               measure 5 (norm, finite) | measure 4 | ...
+    step()               sum the norms in fixed order (+ the groups not measured),
+                         all-reduce, overflow -> skip; else defer(grad_scale, order)
+    next forward         root | unit 0 | unit 1 | ...
+    worker               adam root | adam 0 | adam 1 | ...       (in forward order)
+
+`measure()` computes each final group's GradStat (precision.grad_stat, the same
+function step() uses otherwise, summed in the same order: bit for bit the same
+norm); a group reduced again afterwards (a late gradient) is measured again in
+step(). `defer()` hands every group to the worker in the next forward's order with
+the clipping and unscaling factor; the scheduler waits for a unit's groups before it
+gathers it (Scheduler.wait_updates), so no forward reads a shard before its update,
+and the update of unit k runs while forward computes the units before it. Whoever
+else reads or writes shards drains first (ZeroEngine: backward, zero_fresh_grads,
+save/load_checkpoint, close, module.state_dict(); load_pretrained and
+GatheredParameters wait for their units): nothing observes a half-updated step.
+The lr and other hyper-parameters are those of step(), as without deferral.
 """
 
 from __future__ import annotations
@@ -45,6 +70,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
 from tierzero.swap import trace
 
@@ -84,6 +110,14 @@ class InPlaceStep:
         self._failure: BaseException | None = None
         self._finishing = False  # backward is over: queued groups get every kernel thread
         self._closed = False
+        # [Note: deferred step]: gradients measured on the worker during backward, the
+        # update run on it during the next forward
+        self._measured: dict[str, Future[GradStat]] = {}
+        self._deferred: dict[str, Future[float]] = {}  # group -> its pending update
+        self._deferred_t0 = 0.0
+        self._deferred_compute = 0.0  # kernel seconds of the deferred step so far
+        self._deferred_failure: BaseException | None = None
+        self.worker_s = 0.0  # kernel seconds run on the worker, beside compute (cumulative)
 
     # -- the whole step after backward -------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
@@ -125,8 +159,19 @@ class InPlaceStep:
         if self._open is not None:
             raise RuntimeError("InPlaceStep.begin() while a step is open; finish() or "
                                "abort() it first")
+        self._start_worker()
+        self._open = (hyper, step, time.perf_counter())
+        self._submitted.clear()
+        self._done.clear()
+        self._jobs.clear()
+        self._failure = None
+        self._finishing = False
+
+    def _start_worker(self) -> ThreadPoolExecutor:
+        """The worker thread; sets the kernel threads it may use beside compute."""
         if self._worker is None:
-            # One thread runs the groups backward finalises, beside the compute thread.
+            # One thread runs the groups backward finalises (and, under clipping or fp16,
+            # measures them and updates them during the next forward), beside compute.
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="tierzero-adam-early")
         during = threads_during_backward(self._threads.threads)
         if during == self._threads.threads:
@@ -136,12 +181,7 @@ class InPlaceStep:
             self._during = AdamThreads(during)
         elif during == 1:
             self._close_during()
-        self._open = (hyper, step, time.perf_counter())
-        self._submitted.clear()
-        self._done.clear()
-        self._jobs.clear()
-        self._failure = None
-        self._finishing = False
+        return self._worker
 
     def submit(self, keys: Sequence[str]) -> None:
         """These groups' gradients are final: the worker updates them, in this order."""
@@ -162,9 +202,10 @@ class InPlaceStep:
             with self._lock:
                 if self._failure is not None:
                     return compute
-                threads = self._threads if self._finishing else self._during
+                hidden = not self._finishing  # backward still runs beside it
+                threads = self._during if hidden else self._threads
             try:
-                compute += self.update(key, hyper, step, 1.0, threads)
+                seconds = self.update(key, hyper, step, 1.0, threads)
             except BaseException as exc:
                 err = RuntimeError(f"the optimizer step begun during backward failed on "
                                    f"shard group {key!r}: {exc}")
@@ -172,8 +213,10 @@ class InPlaceStep:
                 with self._lock:
                     self._failure = err
                 return compute
+            compute += seconds
             with self._lock:
                 self._done.add(key)
+                self.worker_s += seconds if hidden else 0.0
         return compute
 
     def settle(self) -> None:
@@ -213,6 +256,129 @@ class InPlaceStep:
             self._open = None
             self._jobs.clear()
 
+    # -- clipping / fp16: measured during backward, updated during the next forward ----
+    def begin_measure(self) -> None:
+        """Backward begins on a boundary whose step needs every gradient first: groups
+        handed to `measure` get their GradStat on the worker while backward goes on."""
+        if self._closed:
+            raise RuntimeError("InPlaceStep.begin_measure() after close()")
+        self._start_worker()
+        self.forget_measured()
+
+    def measure(self, keys: Sequence[str]) -> None:
+        """These groups' gradient shards are final: measure them on the worker."""
+        if self._worker is None:
+            raise RuntimeError("InPlaceStep.measure() without begin_measure()")
+        for key in keys:
+            if key not in self._measured:
+                self._measured[key] = self._worker.submit(grad_stat, self._store, key)
+
+    def forget_measured(self) -> None:
+        """Drop every measurement (the gradients changed since): waits for those running."""
+        for job in self._measured.values():
+            job.exception()
+        self._measured.clear()
+
+    def grad_stats(self, redo: set[str]) -> dict[str, GradStat]:
+        """Every group's GradStat: the worker's, else (not handed over, or in `redo`:
+        reduced again after it was measured) measured here. Consumes the measurements."""
+        out: dict[str, GradStat] = {}
+        try:
+            for key in self._keys:
+                job = self._measured.get(key)
+                if job is None or key in redo:
+                    out[key] = grad_stat(self._store, key)
+                    continue
+                try:
+                    out[key] = job.result()
+                except Exception as exc:
+                    raise RuntimeError(f"measuring the gradient of shard group {key!r} "
+                                       f"during backward failed: {exc}") from exc
+        finally:
+            self.forget_measured()
+        return out
+
+    @property
+    def deferred(self) -> bool:
+        """A deferred update is pending (or ran and was not yet waited for)."""
+        return bool(self._deferred)
+
+    def defer(self, hyper: AdamHyper, step: float, grad_scale: float,
+              order: Sequence[str]) -> None:
+        """Hand every group to the worker, in `order` (the next forward's), to be updated
+        with `grad_scale` while the caller goes on; `wait_groups` before a group's values
+        are used, `drain` before anything else reads or writes shards."""
+        if self._closed:
+            raise RuntimeError("InPlaceStep.defer() after close()")
+        if self._deferred or self._open is not None:
+            raise RuntimeError("InPlaceStep.defer() while an update is pending")
+        worker = self._start_worker()
+        keys = list(dict.fromkeys([*[k for k in order if k in self._keys], *self._keys]))
+        self._deferred_t0 = time.perf_counter()
+        self._deferred_compute = 0.0
+        self._deferred_failure = None
+        with self._lock:
+            self._finishing = False
+        for key in keys:
+            self._deferred[key] = worker.submit(self._run_deferred, key, hyper, step,
+                                                grad_scale)
+
+    def _run_deferred(self, key: str, hyper: AdamHyper, step: float,
+                      grad_scale: float) -> float:
+        """On the worker: one group of the deferred step; skipped after a failure, which
+        is kept (naming the group) for the next wait."""
+        with self._lock:
+            if self._deferred_failure is not None:
+                return 0.0
+            hidden = not self._finishing  # nobody is waiting for the whole step yet
+            threads = self._during if hidden else self._threads
+        try:
+            seconds = self.update(key, hyper, step, grad_scale, threads)
+        except BaseException as exc:
+            err = RuntimeError(f"the optimizer update deferred into the next forward "
+                               f"(gradient clipping / fp16 with overlap_step) failed on "
+                               f"shard group {key!r}: {exc}")
+            err.__cause__ = exc
+            with self._lock:
+                self._deferred_failure = err
+            return 0.0
+        with self._lock:
+            self._deferred_compute += seconds
+            self.worker_s += seconds if hidden else 0.0
+        return seconds
+
+    def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
+        """Wait until these groups' deferred updates have run. Returns the step's stats
+        once every group's has (None before, or when none was pending); a failure of
+        the worker is raised (once), after everything queued has finished."""
+        if not self._deferred:
+            return None
+        for key in keys:
+            job = self._deferred.pop(key, None)
+            if job is not None:
+                job.result()  # _run_deferred keeps its failures; this only waits
+        if self._deferred_failure is not None:
+            self._drain_jobs()
+            err, self._deferred_failure = self._deferred_failure, None
+            raise err
+        if self._deferred:
+            return None
+        return PipelineStats(len(self._keys), time.perf_counter() - self._deferred_t0,
+                             self._deferred_compute, 0.0, 0.0, 0)
+
+    def drain(self) -> PipelineStats | None:
+        """Wait for every deferred update (the rest take all kernel threads)."""
+        if not self._deferred:
+            return None
+        with self._lock:
+            self._finishing = True
+        return self.wait_groups(list(self._deferred))
+
+    def _drain_jobs(self) -> None:
+        for job in self._deferred.values():
+            job.exception()
+        self._deferred.clear()
+
     def _close_during(self) -> None:
         if self._during is not None and self._during is not self._threads:
             self._during.close()
@@ -224,6 +390,11 @@ class InPlaceStep:
             return
         self._closed = True
         try:
+            self.forget_measured()
+            if self._deferred:
+                self._drain_jobs()
+                if self._deferred_failure is not None:
+                    log.error("%s", self._deferred_failure)
             if self._open is not None:
                 done = self.abort()
                 log.warning("closed with an optimizer step open: %d of %d groups had been "

@@ -77,6 +77,9 @@ class LateGrads:
         self._forward_grad = False  # this forward runs with gradients enabled
         self._nograd_forward = False  # ... and ran a unit with gradients off inside it
         self._probed = False  # a backward after such a forward completed (since a re-trace)
+        # A late gradient on a handed-over group is an error (the early step may have
+        # updated it); False when the hand-over only measures ([Note: deferred step]).
+        self.strict = True
 
     # -- forward -----------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -114,7 +117,7 @@ class LateGrads:
                      "group is reduced again at the end of backward",
                      qualified_name(group, param), unit.label, group.key)
         self._pending.setdefault(unit.index, set()).add(group.key)
-        if group.key in self._handed:
+        if group.key in self._handed and self.strict:
             raise LateGradientError(
                 f"parameter {qualified_name(group, param)!r} (unit {unit.label!r}) received "
                 f"a gradient after its group {group.key!r} was reduced and handed to the "

@@ -29,6 +29,7 @@ from tierzero.engine.config import Config
 from tierzero.engine.flat_shard import FlatGroup
 from tierzero.engine.inplace_step import InPlaceStep
 from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.precision import GradStat
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shard_store import ShardKind
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
@@ -84,12 +85,22 @@ class OffloadedAdam(torch.optim.Optimizer):
                 shadow=self._shadow, threads=self._threads)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
-             grad_scale: float = 1.0) -> None:
+             grad_scale: float = 1.0, defer: Sequence[str] | None = None) -> None:
         """One Adam step over every shard; gradients are multiplied by `grad_scale` on the
         fly (clipping coefficient, fp16 unscale), so no extra pass over them is needed.
-        A step begun during backward (begin_step) is finished here."""
+        A step begun during backward (begin_step) is finished here. `defer`: the worker
+        runs the step group by group in this order while the caller goes on ([Note:
+        deferred step]; `wait_groups` before a group is used, `drain` before anything
+        else touches shards)."""
         if closure is not None:
             raise ValueError("OffloadedAdam.step() takes no closure; the engine steps it")
+        self.drain()  # a deferred update of the last step runs to the end first
+        if defer is not None:
+            in_place = self._need_in_place()
+            hyper = self._hyper()
+            self.steps += 1
+            in_place.defer(hyper, float(self.steps), grad_scale, defer)
+            return
         if self.step_open:
             if grad_scale != 1.0:
                 raise RuntimeError("OffloadedAdam: a step begun during backward cannot scale "
@@ -164,12 +175,65 @@ class OffloadedAdam(torch.optim.Optimizer):
         rest = [i for i in self._stream.order if i not in seen]
         return self._stream.set_order(named + rest)
 
-    def settle(self) -> None:
+    def settle(self, *, deferred: bool = True) -> None:
         """Wait until no optimizer thread is updating a shard (the in-place step's worker
-        has run everything handed to it); a no-op for the stream, which updates shards on
-        the caller's thread."""
+        has run everything handed to it; with `deferred` False, an update deferred into the
+        next forward may go on, each group waited for before its gather); a no-op for the
+        stream, which updates shards on the caller's thread."""
         if self._in_place is not None:
             self._in_place.settle()
+            if deferred:
+                self.drain()
+
+    # -- clipping / fp16 with overlap_step: [Note: deferred step] ---------------------------
+    @property
+    def can_defer(self) -> bool:
+        """The update can run during the next forward (state updated in place)."""
+        return self._in_place is not None
+
+    def begin_measure(self) -> None:
+        """Backward begins on a boundary: gradients turning final are measured beside it."""
+        self._need_in_place().begin_measure()
+
+    def measure(self, keys: Sequence[str]) -> None:
+        self._need_in_place().measure(keys)
+
+    def forget_measured(self) -> None:
+        if self._in_place is not None:
+            self._in_place.forget_measured()
+
+    def grad_stats(self, redo: set[str]) -> dict[str, GradStat]:
+        """Every group's gradient norm and finiteness (see InPlaceStep.grad_stats)."""
+        return self._need_in_place().grad_stats(redo)
+
+    @property
+    def deferred(self) -> bool:
+        return self._in_place is not None and self._in_place.deferred
+
+    def wait_groups(self, keys: Sequence[str]) -> None:
+        """These groups' deferred updates have run (a failure is raised here)."""
+        if self._in_place is not None and self._in_place.deferred:
+            done = self._in_place.wait_groups(keys)
+            if done is not None:
+                self.last_stats = done
+
+    def drain(self) -> None:
+        """Every deferred update has run (a failure is raised here)."""
+        if self._in_place is not None and self._in_place.deferred:
+            done = self._in_place.drain()
+            if done is not None:
+                self.last_stats = done
+
+    @property
+    def background_s(self) -> float:
+        """Kernel seconds run on the worker thread beside compute so far (cumulative; the
+        optimizer's time hidden under forward and backward)."""
+        return 0.0 if self._in_place is None else self._in_place.worker_s
+
+    def _need_in_place(self) -> InPlaceStep:
+        if self._in_place is None:
+            raise RuntimeError("OffloadedAdam: no in-place step (optimizer state streamed)")
+        return self._in_place
 
     def _hyper(self) -> AdamHyper:
         group = self.param_groups[0]
@@ -224,12 +288,29 @@ class EarlyStep:
                  fp16: bool) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.enabled = (optimizer.can_begin_early and config.offload.optimizer.overlap_step
-                        and config.gradient_clipping <= 0 and not fp16)
+        overlap = optimizer.can_begin_early and config.offload.optimizer.overlap_step
+        needs_every_grad = config.gradient_clipping > 0 or fp16
+        self.enabled = overlap and not needs_every_grad
+        # Clipping's norm or fp16's overflow check: measure during backward, update during
+        # the next forward ([Note: deferred step]); the streamed step updates after backward.
+        self.deferred = overlap and needs_every_grad and optimizer.can_defer
+        if self.deferred:
+            # nothing is updated during backward: a late gradient only makes its group's
+            # measurement stale (measured again in step(), Scheduler.reissued)
+            scheduler.late.strict = False
+        self.measuring = False  # this backward measures the gradients turning final
         self.abandoned = False  # a step begun in backward failed: skip this boundary's step
         self.total = len(optimizer.param_groups[0]["params"])
 
     def begin(self, *, boundary: bool) -> None:
+        if self.deferred:
+            self.measuring = boundary
+            if boundary:
+                self.optimizer.begin_measure()
+                self.scheduler.on_final = self._measure_final
+            else:
+                self.optimizer.forget_measured()  # the gradients change again
+            return
         if not (self.enabled and boundary):
             return
         if self.optimizer.step_open:
@@ -243,11 +324,24 @@ class EarlyStep:
         del unit  # the groups say it all
         self.optimizer.groups_final([g.key for g in groups if g.trainable])
 
+    def _measure_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
+        del unit
+        self.optimizer.measure([g.key for g in groups if g.trainable])
+
+    def take_measured(self) -> bool:
+        """This boundary's backward measured the gradients (step() uses the measurements)."""
+        out, self.measuring = self.measuring, False
+        return out
+
     def abandon(self) -> None:
         """Backward failed with a step begun early: units updated so far keep their update
         (each whole: master, moments and param16 together); the step of this boundary is
-        skipped, never applied twice."""
+        skipped, never applied twice. Measurements (deferred mode) are dropped: nothing
+        was updated, and step() measures what the gradients hold then."""
         self.scheduler.on_final = None
+        if self.measuring:
+            self.measuring = False
+            self.optimizer.forget_measured()
         if self.optimizer.step_open:
             done = self.optimizer.abort_step()
             self.abandoned = True

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierzero.engine.config import LossScaleConfig
+
+if TYPE_CHECKING:
+    from tierzero.engine.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,25 @@ class LossScaler:
             self.scale *= 2.0
             self._good_steps = 0
             self._hysteresis = self.cfg.hysteresis
+
+
+@dataclass(frozen=True)
+class GradStat:
+    """What clipping and the fp16 overflow check need of one gradient shard."""
+
+    sq_norm: float  # squared fp32 L2 norm of the shard, as a float64
+    finite: bool  # no inf or NaN in it
+
+
+def grad_stat(store: ShardStore, key: str) -> GradStat:
+    """The shard's fp32 L2 norm squared in float64 (ZeroEngine._clip sums these in a fixed
+    order, whichever thread measured them) and whether every element is finite: a finite
+    norm proves it; a non-finite one is checked element by element (the sum of squares of
+    finite values can overflow fp32)."""
+    with store.use(key, "grad") as g:
+        norm = float(torch.linalg.vector_norm(g).double().cpu())
+        finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
+    return GradStat(norm * norm, finite)
 
 
 def has_overflow(grads: list[torch.Tensor]) -> bool:

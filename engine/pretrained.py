@@ -229,6 +229,7 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
             owner = owner_of(p)
             if hit is not None and owner is not None:
                 group, slot = hit
+                owner.scheduler.wait_updates(owner.unit)  # a deferred optimizer update first
                 total += _write_engine_slot(reader, entry, group, slot,
                                             rank=owner.scheduler.comm.rank,
                                             store=owner.scheduler.store)

@@ -32,8 +32,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -85,6 +86,14 @@ class Unit:
         return self.name or "<root>"
 
 
+class PendingUpdates(Protocol):
+    """Optimizer updates still running when forward starts ([Note: deferred step])."""
+
+    def wait_groups(self, keys: Sequence[str]) -> None: ...
+
+    def drain(self) -> None: ...
+
+
 class Scheduler:
     def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
                  overlap_comm: bool, inflight_reduce_bytes: int,
@@ -128,6 +137,13 @@ class Scheduler:
         # learned from backward] in engine/engine.py).
         self.final_order: list[str] = []
         self._finals: dict[str, None] = {}
+        # Trainable groups reduced more than once in this backward (late gradients): a
+        # measurement taken at their first reduction is stale ([Note: deferred step]).
+        self.reissued: set[str] = set()
+        # The optimizer update deferred into the next forward: a unit's groups are waited
+        # for before it is gathered ([Note: deferred step]). None: nothing is deferred.
+        self.updates: PendingUpdates | None = None
+        self.update_wait_s = 0.0  # seconds gathers waited for those updates (cumulative)
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         # seconds the training thread spent gathering units (forward and backward, NVMe
         # reads, copies and collectives included): the "wait" of `tierzero train`
@@ -135,7 +151,28 @@ class Scheduler:
         self.gathered_peak_bytes = 0
 
     # -- residency -------------------------------------------------------------
+    def wait_updates(self, unit: Unit | None = None) -> None:
+        """The deferred optimizer update of `unit`'s groups (None: of every group) has run."""
+        if self.updates is None:
+            return
+        start = time.perf_counter()
+        if unit is None:
+            self.updates.drain()
+        else:
+            self.updates.wait_groups([g.key for g in unit.groups if g.trainable])
+        self.update_wait_s += time.perf_counter() - start
+
+    def forward_keys(self) -> list[str]:
+        """Trainable group keys in the order the next forward gathers them: the root's,
+        then the units of the recorded trace, then any unit the trace does not hold."""
+        by_index = {u.index: u for u in self.units}
+        root = [u for u in self.units if u.is_root]
+        traced = [by_index[i] for i in dict.fromkeys(self.trace or []) if i in by_index]
+        return list(dict.fromkeys(g.key for u in [*root, *traced, *self.units]
+                                  for g in u.groups if g.trainable))
+
     def ensure_gathered(self, unit: Unit) -> None:
+        self.wait_updates(unit)  # before the shard is read, and before its old copy is used
         if unit.gathered and not unit.stale:
             return
         start = time.perf_counter()
@@ -253,6 +290,7 @@ class Scheduler:
     def begin_backward(self) -> None:
         self._in_backward = True
         self._finals = {}
+        self.reissued.clear()
 
     def pre_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit)
@@ -348,7 +386,9 @@ class Scheduler:
         """Start reducing `g`'s gradients into its shard, within the in-flight bound."""
         if not g.trainable:
             return
-        self._finals.pop(g.key, None)  # a group reduced again is final where it is last
+        if g.key in self._finals:  # reduced again: final where it is last
+            self.reissued.add(g.key)
+            del self._finals[g.key]
         self._finals[g.key] = None
         need = (g.padded_numel + g.shard_numel) * 4  # fp32 input + output buffers
         while self._inflight and (

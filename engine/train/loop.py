@@ -311,6 +311,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
               world: int) -> StepRecord:
     start = time.perf_counter()
     wait_before = eng.scheduler.gather_s  # every unit gather, forward and backward
+    # the CPU Adam beside compute, and forward waiting for deferred updates of the last step
+    hidden_before, waited_before = eng.optimizer_times()
     losses: list[float] = []
     optimizer_s = 0.0
     n_tokens = 0
@@ -331,6 +333,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         optimizer_s += time.perf_counter() - t_opt
     step_s = time.perf_counter() - start
     wait_s = eng.scheduler.gather_s - wait_before
+    hidden_after, waited_after = eng.optimizer_times()
+    optimizer_s += waited_after - waited_before
     read, written = disk.delta()
     report = eng.memory_report()
     now, peak = tier_bytes(report)
@@ -340,7 +344,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
         lr=eng.get_lr()[0], tokens=total_tokens, tokens_per_s=total_tokens / step_s,
         step_s=step_s, compute_s=max(0.0, step_s - optimizer_s - wait_s), wait_s=wait_s,
-        optimizer_s=optimizer_s, tier_bytes=now, tier_peak_bytes=peak,
+        optimizer_s=optimizer_s, optimizer_hidden_s=hidden_after - hidden_before,
+        tier_bytes=now, tier_peak_bytes=peak,
         nvme_read_bytes=read, nvme_written_bytes=written,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
         rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall)

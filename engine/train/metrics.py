@@ -31,7 +31,10 @@ class StepRecord:
     step_s: float  # wall time of the whole step
     compute_s: float  # forward + backward, minus the gather waits
     wait_s: float  # gathering units, forward and backward (NVMe reads and copies included)
-    optimizer_s: float  # the engine's optimizer step
+    optimizer_s: float  # the optimizer's time the step waited for (step(), deferred updates)
+    # CPU Adam seconds run on its worker thread while forward/backward computed: hidden
+    # under compute, not part of step_s = compute_s + wait_s + optimizer_s
+    optimizer_hidden_s: float
     tier_bytes: dict[str, int]  # tier -> bytes held on this rank now
     tier_peak_bytes: dict[str, int]  # tier -> peak so far
     nvme_read_bytes: int  # this process's block-device reads during the step
@@ -139,7 +142,8 @@ def log_line(r: StepRecord, total_steps: int) -> str:
                       for t in TIERS)
     return (f"step {r.step}/{total_steps} | loss {r.loss:.4f} | lr {r.lr:.2e} | "
             f"{r.tokens_per_s:,.0f} tok/s | {r.step_s:.3f} s = compute {r.compute_s:.3f} + "
-            f"wait {r.wait_s:.3f} + optimizer {r.optimizer_s:.3f} | now/peak {tiers} | "
+            f"wait {r.wait_s:.3f} + optimizer {r.optimizer_s:.3f} "
+            f"(+{r.optimizer_hidden_s:.3f} hidden under compute) | now/peak {tiers} | "
             f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s | "
             f"swap in/out {human_bytes(r.moved_bytes['nvme_to_host'])}/"
             f"{human_bytes(r.moved_bytes['host_to_nvme'])}, io stall {r.io_stall_s:.3f} s")

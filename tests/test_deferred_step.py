@@ -1,0 +1,313 @@
+"""Clipping and fp16 loss scaling with the optimizer overlapped ([Note: deferred step]).
+
+With offload.optimizer.overlap_step on and optimizer state in host memory, a step that
+needs every gradient first (the global norm, the overflow check) measures the gradients
+on the worker during backward and runs the update on it during the next forward. The
+results must be those of clipping (or checking for overflow) before the step: bit for
+bit the overlap-off run's, and plain PyTorch's (clip_grad_norm_, AdamW) within the
+parity tolerances. Overlap is shown by slowing the worker (an injected sleep), never by
+timing. Whatever reads or writes shards between steps waits for the deferred update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engine_dist import run_two_ranks
+from engine_helpers import (
+    RefResult,
+    assert_match,
+    engine_train,
+    full_params,
+    make_batches,
+    make_config,
+    make_model,
+    reference_train,
+)
+
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import (
+    LossScaleConfig,
+    OffloadConfig,
+    OptimizerOffloadConfig,
+    ParamOffloadConfig,
+    PrecisionConfig,
+)
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.inplace_step import InPlaceStep
+from tierzero.engine.offload_step import OffloadedAdam
+from tierzero.engine.schedule import Unit
+
+
+def cpu_config(*, overlap: bool, clip: float = 0.0, gas: int = 1, precision: str = "fp32",
+               params: str = "cpu") -> Config:
+    """Params and optimizer state in host memory (the in-place CPU Adam)."""
+    cfg = dataclasses.replace(
+        make_config(precision=precision, gas=gas, clip=clip), offload=OffloadConfig(
+            params=ParamOffloadConfig(device=params),  # type: ignore[arg-type]
+            optimizer=OptimizerOffloadConfig(device="cpu", overlap_step=overlap)))
+    if precision == "fp16":  # dynamic scaling from 2**8, growth every 2 good steps
+        ls = LossScaleConfig(initial_scale_power=8, growth_interval=2, hysteresis=1)
+        cfg = dataclasses.replace(cfg, precision=PrecisionConfig(dtype="fp16", loss_scale=ls))
+    return cfg
+
+
+def in_place(eng: ZeroEngine) -> InPlaceStep:
+    opt = eng.optimizer
+    assert isinstance(opt, OffloadedAdam) and opt._in_place is not None
+    return opt._in_place
+
+
+@pytest.fixture
+def slow_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[ZeroEngine]:
+    """An engine with clipping 1.0 and overlap on whose worker takes 100 ms more per
+    group update: a deferred update is still running when step() returns."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                     config=cpu_config(overlap=True, clip=1.0))
+    step = in_place(eng)
+    real = step.update
+
+    def slow(key: str, *args: object) -> float:
+        time.sleep(0.1)
+        return real(key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(step, "update", slow)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def _one_step(eng: ZeroEngine, seed: int = 1) -> None:
+    ids, tg = make_batches(1, seed=seed)[0]
+    eng.backward(eng(ids, tg))
+    eng.step()
+
+
+def _reference_after(steps: int) -> dict[str, torch.Tensor]:
+    """The parameters after `steps` steps with the update run before step() returns."""
+    return engine_train(cpu_config(overlap=False, clip=1.0), make_batches(steps, seed=1),
+                        steps).params
+
+
+@pytest.mark.parametrize(("clip", "gas", "params"),
+                         [(1.0, 1, "cpu"), (0.5, 2, "cpu"), (1.0, 1, "none")])
+def test_clipped_step_overlapped_is_bit_identical_and_matches_pytorch(
+        clip: float, gas: int, params: str) -> None:
+    steps = 4
+    batches = make_batches(steps * gas)
+    on = engine_train(cpu_config(overlap=True, clip=clip, gas=gas, params=params),
+                      batches, steps)
+    off = engine_train(cpu_config(overlap=False, clip=clip, gas=gas, params=params),
+                       batches, steps)
+    assert on.losses == off.losses
+    for k, v in off.params.items():
+        assert torch.equal(on.params[k], v), k
+    ref = reference_train(make_model(), make_config(gas=gas, clip=clip), [batches], steps)
+    assert_match(on.losses, on.params, ref.losses, ref.params)
+
+
+def test_clipping_is_active_and_measured_during_backward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norm exceeds the limit (so the factor is applied), and every group's norm was
+    measured on the worker while backward ran, none again in step()."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                     config=cpu_config(overlap=True, clip=1e-3))
+    try:
+        measured: list[str] = []
+        real = in_place(eng).measure
+
+        def spy(keys: list[str]) -> None:
+            measured.extend(keys)
+            real(keys)
+
+        monkeypatch.setattr(in_place(eng), "measure", spy)
+        _one_step(eng)
+        assert eng.last_grad_norm is not None and eng.last_grad_norm > 1e-3
+        assert sorted(measured) == sorted(eng._train_keys)
+        assert in_place(eng).worker_s >= 0.0
+    finally:
+        eng.close()
+
+
+def test_update_runs_during_the_next_forward_each_unit_before_its_gather(
+        slow_engine: ZeroEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = slow_engine
+    step = in_place(eng)
+    _one_step(eng)
+    assert step.deferred  # step() returned with the update still queued on the worker
+    jobs = dict(step._deferred)  # group -> its queued update
+    last = list(jobs)[-1]  # the group the next forward gathers last
+    seen: list[tuple[str, bool]] = []  # (unit, all its groups updated) right after its gather
+    last_pending: list[bool] = []  # at each gather: the last group's update not done yet
+    threads: set[str] = set()
+    real_update = step.update
+
+    def spy_update(key: str, *args: object) -> float:
+        threads.add(threading.current_thread().name)
+        return real_update(key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(step, "update", spy_update)
+    real_gather = eng.scheduler.ensure_gathered
+
+    def spy_gather(unit: Unit) -> None:
+        real_gather(unit)
+        keys = [g.key for g in unit.groups if g.trainable]
+        seen.append((unit.label, all(jobs[k].done() for k in keys)))
+        last_pending.append(not jobs[last].done())
+
+    monkeypatch.setattr(eng.scheduler, "ensure_gathered", spy_gather)
+    ids, tg = make_batches(1, seed=2)[0]
+    loss = eng(ids, tg)
+    assert len(seen) == len(eng.units) and all(done for _, done in seen), seen
+    assert last_pending[0]  # forward began (root gathered) with later updates queued
+    eng.backward(loss)
+    eng.step()
+    monkeypatch.setattr(eng.scheduler, "ensure_gathered", real_gather)
+    assert threads and all(t.startswith("tierzero-adam-early") for t in threads)
+    got = full_params(eng, eng.module)
+    want = engine_train(cpu_config(overlap=False, clip=1.0),
+                        [make_batches(1, seed=1)[0], make_batches(1, seed=2)[0]], 2).params
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_checkpoint_save_waits_for_the_deferred_update(slow_engine: ZeroEngine,
+                                                        tmp_path: Path) -> None:
+    eng = slow_engine
+    _one_step(eng)
+    assert in_place(eng).deferred
+    eng.save_checkpoint(tmp_path, tag="t")
+    assert not in_place(eng).deferred
+    saved = engine.consolidate(tmp_path, "t")
+    want = _reference_after(1)
+    for k, v in want.items():
+        assert torch.equal(saved[k].float(), v), k
+
+
+def test_load_checkpoint_and_gathered_parameters_wait(slow_engine: ZeroEngine,
+                                                      tmp_path: Path) -> None:
+    eng = slow_engine
+    _one_step(eng)
+    eng.save_checkpoint(tmp_path, tag="t")
+    _one_step(eng, seed=2)
+    assert in_place(eng).deferred
+    # reading a unit between steps waits for its own groups
+    block = eng.units[0]
+    with engine.GatheredParameters(list(block.module.parameters())):
+        assert not any(g.key in in_place(eng)._deferred for g in block.groups)
+    _one_step(eng, seed=3)
+    assert in_place(eng).deferred
+    eng.load_checkpoint(tmp_path, tag="t")  # the pending update ran first, then the load
+    assert not in_place(eng).deferred
+    got = full_params(eng, eng.module)
+    for k, v in _reference_after(1).items():
+        assert torch.equal(got[k], v), k
+
+
+def test_state_dict_and_close_wait(slow_engine: ZeroEngine) -> None:
+    eng = slow_engine
+    _one_step(eng)
+    assert in_place(eng).deferred
+    eng.module.state_dict()
+    assert not in_place(eng).deferred
+    _one_step(eng, seed=2)
+    assert in_place(eng).deferred
+    eng.close()  # the update runs to the end; parameters are whole again
+    want = engine_train(cpu_config(overlap=False, clip=1.0),
+                        [make_batches(1, seed=1)[0], make_batches(1, seed=2)[0]], 2).params
+    for k, p in eng.module.named_parameters():
+        assert torch.equal(p.detach().float(), want[k]), k
+
+
+def test_worker_failure_is_raised_by_the_next_forward_naming_the_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                     config=cpu_config(overlap=True, clip=1.0))
+    try:
+        step = in_place(eng)
+        real = step.update
+        bad = eng._train_keys[1]
+
+        def fail(key: str, *args: object) -> float:
+            if key == bad:
+                raise OSError("injected kernel failure")
+            return real(key, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(step, "update", fail)
+        _one_step(eng)
+        ids, tg = make_batches(1)[0]
+        with pytest.raises(RuntimeError, match=f"shard group '{bad}'.*injected kernel"):
+            eng(ids, tg)
+        monkeypatch.setattr(step, "update", real)
+        for seed in (2, 3):  # training goes on
+            _one_step(eng, seed)
+    finally:
+        eng.close()
+
+
+def test_fp16_overlapped_is_bit_identical_with_skips_and_tracks_fp32() -> None:
+    """fp16 dynamic loss scaling, overlap on and off: the same overflow skips (a step
+    whose loss is blown up), the same loss scale, the same bits; within fp16 noise of
+    plain fp32 PyTorch with the same clipping."""
+    runs = {}
+    for overlap in (True, False):
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cpu_config(
+            overlap=overlap, clip=1.0, precision="fp16"))
+        try:
+            losses, scales = [], []
+            for i, (ids, tg) in enumerate(make_batches(6)):
+                loss = eng(ids, tg)
+                eng.backward(loss * (1e9 if i == 2 else 1.0))  # step 3 overflows fp16
+                eng.step()
+                losses.append(float(loss))
+                scales.append(eng.loss_scaler.scale if eng.loss_scaler else None)
+            runs[overlap] = (losses, scales, eng.skipped_steps,
+                             full_params(eng, eng.module))
+        finally:
+            eng.close()
+    (l_on, s_on, k_on, p_on), (l_off, s_off, k_off, p_off) = runs[True], runs[False]
+    assert k_on == k_off == 1 and s_on == s_off and l_on == l_off
+    assert s_on[2] == s_on[1] / 2  # the overflow halved the scale
+    for k, v in p_off.items():
+        assert torch.equal(p_on[k], v), k
+    # the five good steps, against plain fp32 PyTorch (fp16 compute: loose tolerance)
+    batches = [b for i, b in enumerate(make_batches(6)) if i != 2]
+    ref = reference_train(make_model(), make_config(clip=1.0), [batches], 5)
+    for k, want in ref.params.items():
+        torch.testing.assert_close(p_on[k], want, rtol=0.0, atol=5e-3, msg=k)
+
+
+def _ranks(rank: int) -> dict[str, RefResult]:
+    out = {}
+    batches = make_batches(3 * 2, seed=1 + rank)
+    for overlap in (True, False):
+        out[f"clip-{overlap}"] = engine_train(cpu_config(overlap=overlap, clip=1.0, gas=2),
+                                              batches, 3, world_mean=True)
+        out[f"fp16-{overlap}"] = engine_train(
+            cpu_config(overlap=overlap, clip=1.0, precision="fp16"), batches, 3,
+            world_mean=True)
+    return out
+
+
+@pytest.mark.multiproc
+def test_two_ranks_bit_identical_to_overlap_off_and_match_ddp(tmp_path: Path) -> None:
+    r0, r1 = (r["r"] for r in run_two_ranks(tmp_path, {"r": functools.partial(_ranks)}))
+    for kind in ("clip", "fp16"):
+        on, off = r0[f"{kind}-True"], r0[f"{kind}-False"]
+        assert on.losses == off.losses == r1[f"{kind}-True"].losses, kind
+        for k in off.params:
+            assert torch.equal(on.params[k], off.params[k]), (kind, k)
+            assert torch.equal(on.params[k], r1[f"{kind}-True"].params[k]), (kind, k)
+    per_rank = [make_batches(3 * 2, seed=1 + r) for r in range(2)]
+    ref = reference_train(make_model(), make_config(gas=2, clip=1.0), per_rank, 3)
+    on = r0["clip-True"]
+    assert_match(on.losses, on.params, ref.losses, ref.params)
