@@ -315,8 +315,9 @@ def main() -> None:
     ap.add_argument("--swap", default=tempfile.gettempdir(), help="NVMe directory")
     ap.add_argument("--models", default=None, help="mlp,hf (quick: mlp)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="rounds (default 3; quick: 1)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per child (default 5; quick: 3)")
     # a fresh process runs its first bf16 steps several times slower (kernel warm-up)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
@@ -358,8 +359,8 @@ def main() -> None:
     if ns.child:
         sys.stdout.write(json.dumps(child(ns)) + "\n")
         return
-    if ns.quick:
-        ns.repeats, ns.steps = 1, 3
+    ns.repeats = ns.repeats or (1 if ns.quick else 3)
+    ns.steps = ns.steps or (3 if ns.quick else 5)
     ns.models = ns.models or ("mlp" if ns.quick else "mlp,hf")
     configs = ns.configs.split(",")
     for c in configs:

@@ -145,7 +145,7 @@ class ZeroEngine:
             self.scheduler.updates = self._early.optimizer  # [Note: deferred step]
         # module.state_dict() between steps sees whole steps (a persistent unit's
         # parameters may view the shards a deferred update writes)
-        self._state_dict_hook = module.register_state_dict_pre_hook(
+        self._state_dict_hook = module.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
             lambda *_: self._settle_optimizer())
         self.global_steps = 0
         self.skipped_steps = 0
