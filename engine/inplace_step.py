@@ -30,7 +30,8 @@ Who else touches a group between its reduce and `finish()`, and why it is safe:
 - every shard access goes through TierManager, which takes one lock per call;
 - forward, zero_grad and close (engine.py) call `settle()` first, which waits for the
   worker, so nobody reads a group the kernel is writing; checkpoints are refused while
-  the step is open (ZeroEngine._check_checkpointable).
+  the step is open (ZeroEngine._check_checkpointable). (The deferred step below is
+  waited for per unit instead: [Note: deferred step].)
 
 [Note: deferred step]
 Gradient clipping needs the global norm and fp16 loss scaling needs the overflow

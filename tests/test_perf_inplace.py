@@ -166,7 +166,7 @@ def test_zero_grad_forward_and_checkpoints_wait_for_or_refuse_the_open_step(
         eng.close()
 
 
-def test_no_early_step_with_clipping_or_fp16() -> None:
+def test_no_update_during_backward_with_clipping_or_fp16() -> None:
     for cfg in (cpu_config(overlap=True, clip=1.0), cpu_config(overlap=True,
                                                                 precision="fp16")):
         eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
