@@ -338,7 +338,8 @@ class InPlaceStep:
         except BaseException as exc:
             err = RuntimeError(f"the optimizer update deferred into the next forward "
                                f"(gradient clipping / fp16 with overlap_step) failed on "
-                               f"shard group {key!r}: {exc}")
+                               f"shard group {key!r}: {exc}; the groups queued after it "
+                               f"were not updated in this step")
             err.__cause__ = exc
             with self._lock:
                 self._deferred_failure = err
