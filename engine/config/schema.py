@@ -250,8 +250,10 @@ class OptimizerOffloadConfig(_TierHomeConfig):
         metadata=meta(
             "update each unit's optimizer state as soon as its gradient is final, while "
             "backward runs (state on NVMe: streamed on the compute thread; state in host "
-            "memory: in place on one worker thread); not with gradient clipping or fp16 "
-            "loss scaling"
+            "memory: in place on one worker thread). With gradient clipping or fp16 loss "
+            "scaling, state in host memory is measured during backward and updated on the "
+            "worker during the next forward (same results); state on NVMe then steps after "
+            "backward"
         ),
     )
     pipeline_read: bool = field(
