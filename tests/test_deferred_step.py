@@ -217,8 +217,13 @@ def test_state_dict_and_close_wait(slow_engine: ZeroEngine) -> None:
     eng = slow_engine
     _one_step(eng)
     assert in_place(eng).deferred
-    eng.module.state_dict()
+    with engine.GatheredParameters(list(eng.module.parameters())):
+        # every unit waited for its update before its gather; copies: the views die on exit
+        sd = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
     assert not in_place(eng).deferred
+    want1 = _reference_after(1)
+    for k, v in want1.items():
+        assert torch.equal(sd[k].float(), v), k
     _one_step(eng, seed=2)
     assert in_place(eng).deferred
     eng.close()  # the update runs to the end; parameters are whole again
