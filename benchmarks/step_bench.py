@@ -11,6 +11,8 @@ the configurations, the median over `--repeats` rounds is reported):
   all_nvme_cache  all_nvme with offload.params.max_in_cpu_bytes = --cache-bytes (default
             2e9: DeepSpeed's default max_in_cpu, 1e9 elements x 2 bytes): parameter shards
             within it are homed in host memory instead
+  all_nvme_noverify  all_nvme with nvme.verify: false (not in the default set; name it
+            in --configs to measure what the default block checksums cost)
   ds_*      the same under DeepSpeed ZeRO-3 when `deepspeed` imports (else a how-to); each
             tierzero row is compared with DeepSpeed's same placement (ds_pairs.py): all_nvme
             with ds_all_nvme_nocache (`max_in_cpu: 0`), all_nvme_cache with ds_all_nvme
@@ -77,7 +79,8 @@ from tierzero import engine, swap  # noqa: E402
 
 CONFIGS = ("plain", "none", "cpu", "opt_nvme", "all_nvme", "all_nvme_cache")
 OFFLOAD = {"none": ("none", "none"), "cpu": ("cpu", "cpu"), "opt_nvme": ("none", "nvme"),
-           "all_nvme": ("nvme", "nvme"), "all_nvme_cache": ("nvme", "nvme")}
+           "all_nvme": ("nvme", "nvme"), "all_nvme_cache": ("nvme", "nvme"),
+           "all_nvme_noverify": ("nvme", "nvme")}
 DS_DEFAULT_MAX_IN_CPU = 2 * 10**9  # offload_param.max_in_cpu 1e9 elements x 2 bytes (bf16)
 DS_RUNNER = Path(__file__).resolve().parent / "ds_runner.py"
 
@@ -177,6 +180,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "zero": {"stage": 3, "units": list(units), "persistence_threshold_bytes": 0},
             "precision": "bf16", "optimizer": {"type": "adamw", "lr": 1e-4},
             "gradient_clipping": clip,
+            "nvme": {"verify": base != "all_nvme_noverify"},
             "offload": {"params": {"device": p_dev, "path": path if p_dev == "nvme" else None,
                                    "max_in_cpu_bytes": (args.cache_bytes if base
                                                         == "all_nvme_cache" else 0)},

@@ -12,7 +12,8 @@
                                  tag, world size, compute dtype, every flat group's layout
                                  (key, shard size, parameter names/shapes/offsets, stored
                                  kinds), the model's parameter order, engine state, config,
-                                 and each file's bytes + CRC-32
+                                 each file's bytes + CRC-32, and "manifest_crc32": the
+                                 CRC-32 of all of that (checkpoint_layout.manifest_checksum)
         rank00000.safetensors    rank r's shards, one tensor per (group, kind), named
         rank00001.safetensors    "<group key>::<kind>" (1D, shard_numel elements):
         ...                        trainable: master, exp_avg, exp_avg_sq (fp32), grad only
@@ -69,10 +70,12 @@ from tierzero.engine.checkpoint_layout import (
     HF_CONFIG,
     LATEST,
     MANIFEST,
+    MANIFEST_CRC,
     VERSION,
     CheckpointError,
     GroupLayout,
     check_tag,
+    manifest_checksum,
     rank_file,
     shard_name,
     temp_dir_name,
@@ -363,6 +366,7 @@ def _publish(root: Path, temp: Path, tag: str, payload: RankPayload,
         files[HF_CONFIG] = {"bytes": d.nbytes, "crc32": d.crc32}
     manifest["tag"] = tag
     manifest["files"] = files
+    manifest[MANIFEST_CRC] = manifest_checksum(manifest)  # covers every value above
     write_bytes_durable(temp / MANIFEST, json.dumps(manifest, indent=1).encode(), mode)
     fsync_dir(temp)
     final = root / tag

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tierzero.engine.checkpoint_io import ST_DTYPES, file_digest
+from tierzero.engine.checkpoint_io import ST_DTYPES, crc32, file_digest
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1
@@ -29,6 +29,7 @@ CLIENT_STATE = "client_state.pt"
 HF_CONFIG = "hf_config.json"
 BUFFER_PREFIX = "buffer::"
 RNG_PREFIX = "rng::"
+MANIFEST_CRC = "manifest_crc32"
 
 
 class CheckpointError(RuntimeError):
@@ -103,17 +104,41 @@ class GroupLayout:
                            tuple(d["kinds"]))
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """CRC-32 (8 hex digits) of the manifest's canonical JSON without its own checksum key.
+
+    Canonical (sorted keys, no spaces) so that it covers every value, not the layout:
+    one changed digit anywhere (a learning rate, a shard size, a file's CRC) changes it.
+    """
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return f"{crc32(text.encode(), 0) & 0xFFFFFFFF:08x}"
+
+
 def load_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint `path`, checked against its own CRC-32."""
     file = path / MANIFEST
     try:
         manifest: dict[str, Any] = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file} cannot be read as JSON ({exc}); the checkpoint is "
                               "damaged: load another tag") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file} is not a JSON object; the checkpoint is damaged: load "
+                              "another tag")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{file}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}; this tierzero reads {FORMAT!r} "
                               f"version {VERSION}")
+    want = manifest.get(MANIFEST_CRC)
+    if want is None:
+        raise CheckpointError(f"{file} has no {MANIFEST_CRC!r}, so its values cannot be "
+                              "checked (written by an older tierzero, or edited): load another "
+                              "tag, or re-save the checkpoint with this version")
+    got = manifest_checksum(manifest)
+    if got != want:
+        raise CheckpointError(f"{file} is corrupted or was edited: CRC-32 of its contents is "
+                              f"{got}, its {MANIFEST_CRC} says {want}; load another tag")
     return manifest
 
 

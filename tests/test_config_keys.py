@@ -66,7 +66,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("nvme.queue_depth", 8, 32, 32, {}),
     ("nvme.threads", 4, 2, 2, {}),
     ("nvme.direct_io", "auto", "off", "off", {}),
-    ("nvme.verify", False, True, True, {}),
+    ("nvme.verify", True, False, False, {}),
     ("optimizer.type", "adamw", "adam", "adam", {}),
     ("optimizer.lr", 1e-3, "3e-4", 3e-4, {}),
     ("optimizer.betas", (0.9, 0.999), [0.8, "0.95"], (0.8, 0.95), {}),

@@ -320,7 +320,10 @@ class NvmeConfig:
         ),
     )
     verify: bool = field(
-        default=False, metadata=meta("checksum every block written and check it on read")
+        default=True,
+        metadata=meta("checksum every block written and check it on read (a flipped bit in "
+                      "a swap file is an error naming file and key, not a different model; "
+                      "CRC-32, with isal about 24 GB/s per core)"),
     )
 
 
