@@ -149,6 +149,7 @@ class ZeroEngine:
             lambda *_: self._settle_optimizer())
         self.global_steps = 0
         self.skipped_steps = 0
+        self.nonfinite_steps_in_row = 0  # optimizer steps skipped for a non-finite grad norm
         self.last_grad_norm: float | None = None
         self._saver = BackgroundSaver(self.comm.world_size)
         # activations.cpu_offload: saved activations wait in host memory
@@ -340,6 +341,16 @@ class ZeroEngine:
             unscale = 1.0 / self.loss_scaler.scale
             self.loss_scaler.update(overflow=False)
         coef = self._clip(unscale, stats)
+        if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
+            # A NaN/inf gradient would make every parameter it reaches NaN: skip the step
+            # as an fp16 overflow does; the caller decides when too many in a row is fatal.
+            self.nonfinite_steps_in_row += 1
+            self.skipped_steps += 1
+            log.warning("gradient norm is %s at optimizer step %d: step skipped (%d in a row)",
+                        self.last_grad_norm, self.global_steps + 1, self.nonfinite_steps_in_row)
+            self.zero_grad()
+            return
+        self.nonfinite_steps_in_row = 0
         if isinstance(self.optimizer, OffloadedAdam):
             # unscale and clip folded into the CPU Adam's one pass over the gradients
             if self._early is not None and self._early.deferred:
@@ -499,21 +510,27 @@ class ZeroEngine:
         if self._closed:
             raise RuntimeError("engine is closed; build a new one with engine.initialize()")
 
-    def close(self) -> None:
+    def close(self, *, restore_params: bool = True) -> None:
         """Remove hooks and leave every parameter gathered (usable as a plain module).
 
-        Idempotent."""
+        `restore_params=False`: leave every parameter released (size 0; the module is not
+        usable afterwards) instead of gathering each unit back from its tier: what a
+        process about to exit wants (tierzero train), since with parameters on NVMe the
+        gather reads the whole model, and with several ranks it is a collective that a
+        rank stopping alone would hang in. Idempotent."""
         if self._closed:
             return
         self._saver.close()  # a background save finishes (or raises) first
         self._settle_optimizer()
         for unit in self.units:
-            self.scheduler.ensure_gathered(unit)
+            if restore_params:
+                self.scheduler.ensure_gathered(unit)
             for g in unit.groups:
-                owned = [s.param.data.clone() for s in g.slots]
+                owned = [s.param.data.clone() if restore_params else None for s in g.slots]
                 release_group(g)
                 for s, data in zip(g.slots, owned, strict=True):
-                    s.param.data = data
+                    if data is not None:
+                        s.param.data = data
                     unregister_owner(s.param)
         self._hooks.close()
         self._state_dict_hook.remove()

@@ -59,6 +59,8 @@ class StreamRead:
             except BaseException as exc:
                 error = error or exc
         if error is not None:
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: never rewrap
+                raise error
             raise OffloadError(f"reading the optimizer state of shard {self.index} failed: "
                                f"{error}") from error
         return [(k, v) for k, v, _ in parts]
@@ -67,7 +69,7 @@ class StreamRead:
         """Wait without raising (used while unwinding another failure)."""
         try:
             self.wait()
-        except BaseException as exc:
+        except Exception as exc:  # an interrupt goes on up: it is not a failure to log
             log.warning("while unwinding a failed optimizer step: %s", exc)
 
 

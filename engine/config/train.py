@@ -139,6 +139,16 @@ class TrainConfig:
             path=True,
         ),
     )
+    save_on_interrupt: bool = field(
+        default=False,
+        metadata=meta("on SIGINT/SIGTERM, save step<N> (into checkpoint_dir) after the step in "
+                      "progress finishes, before exiting; off = stop without saving"),
+    )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata=meta("stop after this many optimizer steps in a row skipped for a non-finite "
+                      "gradient norm (a non-finite loss stops at once)", gt=0),
+    )
     out_dir: str = field(
         default="runs",
         metadata=meta("each run writes its files to a new directory inside this one", path=True),

@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tierzero import engine
-from tierzero.engine.checkpoint_layout import LATEST, MANIFEST
+from tierzero.engine.checkpoint_io import replace_durable, write_bytes_durable
+from tierzero.engine.checkpoint_layout import (
+    CLIENT_STATE,
+    HF_CONFIG,
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    load_manifest,
+)
 from tierzero.engine.config.train import TrainConfig
 from tierzero.engine.train.data import Batches
 
@@ -56,6 +66,9 @@ def resume_source(tc: TrainConfig) -> ResumeFrom | None:
         what = f"train.resume: '{where}'"
     if (where / MANIFEST).is_file():  # one checkpoint: <dir>/<tag>
         return ResumeFrom(str(where.parent), where.name)
+    newest = newest_checkpoint(where)
+    if newest is not None:
+        return ResumeFrom(str(where), newest)
     if (where / LATEST).is_file():
         return ResumeFrom(str(where), None)
     raise TrainError(f"{what}: no checkpoint there (neither {where / LATEST} nor "
@@ -63,14 +76,91 @@ def resume_source(tc: TrainConfig) -> ResumeFrom | None:
                      "checkpoint, or set train.resume: false to start fresh")
 
 
+_STEP_TAG = re.compile(r"step(\d+)")
+
+
+def newest_checkpoint(directory: str | Path) -> str | None:
+    """The tag of the newest complete `step<N>` checkpoint in `directory` (largest N whose
+    manifest passes its own checksum), or None when it holds none.
+
+    Not simply what `latest` names: a run killed after a checkpoint was published but
+    before `latest` moved leaves `latest` one checkpoint behind ([Note: checkpoint layout]
+    in engine/checkpoint.py), and resuming from there would lose that step and then refuse
+    to save it again. A damaged newest checkpoint is skipped with a warning."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    steps = sorted(((int(m.group(1)), p.name) for p in root.iterdir()
+                    if (m := _STEP_TAG.fullmatch(p.name)) and (p / MANIFEST).is_file()),
+                   reverse=True)
+    for _, tag in steps:
+        try:
+            load_manifest(root / tag)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", root / tag, exc)
+            continue
+        return tag
+    return None
+
+
+def repair_latest(directory: str | Path, tag: str) -> None:
+    """Point `directory/latest` at `tag` when it names an older (or no) checkpoint; only the
+    run holding the directory's lock calls this ([Note: run locks] in run_lock.py)."""
+    root = Path(directory)
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else None
+    if named == tag:
+        return
+    log.warning("%s names %s, but %s is complete and newer (the run that saved it was "
+                "stopped before moving latest): resuming from %s and pointing latest at it",
+                latest, named, tag, tag)
+    tmp = root / f".{LATEST}.partial"
+    write_bytes_durable(tmp, tag.encode())
+    replace_durable(tmp, latest)
+
+
+_PARTIAL = re.compile(r"\.(.+)\.partial")
+_PARTIAL_FILES = re.compile(r"rank\d{5}\.safetensors(\.tmp)?|" + re.escape(MANIFEST) + "|"
+                            + re.escape(CLIENT_STATE) + "|" + re.escape(HF_CONFIG))
+
+
+def remove_partial_saves(directory: str | Path) -> list[str]:
+    """Remove what killed or failed saves left in `directory` (`.<tag>.partial/`, the
+    `.latest.partial` file); only the run holding the directory's lock calls this, so no
+    save is in progress. A `.partial` directory holding anything a save does not write is
+    left alone (not ours to delete). Returns the names removed."""
+    root = Path(directory)
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        if not _PARTIAL.fullmatch(p.name) or p.is_symlink():
+            continue
+        if p.name == f".{LATEST}.partial" and p.is_file():
+            p.unlink()
+        elif p.is_dir() and all(_PARTIAL_FILES.fullmatch(f.name) and f.is_file()
+                                and not f.is_symlink() for f in p.iterdir()):
+            shutil.rmtree(p)
+        else:
+            continue
+        removed.append(p.name)
+    if removed:
+        log.info("removed what interrupted saves left in %s: %s", root, ", ".join(removed))
+    return removed
+
+
 def check_checkpoint_settings(tc: TrainConfig) -> None:
     """Refuse, before any work, a run that would resume from nothing or save over old runs."""
     source = resume_source(tc)
-    if source is None and tc.checkpoint_interval and tc.checkpoint_dir is not None:
+    saves = tc.checkpoint_interval or tc.save_on_interrupt
+    if source is None and saves and tc.checkpoint_dir is not None:
         latest = Path(tc.checkpoint_dir) / LATEST
-        if latest.is_file():
+        newest = newest_checkpoint(tc.checkpoint_dir)
+        if latest.is_file() or newest is not None:
+            named = (f"latest: {latest.read_text().strip()}" if latest.is_file()
+                     else f"newest: {newest}")
             raise TrainError(f"train.checkpoint_dir '{tc.checkpoint_dir}' already holds "
-                             f"checkpoints (latest: {latest.read_text().strip()}); set "
+                             f"checkpoints ({named}); set "
                              "train.resume: true to continue that run, or pick another "
                              "directory")
 
@@ -110,10 +200,20 @@ def resume(eng: engine.ZeroEngine, batches: Batches, source: ResumeFrom) -> int:
     return step
 
 
-def save(eng: engine.ZeroEngine, directory: str, step: int, batches: Batches) -> None:
+def save(eng: engine.ZeroEngine, directory: str, step: int, batches: Batches) -> str:
     """Save `step<step>` in the background (offloaded state is streamed before returning;
-    engine/checkpoint.py); every later save and eng.close() waits for it."""
+    engine/checkpoint.py); every later save and eng.close() waits for it. Returns the
+    checkpoint's path."""
     eng.save_checkpoint(directory, tag=f"step{step}", background=True,
                         client_state={"train": {"step": step,
                                                 "batches_drawn": batches.drawn}})
     log.info("checkpoint step%d -> %s", step, directory)
+    return str(Path(directory) / f"step{step}")
+
+
+def resolved_path(source: ResumeFrom) -> str:
+    """The checkpoint directory `source` names (its `latest` read when no tag is given)."""
+    if source.tag is not None:
+        return str(Path(source.directory) / source.tag)
+    latest = Path(source.directory) / LATEST
+    return str(Path(source.directory) / latest.read_text().strip())

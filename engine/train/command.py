@@ -12,7 +12,7 @@ from tierzero.engine.config import ConfigError, load_config
 from tierzero.engine.hf import ExportError, LoraError
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import DataError
-from tierzero.engine.train.loop import TrainOptions, run, with_steps
+from tierzero.engine.train.loop import TrainOptions, TrainStopped, run, with_steps
 from tierzero.engine.train.model_source import ModelError
 from tierzero.engine.train.plot import PlotError
 
@@ -59,6 +59,9 @@ def run_train(args: argparse.Namespace) -> int:
                                plot_path=args.plot, progress=not args.no_progress)
         logging.getLogger("tierzero.engine").setLevel(config.logging.level.upper())
         run(config, options)
+    except TrainStopped as stopped:  # SIGINT/SIGTERM: [Note: stopping a run]
+        sys.stderr.write(f"tierzero train: {stopped.line}\n")
+        return stopped.exit_code
     except (ConfigError, TrainError, DataError, ModelError, PlotError,
             engine.PretrainedLoadError, ExportError, LoraError) as exc:
         sys.stderr.write(f"tierzero train: error: {exc}\n")

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import platform
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,6 +38,7 @@ from tierzero.engine.models import SIZES
 from tierzero.engine.train import checkpoints
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import IGNORE, Batch, Batches, check_data_settings, load_data
+from tierzero.engine.train.interrupt import StopSignals
 from tierzero.engine.train.metrics import (
     DiskCounter,
     MetricsWriter,
@@ -43,6 +48,7 @@ from tierzero.engine.train.metrics import (
     tier_bytes,
 )
 from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
+from tierzero.engine.train.run_lock import RunLock
 from tierzero.engine.train.timeline import TraceWindow
 from tierzero.swap import trace
 from tierzero.swap.safe_files import make_output_dir, output_modes
@@ -80,6 +86,39 @@ def _export(eng: engine.ZeroEngine, tc: TrainConfig, out: str) -> str:
                      tokenizer_from=tokenizer)
     log.info("Hugging Face model written to %s", path)
     return str(path)
+
+
+class TrainStopped(Exception):
+    """The run stopped on SIGINT/SIGTERM, cleaned up ([Note: stopping a run] in
+    interrupt.py). `line`: the one line for the user; `exit_code`: 128 + the signal."""
+
+    def __init__(self, line: str, exit_code: int) -> None:
+        super().__init__(line)
+        self.line = line
+        self.exit_code = exit_code
+
+
+@dataclass
+class _Progress:
+    """How far the run got and its newest checkpoint: for the stop line and error messages."""
+
+    done: int = 0  # optimizer steps completed (counted from the start of training)
+    checkpoint: str | None = None  # the newest complete checkpoint this run saved or resumed
+
+    def last_good(self) -> str:
+        if self.checkpoint is None:
+            return "no checkpoint was saved or resumed from (set train.checkpoint_interval)"
+        return f"the last good checkpoint is {self.checkpoint}"
+
+    def resume_hint(self, tc: TrainConfig) -> str:
+        if self.checkpoint is None:
+            return ("nothing to resume from: no checkpoint was saved (set "
+                    "train.checkpoint_interval, or train.save_on_interrupt: true)")
+        where = Path(self.checkpoint)
+        if tc.checkpoint_dir is not None and where.parent == Path(tc.checkpoint_dir):
+            return (f"resume with train.resume: true (train.checkpoint_dir "
+                    f"{tc.checkpoint_dir}, newest checkpoint {where.name})")
+        return f"resume with train.resume: {where}"
 
 
 def check_settings(config: Config, options: TrainOptions) -> None:
@@ -152,17 +191,65 @@ def _run_dir(config: Config, rank0: bool) -> str:
     return path
 
 
+@contextmanager
+def _run_locks(tc: TrainConfig) -> Iterator[None]:
+    """Hold this run's locks ([Note: run locks] in run_lock.py): the checkpoint directory,
+    whose leftovers of interrupted saves are then ours to remove, and the metrics file.
+    Taken by rank 0 (every rank of one job shares them), before any work."""
+    with ExitStack() as stack:
+        if int(os.environ.get("RANK", "0")) == 0:
+            if tc.checkpoint_dir is not None:
+                os.makedirs(tc.checkpoint_dir, exist_ok=True)
+                stack.enter_context(RunLock(Path(tc.checkpoint_dir) / ".lock",
+                                            f"train.checkpoint_dir '{tc.checkpoint_dir}'"))
+                checkpoints.remove_partial_saves(tc.checkpoint_dir)
+            if tc.metrics_path is not None:
+                where = Path(os.path.abspath(tc.metrics_path))
+                where.parent.mkdir(parents=True, exist_ok=True)  # as MetricsWriter would
+                stack.enter_context(RunLock(where.parent / f".{where.name}.lock",
+                                            f"train.metrics_path '{tc.metrics_path}'"))
+        yield
+
+
 def run(config: Config, options: TrainOptions) -> TrainResult:
+    """Train; raises TrainStopped after a SIGINT/SIGTERM stopped the run (cleaned up)."""
     check_settings(config, options)
-    created_group = _init_process_group()
-    try:
-        return _train(config, options)
-    finally:
-        if created_group:
-            dist.destroy_process_group()
+    progress = _Progress()
+    with StopSignals() as stop:
+        try:
+            with _run_locks(config.train):
+                created_group = _init_process_group()
+                try:
+                    return _train(config, options, stop, progress)
+                finally:
+                    if created_group:
+                        dist.destroy_process_group()
+        except KeyboardInterrupt:  # a step abandoned ([Note: stopping a run])
+            if stop.signum is None:
+                stop.signum = signal.SIGINT
+            stop.abandoned = True
+        except _Stopped:
+            pass
+    what = stop.name + (f"; step {progress.done + 1} abandoned" if stop.abandoned else "")
+    raise TrainStopped(f"stopped at step {progress.done} ({what}); "
+                       f"{progress.resume_hint(config.train)}", stop.exit_code)
 
 
-def _train(config: Config, options: TrainOptions) -> TrainResult:
+class _Stopped(Exception):
+    """Internal: the loop stopped at a step boundary on a signal (engine already closed)."""
+
+
+def _any_over_ranks(flag: float, world: int) -> float:
+    """The largest of every rank's `flag` (so all ranks take the same branch)."""
+    if world == 1:
+        return flag
+    t = torch.tensor([flag], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _train(config: Config, options: TrainOptions, stop: StopSignals,
+           progress: _Progress) -> TrainResult:
     tc = config.train
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -186,8 +273,14 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
                  sum(p.numel() for p in model.parameters() if p.requires_grad), n_params)
     eng, _, _, _ = engine.initialize(model=model, config=config)
     try:
-        resume_from = checkpoints.resume_source(tc)
+        resume_from = checkpoints.resume_source(tc)  # (under the lock: no save in progress)
+        if resume_from is not None and resume_from.tag is not None and tc.resume is True \
+                and rank == 0:
+            checkpoints.repair_latest(resume_from.directory, resume_from.tag)
         start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
+        if resume_from is not None:
+            progress.checkpoint = checkpoints.resolved_path(resume_from)
+        progress.done = start
         if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
             checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
         weights = pretrained_dir(tc.model) if resume_from is None else None
@@ -196,7 +289,7 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
             log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
                      weights, loaded.tensors, loaded.bytes_read)
     except BaseException:
-        eng.close()
+        eng.close(restore_params=False)
         raise
     log.info("model %s: %.1fM parameters, %d units, built and partitioned in %.1f s",
              tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
@@ -227,35 +320,58 @@ def _train(config: Config, options: TrainOptions) -> TrainResult:
             bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
                        initial=start, total=tc.steps, disable=not (rank0 and options.progress))
             for step in bar:
+                if _any_over_ranks(stop.signum or 0, world):  # every rank stops at one step
+                    break
                 window.before(step)
-                record = _one_step(eng, batches, disk=disk, moves=moves, step=step,
-                                   accum=accum, world=world)
+                try:
+                    record = _one_step(eng, batches, disk=disk, moves=moves, step=step,
+                                       accum=accum, world=world)
+                except _NonFinite as exc:
+                    raise TrainError(f"step {step}: {exc}; {progress.last_good()}") from None
                 if data.eval and (step == tc.steps or (
                         tc.eval_interval and step % tc.eval_interval == 0)):
                     # (inside the traced step, so every trace event lies in a step span)
                     _eval_event(eng, data.eval, step, world=world, result=result,
                                 writer=writer)
                 window.after(step)
+                progress.done = step
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
                 if writer:
                     writer.write(record.as_json())
                 if rank0 and (step % config.logging.steps_per_print == 0 or step == tc.steps):
                     log.info("%s", log_line(record, tc.steps))
+                if eng.nonfinite_steps_in_row >= tc.max_nonfinite_steps:
+                    raise TrainError(
+                        f"step {step}: the gradient norm was not finite in "
+                        f"{eng.nonfinite_steps_in_row} optimizer steps in a row (each skipped, "
+                        f"train.max_nonfinite_steps: {tc.max_nonfinite_steps}); "
+                        f"{progress.last_good()}")
                 if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
-                    checkpoints.save(eng, ckpt_dir, step, batches)
+                    progress.checkpoint = checkpoints.save(eng, ckpt_dir, step, batches)
                     if tc.export.at_checkpoints:
                         _export(eng, tc, os.path.join(export_dir, f"step{step}"))
+                stop.step_done()
             bar.close()
-        if tc.export.at_end and is_hf_model(eng.module):
+        signum = int(_any_over_ranks(stop.signum or 0, world))
+        if signum:
+            stop.signum = stop.signum or signum
+            if tc.save_on_interrupt and progress.done > start and (
+                    progress.checkpoint is None
+                    or Path(progress.checkpoint).name != f"step{progress.done}"):
+                progress.checkpoint = checkpoints.save(eng, ckpt_dir, progress.done, batches)
+        elif tc.export.at_end and is_hf_model(eng.module):  # (a stopped run exports nothing)
             result.export_path = _export(eng, tc, os.path.join(export_dir, "final"))
         if writer:
-            writer.write(_summary(result.records, result.evals))
+            writer.write(_summary(result.records, result.evals,
+                                  stop.name if signum else None))
     finally:
         window.close()
-        eng.close()
+        eng.close(restore_params=False)  # nothing reads the model after the run
         if writer:
             writer.close()
+    if stop.requested:
+        raise _Stopped
     if rank0:
         _write_outputs(result, window)
     return result
@@ -306,6 +422,10 @@ def _eval_event(eng: engine.ZeroEngine, batches: list[Batch], step: int, *, worl
                  tokens, event["eval_s"])
 
 
+class _NonFinite(Exception):
+    """Internal: a micro-step's loss is NaN or infinite on some rank."""
+
+
 def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
               disk: DiskCounter, moves: TierCounter, step: int, accum: int,
               world: int) -> StepRecord:
@@ -323,9 +443,14 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
             out = eng(input_ids=x)
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
         loss = token_loss(logits, y)
+        value = float(loss.item())
+        if _any_over_ranks(0.0 if math.isfinite(value) else 1.0, world):
+            # before backward: nothing non-finite reaches the gradients or the optimizer state
+            raise _NonFinite(f"the loss is {value} (not finite) at micro-step {micro}; "
+                             "stopped before backward, so the model state is unchanged")
         with trace.span("backward", f"backward {micro}"):
             eng.backward(loss)
-        losses.append(float(loss.item()))
+        losses.append(value)
         boundary = eng.is_gradient_accumulation_boundary()
         t_opt = time.perf_counter()
         with trace.span("optimizer", "step" if boundary else "accumulate"):
@@ -367,12 +492,15 @@ def _run_header(config: Config, model: str, n_params: int, *, units: int, world:
                         "cuda": torch.cuda.is_available()}}
 
 
-def _summary(records: list[StepRecord], evals: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(records: list[StepRecord], evals: list[dict[str, Any]],
+             stopped_by: str | None = None) -> dict[str, Any]:
+    stopped = {} if stopped_by is None else {"stopped_by": stopped_by}
     if not records:
-        return {"event": "end", "steps": 0}
+        return {"event": "end", "steps": 0, **stopped}
     losses = {"first_eval_loss": evals[0]["eval_loss"],
               "last_eval_loss": evals[-1]["eval_loss"]} if evals else {}
-    return {"event": "end", "steps": len(records), **losses, "first_loss": records[0].loss,
+    return {"event": "end", **stopped, "steps": len(records), **losses,
+            "first_loss": records[0].loss,
             "last_loss": records[-1].loss,
             "mean_tokens_per_s": sum(r.tokens for r in records) / sum(r.step_s for r in records),
             "total_s": sum(r.step_s for r in records),
