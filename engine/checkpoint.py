@@ -330,7 +330,16 @@ class _SaveJob:
     modes: OutputModes  # permission bits of the files and the directory (outputs.permissions)
 
     def run(self, group: dist.ProcessGroup | None) -> Path:
-        temp, final = self.root / temp_dir_name(self.tag), self.root / self.tag
+        temp = self.root / temp_dir_name(self.tag)
+        try:
+            return self._write_and_publish(group, temp)
+        except BaseException:
+            if self.rank == 0:  # a failed save leaves nothing behind (the tag can be saved again)
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+    def _write_and_publish(self, group: dist.ProcessGroup | None, temp: Path) -> Path:
+        final = self.root / self.tag
         what = f"save_checkpoint({str(self.root)!r}, tag={self.tag!r})"
         digest: dict[str, int] | None = None
         error: str | None = None

@@ -1,0 +1,55 @@
+"""Starts `tierzero train` processes quickly, for the interrupt trials (test_faults_signals.py).
+
+Run as a subprocess: it imports tierzero (and torch) once, computes nothing (so no thread
+pool exists to break a fork), then per request line `<json list of CLI args>` on stdin
+forks a child that is exactly the `tierzero` command (`main(["train", ...])`, stdout and
+stderr to files, default signal dispositions) and answers `pid <N>`; when a child ends
+it answers `exit <N> <status>` with the shell's convention (128 + signal when killed). The
+test sends its signals to the child's pid. A fork costs milliseconds where a fresh
+interpreter costs seconds of imports, which is what makes 40 trials affordable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from tierzero.engine.cli import main
+
+
+def _child(args: list[str], out: str, err: str) -> None:
+    fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd_err = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd_out, 1)
+    os.dup2(fd_err, 2)
+    sys.stdin.close()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+    code = 1
+    try:
+        code = main(args)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # the command's own exit status; no second run of the server's atexit
+
+
+def serve() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only children get the test's signals
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request["args"], request["stdout"], request["stderr"])
+        sys.stdout.write(f"pid {pid}\n")
+        sys.stdout.flush()
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        sys.stdout.write(f"exit {pid} {code if code >= 0 else 128 - code}\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    serve()
