@@ -213,11 +213,11 @@ def _run_locks(tc: TrainConfig) -> Iterator[None]:
 
 def run(config: Config, options: TrainOptions) -> TrainResult:
     """Train; raises TrainStopped after a SIGINT/SIGTERM stopped the run (cleaned up)."""
-    check_settings(config, options)
     progress = _Progress()
     with StopSignals() as stop:
         try:
-            with _run_locks(config.train):
+            with _run_locks(config.train):  # first: a second run hears why it cannot start
+                check_settings(config, options)
                 created_group = _init_process_group()
                 try:
                     return _train(config, options, stop, progress)
