@@ -182,7 +182,7 @@ def test_failed_save_leaves_nothing_that_blocks_the_next(tmp_path: Path,
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", full_disk)
-        with pytest.raises(engine.CheckpointError, match="ENOSPC|No space left"):
+        with pytest.raises(engine.CheckpointError, match=r"No space left"):
             eng.save_checkpoint(tmp_path, tag="t")
         assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .t.partial left
         monkeypatch.setattr(checkpoint_io.SafetensorsWriter, "write", real)
