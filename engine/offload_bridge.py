@@ -93,7 +93,9 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
                 "buffer_bytes); raise it "
                 "well above that, or use smaller units (zero.units / zero.unit_min_bytes)")
         host -= host_outside
-    budgets = Budgets(device=dev_budget, host=host, nvme=b.nvme_bytes, **reserve)
+    budgets = Budgets(device=dev_budget, host=host, nvme=b.nvme_bytes,
+                      nvme_reserve_fraction=b.nvme_reserve_fraction,
+                      nvme_in_flight=host_outside, **reserve)
     p, o = config.offload.params, config.offload.optimizer
     homes = homes_from(config)
     # The pool stages NVMe traffic that goes through the manager's caches: parameter

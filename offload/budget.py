@@ -25,11 +25,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TierBudgets:
-    """Resolved bytes per tier."""
+    """Resolved bytes per tier, and where the nvme budget came from (for messages)."""
 
     device: int
     host: int
     nvme: int
+    nvme_in_flight: int = 0  # copy-on-write bytes the swap file grows by beyond the pool
+    nvme_path: str | None = None  # the swap directory whose free space was measured
+    nvme_free: int | None = None  # its free bytes at start (None: the budget was given)
+    nvme_reserve: int = 0  # bytes of it kept free
 
     def of(self, tier: Tier) -> int:
         return {"device": self.device, "host": self.host, "nvme": self.nvme}[tier]
@@ -63,6 +67,8 @@ def resolve_budgets(
         log.info("host budget detected: %d available - %d reserve = %d bytes",
                  avail, budgets.host_reserve, host)
     nvme = budgets.nvme
+    free_disk: int | None = None
+    reserve = 0
     if nvme is None:
         if swap_path is None:
             if needs_nvme:
@@ -72,8 +78,12 @@ def resolve_budgets(
                 )
             nvme = 0
         else:
-            free_disk = shutil.disk_usage(swap_path).free
-            nvme = max(0, free_disk - budgets.nvme_reserve)
+            usage = shutil.disk_usage(swap_path)
+            free_disk = int(usage.free)
+            reserve = (budgets.nvme_reserve if budgets.nvme_reserve is not None
+                       else int(usage.total * budgets.nvme_reserve_fraction))
+            nvme = max(0, free_disk - reserve)
             log.info("nvme budget detected at %s: %d free - %d reserve = %d bytes",
-                     swap_path, free_disk, budgets.nvme_reserve, nvme)
-    return TierBudgets(device=dev, host=host, nvme=nvme)
+                     swap_path, free_disk, reserve, nvme)
+    return TierBudgets(device=dev, host=host, nvme=nvme, nvme_in_flight=budgets.nvme_in_flight,
+                       nvme_path=swap_path, nvme_free=free_disk, nvme_reserve=reserve)

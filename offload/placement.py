@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tierzero.swap.header import HEADER_BYTES
+
 from .budget import TierBudgets, memlock_limit
 from .errors import PlanError
 from .residency import ShardSpec
@@ -79,6 +81,22 @@ class Plan:
     @property
     def pool_bytes(self) -> int:
         return self.pool_count * self.pool_buffer_bytes
+
+    def swap_file_bytes(self) -> int:
+        """What the swap file grows to, not only what it holds.
+
+        [Note: swap file growth]
+        Every NVMe-homed shard is a region: a 4 KiB header and its payload padded to 4 KiB.
+        Every write is copy-on-write (swap/store.py): the new copy is written beside the
+        old, which is freed only once the new one is committed, so while writes are in
+        flight the file holds two copies of what they write. What they write comes from
+        host buffers (the staging pool, and the CPU Adam's ring outside the manager,
+        `budgets.nvme_in_flight`), so at most those bytes are doubled."""
+        regions = sum(HEADER_BYTES + align_up(s.nbytes) for k, s in self.specs.items()
+                      if self.homes[k] == "nvme")
+        if not regions:
+            return 0
+        return regions + self.pool_bytes + self.budgets.nvme_in_flight
 
 
 def plan_placement(
@@ -226,14 +244,28 @@ def _pool_shape(
     return count, buf, pin
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def _check_fit(plan: Plan) -> None:
     need = {
         "device": plan.home_bytes("device") + plan.device_reserve,
         "host": plan.home_bytes("host") + plan.pool_bytes,
-        "nvme": plan.home_bytes("nvme"),
+        "nvme": plan.swap_file_bytes(),
     }
     for tier in TIERS:
         budget = plan.budgets.of(tier)
+        if tier == "nvme" and need[tier] > budget and plan.budgets.nvme_free is not None:
+            b = plan.budgets
+            raise PlanError(
+                f"not enough disk space for the swap file in {b.nvme_path}: it grows to "
+                f"{need[tier]} bytes ({_mb(need[tier])}: shards {plan.home_bytes('nvme')}, "
+                f"copy-on-write copies in flight {need[tier] - plan.home_bytes('nvme')}), the "
+                f"file system has {b.nvme_free} bytes free ({_mb(b.nvme_free or 0)}), of "
+                f"which {b.nvme_reserve} are kept free (offload.budgets.nvme_reserve_fraction);"
+                " free space there, point offload.path at a larger file system, or move a "
+                "class off nvme")
         if need[tier] > budget:
             by_cls = {c: 0 for c in TENSOR_CLASSES}
             for k, s in plan.specs.items():

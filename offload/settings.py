@@ -53,14 +53,24 @@ class Budgets:
     # Detected device budget = free device memory minus this: activations and
     # the CUDA context allocate after we plan.
     device_reserve: int = 2 * GiB
-    # Detected nvme budget = free disk minus this, so the file system never fills.
-    nvme_reserve: int = 1 * GiB
+    # Detected nvme budget = free disk minus this, so the file system never fills; None:
+    # nvme_reserve_fraction of the file system's size (a flat 1 GiB made a small file
+    # system with several times the space needed "too small", and is nothing on 4 TB).
+    nvme_reserve: int | None = None
+    nvme_reserve_fraction: float = 0.02
+    # Swap bytes the engine's own host buffers (the CPU Adam's ring) can have in flight as
+    # copy-on-write second copies: the swap file grows by them ([Note: swap file growth]).
+    nvme_in_flight: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("device", "host", "nvme"):
+        for name in ("device", "host", "nvme", "nvme_reserve"):
             _check_bytes(f"budgets.{name}", getattr(self, name), allow_none=True)
-        for name in ("host_reserve", "device_reserve", "nvme_reserve"):
+        for name in ("host_reserve", "device_reserve", "nvme_in_flight"):
             _check_bytes(f"budgets.{name}", getattr(self, name), allow_none=False)
+        f = self.nvme_reserve_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f < 1:
+            raise SettingsError(f"budgets.nvme_reserve_fraction = {f!r} is not allowed; "
+                                "expected a number in [0, 1)")
 
 
 @dataclass(frozen=True)

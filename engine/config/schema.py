@@ -281,6 +281,11 @@ class BudgetsConfig:
         default=None,
         metadata=meta("host memory left free for the OS and data loading", ge=0, unit="bytes"),
     )
+    nvme_reserve_fraction: float = field(
+        default=0.02,
+        metadata=meta("with nvme_bytes null: this fraction of the swap file system's size is "
+                      "kept free, the rest of its free space is the nvme budget", ge=0, le=0.5),
+    )
 
 
 @dataclass(frozen=True)
