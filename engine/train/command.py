@@ -15,6 +15,7 @@ from tierzero.engine.train.data import DataError
 from tierzero.engine.train.loop import TrainOptions, TrainStopped, run, with_steps
 from tierzero.engine.train.model_source import ModelError
 from tierzero.engine.train.plot import PlotError
+from tierzero.offload import PlanError
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
@@ -63,7 +64,7 @@ def run_train(args: argparse.Namespace) -> int:
         sys.stderr.write(f"tierzero train: {stopped.line}\n")
         return stopped.exit_code
     except (ConfigError, TrainError, DataError, ModelError, PlotError,
-            engine.PretrainedLoadError, ExportError, LoraError) as exc:
+            engine.PretrainedLoadError, ExportError, LoraError, PlanError) as exc:
         sys.stderr.write(f"tierzero train: error: {exc}\n")
         return 1
     return 0

@@ -35,7 +35,7 @@ from tierzero.engine.config.train import TrainConfig
 from tierzero.engine.hf import apply_lora, export_hf
 from tierzero.engine.hf.export import is_hf_model
 from tierzero.engine.models import SIZES
-from tierzero.engine.train import checkpoints
+from tierzero.engine.train import checkpoints, disk_full
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import IGNORE, Batch, Batches, check_data_settings, load_data
 from tierzero.engine.train.interrupt import StopSignals
@@ -104,6 +104,7 @@ class _Progress:
 
     done: int = 0  # optimizer steps completed (counted from the start of training)
     checkpoint: str | None = None  # the newest complete checkpoint this run saved or resumed
+    checkpoint_dir: str | None = None  # where this run saves
 
     def last_good(self) -> str:
         if self.checkpoint is None:
@@ -224,6 +225,12 @@ def run(config: Config, options: TrainOptions) -> TrainResult:
                 finally:
                     if created_group:
                         dist.destroy_process_group()
+        except Exception as exc:
+            full = disk_full.describe(exc, checkpoint_dir=progress.checkpoint_dir,
+                                      last_good=progress.last_good())
+            if full is None:
+                raise
+            raise TrainError(full) from exc
         except KeyboardInterrupt:  # a step abandoned ([Note: stopping a run])
             if stop.signum is None:
                 stop.signum = signal.SIGINT
@@ -297,7 +304,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
     rank0 = rank == 0
     run_dir = _run_dir(config, rank0)
     metrics_path = tc.metrics_path or os.path.join(run_dir, "metrics.jsonl")
-    ckpt_dir = checkpoints.checkpoint_dir(tc, run_dir)
+    ckpt_dir = progress.checkpoint_dir = checkpoints.checkpoint_dir(tc, run_dir)
     export_dir = tc.export.dir or os.path.join(run_dir, "hf")
     result = TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
                          plot_path=options.plot_path)
