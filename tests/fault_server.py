@@ -11,10 +11,12 @@ interpreter costs seconds of imports, which is what makes 40 trials affordable.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import sys
+import traceback
 
 from tierzero.engine.cli import main
 
@@ -30,10 +32,13 @@ def _child(args: list[str], out: str, err: str) -> None:
     code = 1
     try:
         code = main(args)
+    except BaseException:  # what the interpreter would print for an uncaught exception
+        traceback.print_exc()
     finally:
+        atexit._run_exitfuncs()  # as the `tierzero` script's exit would: finalizers run
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # the command's own exit status; no second run of the server's atexit
+        os._exit(code)  # never back into the server's loop
 
 
 def serve() -> None:

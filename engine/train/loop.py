@@ -225,6 +225,8 @@ def run(config: Config, options: TrainOptions) -> TrainResult:
                 finally:
                     if created_group:
                         dist.destroy_process_group()
+        except _Stopped:  # (before the handler of every other Exception)
+            pass
         except Exception as exc:
             full = disk_full.describe(exc, checkpoint_dir=progress.checkpoint_dir,
                                       last_good=progress.last_good())
@@ -235,8 +237,6 @@ def run(config: Config, options: TrainOptions) -> TrainResult:
             if stop.signum is None:
                 stop.signum = signal.SIGINT
             stop.abandoned = True
-        except _Stopped:
-            pass
     what = stop.name + (f"; step {progress.done + 1} abandoned" if stop.abandoned else "")
     raise TrainStopped(f"stopped at step {progress.done} ({what}); "
                        f"{progress.resume_hint(config.train)}", stop.exit_code)
