@@ -200,9 +200,10 @@ def test_nonfinite_loss_stops_naming_the_step_and_last_checkpoint(
     real = train_loop.F.cross_entropy
     calls = {"n": 0}
 
-    def loss_nan_at_step_3(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss_nan_at_step_3(logits: torch.Tensor, target: torch.Tensor,
+                           **kwargs: Any) -> torch.Tensor:
         calls["n"] += 1
-        out = real(logits, target)
+        out = real(logits, target, **kwargs)
         return out * math.nan if calls["n"] == 3 else out
 
     monkeypatch.setattr(train_loop.F, "cross_entropy", loss_nan_at_step_3)
