@@ -52,7 +52,7 @@ def test_bit_flip_in_a_swap_file_is_an_error_naming_file_and_key(tmp_path: Path)
     batches = make_batches(3)
     try:
         train_steps(eng, batches[:1])
-        (swap_file,) = (tmp_path / "tierzero-swap").glob("*.swp")
+        (swap_file,) = tmp_path.rglob("*.swp")
         regions = _live_regions(swap_file)
         masters = sorted(k for k in regions if "master" in k)
         assert masters, sorted(regions)

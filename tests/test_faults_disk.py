@@ -89,7 +89,7 @@ def test_disk_with_one_and_a_half_times_the_need_trains_to_the_end(
     swap = small_fs(int(1.5 * _need(tmp_path)))
     cfg = _write(tmp_path, _settings(swap, steps=4, out_dir=str(tmp_path / "runs")))
     assert main(["train", str(cfg), "--no-progress"]) == 0
-    assert not list((swap / "tierzero-swap").glob("*.swp"))
+    assert not list(swap.rglob("*.swp"))
 
 
 def test_too_small_disk_is_refused_naming_path_free_space_and_need(
@@ -126,7 +126,7 @@ def test_disk_filling_mid_run_is_one_line_and_the_last_checkpoint_loads(
     state = engine.consolidate(ck)  # latest loads, every CRC checked
     assert state and all(torch.isfinite(t).all() for t in state.values())
     assert not [p for p in ck.iterdir() if p.name.endswith(".partial")]
-    assert not list((swap / "tierzero-swap").glob("*.swp"))
+    assert not list(swap.rglob("*.swp"))
 
 
 class FullOnWrite(FileIO):
@@ -166,4 +166,4 @@ def test_swap_write_enospc_mid_run_is_one_line(tmp_path: Path,
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "is full: the swap file could not be written (ENOSPC)" in err, err
     assert ".scratch.swp" in err and "Nothing was lost" in err
-    assert not list((swap / "tierzero-swap").glob("*.swp"))
+    assert not list(swap.rglob("*.swp"))
