@@ -222,8 +222,8 @@ def test_nonfinite_grad_norm_skips_the_step_then_stops(
         monkeypatch: pytest.MonkeyPatch) -> None:
     real = engine.ZeroEngine._clip
 
-    def nan_norm_from_step_2(self: engine.ZeroEngine, unscale: float) -> float:
-        coef = real(self, unscale)
+    def nan_norm_from_step_2(self: engine.ZeroEngine, unscale: float, *stats: Any) -> float:
+        coef = real(self, unscale, *stats)
         if self.global_steps + self.skipped_steps >= 1:
             self.last_grad_norm = math.nan
         return coef
