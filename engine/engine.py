@@ -122,7 +122,7 @@ class ZeroEngine:
                 self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
                 threads=threads_per_rank(self.comm.world_size),
-                buffer_bytes=self.store.pipeline_bytes(), order=order)
+                buffer_bytes=self.store.ring_bytes(), order=order)
         else:
             self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)

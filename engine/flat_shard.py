@@ -176,7 +176,7 @@ def zero_fresh_grads(groups: Iterable[FlatGroup], store: ShardStore) -> None:
     """Write the zeros a fresh group's gradient shard stands for; clear the mark."""
     for g in groups:
         if g.grad_fresh:
-            with torch.no_grad(), store.use(g.key, "grad", writable=True) as grad_shard:
+            with torch.no_grad(), store.use(g.key, "grad", overwrite=True) as grad_shard:
                 grad_shard.zero_()
             g.grad_fresh = False
 
@@ -195,7 +195,9 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     fresh, group.grad_fresh = group.grad_fresh, False
     with torch.no_grad():
         if comm.world_size == 1:
-            with store.use(group.key, "grad", writable=True) as grad_shard:  # 1D fp32
+            # a fresh shard is overwritten whole: its old bytes are not read from NVMe
+            with store.use(group.key, "grad", writable=True,
+                           overwrite=fresh) as grad_shard:  # 1D fp32
                 for s in group.slots:  # back to back from offset 0 (build_group)
                     dst = grad_shard[s.offset:s.offset + s.numel]
                     g = s.param.grad
@@ -225,7 +227,8 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
         pending = comm.reduce_scatter_mean_async(mine, full)
 
         def accumulate(out: torch.Tensor) -> None:
-            with torch.no_grad(), store.use(group.key, "grad", writable=True) as grad_shard:
+            with torch.no_grad(), store.use(group.key, "grad", writable=True,
+                                            overwrite=fresh) as grad_shard:
                 if fresh:
                     grad_shard.copy_(out)
                 else:

@@ -7,11 +7,10 @@ wherever the tier manager puts them ([Note: shard residency] in shard_store.py).
 Homes per tensor class:
     param16                      offload.params.device  (none -> device, cpu -> host, ...)
     master, exp_avg, exp_avg_sq  offload.optimizer.device
-    grad                         offload.optimizer.device, except nvme -> host: the fp32
-                                 gradient shard is accumulated every micro-step, so it
-                                 stays in host memory (as in ZeRO-Infinity) instead of a
-                                 read-modify-write of NVMe per micro-step
-Manager keys are "<group key>:<class>".
+    grad                         offload.optimizer.grad_device ([Note: gradient home])
+Manager keys are "<group key>:<class>"; master and moments streamed from NVMe in several
+pieces (offload.optimizer.chunk_numel, [Note: optimizer state in chunks] in
+offload/adam_stream.py) are "<group key>:<class>@<first element>" per piece.
 
 Access: `use(key, kind)` fetches the shard to the tier where the engine
 consumes it (param16 -> device, where it is gathered; the others -> host when
@@ -47,6 +46,7 @@ from tierzero.offload.settings import OffloadDevice, TensorClass, Tier
 log = logging.getLogger(__name__)
 
 _OPTIMIZER_KINDS: tuple[ShardKind, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
+_STATE_KINDS: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq")  # stored in pieces
 
 
 def offload_wanted(config: Config) -> bool:
@@ -62,8 +62,49 @@ def homes_from(config: Config) -> dict[ShardKind, OffloadDevice]:
                     "parameters gathered on the device); parameter shards stay on the device",
                     params, config.zero.stage)
         params = "none"
-    grad: OffloadDevice = "cpu" if opt == "nvme" else opt
-    return {"param16": params, "master": opt, "grad": grad, "exp_avg": opt, "exp_avg_sq": opt}
+    return {"param16": params, "master": opt, "grad": grad_home(config), "exp_avg": opt,
+            "exp_avg_sq": opt}
+
+
+# [Note: gradient home]
+# The fp32 gradient shard (4 B/param) is written by the reduction of every micro-step and
+# read by the optimizer step (and by clipping's norm, fp16's overflow check). Where it is
+# homed, offload.optimizer.grad_device:
+#   cpu   host memory, for the whole run: 4 B/param of RSS (160 GB for a 40B model).
+#   nvme  a swap-file region. The reduction fills a host cache of it in the NVMe staging
+#         pool (no read: the first reduction after zero_grad overwrites the shard, [Note:
+#         gradients zeroed by the first reduction]); under pool pressure a dirty cache is
+#         written down and read back when used. Once the optimizer step has consumed it the
+#         cache is dropped without being written (TierManager.discard: zero_grad follows
+#         every step, so the old values are never read). With offload.optimizer.overlap_step
+#         the step consumes each unit's gradient during backward, right after its reduction,
+#         so the gradient never reaches the disk and host memory holds a few of them at a
+#         time; when it must outlive backward (clipping's global norm, fp16's overflow
+#         check, accumulation over micro-steps) it is written down and read back, as
+#         ZeRO-Infinity swaps gradients with the optimizer state.
+#   auto  with optimizer state on NVMe: host memory while an explicit
+#         offload.budgets.host_bytes has room for it after the fixed homes, the staging pool
+#         and the CPU Adam's ring (the planner's host allowance, [Note: host allowance] in
+#         offload/placement.py), the rest on NVMe; without an explicit host budget all on
+#         NVMe, so host memory does not grow with the model. With the optimizer in host
+#         memory (cpu) the gradient stays there; with optimizer device auto the planner
+#         places it (host first, then NVMe).
+# memory_report()["tiers"]["grad_home"] and the step log show where the gradients went.
+def grad_home(config: Config) -> OffloadDevice:
+    """Home of the fp32 gradient shards ([Note: gradient home])."""
+    opt = config.offload.optimizer
+    if opt.grad_device != "auto":
+        return opt.grad_device
+    return "nvme" if opt.device == "nvme" else opt.device
+
+
+def grad_host_allowance(config: Config) -> int:
+    """Gradient bytes the planner may home in host memory instead of NVMe: auto with an
+    explicit host budget ([Note: gradient home])."""
+    opt, host = config.offload.optimizer, config.offload.budgets.host_bytes
+    if opt.grad_device == "auto" and opt.device == "nvme" and host is not None:
+        return host
+    return 0
 
 
 def swap_dir(config: Config) -> str | None:
@@ -120,6 +161,8 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     # ([Note: host allowance] in offload/placement.py).
     allowance: dict[TensorClass, int] = ({"param16": p.max_in_cpu_bytes}
                  if homes["param16"] == "nvme" and p.max_in_cpu_bytes else {})
+    if grad_host_allowance(config):  # [Note: gradient home]
+        allowance["grad"] = grad_host_allowance(config)
     return TierSettings(
         homes=homes, budgets=budgets, pool=pool, prefetch=prefetch,
         device="cuda" if device.type == "cuda" else "meta" if device.type == "meta" else "cpu",
@@ -176,6 +219,10 @@ class TieredShardStore(ShardStore):
         self._views: dict[tuple[str, ShardKind], torch.Tensor] = {}  # pinned device views
         self.manager: TierManager | None = None
         self.swap: swap.SwapStore | swap.DrySwap | None = None
+        # Elements per piece of streamed master and moments (0: whole shards): only where
+        # the CPU Adam streams them ([Note: optimizer state in chunks])
+        self.chunk_numel = (0 if self.optimizer_on_device or self.state_in_host()
+                            else config.offload.optimizer.chunk_numel)
 
     @property
     def resident(self) -> bool:
@@ -211,9 +258,9 @@ class TieredShardStore(ShardStore):
         """Plan placement over every declared shard and start the tier manager."""
         if self.manager is not None:
             return
-        specs = [ShardSpec(f"{key}:{kind}", kind, n,
-                           dtype if kind == "param16" else torch.float32)
-                 for key, (n, kinds, dtype) in self._kinds.items() for kind in kinds]
+        specs = [ShardSpec(mkey, kind, hi - lo, dtype if kind == "param16" else torch.float32)
+                 for key, (n, kinds, dtype) in self._kinds.items() for kind in kinds
+                 for mkey, lo, hi in self.pieces(key, kind)]
         # declaration order: blocks in forward order, the root last, which is the order
         # the host allowance takes param16 in ([Note: which shards the host keeps])
         nvme = self.config.nvme
@@ -243,37 +290,64 @@ class TieredShardStore(ShardStore):
         """Master and moments homed in host memory: the CPU Adam updates them in place."""
         return all(self.homes[k] == "cpu" for k in ("master", "exp_avg", "exp_avg_sq"))
 
-    def pipeline_bytes(self) -> int:
+    def pieces(self, key: str, kind: ShardKind) -> list[tuple[str, int, int]]:
+        """(manager key, first element, end) of each piece of ``kind`` of group ``key``:
+        master and moments of a shard above offload.optimizer.chunk_numel elements are
+        stored in pieces of that size ([Note: optimizer state in chunks]); everything else
+        is one piece under "<key>:<kind>"."""
+        n = self._kinds[key][0]
+        step = self.chunk_numel
+        if kind not in _STATE_KINDS or not step or n <= step:
+            return [(f"{key}:{kind}", 0, n)]
+        return [(f"{key}:{kind}@{lo}", lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def ring_bytes(self) -> int:
         """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]):
         offload.optimizer.buffer_count buffers of offload.optimizer.buffer_bytes each
-        (null: the mean trainable shard's master, moments and bf16/fp16 param16), and at
-        least the largest shard's. Shards of very different sizes (a large root of
-        embeddings next to small blocks) share it, so the largest does not set the size
-        of every buffer."""
+        (null: the mean piece's master and moments, with the bf16/fp16 param16 of a shard
+        in one piece), and at least the largest piece's. Pieces of very different sizes
+        share it, so the largest does not set the size of every buffer."""
         if self.optimizer_on_device or self.state_in_host():
             return 0
-        numels = [n for n, kinds, _ in self._kinds.values() if len(kinds) > 1 and n]
-        if not numels:
+        sizes = [self._piece_bytes(key, lo, hi) for key, (n, kinds, _) in self._kinds.items()
+                 if len(kinds) > 1 and n for _, lo, hi in self.pieces(key, "master")]
+        if not sizes:
             return 0
-        dtype = next(iter(self._kinds.values()))[2]
-        low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
-
-        def footprint(n: int) -> int:
-            return 3 * page_up(4 * n) + (page_up(low * n) if low else 0)
-
         o = self.config.offload.optimizer
-        each = o.buffer_bytes or sum(map(footprint, numels)) // len(numels)
-        return max(o.buffer_count * each, *map(footprint, numels))
+        each = o.buffer_bytes or sum(sizes) // len(sizes)
+        return max(o.buffer_count * each, *sizes)
+
+    def _piece_bytes(self, key: str, lo: int, hi: int) -> int:
+        n, _, dtype = self._kinds[key]
+        low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
+        whole = hi - lo == n  # one piece: its param16 is carved from the ring too
+        return 3 * page_up(4 * (hi - lo)) + (page_up(low * n) if low and whole else 0)
+
+    def param16_ring_bytes(self) -> int:
+        """Host bytes where the stream assembles the new param16 of shards in several
+        pieces: two of the largest such shard ([Note: optimizer state in chunks])."""
+        if not self.chunk_numel or self.optimizer_on_device or self.state_in_host():
+            return 0
+        whole = [page_up(n * (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 4))
+                 for n, kinds, dtype in self._kinds.values()
+                 if len(kinds) > 1 and n > self.chunk_numel]
+        return 2 * max(whole) if whole else 0
+
+    def pipeline_bytes(self) -> int:
+        """Host bytes the CPU Adam stream allocates outside the tier manager's pool: its
+        ring and its param16 assembly room."""
+        return self.ring_bytes() + self.param16_ring_bytes()
 
     def _place(self, key: str, pend: _Pending) -> None:
         mgr = self._mgr()
         mgr.place(f"{key}:param16", pend.init.to(pend.compute_dtype)).wait()
         if not pend.trainable:
             return
-        mgr.place(f"{key}:master", pend.init).wait()
         zeros = torch.zeros_like(pend.init)
-        for kind in ("grad", "exp_avg", "exp_avg_sq"):
-            mgr.place(f"{key}:{kind}", zeros).wait()
+        for kind in ("master", "grad", "exp_avg", "exp_avg_sq"):
+            src = pend.init if kind == "master" else zeros
+            for mkey, lo, hi in self.pieces(key, kind):
+                mgr.place(mkey, src[lo:hi]).wait()
         if self.optimizer_on_device:
             for kind in _OPTIMIZER_KINDS:
                 self._views[(key, kind)] = mgr.pin(f"{key}:{kind}", "device").wait()
@@ -292,15 +366,20 @@ class TieredShardStore(ShardStore):
         straight from its home: the "device" tier is host memory too, and a copy into it
         would only add an allocation and a copy per gather (the gather copies the shard
         into the unit's full buffer anyway)."""
-        home = self._mgr().home_of(f"{key}:{kind}")
+        home = self._mgr().home_of(self.pieces(key, kind)[0][0])
         if kind == "param16" and compute and not (self.device.type == "cpu"
                                                   and home == "host"):
             return "device"
         return "device" if home == "device" else "host"
 
     def manager_key(self, key: str, kind: ShardKind) -> str:
+        """The manager key of a kind stored in one piece (see pieces() for the others)."""
         self._check(key, kind)
-        return f"{key}:{kind}"
+        pieces = self.pieces(key, kind)
+        if len(pieces) != 1:
+            raise KeyError(f"shard group {key!r} keeps its {kind} in {len(pieces)} pieces; "
+                           "use pieces()")
+        return pieces[0][0]
 
     def _check(self, key: str, kind: ShardKind) -> None:
         entry = self._kinds.get(key)
@@ -331,6 +410,12 @@ class TieredShardStore(ShardStore):
         if view is not None:
             yield view
             return
+        pieces = self.pieces(key, kind)
+        if len(pieces) > 1:
+            with self._use_pieces(key, pieces, writable=writable or overwrite,
+                                  overwrite=overwrite) as t:
+                yield t
+            return
         mgr, mkey = self._mgr(), f"{key}:{kind}"
         tier = self.tier_for(key, kind, compute=compute)
         t = mgr.fetch(mkey, tier, writable=writable or overwrite, discard=overwrite).wait()
@@ -338,6 +423,28 @@ class TieredShardStore(ShardStore):
             yield t
         finally:
             mgr.release(mkey, tier)
+
+    @contextmanager
+    def _use_pieces(self, key: str, pieces: list[tuple[str, int, int]], *, writable: bool,
+                    overwrite: bool) -> Iterator[torch.Tensor]:
+        """A whole fp32 shard kept in pieces, assembled in one host buffer (read piece by
+        piece; written back piece by piece when ``writable``). For whole-shard access off the
+        step (checkpoints, param16 from master): one shard at a time, counted as the
+        manager's (TierManager.host_empty)."""
+        mgr = self._mgr()
+        whole = mgr.host_empty(self.numel(key), torch.float32, purpose="shard_assembly")
+        try:
+            if not overwrite:
+                reads = [mgr.read_into(mkey, whole[lo:hi]) for mkey, lo, hi in pieces]
+                for t in reads:
+                    t.wait()
+            yield whole
+            if writable:
+                writes = [mgr.write_from(mkey, whole[lo:hi]) for mkey, lo, hi in pieces]
+                for t in writes:
+                    t.wait()
+        finally:
+            mgr.host_free(whole)
 
     def has(self, key: str, kind: ShardKind) -> bool:
         entry = self._kinds.get(key)
@@ -374,17 +481,25 @@ class TieredShardStore(ShardStore):
         for key, spec in plan.specs.items():
             by_tier = homes.setdefault(spec.cls, {})
             by_tier[plan.homes[key]] = by_tier.get(plan.homes[key], 0) + spec.nbytes
+        grads = homes.get("grad", {})
         return {"homes": homes,
+                # where the fp32 gradient shards live ([Note: gradient home]): host, nvme,
+                # or "host+nvme" when the host budget kept only some in host memory
+                "grad_home": "+".join(t for t in ("device", "host", "nvme") if grads.get(t))
+                             or None,
                 # offload.params.max_in_cpu_bytes: param16 bytes homed in host, not NVMe
                 "params_in_cpu": sum(plan.specs[k].nbytes for k in plan.host_kept),
                 "budget": dict(r.budget), "current": dict(r.current), "peak": dict(r.peak),
+                # host buffers outside the budgeted tier (CPU Adam ring, ...) by purpose
+                "outside": dict(r.outside), "outside_peak": r.outside_peak,
                 "moved": dict(r.moved), "stall_s": r.stall_s, "hits": r.hits,
                 "misses": r.misses, "prefetches": r.prefetches, "evictions": r.evictions,
                 "writebacks": r.writebacks, "order_mismatches": r.order_mismatches}
 
     def set_order(self, entries: list[tuple[str, ShardKind]]) -> None:
         mgr = self._mgr()
-        mgr.set_order([(f"{k}:{kind}", self.tier_for(k, kind)) for k, kind in entries])
+        mgr.set_order([(mkey, self.tier_for(k, kind)) for k, kind in entries
+                       for mkey, _, _ in self.pieces(k, kind)])
 
     def close(self) -> None:
         try:

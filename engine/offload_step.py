@@ -43,6 +43,13 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, local))
 
 
+def _zip_pieces(store: TieredShardStore, key: str
+                ) -> list[tuple[int, int, tuple[tuple[str, int, int], ...]]]:
+    """(lo, hi, the master / exp_avg / exp_avg_sq piece) for each piece of group ``key``."""
+    per = [store.pieces(key, kind) for kind in ("master", "exp_avg", "exp_avg_sq")]
+    return [(m[1], m[2], (m, a, v)) for m, a, v in zip(*per, strict=True)]
+
+
 class OffloadedAdam(torch.optim.Optimizer):
     """Adam/AdamW over offloaded flat shards; the engine calls `step()` at the boundary."""
 
@@ -78,10 +85,20 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._in_place = InPlaceStep(store, self._keys, shadow=self._shadow,
                                          threads=self._threads)
         else:
+            # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
+            # state in chunks] in offload/adam_stream.py): one list of pieces per group
+            chunks = [[(lo, hi, {str(c): mkey for c, (mkey, _, _) in zip(
+                          names[:3], pieces, strict=True)})
+                       for lo, hi, pieces in _zip_pieces(store, k)] for k in self._keys]
             self._stream = AdamStream(
-                manager, [{n: store.manager_key(k, n) for n in names} for k in self._keys],
+                manager, [{n: store.manager_key(k, n) for n in ("grad", "param16")}
+                          for k in self._keys],
                 [store.numel(k) for k in self._keys], order=order, buffer_bytes=buffer_bytes,
-                shadow=self._shadow, threads=self._threads)
+                chunks=chunks,
+                shadow=self._shadow, threads=self._threads,
+                # zero_grad() follows every step: a consumed gradient is never read again
+                # ([Note: gradient home] in engine/offload_bridge.py)
+                consume_grads=True)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0) -> None:

@@ -75,9 +75,11 @@ class ShardStore:
         return True
 
     @contextmanager
-    def use(self, key: str, kind: ShardKind, *, writable: bool = False) -> Iterator[torch.Tensor]:
-        """The shard tensor for the duration of the block (`writable`: it will be modified)."""
-        del writable  # every tensor here is the authoritative copy
+    def use(self, key: str, kind: ShardKind, *, writable: bool = False,
+            overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """The shard tensor for the duration of the block (`writable`: it will be modified;
+        `overwrite`: every element will be written, so a tiered store need not read it)."""
+        del writable, overwrite  # every tensor here is the authoritative copy
         yield self.tensor(key, kind)
 
     def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:

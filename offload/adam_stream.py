@@ -34,6 +34,19 @@ Ordering, so no one ever sees stale data:
 - a read-ahead whose key changed after it was issued (``TierManager.version``,
   e.g. a checkpoint load wrote the state) is read again before use.
 
+[Note: optimizer state in chunks]
+A shard's master and moments may be stored as several pieces (``chunks``: elements
+[lo, hi) under their own manager keys, as DeepSpeed's ``sub_group_size`` splits its
+optimizer into sub-groups with their own swap files). The stream reads, updates and
+writes one piece at a time through the ring, so the ring is sized by the piece, not by
+the largest shard: a 700M-parameter layer needs no 10 GB of buffers. Each piece is one
+pass of the same kernel over its elements (Adam is elementwise, so the result is
+bitwise the same as one pass over the shard). The gradient is held once per shard (a
+view of its home or host cache, sliced per piece); the new param16 of a shard in
+several pieces is assembled in a second, smaller ring (two shards' param16) and written
+whole once its last piece is updated, since param16 is gathered whole. A shard of one
+piece keeps its param16 in the ring with its state, as before.
+
 Failures: an exception inside ``step()`` waits for every transfer still using
 the buffers, drops the read-ahead and re-raises; every shard is then either
 fully updated (its writes were issued) or untouched, the manager holds nothing
@@ -62,10 +75,36 @@ from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .pipelined_adam import PipelineStats
 from .settings import Tier
-from .stream_parts import STATE, OpenStep, StreamRead, StreamSet, wait_all
+from .stream_parts import STATE, Chunk, OpenStep, StreamRead, StreamSet, wait_all
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
+
+def _checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
+                    chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None
+                    ) -> list[list[Chunk]]:
+    """Every shard's pieces, tiling [0, numel) in order; one piece per shard (its own state
+    keys) when ``chunks`` is None."""
+    if chunks is None:
+        return [[Chunk(i, 0, n, {c: k[c] for c in STATE if c in k})]
+                for i, (k, n) in enumerate(zip(keys, numels, strict=True))]
+    if len(chunks) != len(numels):
+        raise ValueError(f"AdamStream: {len(chunks)} chunk lists for {len(numels)} shards")
+    out: list[list[Chunk]] = []
+    for i, (pieces, n) in enumerate(zip(chunks, numels, strict=True)):
+        got = [Chunk(i, lo, hi, dict(k)) for lo, hi, k in pieces]
+        bounds = [0, *(c.hi for c in got)]
+        if (not got or bounds[-1] != n
+                or any(c.lo != b for c, b in zip(got, bounds, strict=False))
+                or (n and any(c.hi <= c.lo for c in got))):
+            raise ValueError(f"AdamStream: the chunks of shard {i} must tile [0, {n}) in order; "
+                             f"got {[(c.lo, c.hi) for c in got][:6]}")
+        missing = [c for c in STATE for ch in got if n and c not in ch.keys]
+        if missing:
+            raise ValueError(f"AdamStream: a chunk of shard {i} has no key for {missing[:3]}")
+        out.append(got)
+    return out
+
 
 def _checked_order(order: Sequence[int], n: int) -> list[int]:
     out = list(order)
@@ -93,13 +132,22 @@ class AdamStream:
         then the blocks): those shards find their param16 in host memory instead of
         waiting for its write to land and reading it back (see [Note: param16 kept in
         host memory]). Chosen once; ``set_order`` does not change it.
+    chunks: per shard, its pieces (lo, hi, {"master"|"exp_avg"|"exp_avg_sq": key}) tiling
+        [0, numel) ([Note: optimizer state in chunks]); keys[i] then needs only "grad" and
+        "param16". None: every shard is one piece under its own keys.
+    consume_grads: a gradient is dead once its shard is updated (the caller overwrites it
+        before reading it again): its caches are dropped unwritten (TierManager.discard), so
+        an NVMe-homed gradient cached in the pool is not written down after the step.
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
                  numels: Sequence[int], *, order: Sequence[int] | None = None,
                  buffer_bytes: int,
                  shadow: torch.dtype | None, threads: AdamThreads | None = None,
-                 backend: Backend = "auto", keep_host_buffers: int | None = None) -> None:
+                 backend: Backend = "auto", keep_host_buffers: int | None = None,
+                 consume_grads: bool = False,
+                 chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None = None
+                 ) -> None:
         n = len(numels)
         if len(keys) != n:
             raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
@@ -109,19 +157,34 @@ class AdamStream:
         if shadow not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
         for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
-            missing = [c for c in (*STATE, "grad") if c not in k]
+            missing = [c for c in (*(STATE if chunks is None else ()), "grad") if c not in k]
             if numel and missing:
                 raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
+        self._chunks = _checked_chunks(keys, numels, chunks)
         self._mgr = manager
         self._keys = [dict(k) for k in keys]
         self._numels = list(numels)
         self._shadow = shadow
         self._threads = threads
         self._backend = backend
-        capacity = max([buffer_bytes, *(self.footprint(n) for n in self._numels)])
-        self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(nbytes, torch.uint8))
+        self._consume = consume_grads
+        capacity = max([buffer_bytes, *(self._item_bytes(c) for cs in self._chunks for c in cs)])
+        self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(
+            nbytes, torch.uint8, purpose="adam_ring"))
+        # param16 of shards in several pieces, assembled whole: room for two shards, so one
+        # is written while the next is assembled ([Note: optimizer state in chunks])
+        low = 4 if shadow is None else 2
+        whole = [page_up(low * self._numels[i]) for i, cs in enumerate(self._chunks)
+                 if len(cs) > 1 and "param16" in self._keys[i]]
+        self._p16_ring = (HostRing(2 * max(whole), lambda nbytes: manager.host_empty(
+            nbytes, torch.uint8, purpose="adam_param16")) if whole else None)
+        self._p16_writes: deque[tuple[int, TierTransfer]] = deque()  # oldest first
+        self._seq: list[Chunk] = []  # every piece, in step order
+        self._first: list[int] = []  # position in _seq of each order position's first piece
+        self._sequence()
         self._keep = self._kept_shards(keep_host_buffers)
-        self.buffer_bytes = self._ring.capacity
+        self.buffer_bytes = self._ring.capacity + (
+            0 if self._p16_ring is None else self._p16_ring.capacity)
         self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
         self._writes: deque[tuple[StreamSet, list[TierTransfer]]] = deque()  # oldest first
         self._issued = 0  # reads issued for positions of the current cycle (may run past n)
@@ -165,7 +228,16 @@ class AdamStream:
                                "abort() it first")
         self.flush()
         self._order = order
+        self._sequence()
         return True
+
+    def _sequence(self) -> None:
+        self._seq = [c for i in self._order for c in self._chunks[i]]
+        self._first = []
+        at = 0
+        for i in self._order:
+            self._first.append(at)
+            at += len(self._chunks[i])
 
     @property
     def is_open(self) -> bool:
@@ -184,7 +256,7 @@ class AdamStream:
         self._advance(op, everything=True)
         self._open = None
         try:
-            self._issued -= len(self._order)
+            self._issued -= len(self._seq)
             self._top_up(0, now=False)  # the next step's first shards, behind the writes
         except BaseException:
             self._unwind()
@@ -217,56 +289,110 @@ class AdamStream:
             raise
 
     def _one(self, op: OpenStep, pos: int) -> None:
+        """Update shard ``order[pos]``, piece by piece."""
         index = self._order[pos]
-        self._top_up(pos)
-        rd = self._ahead.popleft()
-        if rd.index != index:
-            raise OffloadError(f"internal: read-ahead holds shard {rd.index}, the step is at "
-                               f"shard {index}")
-        t = time.perf_counter()
-        seen = rd.wait()
-        op.wait += time.perf_counter() - t
-        n = self._numels[index]
-        if n == 0:
+        pieces = self._chunks[index]
+        if self._numels[index] == 0:
+            self._next_read(op, self._first[pos])
             return
         keys = self._keys[index]
-        for key, version in seen:  # written by someone else since: read again
-            if self._mgr.version(key) != version:
-                name = next(c for c in STATE if keys[c] == key)
-                self._mgr.read_into(key, rd.bufs.part(name, n)).wait()
-        op.compute += self._update(rd.bufs, index, op.hyper, op.step, op.grad_scale)
-        self._write(rd.bufs, index)
-
-    def _update(self, bufs: StreamSet, index: int, hyper: AdamHyper, step: float,
-                grad_scale: float) -> float:
-        n = self._numels[index]
-        gkey = self._keys[index]["grad"]
+        gkey = keys["grad"]
         tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
         grad = self._mgr.fetch(gkey, tier).wait()  # 1D, its home (host) or a cache
         try:
-            t = time.perf_counter()
-            with trace.span("adam", self._keys[index]["master"], numel=n):
-                adam_update(bufs.part("master", n), bufs.part("exp_avg", n),
-                            bufs.part("exp_avg_sq", n), grad, hyper=hyper, step=step,
-                            grad_scale=grad_scale,
-                            shadow=None if bufs.param16 is None else bufs.param16[:n],
-                            threads=self._threads, backend=self._backend)
-            return time.perf_counter() - t
+            taken = self._p16_take(index) if len(pieces) > 1 else None
+            whole = None if taken is None else taken[1]
+            for j, piece in enumerate(pieces):
+                rd = self._next_read(op, self._first[pos] + j)
+                op.compute += self._update(rd.bufs, piece, grad, whole, op)
+                self._write(rd.bufs, piece, param16=whole is None)
+            if taken is not None:
+                self._p16_write(index, *taken)
         finally:
             self._mgr.release(gkey, tier)
+            if self._consume:
+                self._mgr.discard(gkey)
 
-    def _write(self, bufs: StreamSet, index: int) -> None:
-        n, keys = self._numels[index], self._keys[index]
-        writes = [self._mgr.write_from(keys[c], bufs.part(c, n)) for c in STATE]
-        p16 = keys.get("param16")
-        if p16 is not None:  # fp32 compute: param16 is the master itself
+    def _next_read(self, op: OpenStep, at: int) -> StreamRead:
+        """The read of piece ``_seq[at]``, waited for and current."""
+        self._top_up(at)
+        rd = self._ahead.popleft()
+        if rd.index != at:
+            raise OffloadError(f"internal: read-ahead holds piece {rd.index}, the step is at "
+                               f"piece {at}")
+        t = time.perf_counter()
+        seen = rd.wait()
+        op.wait += time.perf_counter() - t
+        piece = self._seq[at]
+        for key, version in seen:  # written by someone else since: read again
+            if self._mgr.version(key) != version:
+                name = next(c for c in STATE if piece.keys[c] == key)
+                self._mgr.read_into(key, rd.bufs.part(name, piece.numel)).wait()
+        return rd
+
+    def _update(self, bufs: StreamSet, piece: Chunk, grad: torch.Tensor,
+                whole: torch.Tensor | None, op: OpenStep) -> float:
+        """One kernel pass over the piece; its new param16 goes to the ring (a shard in one
+        piece) or into the shard's assembled param16 ``whole``."""
+        n = piece.numel
+        master = bufs.part("master", n)
+        if whole is not None:
+            shadow = None if self._shadow is None else whole[piece.lo:piece.hi]
+        else:
+            shadow = None if bufs.param16 is None else bufs.param16[:n]
+        t = time.perf_counter()
+        with trace.span("adam", piece.keys["master"], numel=n):
+            adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
+                        grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
+                        grad_scale=op.grad_scale, shadow=shadow, threads=self._threads,
+                        backend=self._backend)
+        if whole is not None and self._shadow is None:  # fp32 compute: param16 is the master
+            whole[piece.lo:piece.hi].copy_(master)
+        return time.perf_counter() - t
+
+    def _write(self, bufs: StreamSet, piece: Chunk, *, param16: bool) -> None:
+        n = piece.numel
+        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n)) for c in STATE]
+        p16 = self._keys[piece.shard].get("param16")
+        if param16 and p16 is not None:  # fp32 compute: param16 is the master itself
             src = bufs.part("master", n) if bufs.param16 is None else bufs.param16[:n]
-            writes.append(self._mgr.write_from(p16, src, keep_host=index in self._keep))
+            writes.append(self._mgr.write_from(p16, src, keep_host=piece.shard in self._keep))
         self._writes.append((bufs, writes))
         while self._writes and all(t.done() for t in self._writes[0][1]):
             done, parts = self._writes.popleft()
             wait_all(parts)
             self._ring.give_back(done.start)
+
+    def _p16_take(self, index: int) -> tuple[int, torch.Tensor] | None:
+        """Room for shard ``index``'s whole new param16 (None: it has no param16 key),
+        waiting for the oldest param16 write when both regions are in use."""
+        ring = self._p16_ring
+        if ring is None or "param16" not in self._keys[index]:
+            return None
+        dtype = torch.float32 if self._shadow is None else self._shadow
+        n = self._numels[index]
+        nbytes = n * (4 if self._shadow is None else 2)
+        start = ring.take(nbytes)
+        while start is None:
+            if not self._p16_writes:
+                raise OffloadError("internal: the param16 ring is full with no write in flight")
+            first, t = self._p16_writes.popleft()
+            t.wait()
+            ring.give_back(first)
+            start = ring.take(nbytes)
+        return start, ring.view(start, n, dtype)
+
+    def _p16_write(self, index: int, start: int, whole: torch.Tensor) -> None:
+        ring = self._p16_ring
+        if ring is None:
+            raise OffloadError("internal: no param16 ring")
+        t = self._mgr.write_from(self._keys[index]["param16"], whole,
+                                 keep_host=index in self._keep)
+        self._p16_writes.append((start, t))
+        while self._p16_writes and self._p16_writes[0][1].done():
+            first, done = self._p16_writes.popleft()
+            done.wait()
+            ring.give_back(first)
 
     # [Note: param16 kept in host memory]
     # The last shards of a step are the first the next forward gathers, and their param16
@@ -295,9 +421,15 @@ class AdamStream:
         return self._keep
 
     def footprint(self, numel: int) -> int:
-        """Ring bytes of one shard's buffers (each part page-aligned)."""
+        """Ring bytes of one shard's buffers in one piece (each part page-aligned)."""
         low = 0 if self._shadow is None else page_up(numel * 2)
         return 3 * page_up(numel * 4) + low if numel else 0
+
+    def _item_bytes(self, piece: Chunk) -> int:
+        """Ring bytes of a piece: its state, and its param16 when the shard is one piece."""
+        if len(self._chunks[piece.shard]) == 1:
+            return self.footprint(piece.numel)
+        return 3 * page_up(piece.numel * 4)
 
     def _top_up(self, pos: int, *, now: bool = True) -> None:
         """Issue reads for the positions from ``pos`` on (at most one step ahead, wrapping
@@ -305,44 +437,46 @@ class AdamStream:
         (the read is then chained behind them). Every read but that of ``pos`` when the
         step is ``now`` at it is read-ahead: a background read, which the swap store
         moves behind parameter fetches (SwapStore.read)."""
-        n_order = len(self._order)
-        while self._issued < pos + n_order:
+        n_seq = len(self._seq)
+        while self._issued < pos + n_seq:
             background = not now or self._issued > pos
-            index = self._order[self._issued % n_order]
-            numel = self._numels[index]
-            start = self._ring.take(self.footprint(numel)) if numel else -1
+            piece = self._seq[self._issued % n_seq]
+            size = self._item_bytes(piece)
+            start = self._ring.take(size) if piece.numel else -1
             while start is None and self._writes:
                 # Room still being written: the next read issued waits for these writes
                 # (and every later one too: the read-ahead thread runs in order).
                 done, parts = self._writes.popleft()
                 self._carry += parts
                 self._ring.give_back(done.start)
-                start = self._ring.take(self.footprint(numel))
+                start = self._ring.take(size)
             if start is None:  # the ring is full of read-ahead: enough
                 return
             after, self._carry = self._carry, []
-            bufs = self._carve(start, numel)
-            job = self._reader.submit(self._issue_read, index, bufs, after, background)
-            self._ahead.append(StreamRead(index, bufs, after, job))
+            bufs = self._carve(start, piece.numel,
+                               param16=len(self._chunks[piece.shard]) == 1)
+            job = self._reader.submit(self._issue_read, piece, bufs, after, background)
+            self._ahead.append(StreamRead(self._issued % n_seq, bufs, after, job,
+                                          shard=piece.shard))
             self._issued += 1
 
-    def _carve(self, start: int, numel: int) -> StreamSet:
+    def _carve(self, start: int, numel: int, *, param16: bool = True) -> StreamSet:
         if start < 0:
             empty = torch.empty(0)
             return StreamSet(start, empty, empty, empty, None)
         size = page_up(numel * 4)
         fp32 = [self._ring.view(start + i * size, numel, torch.float32) for i in range(3)]
-        p16 = (None if self._shadow is None
+        p16 = (None if self._shadow is None or not param16
                else self._ring.view(start + 3 * size, numel, self._shadow))
         return StreamSet(start, fp32[0], fp32[1], fp32[2], p16)
 
-    def _issue_read(self, index: int, bufs: StreamSet, after: list[TierTransfer],
+    def _issue_read(self, piece: Chunk, bufs: StreamSet, after: list[TierTransfer],
                     background: bool) -> list[tuple[str, int, TierTransfer]]:
         wait_all(after)  # the set's previous contents are written: it may be refilled
-        n = self._numels[index]
+        n = piece.numel
         out: list[tuple[str, int, TierTransfer]] = []
         for c in STATE if n else ():
-            key = self._keys[index][c]
+            key = piece.keys[c]
             version = self._mgr.version(key)  # before the read: a later change is caught
             out.append((key, version,
                         self._mgr.read_into(key, bufs.part(c, n), background=background)))
@@ -352,7 +486,7 @@ class AdamStream:
     def writes_in_flight(self) -> int:
         """Shards whose writes were issued and have not all landed yet."""
         groups = [parts for _, parts in self._writes] + [rd.after for rd in self._ahead]
-        groups += [[t] for t in self._carry]
+        groups += [[t] for t in self._carry] + [[t] for _, t in self._p16_writes]
         return sum(not all(t.done() for t in parts) for parts in groups)
 
     def wait_idle(self) -> None:
@@ -360,7 +494,8 @@ class AdamStream:
         read-ahead (for exact traffic counts per step); raises a failure."""
         for rd in list(self._ahead):
             rd.wait()
-        for parts in [self._carry, *(p for _, p in self._writes)]:
+        for parts in [self._carry, *(p for _, p in self._writes),
+                      [t for _, t in self._p16_writes]]:
             wait_all(parts)
 
     # ------------------------------------------------------------ lifecycle
@@ -376,6 +511,8 @@ class AdamStream:
             while self._writes:
                 _, parts = self._writes.popleft()
                 wait_all(parts)
+            while self._p16_writes:
+                self._p16_writes.popleft()[1].wait()
         except BaseException:
             self._unwind()
             raise
@@ -384,7 +521,8 @@ class AdamStream:
     def _unwind(self) -> None:
         for rd in self._ahead:
             rd.settle()
-        for parts in [self._carry, *(p for _, p in self._writes)]:
+        for parts in [self._carry, *(p for _, p in self._writes),
+                      [t for _, t in self._p16_writes]]:
             for t in parts:
                 try:
                     t.wait()
@@ -393,7 +531,10 @@ class AdamStream:
         self._ahead.clear()
         self._writes.clear()
         self._carry = []
+        self._p16_writes.clear()
         self._ring.reset()
+        if self._p16_ring is not None:
+            self._p16_ring.reset()
         self._issued = 0
 
     def close(self) -> None:

@@ -71,6 +71,7 @@ class ResidencyCore:
             node = numa.cuda_device_node(self.device.index or 0)
         self._alloc = HostAllocator(pin=self.plan.pin, node=node, meta=self.device.type == "meta")
         self._pool = BufferPool(self.plan.pool_count, self.plan.pool_buffer_bytes, self._alloc)
+        self._outside: dict[int, tuple[str, int]] = {}  # id of a host_empty tensor -> use
         self._mover = Mover(self.device, swap)
         self._records = {k: ShardRecord(s, self.plan.homes[k]) for k, s in self.plan.specs.items()}
         self._acct = Accounting(budget={t: budgets.of(t) for t in TIERS},

@@ -61,10 +61,25 @@ class TierManager(ResidencyCore):
     def home_of(self, key: str) -> Tier:
         return self._rec(key).home
 
-    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1D host tensor allocated like the manager's own: aligned, pinned when it pins."""
+    def host_empty(self, numel: int, dtype: torch.dtype, *, purpose: str = "buffers"
+                   ) -> torch.Tensor:
+        """A 1D host tensor allocated like the manager's own: aligned, pinned when it pins.
+        Counted in memory_report().outside[purpose] until host_free() (outside the host
+        budget, which its caller took out of it first)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return self._alloc.empty(numel * itemsize).view(dtype)
+        out = self._alloc.empty(numel * itemsize).view(dtype)
+        with self._lock:
+            self._acct.add_outside(purpose, numel * itemsize)
+            self._outside[id(out)] = (purpose, numel * itemsize)
+        return out
+
+    def host_free(self, tensor: torch.Tensor) -> None:
+        """The caller drops a host_empty() tensor: it is no longer counted."""
+        with self._lock:
+            entry = self._outside.pop(id(tensor), None)
+            if entry is None:
+                raise OffloadError("host_free() of a tensor host_empty() did not hand out")
+            self._acct.add_outside(entry[0], -entry[1])
 
     def place(self, key: str, data: torch.Tensor) -> TierTransfer:
         """Copy a shard's first data to its home tier; wait() before reusing ``data``."""
@@ -303,6 +318,30 @@ class TierManager(ResidencyCore):
                     self._acct.evictions += 1
                     trace.instant("evict", key, tier=t)
             self._advance(rec)
+
+    def discard(self, key: str) -> bool:
+        """Drop the shard's caches without writing them down: the caller will not read the
+        current data again (it overwrites the whole shard first). The home copy keeps older
+        data. The engine discards a gradient the optimizer step has consumed ([Note: gradient
+        home] in engine/offload_bridge.py), so a dirty host cache of an NVMe-homed gradient
+        is freed without a write. Returns False, changing nothing, when a cache is held or
+        pinned (then it stays, and is written down when evicted, as any dirty cache)."""
+        with self._lock:
+            rec = self._rec(key)
+            self._settle_all()
+            caches = [rec.copies[t] for t in rec.cache_tiers()]
+            if any(c.users or c.pinned or c.write_held for c in caches):
+                return False
+            dropped = False
+            for t in rec.cache_tiers():  # fastest first: caches are inclusive
+                self._wait_settled(rec, t)
+                if rec.copies[t].state is not State.ABSENT:
+                    self._drop(rec, t, Op.DISCARD)
+                    dropped = True
+            rec.version += dropped
+            self._advance(rec)
+            self._pump()
+            return True
 
     def pin(self, key: str, tier: Tier = "device") -> TierTransfer:
         """Fetch to ``tier`` and keep the copy there (persistent) until unpin()."""

@@ -36,6 +36,10 @@ class MemoryReport:
     pool_buffer_bytes: int
     pool_in_use: int  # buffers taken now (host caches of NVMe shards, staging)
     pool_peak_in_use: int
+    # host buffers handed out by TierManager.host_empty (the CPU Adam's ring, a whole shard
+    # assembled from pieces), by purpose: host memory outside the budgeted tier
+    outside: dict[str, int] = field(default_factory=dict)
+    outside_peak: int = 0  # peak of their sum
 
     def lines(self) -> list[str]:
         """A human-readable summary, one line per tier then traffic."""
@@ -73,6 +77,8 @@ class Accounting:
     prefetches: int = 0
     evictions: int = 0
     writebacks: int = 0
+    outside: dict[str, int] = field(default_factory=dict)  # host_empty bytes by purpose
+    outside_peak: int = 0
 
     def __post_init__(self) -> None:
         for t in TIERS:
@@ -86,6 +92,10 @@ class Accounting:
         self.peak_by_class[tier][cls] = max(self.peak_by_class[tier][cls],
                                             self.by_class[tier][cls])
         self.peak[tier] = max(self.peak[tier], self.current(tier))
+
+    def add_outside(self, purpose: str, nbytes: int) -> None:
+        self.outside[purpose] = self.outside.get(purpose, 0) + nbytes
+        self.outside_peak = max(self.outside_peak, sum(self.outside.values()))
 
     def moved_bytes(self, direction: Direction | None, nbytes: int) -> None:
         if direction is not None:
@@ -112,4 +122,6 @@ class Accounting:
             pool_buffer_bytes=pool[1],
             pool_in_use=pool[2],
             pool_peak_in_use=pool[3],
+            outside=dict(self.outside),
+            outside_peak=self.outside_peak,
         )

@@ -19,6 +19,22 @@ log = logging.getLogger(__name__)
 STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of one shard's fp32 optimizer state: elements [lo, hi) of shard ``shard``,
+    stored under its own manager keys ([Note: optimizer state in chunks] in
+    offload/adam_stream.py)."""
+
+    shard: int
+    lo: int
+    hi: int
+    keys: dict[str, str]  # "master", "exp_avg", "exp_avg_sq" -> manager key of this piece
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
 @dataclass(frozen=True, eq=False)
 class StreamSet:
     """One shard's working buffers: 1D host views into the ring, `numel` elements each."""
@@ -43,8 +59,9 @@ class StreamRead:
     state tensor once the reads are issued."""
 
     def __init__(self, index: int, bufs: StreamSet, after: list[TierTransfer],
-                 job: Future[list[tuple[str, int, TierTransfer]]]) -> None:
-        self.index = index
+                 job: Future[list[tuple[str, int, TierTransfer]]], *, shard: int) -> None:
+        self.index = index  # the piece's position in the step's sequence of pieces
+        self.shard = shard
         self.bufs = bufs
         self.after = after  # the writes of the set's previous shard, which the job awaits
         self.job = job
@@ -59,7 +76,7 @@ class StreamRead:
             except BaseException as exc:
                 error = error or exc
         if error is not None:
-            raise OffloadError(f"reading the optimizer state of shard {self.index} failed: "
+            raise OffloadError(f"reading the optimizer state of shard {self.shard} failed: "
                                f"{error}") from error
         return [(k, v) for k, v, _ in parts]
 
@@ -79,7 +96,7 @@ class OpenStep:
     step: float
     grad_scale: float
     t0: float
-    pos: int = 0  # shards of `order` updated so far
+    pos: int = 0  # shards of `order` updated so far (each with all its chunks)
     final: set[int] = field(default_factory=set)  # shards whose gradient is final
     compute: float = 0.0
     wait: float = 0.0

@@ -2,8 +2,12 @@
 on NVMe under small host/device budgets and report RSS figures as JSON on stdout.
 
 Run in a fresh interpreter so the RSS high-water mark belongs to this run alone:
-    python tests/engine_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET [CACHE]
+    python tests/engine_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET [CACHE
+        [GRAD_DEVICE [CLIP [CHUNK]]]]
+HOST_BUDGET, DEVICE_BUDGET: bytes, or "none" (not set: detected from the machine).
 CACHE: offload.params.max_in_cpu_bytes (default 0: every parameter shard on NVMe).
+GRAD_DEVICE: offload.optimizer.grad_device (default auto); CLIP: gradient_clipping (default
+1.0); CHUNK: offload.optimizer.chunk_numel ("none": the default).
 """
 
 from __future__ import annotations
@@ -95,6 +99,12 @@ def _hwm() -> int:
 def main() -> None:
     path, blocks, dim, host_budget, device_budget = sys.argv[1:6]
     cache = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    grad_device = sys.argv[7] if len(sys.argv) > 7 else "auto"
+    clip = float(sys.argv[8]) if len(sys.argv) > 8 else 1.0
+    host_bytes = None if host_budget == "none" else int(host_budget)
+    device_bytes = None if device_budget == "none" else int(device_budget)
+    chunk = {} if len(sys.argv) <= 9 or sys.argv[9] == "none" else {
+        "chunk_numel": int(sys.argv[9])}
     torch.manual_seed(0)
     torch.set_num_threads(2)
     rss = psutil.Process().memory_info
@@ -108,11 +118,13 @@ def main() -> None:
                         prefetch_bytes=64 << 20, max_live_bytes=32 << 20),
         optimizer=OptimizerConfig(type="adamw", lr=1e-5),
         batch=BatchConfig(gradient_accumulation_steps=1),
-        gradient_clipping=1.0,
+        gradient_clipping=clip,
         offload=OffloadConfig(
             params=ParamOffloadConfig(device="nvme", path=path, max_in_cpu_bytes=cache),
-            optimizer=OptimizerOffloadConfig(device="nvme", path=path),
-            budgets=BudgetsConfig(host_bytes=int(host_budget), device_bytes=int(device_budget))))
+            optimizer=OptimizerOffloadConfig(device="nvme", path=path,
+                                             grad_device=grad_device,  # type: ignore[arg-type]
+                                             **chunk),
+            budgets=BudgetsConfig(host_bytes=host_bytes, device_bytes=device_bytes)))
     eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
     after_init = rss().rss
     x = torch.randn(8, int(dim))

@@ -87,6 +87,14 @@ def _check_offload(config: Config) -> None:
         raise ConfigError("offload.optimizer.ratio",
                           f"{opt.ratio} (partial offload) needs zero.stage 3; "
                           f"zero.stage is {stage}")
+    if opt.grad_device != "auto" and opt.device == "none":
+        raise ConfigError("offload.optimizer.grad_device",
+                          f"{opt.grad_device!r} needs an offloaded optimizer (the gradient shards "
+                          "live on the device with device Adam) but offload.optimizer.device is "
+                          "'none'; set grad_device: auto or offload the optimizer")
+    if opt.grad_device == "nvme" and opt.path is None and params.path is None:
+        raise ConfigError("offload.optimizer.grad_device",
+                          "'nvme' needs a swap directory; set offload.optimizer.path")
     for name, cls in (("params", params), ("optimizer", opt)):
         key = f"offload.{name}"
         if cls.device == "nvme" and cls.path is None:

@@ -61,7 +61,6 @@ IGNORED_ZERO = {
     "contiguous_gradients": "gradients are flat shards by design", "reduce_scatter": "always on",
     "allgather_partitions": "always on", "allgather_bucket_size": "units are the gather grain",
     "use_multi_rank_bucket_allreduce": "not used",
-    "sub_group_size": "no equivalent; the optimizer step is pipelined per unit",
     "load_from_fp32_weights": "always", "elastic_checkpoint": "not supported",
     "ignore_unused_parameters": "unused parameters are always allowed",
     "legacy_stage1": "not supported", "round_robin_gradients": "not used",
@@ -100,6 +99,9 @@ ZERO_ELEMENTS = {  # canonical DeepSpeed name -> native key, counted in elements
 ZERO_PLAIN = {
     "stage": "zero.stage", "overlap_comm": "zero.overlap_comm",
     "gather_16bit_weights_on_model_save": "zero.gather_16bit_weights_on_model_save",
+}
+ZERO_COUNTS = {  # canonical DeepSpeed name -> native key, counted in elements (not bytes)
+    "sub_group_size": "offload.optimizer.chunk_numel",
 }
 ZERO_STRUCT = ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param",
                "cpu_offload_use_pin_memory")
@@ -190,7 +192,7 @@ def _precision(data: Mapping[str, Any], out: Mapped) -> int:
 def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
     canon: dict[str, tuple[str, Any]] = {}  # canonical name -> (key as written, value)
     known = set(ZERO_ALIASES) | set(ZERO_ELEMENTS) | set(ZERO_PLAIN) | set(ZERO_STRUCT) | set(
-        IGNORED_ZERO)
+        IGNORED_ZERO) | set(ZERO_COUNTS)
     check_keys(zero, known, "zero_optimization")
     for key, value in zero.items():
         name = ZERO_ALIASES.get(key, key)
@@ -203,6 +205,8 @@ def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
         ds_key = f"zero_optimization.{key}"
         if name in ZERO_ELEMENTS:
             out.set(ZERO_ELEMENTS[name], elements_to_bytes(value, itemsize, ds_key), ds_key)
+        elif name in ZERO_COUNTS:
+            out.set(ZERO_COUNTS[name], values.coerce(value, int, {"gt": 0}, ds_key), ds_key)
         elif name in ZERO_PLAIN:
             out.set(ZERO_PLAIN[name], value, ds_key)
         elif name in IGNORED_ZERO:

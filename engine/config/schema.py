@@ -25,6 +25,7 @@ from tierzero.engine.config.train import TrainConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["none", "cpu", "nvme", "auto"]
+GradDevice = Literal["auto", "cpu", "nvme"]
 OptimizerType = Literal["adamw", "adam"]
 SchedulerType = Literal["constant", "warmup_linear", "warmup_cosine"]
 WarmupShape = Literal["linear", "log"]
@@ -204,6 +205,27 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "param16 (the buffers together hold at least the largest shard)",
             gt=0,
             unit="bytes",
+        ),
+    )
+    # [Note: optimizer state in chunks] in offload/adam_stream.py
+    chunk_numel: int = field(
+        default=1 << 21,
+        metadata=meta(
+            "elements per piece of a shard's master and moments when they stream from NVMe "
+            "(DeepSpeed's sub_group_size): each piece has its own swap region and the CPU "
+            "Adam's ring holds pieces, so host memory does not grow with the largest unit",
+            gt=0,
+        ),
+    )
+    # [Note: gradient home] in engine/offload_bridge.py
+    grad_device: GradDevice = field(
+        default="auto",
+        metadata=meta(
+            "home of the fp32 gradient shards: cpu = host memory; nvme = swap files (a "
+            "gradient is accumulated in a staging-pool buffer and dropped unwritten once the "
+            "optimizer step has consumed it); auto = host memory while an explicit "
+            "offload.budgets.host_bytes has room for it, else nvme (with optimizer device "
+            "nvme; otherwise it follows optimizer.device)"
         ),
     )
     ratio: float = field(

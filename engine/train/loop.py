@@ -343,7 +343,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         optimizer_s=optimizer_s, tier_bytes=now, tier_peak_bytes=peak,
         nvme_read_bytes=read, nvme_written_bytes=written,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
-        rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall)
+        rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall,
+        grad_home=(report.get("tiers") or {}).get("grad_home"))
 
 
 def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,

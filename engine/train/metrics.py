@@ -43,6 +43,8 @@ class StepRecord:
     # host_to_nvme, host_to_device, device_to_host; all 0 without offloading)
     moved_bytes: dict[str, int]
     io_stall_s: float  # any thread blocked on a tier transfer it needed (fetch, room)
+    # where the fp32 gradient shards live: "host", "nvme", "host+nvme" (None: not offloaded)
+    grad_home: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"event": "step", **dataclasses.asdict(self)}
@@ -142,7 +144,8 @@ def log_line(r: StepRecord, total_steps: int) -> str:
             f"wait {r.wait_s:.3f} + optimizer {r.optimizer_s:.3f} | now/peak {tiers} | "
             f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s | "
             f"swap in/out {human_bytes(r.moved_bytes['nvme_to_host'])}/"
-            f"{human_bytes(r.moved_bytes['host_to_nvme'])}, io stall {r.io_stall_s:.3f} s")
+            f"{human_bytes(r.moved_bytes['host_to_nvme'])}, io stall {r.io_stall_s:.3f} s"
+            + (f" | grads {r.grad_home}" if r.grad_home else ""))
 
 
 class MetricsWriter:
