@@ -144,7 +144,9 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     # state (initial placement, checkpoints, one shard at a time) needs one buffer, plus
     # one for a write-back. So only param16 and grad are staged every step: the buffers
     # are sized for them, and a larger optimizer shard on those rare paths takes a span
-    # of adjacent buffers ([Note: pool spans] in offload/pool.py).
+    # of adjacent buffers ([Note: pool spans] in offload/pool.py). With param16 on NVMe the
+    # buffers are sized for it and an fp32 gradient on NVMe (twice a bf16 param16) takes a
+    # span: buffers sized for gradients would double the pool for every gathered param16.
     params_nvme = homes["param16"] in ("nvme", "auto")
     nvme_buffers = [c.buffer_count if c is p else 2
                     for c, d in ((p, homes["param16"]), (o, homes["master"]))
@@ -152,7 +154,7 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     pool = PoolSettings(buffer_count=max(nvme_buffers) if nvme_buffers else None,
                         buffer_bytes=p.buffer_bytes if params_nvme else None,
                         pin_memory=p.pin_memory and o.pin_memory,
-                        staged=("param16", "grad"))
+                        staged=("param16",) if params_nvme else ("param16", "grad"))
     # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads, slower than
     # host->device copies, run 4x as far ahead (independent of max_in_cpu_bytes).
     ahead = config.zero.prefetch_bytes

@@ -263,7 +263,10 @@ def _explain(plan: Plan, settings: TierSettings) -> None:
                "state spills first" if settings.homes[cls] == "auto"
                else f"fixed: offload device {settings.homes[cls]!r}")
         allowance = settings.host_allowance.get(cls, 0)
-        if allowance:
+        if allowance and cls == "grad":  # the host budget itself: keep what has room
+            kept = [k for k in keys if k in plan.host_kept]
+            how += f"; {len(kept)} shards kept in host memory while the host budget has room"
+        elif allowance:
             kept = [k for k in keys if k in plan.host_kept]
             how += (f"; host allowance {allowance} B keeps {len(kept)} shards "
                     f"({sum(plan.specs[k].nbytes for k in kept)} B) in host memory")

@@ -3,6 +3,7 @@ engine.Init with params and optimizer state on NVMe, initialize, train one step;
 peak RSS growth per phase and whether the values equal a plain build, as JSON on stdout.
 
     python tests/ckpt_init_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET
+HOST_BUDGET, DEVICE_BUDGET: bytes, or "none" (not set: detected from the machine).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def main() -> None:
         offload=OffloadConfig(
             params=ParamOffloadConfig(device="nvme", path=path),
             optimizer=OptimizerOffloadConfig(device="nvme", path=path),
-            budgets=BudgetsConfig(host_bytes=int(host_budget), device_bytes=int(device_budget))))
+            budgets=BudgetsConfig(
+                host_bytes=None if host_budget == "none" else int(host_budget),
+                device_bytes=None if device_budget == "none" else int(device_budget))))
     base = rss().rss
     torch.manual_seed(0)
     with PeakSampler() as init_peak, engine.Init(config=cfg) as ini:

@@ -96,6 +96,6 @@ def test_auto_grad_home_follows_the_host_budget(tmp_path: Path) -> None:
 
 def test_grad_device_needs_an_offloaded_optimizer() -> None:
     base = make_config()
-    with pytest.raises(ConfigError, match="offload.optimizer.grad_device"):
+    with pytest.raises(ConfigError, match=r"offload\.optimizer\.grad_device"):
         dataclasses.replace(base, offload=OffloadConfig(
             optimizer=OptimizerOffloadConfig(device="none", grad_device="nvme")))

@@ -209,7 +209,7 @@ class OptimizerOffloadConfig(_TierHomeConfig):
     )
     # [Note: optimizer state in chunks] in offload/adam_stream.py
     chunk_numel: int = field(
-        default=1 << 21,
+        default=1 << 20,
         metadata=meta(
             "elements per piece of a shard's master and moments when they stream from NVMe "
             "(DeepSpeed's sub_group_size): each piece has its own swap region and the CPU "
