@@ -365,8 +365,10 @@ def test_ignored_keys_reported_once(caplog: pytest.LogCaptureFixture) -> None:
             zero_optimization={"stage": 3, "sub_group_size": 1e9, "contiguous_gradients": True},
             my_own_key=1))
     assert config.ignored_keys == (  # in the order written
-        "zero_optimization.sub_group_size", "zero_optimization.contiguous_gradients",
+        "zero_optimization.contiguous_gradients",
         "tensorboard", "flops_profiler", "comms_logger", "my_own_key")
+    # sub_group_size is acted on: the CPU Adam's piece size, in elements
+    assert config.offload.optimizer.chunk_numel == 10**9
     assert len(config.ignored_reasons) == len(config.ignored_keys)
     assert config.logging.wall_clock_breakdown is True
     assert config.logging.steps_per_print == 50
