@@ -18,8 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import RefResult, engine_train, make_batches, make_config
+from engine_helpers import (
+    RefResult,
+    engine_train,
+    full_params,
+    make_batches,
+    make_config,
+    make_model,
+)
 
+from tierzero import engine
 from tierzero.engine.config import Config
 from tierzero.engine.config.errors import ConfigError
 from tierzero.engine.config.schema import (
@@ -99,3 +107,39 @@ def test_grad_device_needs_an_offloaded_optimizer() -> None:
     with pytest.raises(ConfigError, match=r"offload\.optimizer\.grad_device"):
         dataclasses.replace(base, offload=OffloadConfig(
             optimizer=OptimizerOffloadConfig(device="none", grad_device="nvme")))
+
+
+def test_checkpoint_of_state_in_pieces_resumes_under_any_piece_size(tmp_path: Path) -> None:
+    """A checkpoint holds values, not pieces: saved from state in pieces of 1000 elements
+    and loaded into whole shards (and back), training goes on bitwise as without a
+    save (TieredShardStore assembles a shard from its pieces for the checkpoint)."""
+    base = make_config("bf16", clip=0.5)
+    batches = make_batches(3)
+    ref = run(base, tmp_path, "nvme", WHOLE)
+    for first, second in ((1000, WHOLE), (WHOLE, 777)):
+        sub = tmp_path / f"ckpt-{first}-{second}"
+        sub.mkdir()
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                         config=nvme_config(base, sub, "nvme", first))
+        losses = []
+        for ids, tg in batches[:2]:
+            loss = eng(ids, tg)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss.detach()))
+        eng.save_checkpoint(sub / "ckpt")
+        eng.close()
+        model = make_model()
+        eng, _, _, _ = engine.initialize(device="cpu", model=model,
+                                         config=nvme_config(base, sub, "nvme", second))
+        eng.load_checkpoint(sub / "ckpt")
+        ids, tg = batches[2]
+        loss = eng(ids, tg)
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+        params = full_params(eng, model)
+        eng.close()
+        assert losses == ref.losses, (first, second)
+        for k, v in ref.params.items():
+            assert torch.equal(params[k], v), (first, second, k)
