@@ -39,6 +39,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -146,7 +147,8 @@ class Phases:
                "end_growth": status_bytes("VmRSS") - self.base, **extra}
         self.rows.append(row)
         sys.stderr.write(f"scale_bench: {name}: {row['s']:.1f} s, peak RSS growth "
-                         f"{row['peak_growth'] / GiB:.2f} GiB\n")
+                         f"{row['peak_growth'] / GiB:.2f} GiB {json.dumps(row)}\n")
+        sys.stderr.flush()
         return row
 
 
@@ -166,6 +168,8 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
+    with torch.device("meta"):  # imports the model's code first: code is not model memory
+        build_model(args.model, args.seq)
     ph = Phases()
     torch.manual_seed(0)
     t = ph.start()
@@ -227,10 +231,12 @@ def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         os.environ.setdefault(key, value)
+    hf = transformers.AutoConfig.from_pretrained(args.model)
+    with torch.device("meta"):  # imports the model's code first, as the tierzero child does
+        transformers.AutoModelForCausalLM.from_config(hf)
     ph = Phases()
     torch.manual_seed(0)
     t = ph.start()
-    hf = transformers.AutoConfig.from_pretrained(args.model)
     model = transformers.AutoModelForCausalLM.from_config(hf)  # built as tierzero's child does
     n_params = sum(p.numel() for p in model.parameters())
     ph.end("build", t, model_bytes=sum(p.numel() * p.element_size()
@@ -275,6 +281,8 @@ def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
               "optimizer": {"type": "adamw", "lr": 1.0e-4},
               "gradient_clipping": 1.0,
               "offload": {"device": "nvme", "path": os.path.join(run_dir, "swap-tierzero")}}
+    if args.host_bytes:  # default: the engine's own host budget (from available memory)
+        config["offload"]["budgets"] = {"host_bytes": args.host_bytes}
     for name in ("swap-tierzero", "swap-deepspeed"):
         os.mkdir(os.path.join(run_dir, name), 0o700)
     config_path = os.path.join(run_dir, "tierzero.yaml")
@@ -286,7 +294,7 @@ def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
 def plan_prediction(model_dir: str, config_path: str, seq: int, batch: int) -> dict[str, Any]:
     """`tierzero plan`'s host prediction for this run (engine/plan), in a child process so
     the parent's RSS stays small; {} when this checkout's plan has no such figure."""
-    code = ("import json, sys; from tierzero.engine.plan.host import predict_run; "
+    code = ("import json, sys; from tierzero.engine.plan.planner import predict_run; "
             "print(json.dumps(predict_run(sys.argv[1], sys.argv[2], seq_len=int(sys.argv[3]), "
             "micro_batch=int(sys.argv[4]))))")
     proc = subprocess.run([sys.executable, "-c", code, model_dir, config_path, str(seq),
@@ -305,17 +313,20 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     low: list[float] = []
+    late: list[float] = []
     trace: list[tuple[float, int]] = []  # (s since start, child RSS) every ~0.5 s
 
     def watch() -> None:
         while proc.poll() is None:
             avail = psutil.virtual_memory().available
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the child may be gone
                 trace.append((time.perf_counter() - t0, status_bytes("VmRSS", proc.pid)))
-            except (OSError, ValueError):
-                pass
             if avail < args.min_available:
                 low.append(avail / GiB)
+                proc.kill()
+                return
+            if args.child_timeout and time.perf_counter() - t0 > args.child_timeout:
+                late.append(time.perf_counter() - t0)
                 proc.kill()
                 return
             time.sleep(0.5)
@@ -345,6 +356,11 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
     if low:
         row["killed"] = (f"machine's available memory fell to {low[0]:.2f} GiB "
                          f"(< --min-available); not a measurement")
+        return row
+    if late:
+        row["killed"] = f"ran past --child-timeout ({late[0]:.0f} s); not a measurement"
+        row["partial"] = [json.loads(line.split(" GiB ", 1)[1]) for line in stderr_lines
+                          if line.startswith("scale_bench:") and " GiB {" in line]
         return row
     if proc.returncode != 0:
         row["failed"] = "".join(stderr_lines)[-3000:]
@@ -401,9 +417,15 @@ def main() -> None:
                     help="size of the O_DIRECT bandwidth file (default 4 GiB)")
     ap.add_argument("--min-available", type=int, default=3 * GiB // 2,
                     help="kill a child when the machine's available memory falls below this")
+    ap.add_argument("--host-bytes", type=int, default=0,
+                    help="offload.budgets.host_bytes of the tierzero run (default: unset)")
+    ap.add_argument("--child-timeout", type=float, default=0,
+                    help="kill a child after this many seconds (0: never); its finished "
+                    "phases are kept as `partial`")
     ap.add_argument("--engines", default="tierzero,deepspeed")
     ap.add_argument("--deepspeed-python", help="python of the DeepSpeed virtualenv")
-    ap.add_argument("--quick", action="store_true", help="33.6M-parameter Llama, 2 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="the same architecture at 33.6M parameters")
     ap.add_argument("--out", default="bench_out/scale_bench.json")
     args = ap.parse_args()
     if args.child:
