@@ -45,6 +45,7 @@ import mmap
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -345,7 +346,12 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
 
     pumper = threading.Thread(target=pump, daemon=True)
     pumper.start()
-    stdout = proc.stdout.read() if proc.stdout else ""
+    try:
+        stdout = proc.stdout.read() if proc.stdout else ""
+    except BaseException:
+        proc.kill()  # interrupted: the child must not outlive its run directory
+        proc.wait()
+        raise
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     watcher.join()
@@ -446,6 +452,9 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     import machine  # benchmarks/machine.py
 
+    # SIGTERM unwinds like Ctrl-C, so the finally below removes the run directory (and
+    # run_child's kills its child)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("scale_bench: terminated"))
     run_dir = tempfile.mkdtemp(dir=args.swap, prefix="scale_bench-")  # 0700, ours
     result: dict[str, Any] = {"machine": machine.describe(args.swap), "shared_machine": True,
                               "argv": sys.argv[1:], "rows": {}}

@@ -29,12 +29,14 @@ stacks, torch's per-op scratch) is the residual the benchmark reports.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from tierzero.offload.settings import Tier
 
 PHASES = ("build", "initialize", "train")
 
@@ -102,7 +104,8 @@ def saved_bytes() -> Iterator[SavedBytes]:
         hooks.clear()
 
 
-def predict(*, model: int, init_peak: dict[str, int], peak: dict[str, int], pipeline: int,
+def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, int],
+            pipeline: int,
             saved: int, largest_unit: int, compute_bytes: int, device_is_host: bool,
             built_under_init: bool = False) -> HostPeak:
     """[Note: plan host peak] from a dry run's counts (dry_run.DryRun's fields).

@@ -167,7 +167,7 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
 
 def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
     """[Note: plan host peak] of a dry run of `config`."""
-    return predict(model=run.model_bytes, init_peak=dict(run.init_peak), peak=dict(run.peak),
+    return predict(model=run.model_bytes, init_peak=run.init_peak, peak=run.peak,
                    pipeline=run.pipeline_bytes, saved=run.saved_bytes,
                    largest_unit=run.largest_unit,
                    compute_bytes=torch.finfo(compute_dtype(config.precision.dtype)).bits // 8,
