@@ -432,6 +432,8 @@ def main() -> None:
     ap.add_argument("--deepspeed-python", help="python of the DeepSpeed virtualenv")
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print tierzero plan's host prediction for this run and exit")
     ap.add_argument("--out", default="bench_out/scale_bench.json")
     args = ap.parse_args()
     if args.child:
@@ -460,6 +462,10 @@ def main() -> None:
                               "argv": sys.argv[1:], "rows": {}}
     try:
         paths = write_inputs(run_dir, args)
+        if args.plan_only:  # the plan's prediction for this config, no training
+            plan = plan_prediction(paths["model"], paths["config"], args.seq, args.batch)
+            sys.stdout.write(json.dumps(plan) + "\n")
+            return
         bw = disk_bandwidth(run_dir, args.bw_bytes)
         result["disk"] = bw
         sys.stderr.write(f"disk: write {bw['write_gbps']:.2f} GB/s, read "

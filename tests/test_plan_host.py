@@ -68,12 +68,15 @@ def test_predict_adds_the_phases() -> None:
     mb = MiB
     h = predict(model=100 * mb, init_peak={"host": 40 * mb, "device": 0},
                 peak={"host": 50 * mb, "device": 10 * mb}, pipeline=20 * mb, saved=5 * mb,
-                largest_unit=mb, compute_bytes=2, device_is_host=True)
+                largest_unit=mb, largest_group=mb, compute_bytes=2,
+                device_is_host=True)
     assert h.build == 100 * mb
     assert h.initialize == 100 * mb + 6 * mb  # model and homes overlap; one unit staged
     assert h.train == (50 + 10 + 20 + 5 + 6) * mb
     assert (h.peak, h.phase) == (106 * mb, "initialize")
     gpu = predict(model=100 * mb, init_peak={"host": 40 * mb}, peak={"host": 50 * mb,
                   "device": 10 * mb}, pipeline=20 * mb, saved=5 * mb, largest_unit=mb,
-                  compute_bytes=2, device_is_host=False, built_under_init=True)
+                  largest_group=mb // 2, compute_bytes=2, device_is_host=False,
+                  built_under_init=True)
     assert (gpu.build, gpu.train) == (0, 70 * mb)  # device, activations, grads: on the GPU
+    assert gpu.initialize == 40 * mb + 3 * mb  # the host homes, one group (0.5M x 6 B) staged

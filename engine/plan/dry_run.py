@@ -91,6 +91,7 @@ class DryRun:
     pipeline_bytes: int = 0  # the CPU Adam stream's ring, outside the tier manager
     saved_bytes: int = 0  # tensors autograd saved in one forward (largest micro-batch)
     largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
+    largest_group: int = 0  # elements of the largest flat group (placed one at a time)
     model_bytes: int = 0  # every parameter and buffer of the module as built
 
     def step(self, index: int = -1) -> Traffic:
@@ -195,7 +196,8 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     out = DryRun(store.manager.plan if store is not None and store.manager else None,
                  units=len(eng.units), model_bytes=built_bytes,
                  largest_unit=max((sum(g.numel for g in u.groups if g.trainable)
-                                   for u in eng.units), default=0))
+                                   for u in eng.units), default=0),
+                 largest_group=max((g.numel for u in eng.units for g in u.groups), default=0))
     if store is not None and store.manager is not None:
         init = store.manager.memory_report().peak
         out.init_peak = {t: int(init.get(t, 0)) for t in TIERS}

@@ -106,23 +106,24 @@ def saved_bytes() -> Iterator[SavedBytes]:
 
 def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, int],
             pipeline: int,
-            saved: int, largest_unit: int, compute_bytes: int, device_is_host: bool,
-            built_under_init: bool = False) -> HostPeak:
+            saved: int, largest_unit: int, largest_group: int, compute_bytes: int,
+            device_is_host: bool, built_under_init: bool = False) -> HostPeak:
     """[Note: plan host peak] from a dry run's counts (dry_run.DryRun's fields).
 
     `init_peak`, `peak`: the tier manager's per-tier peaks after placement and over the
     steps; `pipeline`: the CPU Adam ring; `saved`: bytes autograd saved in one forward;
-    `largest_unit`: elements of the largest trainable unit; `compute_bytes`: bytes per
+    `largest_unit`: elements of the largest trainable unit; `largest_group`: of the
+    largest flat group (a root is cut into several); `compute_bytes`: bytes per
     element of the compute dtype; `device_is_host`: the device tier is host memory (no
     CUDA), so its bytes, the saved tensors and the gradients count here too."""
     device = peak.get("device", 0) if device_is_host else 0
     init_device = init_peak.get("device", 0) if device_is_host else 0
     built = 0 if built_under_init else model
-    # initialize: units are placed one by one (flat_shard.build_group): the unit's fp32
-    # initial values and their compute-dtype copy are made, its host homes filled, then
-    # the model's own tensors of that unit forgotten; so the model and the homes placed
-    # so far overlap by at most the larger of the two
-    staging = largest_unit * (4 + compute_bytes)
+    # initialize: flat groups are placed one by one (flat_shard.build_group): the group's
+    # fp32 initial values and their compute-dtype copy are made, its host homes filled,
+    # then the model's own tensors of that group forgotten; so the model and the homes
+    # placed so far overlap by at most the larger of the two
+    staging = largest_group * (4 + compute_bytes)
     initialize = max(built, init_peak.get("host", 0)) + init_device + staging
     on_host = device_is_host
     grads = largest_unit * (compute_bytes + 4) if on_host else 0
