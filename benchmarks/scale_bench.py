@@ -186,6 +186,9 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
         """The engine's own count of what it holds now and at peak (tier manager)."""
         tiers = eng.memory_report()["tiers"] or {}
         return {"tier_current": tiers.get("current"), "tier_peak": tiers.get("peak"),
+                # host buffers the tier manager hands out beyond its tiers (CPU Adam ring)
+                "outside": tiers.get("outside"), "outside_peak": tiers.get("outside_peak"),
+                "grad_home": tiers.get("grad_home"),
                 "pipeline_bytes": (store.pipeline_bytes()
                                    if isinstance(store, TieredShardStore) else 0),
                 "gathered_peak_bytes": eng.scheduler.gathered_peak_bytes,
@@ -399,7 +402,7 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
     if peak.get("tier_peak") is not None:
         host = int(peak["tier_peak"].get("host", 0))
         device = int(peak["tier_peak"].get("device", 0))
-        pipe = int(peak.get("pipeline_bytes", 0))
+        pipe = int(peak.get("outside_peak") or peak.get("pipeline_bytes", 0))
         out["split_at_peak"] = {"tier_host_peak": host, "tier_device_peak": device,
                                 "adam_pipeline": pipe,
                                 "rest": peak["peak_growth"] - host - device - pipe}
