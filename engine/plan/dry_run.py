@@ -88,7 +88,7 @@ class DryRun:
     units: int = 0
     # [Note: plan host peak] in engine/plan/host.py: what the host prediction adds up
     init_peak: dict[Tier, int] = field(default_factory=dict)  # tier manager, after placement
-    pipeline_bytes: int = 0  # the CPU Adam stream's ring, outside the tier manager
+    pipeline_bytes: int = 0  # host buffers outside the tiers (CPU Adam ring), peak
     saved_bytes: int = 0  # tensors autograd saved in one forward (largest micro-batch)
     largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
     largest_group: int = 0  # elements of the largest flat group (placed one at a time)
@@ -201,7 +201,7 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     if store is not None and store.manager is not None:
         init = store.manager.memory_report().peak
         out.init_peak = {t: int(init.get(t, 0)) for t in TIERS}
-        out.pipeline_bytes = store.pipeline_bytes()
+        out.pipeline_bytes = store.pipeline_bytes()  # allocated at the first step
     try:
         counters = _Counters(store)
         grad_bytes = grad_bytes_to_host(eng)
@@ -233,8 +233,10 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                     phases["optimizer"] += counters.delta(since(mark), grad_bytes)
                 out.steps.append(phases)
         if store is not None and store.manager is not None:
-            peak = store.manager.memory_report().peak
-            out.peak = {t: int(peak.get(t, 0)) for t in TIERS}
+            report = store.manager.memory_report()
+            out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}
+            # what the stream really took through TierManager.host_empty, at its peak
+            out.pipeline_bytes = max(out.pipeline_bytes, report.outside_peak)
     finally:
         eng.close()
     return out
