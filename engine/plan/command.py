@@ -173,6 +173,11 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
              for p in plans if p.fits]
     out.append(_table(rows))
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
+    out += [f"{p.choice}: the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) "
+            f"is above the host's {human_bytes(machine.host_bytes)}"
+            + (f"; the model built whole before it is partitioned is {human_bytes(p.host.build)}"
+               " of it (tierzero.Init builds it partitioned)" if p.host.build else "")
+            for p in plans if p.fits and p.host is not None and p.host.peak > machine.host_bytes]
     out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
             f"({p.traffic_error}); the placement above holds" for p in plans
             if p.fits and p.traffic_error]

@@ -88,6 +88,7 @@ class DryRun:
     units: int = 0
     # [Note: plan host peak] in engine/plan/host.py: what the host prediction adds up
     init_peak: dict[Tier, int] = field(default_factory=dict)  # tier manager, after placement
+    init_outside: int = 0  # host buffers outside the tiers already taken at placement
     pipeline_bytes: int = 0  # host buffers outside the tiers (CPU Adam ring), peak
     saved_bytes: int = 0  # tensors autograd saved in one forward (largest micro-batch)
     largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
@@ -199,8 +200,9 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                                    for u in eng.units), default=0),
                  largest_group=max((g.numel for u in eng.units for g in u.groups), default=0))
     if store is not None and store.manager is not None:
-        init = store.manager.memory_report().peak
-        out.init_peak = {t: int(init.get(t, 0)) for t in TIERS}
+        init = store.manager.memory_report()
+        out.init_peak = {t: int(init.peak.get(t, 0)) for t in TIERS}
+        out.init_outside = init.outside_peak
         out.pipeline_bytes = store.pipeline_bytes()  # allocated at the first step
     try:
         counters = _Counters(store)

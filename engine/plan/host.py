@@ -9,10 +9,11 @@ growth over the process's imports, on one rank:
   build       the model as `tierzero train` builds it: every parameter and buffer
               materialised at its dtype (fp32 from a Hugging Face config.json). A model
               built under engine.Init never exists whole, so this phase is 0 there.
-  initialize  the built model (its tensors are freed only when the caller drops the
-              model's original parameters, after initialize returns) + the tier
-              manager's host bytes at the end of placement + one unit's fp32 initial
-              values being placed.
+  initialize  the built model (each flat group's tensors are forgotten once the group
+              is placed, so the model and the homes placed so far overlap) + the tier
+              manager's host bytes at the end of placement (and the CPU Adam ring
+              when it is allocated by then) + one flat group's initial values being
+              placed.
   train       the tier manager's host peak (shards homed or cached in host memory, the
               staging pool) + its device peak when the device tier is host memory (the
               CPU stand-in) + the CPU Adam stream's pipeline buffers (allocated by the
@@ -105,13 +106,14 @@ def saved_bytes() -> Iterator[SavedBytes]:
 
 
 def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, int],
-            pipeline: int,
+            pipeline: int, init_outside: int = 0,
             saved: int, largest_unit: int, largest_group: int, compute_bytes: int,
             device_is_host: bool, built_under_init: bool = False) -> HostPeak:
     """[Note: plan host peak] from a dry run's counts (dry_run.DryRun's fields).
 
     `init_peak`, `peak`: the tier manager's per-tier peaks after placement and over the
-    steps; `pipeline`: the CPU Adam ring; `saved`: bytes autograd saved in one forward;
+    steps; `pipeline`: the CPU Adam ring at its peak, `init_outside`: the part of it
+    already allocated when placement ends; `saved`: bytes autograd saved in one forward;
     `largest_unit`: elements of the largest trainable unit; `largest_group`: of the
     largest flat group (a root is cut into several); `compute_bytes`: bytes per
     element of the compute dtype; `device_is_host`: the device tier is host memory (no
@@ -124,7 +126,7 @@ def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, in
     # then the model's own tensors of that group forgotten; so the model and the homes
     # placed so far overlap by at most the larger of the two
     staging = largest_group * (4 + compute_bytes)
-    initialize = max(built, init_peak.get("host", 0)) + init_device + staging
+    initialize = max(built, init_peak.get("host", 0)) + init_device + init_outside + staging
     on_host = device_is_host
     grads = largest_unit * (compute_bytes + 4) if on_host else 0
     parts = {"tier_host": peak.get("host", 0), "tier_device": device, "adam_pipeline": pipeline,

@@ -168,7 +168,8 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
 def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
     """[Note: plan host peak] of a dry run of `config`."""
     return predict(model=run.model_bytes, init_peak=run.init_peak, peak=run.peak,
-                   pipeline=run.pipeline_bytes, saved=run.saved_bytes,
+                   pipeline=run.pipeline_bytes, init_outside=run.init_outside,
+                   saved=run.saved_bytes,
                    largest_unit=run.largest_unit, largest_group=run.largest_group,
                    compute_bytes=torch.finfo(compute_dtype(config.precision.dtype)).bits // 8,
                    device_is_host=device_is_host)
