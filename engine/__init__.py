@@ -17,9 +17,10 @@ from tierzero.engine.checkpoint_async import PendingSave  # isort: skip
 from tierzero.engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
 from tierzero.engine.offload_step import OffloadedAdam  # isort: skip
 from tierzero.engine.late_grads import LateGradientError  # isort: skip
+from tierzero.engine.collectives import RanksDivergedError  # isort: skip
 
 __all__: list[str] = ["Config", "ConfigError", "load_config"]
 __all__ += ["GatheredParameters", "ParameterNotGatheredError", "ZeroEngine", "initialize"]
 __all__ += ["Init", "LoadReport", "PretrainedLoadError", "load_pretrained"]
 __all__ += ["CheckpointError", "PendingSave", "consolidate", "consolidate_to_safetensors"]
-__all__ += ["LateGradientError", "OffloadedAdam"]
+__all__ += ["LateGradientError", "OffloadedAdam", "RanksDivergedError"]

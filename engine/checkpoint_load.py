@@ -118,7 +118,15 @@ def load_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
         _restore(eng, path, manifest, saved, same_world)
     except (CheckpointError, ValueError, RuntimeError) as exc:
         error = str(exc)
-    raise_if_any_failed(eng, error, f"load_checkpoint({str(path)!r})")
+    # Shards changed: gathered copies are gathered again once every rank has restored, or
+    # dropped (locally) when any rank failed ([Note: persistent units after the step]).
+    eng.scheduler.mark_stale()
+    try:
+        raise_if_any_failed(eng, error, f"load_checkpoint({str(path)!r})")
+    except CheckpointError:
+        eng.scheduler.drop_stale()
+        raise
+    eng.scheduler.refresh()
     client = None
     if CLIENT_STATE in manifest["files"]:
         client = torch.load(io.BytesIO((path / CLIENT_STATE).read_bytes()), weights_only=True)
@@ -181,7 +189,6 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
         bar.close()
     finally:
         files.close()
-    eng.scheduler.after_step()  # gathered copies of persistent units are stale now
 
 
 def _names(files: RankFiles, rank: int, prefix: str) -> list[str]:

@@ -80,7 +80,8 @@ class ZeroEngine:
         self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
         check_parameters_supported(module)
         specs = discover_units(module, list(config.zero.units) or None,
-                               config.zero.unit_min_bytes)
+                               config.zero.unit_min_bytes, list(config.zero.leaf_modules),
+                               config.zero.auto_leaf_moe)
         # Validate on every rank before the first collective: a mismatch would hang.
         shape_sig = [len(specs)] + [sum(p.numel() for _, p in s.params) for s in specs]
         if not self.comm.all_equal(shape_sig):
@@ -97,6 +98,7 @@ class ZeroEngine:
         self._declare_groups(specs)
         self.units = [self._build_unit(i, s) for i, s in enumerate(specs)]
         self.root = self.units[-1]
+        self.comm.know([g.key for u in self.units for g in u.groups])
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
                                    inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
@@ -107,6 +109,12 @@ class ZeroEngine:
                 for s in g.slots:
                     register_owner(s.param, self.scheduler, unit, s.qname, s.numel)
         self._hooks = HookSet(self.scheduler)
+        # Units that stay gathered are gathered now, so a read before their first forward
+        # (user code, a parent module) sees their values ([Note: persistent units after the
+        # step] in schedule.py). A collective, in unit order on every rank.
+        for unit in self.units:
+            if unit.persistent:
+                self.scheduler.ensure_gathered(unit)
         self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
         self._train_keys = [g.key for g in self._train_groups]
         self.optimizer: torch.optim.Optimizer
@@ -223,12 +231,15 @@ class ZeroEngine:
             for key, trainable, named in self._group_plan(spec)
         ]
         nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8
-        persistent = (not spec.is_root) and (
-            self.config.zero.stage < 3
-            or nbytes < self.config.zero.persistence_threshold_bytes)
+        # Stage 1/2: every unit, the root included, stays gathered between steps (as their
+        # parameters do in DeepSpeed). Stage 3: blocks under the threshold; the root is
+        # gathered around each forward and backward.
+        persistent = self.config.zero.stage < 3 or (
+            not spec.is_root and nbytes < self.config.zero.persistence_threshold_bytes)
         trainable = tuple(p for _, p in spec.params if p.requires_grad)
         return Unit(index, spec.name, spec.module, spec.is_root, persistent, groups,
-                    trainable, has_frozen=len(trainable) < len(spec.params))
+                    trainable, has_frozen=len(trainable) < len(spec.params),
+                    dynamic=spec.dynamic)
 
     # -- training API -------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -303,6 +314,8 @@ class ZeroEngine:
         if self._early is not None and self._early.take_abandoned():  # see EarlyStep.abandon
             self.skipped_steps += 1
             self.zero_grad()
+            # some groups were updated before the step was abandoned
+            self.scheduler.after_step()  # [Note: persistent units after the step]
             return
         self.zero_fresh_grads()  # a step with no backward since zero_grad(): zero gradients
         unscale = 1.0
@@ -312,7 +325,7 @@ class ZeroEngine:
                 with self.store.use(k, "grad") as g:
                     overflow = overflow or has_overflow([g])
             flag = torch.tensor([1.0 if overflow else 0.0], device=self.device)
-            self.comm.all_reduce_sum(flag)
+            self.comm.all_reduce_sum(flag, "the fp16 overflow flag")
             if flag.item() > 0:
                 self.loss_scaler.update(overflow=True)
                 self.skipped_steps += 1
@@ -331,8 +344,8 @@ class ZeroEngine:
                     self.store.tensor(k, "grad").mul_(unscale * coef)
             run_step(self.optimizer, self.store, self._train_keys)
         self.lr_scheduler.step()
-        self.zero_grad()
-        self.scheduler.after_step()
+        self.zero_grad()  # also waits for any optimizer thread (settle)
+        self.scheduler.after_step()  # [Note: persistent units after the step] in schedule.py
         self.global_steps += 1
 
     def _clip(self, unscale: float) -> float:
@@ -350,7 +363,7 @@ class ZeroEngine:
                 # of the shard), squares summed in fp64
                 sq += torch.linalg.vector_norm(g).double().cpu() ** 2
         sq = sq.to(self.device)
-        self.comm.all_reduce_sum(sq)
+        self.comm.all_reduce_sum(sq, "the squared gradient norm")
         norm = math.sqrt(float(sq.item())) * unscale
         self.last_grad_norm = norm
         return min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
@@ -469,3 +482,4 @@ class ZeroEngine:
         if isinstance(self.optimizer, OffloadedAdam):
             self.optimizer.close()
         self.store.close()
+        self.comm.close()

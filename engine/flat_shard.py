@@ -122,7 +122,7 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
             storage = base.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(group.padded_numel * base.element_size())
-            comm.all_gather(base, shard)
+            comm.all_gather(base, shard, group.key)
         for s in group.slots:
             s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
     group.base = base
@@ -223,8 +223,8 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
             if fresh:  # the collective adds into the shard itself
                 store.tensor(group.key, "grad").zero_()
             return comm.reduce_scatter_mean_async(
-                mine, full, accumulate_into=store.tensor(group.key, "grad"))
-        pending = comm.reduce_scatter_mean_async(mine, full)
+                mine, full, accumulate_into=store.tensor(group.key, "grad"), what=group.key)
+        pending = comm.reduce_scatter_mean_async(mine, full, what=group.key)
 
         def accumulate(out: torch.Tensor) -> None:
             with torch.no_grad(), store.use(group.key, "grad", writable=True,

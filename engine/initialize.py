@@ -96,6 +96,8 @@ def initialize(
     opt = config.optimizer
     factory = (factory_from_user(optimizer) if optimizer is not None
                else torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay))
-    eng = ZeroEngine(model, config, factory, comm=Comm(),
+    eng = ZeroEngine(model, config, factory,
+                     comm=Comm(check_order=config.zero.check_unit_order,
+                               timeout_s=config.zero.collective_timeout_s),
                      device=torch.device(device) if device is not None else None)
     return eng, eng.optimizer, None, eng.lr_scheduler

@@ -25,7 +25,8 @@ Who else touches a group between its reduce and `finish()`, and why it is safe:
   handed over: [Note: late gradients]) and its param16 is not gathered again this
   pass; a persistent
   unit's gathered copy is its own buffer (the tiered store always copies out of the
-  shard), marked stale by Scheduler.after_step once the step is done;
+  shard), gathered again by Scheduler.after_step once the step is done and the worker
+  settled ([Note: persistent units after the step] in schedule.py);
 - every shard access goes through TierManager, which takes one lock per call;
 - forward, zero_grad and close (engine.py) call `settle()` first, which waits for the
   worker, so nobody reads a group the kernel is writing; checkpoints are refused while

@@ -41,6 +41,7 @@ from tierzero.engine.flat_shard import FlatGroup, ParamSlot
 from tierzero.engine.hf.lora import peft_aliases
 from tierzero.engine.hf_layouts import map_legacy_moe
 from tierzero.engine.init_context import local_slice
+from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
         matched, buf_matched = _check(module, tensors, strict, slots, fresh)
         param_of = {id(e): p for e, p in matched}
         total = 0
+        stale: list[Scheduler] = []  # engines whose gathered copies predate the new values
         for entry in iter_ranges([e for e, _ in matched]):
             p = param_of[id(entry)]
             hit = slots.get(id(p))
@@ -232,6 +234,7 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
                                             store=owner.scheduler.store)
                 if owner.unit.gathered:
                     owner.unit.stale = True  # its gathered copy predates the new values
+                    stale.append(owner.scheduler)
                 continue
             with local_slice(p) as part:  # written back to NVMe on exit when it lives there
                 if part is not None:
@@ -253,6 +256,8 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
             if buf is not None:
                 buf.copy_(reader.read(entry, 0, entry.numel).view(buf.shape))
         peak = reader.peak_read_bytes
+    for sched in stale:  # each rank loads on its own: released locally, gathered by the next
+        sched.drop_stale()  # forward ([Note: persistent units after the step])
     log.info("load_pretrained: %d tensors from %d files, %d bytes read on this rank "
              "(largest read %d bytes)", len(matched), len(files), total, peak)
     return LoadReport([str(f) for f in files], len(matched), total, peak)

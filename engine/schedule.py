@@ -60,6 +60,9 @@ class Unit:
     groups: list[FlatGroup]
     trainable: tuple[nn.Parameter, ...]
     has_frozen: bool
+    # holds a leaf module (MoE): which parameters get gradients may differ across ranks, so
+    # its gradients are reduced at the end of backward ([Note: units and rank divergence])
+    dynamic: bool = False
     stale: bool = False  # gathered copy predates the last optimizer step
     fired: set[int] = field(default_factory=set)  # ids of params whose grad arrived this backward
     reduced: bool = False  # grads of this backward already reduce-scattered (every group)
@@ -176,7 +179,7 @@ class Scheduler:
         for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
             if u.index not in kept:
                 entries += [(g.key, "param16") for g in u.groups]
-            if not u.has_frozen:
+            if not (u.has_frozen or u.dynamic):  # those reduce at the end of backward
                 entries += [(g.key, "grad") for g in u.groups if g.trainable]
         self.store.set_order(entries)
 
@@ -202,7 +205,7 @@ class Scheduler:
     def _predict_kept(self, root: Unit, fwd: list[Unit]) -> set[int]:
         """The units post_forward will keep gathered this step, by the same rule."""
         live = sum(g.padded_numel * g.full.element_size() for g in root.groups)
-        live += sum(u.gathered_bytes() for u in self.units if u.persistent)
+        live += sum(u.gathered_bytes() for u in self.units if u.persistent and not u.is_root)
         kept: set[int] = set()
         for u in fwd:
             live += sum(g.padded_numel * g.full.element_size() for g in u.groups)
@@ -262,8 +265,8 @@ class Scheduler:
                 self.late.arrive(unit, group, param)  # [Note: late gradients]
                 return
         unit.fired.add(id(param))
-        if unit.has_frozen or unit.reduced:
-            return  # units with frozen params wait for end_backward
+        if unit.has_frozen or unit.dynamic or unit.reduced:
+            return  # units with frozen params or a leaf module wait for end_backward
         if unit.is_root:
             self._reduce_root_groups(unit)
             return
@@ -371,7 +374,7 @@ class Scheduler:
             for g in unit.groups:
                 if g.base is None:
                     raise RuntimeError(f"write_back: unit {unit.label!r} is not gathered")
-                self.comm.broadcast(g.base, src)
+                self.comm.broadcast(g.base, src, g.key)
                 lo = self.comm.rank * g.shard_numel
                 mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
                 with self.store.use(g.key, "param16", writable=True) as param16:
@@ -389,11 +392,48 @@ class Scheduler:
                         param16.copy_(mine)
 
     # -- step ------------------------------------------------------------------
+    # [Note: persistent units after the step]
+    # A unit that stays gathered between steps (every unit at stage 1 and 2, a stage-3 unit
+    # under zero.persistence_threshold_bytes) holds a full copy of its parameters, and the
+    # optimizer step changes only the shards. Any read of that copy before the unit's own
+    # forward pre-hook would see pre-step values with no error: user code between steps
+    # (an EMA, parameter norms, model.state_dict()), or a parent module reading a block's
+    # weight before calling the block. So every shard change that every rank makes at the
+    # same point (the optimizer step, a skipped step that had begun updating during
+    # backward, load_checkpoint) ends with `after_step`: gathered copies are gathered
+    # again at once (a collective, as in DeepSpeed, which all-gathers its persistent
+    # parameters after the step). The gathers move from the next forward to the step's end;
+    # there are no more of them. A change one rank makes on its own (load_pretrained) calls
+    # `drop_stale` instead: the stale copies are released locally, so a read before the next
+    # forward sees a released (size-0) parameter, never an old value.
     def after_step(self) -> None:
-        """Shards changed: gathered copies (persistent units) must be refreshed before use."""
+        """Shards changed on every rank: gathered copies are gathered again now (a
+        collective: every rank calls it at the same point)."""
+        self.mark_stale()
+        self.refresh()
+
+    def mark_stale(self) -> None:
+        """Shards changed: every gathered copy predates them."""
         for unit in self.units:
             if unit.gathered:
                 unit.stale = True
+
+    def refresh(self) -> None:
+        """Gather every stale unit again, in unit order (a collective)."""
+        for unit in self.units:
+            if unit.stale and unit.gathered:
+                self.ensure_gathered(unit)
+
+    def drop_stale(self) -> None:
+        """Release every stale gathered copy, persistent or not (local, no collective); the
+        next forward gathers them ([Note: persistent units after the step])."""
+        for unit in self.units:
+            if unit.stale and unit.gathered:
+                with trace.span("release", unit.label):
+                    for g in unit.groups:
+                        if g.gathered:
+                            release_group(g)
+                unit.stale = False
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)

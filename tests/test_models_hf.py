@@ -193,28 +193,56 @@ def test_gpt2_adamw_parity_outside_noise_gradients() -> None:
     eng.close()
 
 
-# Mixtral with AdamW: rounding-level router gradients of idle experts become lr-sized
-# steps (as above), which then shift the router's logits and, through them, every
-# expert's gradient by a little, so no element-wise split exists. Measured differences
-# after 6 steps: <= 1e-4 (layer-1 router, a few expert rows); compared at 2e-4, and every
-# compared tensor must have moved by more than 50x that, so the check still has teeth.
+# Mixtral with AdamW: a router row of an expert that no token chose has an analytically zero
+# gradient (top-k weights are renormalised), computed as rounding noise (~5e-10), which
+# Adam turns into lr-sized steps of random sign, as for GPT-2's key bias above: those
+# elements are bounded by Adam's step size (at most lr per step on each side). The noise
+# rows then shift the router's logits and, through them, every expert's gradient by a
+# little, so the other elements are compared at MIXTRAL_ADAM_ATOL, not PARAM_ATOL. Measured
+# after 6 steps with transformers 5.24 (experts as 3D tensors): noise rows <= 2.2e-4 (the
+# old single bound of 2e-4 passed by luck with 4.x's per-expert modules), other elements
+# <= 1.5e-5; every compared tensor must have moved by more than 50x MIXTRAL_ADAM_ATOL, so
+# the check still has teeth.
 MIXTRAL_ADAM_ATOL = 2e-4
 
 
 def test_mixtral_adamw_parity_with_idle_experts() -> None:
     model = _mixtral()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    eng, ref, losses, ref_losses = _train_both(model, 6, _data(2, batch=1, seq=3),
-                                               lr=ADAM_LR)
+    gmax: dict[str, torch.Tensor] = {}
+
+    def record(ref: nn.Module) -> None:
+        for k, p in ref.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach().abs()
+                gmax[k] = torch.maximum(gmax[k], g) if k in gmax else g.clone()
+
+    steps = 6
+    eng, ref, losses, ref_losses = _train_both(model, steps, _data(2, batch=1, seq=3),
+                                               lr=ADAM_LR, on_ref_grads=record)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                rtol=LOSS_RTOL, atol=0.0)
+    noise_names = set()
     with engine.GatheredParameters(list(model.parameters())):
         got = dict(model.named_parameters())
         for k, q in ref.named_parameters():
-            torch.testing.assert_close(got[k].detach(), q.detach(), rtol=0.0,
-                                       atol=MIXTRAL_ADAM_ATOL, msg=k)
+            diff = (got[k].detach() - q.detach()).abs()
+            noise = (gmax[k] > 0) & (gmax[k] <= NOISE_GRAD)  # exact zeros: compared tightly
+            if noise.any():
+                noise_names.add(k)
+                assert float(diff[noise].max()) <= 2 * steps * ADAM_LR, k
+            if (~noise).any():
+                assert float(diff[~noise].max()) <= MIXTRAL_ADAM_ATOL, (k, float(diff.max()))
             moved = float((q.detach() - before[k]).abs().max())
             assert moved > 50 * MIXTRAL_ADAM_ATOL, (k, moved)
+    # The routers' idle rows are noise-driven (a minority of each router); elsewhere only
+    # a few real gradients below NOISE_GRAD (measured: 43 of 49152 expert elements in
+    # layer 0), so the rule cannot hide a tensor.
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    assert noise_names & routers
+    for k in noise_names:
+        share = 2 if k in routers else 100
+        assert int(((gmax[k] > 0) & (gmax[k] <= NOISE_GRAD)).sum()) <= gmax[k].numel() // share
     eng.close()
 
 

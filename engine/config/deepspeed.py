@@ -73,7 +73,7 @@ IGNORED_ZERO = {
     "log_trace_cache_warnings": "order changes are always logged",
     "module_granularity_threshold": "units are set by zero.units / unit_min_bytes",
     "use_all_reduce_for_fetch_params": "not used", "allgather_sequential": "not used",
-    "enable_sanity_checks": "not used", "leaf_module": "use zero.units",
+    "enable_sanity_checks": "not used", "leaf_module": "use zero.leaf_modules (class names)",
     "zenflow": "not supported", "save_muon_momentum_buffer_in_memory": "only Adam(W)",
 }
 ZERO_ALIASES = {  # DeepSpeed spelling -> its canonical (unprefixed) name

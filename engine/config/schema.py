@@ -99,6 +99,37 @@ class ZeroConfig:
             unit="bytes",
         ),
     )
+    # [Note: units and rank divergence] in engine/units.py: why these exist.
+    leaf_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=meta(
+            "module class names never split across units: each is one whole unit (or lies "
+            "inside one), whatever the unit rule; adds to auto_leaf_moe's"
+        ),
+    )
+    auto_leaf_moe: bool = field(
+        default=True,
+        metadata=meta(
+            "keep every module with an `experts` child (the mixture-of-experts blocks of "
+            "transformers models: Mixtral, Qwen2-MoE, ...) whole in one unit"
+        ),
+    )
+    check_unit_order: bool = field(
+        default=True,
+        metadata=meta(
+            "check with the other ranks before each collective that all are at the same "
+            "unit; a difference is an error naming the units on every rank"
+        ),
+    )
+    collective_timeout_s: float = field(
+        default=600.0,
+        metadata=meta(
+            "seconds a rank waits for a unit's gather or reduction (and the order check) "
+            "before raising an error naming the unit; NCCL collectives keep the process "
+            "group's own timeout",
+            gt=0,
+        ),
+    )
     # The byte defaults below are DeepSpeed's element-count defaults x 2 bytes
     # (bf16), so a native config and a converted DeepSpeed one start equal.
     # Why a look-ahead bound: every unit fetched early holds device memory and

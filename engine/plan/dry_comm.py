@@ -21,23 +21,24 @@ class DryComm(Comm):
             raise ValueError(f"DryComm world_size {world_size}: allowed: >= 1")
         self.rank, self.world_size, self.backend = 0, world_size, "dry-run"
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str = "") -> None:
         if out.numel() != shard.numel() * self.world_size:
             raise ValueError(f"all_gather: output has {out.numel()} elements, expected "
                              f"{shard.numel()} x world size {self.world_size}")
 
     def reduce_scatter_mean_async(
-        self, out: torch.Tensor, full: torch.Tensor, accumulate_into: torch.Tensor | None = None
+        self, out: torch.Tensor, full: torch.Tensor, accumulate_into: torch.Tensor | None = None,
+        what: str = "",
     ) -> PendingReduce:
         if full.numel() != out.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                              f"{out.numel()} x world size {self.world_size}")
         return PendingReduce(None, full, out, accumulate_into, self.world_size, None)
 
-    def all_reduce_sum(self, t: torch.Tensor) -> None:
+    def all_reduce_sum(self, t: torch.Tensor, what: str = "a sum") -> None:
         return None
 
-    def broadcast(self, t: torch.Tensor, src: int) -> None:
+    def broadcast(self, t: torch.Tensor, src: int, what: str = "a tensor") -> None:
         return None
 
     def all_equal(self, values: list[int]) -> bool:
