@@ -54,6 +54,11 @@ def add_plan(sub: Subparsers) -> None:
     plan.add_argument("--max-in-cpu", metavar="BYTES", default="0",
                       help="offload.params.max_in_cpu_bytes of the nvme choice: parameter shard "
                       "bytes per rank homed in host memory instead of NVMe (default 0)")
+    plan.add_argument("--seq-len", type=int, default=128,
+                      help="tokens per sample of the run (train.seq_len; default 128): the "
+                      "dry run's batch, whose saved activations count toward the host peak")
+    plan.add_argument("--micro-batch", type=int, default=1,
+                      help="samples per micro-batch (batch.micro_batch_size; default 1)")
     plan.add_argument("--bench", metavar="FILE",
                       help=f"bandwidths saved by tierzero bench (default {results_path()})")
     for name in ("nvme-read-gbps", "nvme-write-gbps", "copy-gbps", "adam-params-per-s"):
@@ -148,18 +153,40 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                          else f"{t.adam_params / 1e6:.1f}M",
                          f"{one:.2f} s" if one is not None else "n/a (run bench)"])
     out.append(_table(rows))
+    rows = [["offload", "gradient home", "host peak", "at", "build", "initialize", "train",
+             "of which tier mgr", "Adam ring", "activations+grads"]]
+    for p in plans:
+        if not p.fits or p.host is None:
+            continue
+        h = p.host.parts
+        rows.append([p.choice, p.grad_home, human_bytes(p.host.peak), p.host.phase,
+                     human_bytes(p.host.build), human_bytes(p.host.initialize),
+                     human_bytes(p.host.train),
+                     human_bytes(h["tier_host"] + h["tier_device"]),
+                     human_bytes(h["adam_pipeline"]),
+                     human_bytes(h["saved_activations"] + h["unit_gradients"])])
+    if len(rows) > 1:
+        out.append(_table(rows))
     rows = [["offload", "NVMe written/step", "written/1,000 steps", "predicted step"]]
     rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
               f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
              for p in plans if p.fits]
     out.append(_table(rows))
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
+    out += [f"{p.choice}: the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) "
+            f"is above the host's {human_bytes(machine.host_bytes)}"
+            + (f"; the model built whole before it is partitioned is {human_bytes(p.host.build)}"
+               " of it (tierzero.Init builds it partitioned)" if p.host.build else "")
+            for p in plans if p.fits and p.host is not None and p.host.peak > machine.host_bytes]
     out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
             f"({p.traffic_error}); the placement above holds" for p in plans
             if p.fits and p.traffic_error]
     out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
                "step); peak: the tier manager's (without the CPU Adam's pipeline buffers, which "
-               "reserve/pool includes). Time per phase: max(NVMe, copies, CPU Adam), phases in "
+               "reserve/pool includes). Host peak: predicted RSS growth of the run over its "
+               "imports, the largest of its phases ([Note: plan host peak]: the model as "
+               "built, placement, the step's tiers + CPU Adam ring + activations). "
+               "Time per phase: max(NVMe, copies, CPU Adam), phases in "
                "sequence; compute is not modelled, so real steps are at least this long")
     return "\n".join(out)
 
@@ -184,13 +211,16 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        if args.world_size < 1:
-            raise ConfigError("--world-size", f"{args.world_size} is not allowed; allowed: >= 1")
+        for flag in ("world_size", "seq_len", "micro_batch"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}", f"{getattr(args, flag)} is "
+                                  "not allowed; allowed: an integer >= 1")
         shape = model_shape(args.model, layers=args.layers)
         machine, notes = detect_machine(args)
         plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision,
                          nvme_path=args.nvme_path,
-                         max_in_cpu_bytes=_bytes("--max-in-cpu", args.max_in_cpu) or 0)
+                         max_in_cpu_bytes=_bytes("--max-in-cpu", args.max_in_cpu) or 0,
+                         seq_len=args.seq_len, micro_batch=args.micro_batch)
     except (ConfigError, ModelError) as exc:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1

@@ -47,6 +47,7 @@ from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.offload_step import OffloadedAdam
 from tierzero.engine.optim import torch_adam_factory
 from tierzero.engine.plan.dry_comm import DryComm
+from tierzero.engine.plan.host import model_bytes, saved_bytes
 from tierzero.offload import Plan, TierManager
 from tierzero.offload.settings import TIERS, Tier
 from tierzero.swap import DrySwap, trace
@@ -85,6 +86,14 @@ class DryRun:
     steps: list[dict[str, Traffic]] = field(default_factory=list)
     peak: dict[Tier, int] = field(default_factory=dict)
     units: int = 0
+    # [Note: plan host peak] in engine/plan/host.py: what the host prediction adds up
+    init_peak: dict[Tier, int] = field(default_factory=dict)  # tier manager, after placement
+    init_outside: int = 0  # host buffers outside the tiers already taken at placement
+    pipeline_bytes: int = 0  # host buffers outside the tiers (CPU Adam ring), peak
+    saved_bytes: int = 0  # tensors autograd saved in one forward (largest micro-batch)
+    largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
+    largest_group: int = 0  # elements of the largest flat group (placed one at a time)
+    model_bytes: int = 0  # every parameter and buffer of the module as built
 
     def step(self, index: int = -1) -> Traffic:
         """One step's traffic, all phases; default the last (steady state)."""
@@ -141,9 +150,9 @@ def grad_bytes_to_host(eng: ZeroEngine) -> dict[str, int]:
     return out
 
 
-def default_micro(eng: ZeroEngine, seq_len: int) -> torch.Tensor:
+def default_micro(eng: ZeroEngine, seq_len: int, batch: int = 1) -> torch.Tensor:
     """One micro-batch of token ids through the model; the loss (a mean, on meta)."""
-    x = torch.zeros(1, seq_len, dtype=torch.long, device=META)  # (B, T)
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device=META)  # (B, T)
     out = eng(input_ids=x)
     logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
     return logits.float().mean()
@@ -165,8 +174,8 @@ def dry_config(config: Config) -> Config:
 
 
 def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: int = 2,
-            seq_len: int = 8,
-            micro: Callable[[ZeroEngine, int], torch.Tensor] = default_micro) -> DryRun:
+            seq_len: int = 8, micro_batch: int = 1,
+            micro: Callable[[ZeroEngine, int, int], torch.Tensor] = default_micro) -> DryRun:
     """Run `steps` optimizer steps of the engine on `module` (built on meta) and count.
 
     Raises offload.PlanError when the shards do not fit the config's budgets (the
@@ -179,13 +188,22 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     quiet = logging.getLogger("tierzero.offload")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # placement and pool explain themselves at INFO
+    built_bytes = model_bytes(module)  # before the engine re-points the parameters
     try:
         eng = ZeroEngine(module, config, factory, comm=DryComm(world_size), device=META)
     finally:
         quiet.setLevel(level)
     store = eng.store if isinstance(eng.store, TieredShardStore) else None
     out = DryRun(store.manager.plan if store is not None and store.manager else None,
-                 units=len(eng.units))
+                 units=len(eng.units), model_bytes=built_bytes,
+                 largest_unit=max((sum(g.numel for g in u.groups if g.trainable)
+                                   for u in eng.units), default=0),
+                 largest_group=max((g.numel for u in eng.units for g in u.groups), default=0))
+    if store is not None and store.manager is not None:
+        init = store.manager.memory_report()
+        out.init_peak = {t: int(init.peak.get(t, 0)) for t in TIERS}
+        out.init_outside = init.outside_peak
+        out.pipeline_bytes = store.pipeline_bytes()  # allocated at the first step
     try:
         counters = _Counters(store)
         grad_bytes = grad_bytes_to_host(eng)
@@ -199,7 +217,9 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                 phases = dict.fromkeys(PHASES, Traffic())
                 for _m in range(accum):
                     mark = len(rec.events)
-                    loss = micro(eng, seq_len)
+                    with saved_bytes() as saved:
+                        loss = micro(eng, seq_len, micro_batch)
+                    out.saved_bytes = max(out.saved_bytes, saved.nbytes)
                     phases["forward"] += counters.delta(since(mark), grad_bytes)
                     mark = len(rec.events)
                     eng.backward(loss)
@@ -215,8 +235,10 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                     phases["optimizer"] += counters.delta(since(mark), grad_bytes)
                 out.steps.append(phases)
         if store is not None and store.manager is not None:
-            peak = store.manager.memory_report().peak
-            out.peak = {t: int(peak.get(t, 0)) for t in TIERS}
+            report = store.manager.memory_report()
+            out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}
+            # what the stream really took through TierManager.host_empty, at its peak
+            out.pipeline_bytes = max(out.pipeline_bytes, report.outside_peak)
     finally:
         eng.close()
     return out

@@ -37,8 +37,9 @@ import torch
 from tierzero.engine.config import Config, load_config
 from tierzero.engine.flat_shard import shard_numel
 from tierzero.engine.offload_bridge import TieredShardStore
-from tierzero.engine.plan.dry_run import PHASES, Traffic, dry_run
-from tierzero.engine.plan.shapes import ModelShape
+from tierzero.engine.plan.dry_run import PHASES, DryRun, Traffic, dry_run
+from tierzero.engine.plan.host import HostPeak, predict
+from tierzero.engine.plan.shapes import ModelShape, model_shape
 from tierzero.engine.precision import compute_dtype
 from tierzero.offload import PlanError
 from tierzero.offload.settings import TENSOR_CLASSES, TIERS, OffloadDevice, TensorClass, Tier
@@ -73,6 +74,13 @@ class ChoicePlan:
     # why the dry run could not count traffic (the model's forward does not run on meta
     # tensors, say); the placement above still holds
     traffic_error: str | None = None
+    host: HostPeak | None = None  # predicted host peak ([Note: plan host peak]), dry run
+
+    @property
+    def grad_home(self) -> str:
+        """Tiers the fp32 gradient shards live on ("host", "nvme", "device", joined by +)."""
+        tiers = [t for t in TIERS if self.by_tier.get(t, {}).get("grad", 0)]
+        return "+".join(tiers) if tiers else "-"
 
     @property
     def fits(self) -> bool:
@@ -157,8 +165,30 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
         quiet.setLevel(level)
 
 
+def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
+    """[Note: plan host peak] of a dry run of `config`."""
+    return predict(model=run.model_bytes, init_peak=run.init_peak, peak=run.peak,
+                   pipeline=run.pipeline_bytes, init_outside=run.init_outside,
+                   saved=run.saved_bytes,
+                   largest_unit=run.largest_unit, largest_group=run.largest_group,
+                   compute_bytes=torch.finfo(compute_dtype(config.precision.dtype)).bits // 8,
+                   device_is_host=device_is_host)
+
+
+def predict_run(model: str, config: Config | str, *, seq_len: int, micro_batch: int = 1,
+                device_is_host: bool | None = None) -> dict[str, object]:
+    """The host peak of `tierzero train` with this model spec and config (a run on this
+    machine: the device tier is host memory when there is no CUDA)."""
+    cfg = config if isinstance(config, Config) else load_config(config)
+    shape = model_shape(model)
+    run = dry_run(shape.fresh_module(), cfg, seq_len=seq_len, micro_batch=micro_batch)
+    host = device_is_host if device_is_host is not None else not torch.cuda.is_available()
+    return host_peak(run, cfg, device_is_host=host).as_dict()
+
+
 def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
-                precision: str, nvme_path: str | None, max_in_cpu_bytes: int = 0) -> None:
+                precision: str, nvme_path: str | None, max_in_cpu_bytes: int = 0,
+                seq_len: int = 8, micro_batch: int = 1) -> None:
     """Steps 2 and 3: run the engine dry and time its counted traffic."""
     if out.choice == "none" or not out.fits:
         out.phases = dict.fromkeys(PHASES, Traffic())
@@ -167,7 +197,8 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
     config = engine_config(out.choice, machine, precision=precision, nvme_path=nvme_path,
                            unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
     try:
-        run = dry_run(shape.fresh_module(), config, world_size=world_size)
+        run = dry_run(shape.fresh_module(), config, world_size=world_size, seq_len=seq_len,
+                      micro_batch=micro_batch)
     except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
         out.error = str(exc)
         return
@@ -178,6 +209,7 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
     out.phases = run.steps[-1]
     out.peak = run.peak
     out.step_s = step_time(out.phases, machine)
+    out.host = host_peak(run, config, device_is_host=not machine.cuda)
 
 
 def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
@@ -204,16 +236,19 @@ def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
 
 def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision: str,
              nvme_path: str | None = None, traffic: bool = True,
-             max_in_cpu_bytes: int = 0) -> list[ChoicePlan]:
+             max_in_cpu_bytes: int = 0, seq_len: int = 8,
+             micro_batch: int = 1) -> list[ChoicePlan]:
     """Every choice; `traffic=False` stops after placement (no dry run).
-    `max_in_cpu_bytes`: the nvme choice's offload.params.max_in_cpu_bytes."""
+    `max_in_cpu_bytes`: the nvme choice's offload.params.max_in_cpu_bytes; `seq_len`,
+    `micro_batch`: the dry run's batch (what its saved activations are counted for)."""
     plans = [plan_choice(shape, choice, machine, world_size=world_size, precision=precision,
                          nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes)
              for choice in CHOICES]
     if traffic:
         for p in plans:
             add_traffic(p, shape, machine, world_size=world_size, precision=precision,
-                        nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes)
+                        nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
+                        seq_len=seq_len, micro_batch=micro_batch)
     return plans
 
 

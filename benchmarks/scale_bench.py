@@ -1,0 +1,507 @@
+"""Host memory at scale: a 2.07B Llama trained from config.json with `offload: {device: nvme}`.
+
+What a new user does with a model whose 16 B/param training state (33 GB here) is larger
+than the machine's RAM: write a Hugging Face `config.json`, set `offload: {device: nvme}`
+and gradient clipping 1.0, train a few steps. Per run, in a fresh child process:
+
+- peak RSS growth over the process's RSS after its imports (VmHWM, reset per phase with
+  /proc/self/clear_refs, and the parent's wait4 ru_maxrss for the whole child), per phase:
+  model construction, engine.initialize (partitioning, writing the state to NVMe), each step;
+- the RSS split at each phase's peak: the tier manager's host and device tiers (shards, caches,
+  staging pool; the CPU stand-in's device tier is host memory too), the CPU Adam stream's
+  pipeline buffers, and the rest (interpreter, torch, activations, allocator slack);
+- `tierzero plan`'s predicted host peak for the same config (engine/plan), and its ratio to
+  the measured peak growth;
+- NVMe bytes per step (/proc/self/io: block-layer bytes of the child; the swap store uses
+  O_DIRECT) and the tier manager's moved bytes;
+- step time against the disk: the same directory's O_DIRECT sequential write and read
+  bandwidth measured in this run (a file of --bw-bytes, 64 MiB requests), so
+  `io_bound_s` = read/read_bw + written/write_bw is the least time the step's traffic needs;
+- whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
+  so a working optimizer lowers it).
+
+DeepSpeed ZeRO-Infinity on the same config.json (`offload_param` and `offload_optimizer` on
+NVMe, `stage3_prefetch_bucket_size: 0`, clipping 1.0, bf16, AdamW) runs the same child
+in DeepSpeed's own virtualenv when --deepspeed-python is given
+(benchmarks/install_deepspeed.sh builds it).
+
+A watchdog in the parent kills a child when the machine's available memory falls below
+--min-available (default 1.5 GiB): on a shared machine without swap an OOM kill could hit
+someone else's process. A killed row says so and is not a measurement.
+
+    .venv/bin/python benchmarks/scale_bench.py --swap /var/tmp --steps 3
+    .venv/bin/python benchmarks/scale_bench.py --quick            # a 30M model, ~1 minute
+
+Everything is written inside one directory this script creates under --swap (0700) and
+removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+HERE = Path(__file__).resolve().parent
+GiB = 1 << 30
+
+# Llama-shaped, 2,067,130,880 parameters: hidden 2560, 24 layers, 20 heads of 128, SwiGLU
+# 6912, vocab 32000 untied (embeddings + lm_head 164M); the issue's 2.07B model
+LLAMA_2B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 24,
+            "num_attention_heads": 20, "num_key_value_heads": 20, "vocab_size": 32000,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "tie_word_embeddings": False, "torch_dtype": "float32"}
+# --quick: the same architecture at 33.6M parameters
+LLAMA_QUICK = {**LLAMA_2B, "hidden_size": 512, "intermediate_size": 1376,
+               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8}
+
+
+# -- probes (both children) ---------------------------------------------------------------
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A `VmXXX:` line of /proc/<pid>/status in bytes (0 when absent)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_hwm() -> None:
+    """Restart VmHWM at the current RSS (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def io_bytes() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process has caused at the block layer."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def files_under(path: str) -> list[str]:
+    return [str(p) for p in Path(path).rglob("*") if p.is_file()]
+
+
+# -- the disk -------------------------------------------------------------------------------
+def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[str, float]:
+    """GB/s of one O_DIRECT sequential write (fsynced) then read of `nbytes` in `directory`."""
+    path = os.path.join(directory, "bandwidth.bin")
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(1 << 20) * (chunk >> 20))
+    n = max(1, nbytes // chunk)
+    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT
+    try:
+        fd = os.open(path, flags | os.O_WRONLY, 0o600)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                os.write(fd, buf)
+            os.fsync(fd)
+            write_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                os.readv(fd, [buf])
+            read_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    finally:
+        buf.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return {"bytes": n * chunk, "write_gbps": n * chunk / write_s / 1e9,
+            "read_gbps": n * chunk / read_s / 1e9}
+
+
+# -- children -------------------------------------------------------------------------------
+class Phases:
+    """Peak RSS growth per phase over `base` (VmHWM, reset at each phase's start)."""
+
+    def __init__(self) -> None:
+        self.base = status_bytes("VmRSS")
+        self.rows: list[dict[str, Any]] = []
+
+    def start(self) -> float:
+        reset_hwm()
+        return time.perf_counter()
+
+    def end(self, name: str, t0: float, **extra: Any) -> dict[str, Any]:
+        row = {"phase": name, "s": time.perf_counter() - t0,
+               "peak_growth": status_bytes("VmHWM") - self.base,
+               "end_growth": status_bytes("VmRSS") - self.base, **extra}
+        self.rows.append(row)
+        sys.stderr.write(f"scale_bench: {name}: {row['s']:.1f} s, peak RSS growth "
+                         f"{row['peak_growth'] / GiB:.2f} GiB {json.dumps(row)}\n")
+        sys.stderr.flush()
+        return row
+
+
+def _batch(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)  # (B, T)
+    return ids, torch.roll(ids, -1, 1)
+
+
+def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from tierzero import engine
+    from tierzero.engine.config import load_config
+    from tierzero.engine.offload_bridge import TieredShardStore
+    from tierzero.engine.train.model_source import build_model
+
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    with torch.device("meta"):  # imports the model's code first: code is not model memory
+        build_model(args.model, args.seq)
+    ph = Phases()
+    torch.manual_seed(0)
+    t = ph.start()
+    model = build_model(args.model, args.seq)  # as `tierzero train` builds it
+    n_params = sum(p.numel() for p in model.parameters())
+    ph.end("build", t, model_bytes=sum(p.numel() * p.element_size()
+                                       for p in model.parameters()))
+    t = ph.start()
+    eng, _, _, _ = engine.initialize(model=model, config=config)
+    store = eng.store
+
+    def split() -> dict[str, Any]:
+        """The engine's own count of what it holds now and at peak (tier manager)."""
+        tiers = eng.memory_report()["tiers"] or {}
+        return {"tier_current": tiers.get("current"), "tier_peak": tiers.get("peak"),
+                # host buffers the tier manager hands out beyond its tiers (CPU Adam ring)
+                "outside": tiers.get("outside"), "outside_peak": tiers.get("outside_peak"),
+                "grad_home": tiers.get("grad_home"),
+                "pipeline_bytes": (store.pipeline_bytes()
+                                   if isinstance(store, TieredShardStore) else 0),
+                "gathered_peak_bytes": eng.scheduler.gathered_peak_bytes,
+                "moved": tiers.get("moved")}
+
+    ph.end("initialize", t, **split())
+    ids, labels = _batch(args.vocab, args.batch, args.seq)
+    for step in range(1, args.steps + 1):
+        io0 = io_bytes()
+        t = ph.start()
+        out = eng(input_ids=ids)
+        logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        eng.backward(loss)
+        eng.step()
+        io1 = io_bytes()
+        ph.end(f"step {step}", t, loss=float(loss.item()), nvme_read=io1[0] - io0[0],
+               nvme_written=io1[1] - io0[1], **split())
+    report = eng.memory_report()
+    eng.close()
+    left = files_under(args.swap_dir)
+    return {"engine": "tierzero", "params": n_params, "base_rss": ph.base,
+            "phases": ph.rows, "swap_files_left": left,
+            "homes": (report["tiers"] or {}).get("homes"),
+            "optimizer_step": report.get("optimizer_step")}
+
+
+def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import logging
+    import socket
+    import warnings
+
+    import deepspeed
+    import transformers
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    torch.set_num_threads(args.threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        os.environ.setdefault(key, value)
+    hf = transformers.AutoConfig.from_pretrained(args.model)
+    with torch.device("meta"):  # imports the model's code first, as the tierzero child does
+        transformers.AutoModelForCausalLM.from_config(hf)
+    ph = Phases()
+    torch.manual_seed(0)
+    t = ph.start()
+    model = transformers.AutoModelForCausalLM.from_config(hf)  # built as tierzero's child does
+    n_params = sum(p.numel() for p in model.parameters())
+    ph.end("build", t, model_bytes=sum(p.numel() * p.element_size()
+                                       for p in model.parameters()))
+    t = ph.start()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    nvme = {"device": "nvme", "nvme_path": args.swap_dir, "pin_memory": False}
+    zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme),
+            # DeepSpeed's NVMe parameter swapper without a GPU (see ds_runner.py)
+            "stage3_prefetch_bucket_size": 0}
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+           "bf16": {"enabled": True}, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+           "gradient_clipping": 1.0, "steps_per_print": 1 << 30}
+    eng, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                        model_parameters=model.parameters())
+    ph.end("initialize", t)
+    ids, labels = _batch(args.vocab, args.batch, args.seq)
+    for step in range(1, args.steps + 1):
+        io0 = io_bytes()
+        t = ph.start()
+        loss = eng(input_ids=ids, labels=labels).loss
+        eng.backward(loss)
+        eng.step()
+        io1 = io_bytes()
+        ph.end(f"step {step}", t, loss=float(loss.item()), nvme_read=io1[0] - io0[0],
+               nvme_written=io1[1] - io0[1])
+    swap_bytes = sum(os.path.getsize(f) for f in files_under(args.swap_dir))
+    eng.destroy()
+    return {"engine": f"deepspeed {deepspeed.__version__}", "params": n_params,
+            "base_rss": ph.base, "phases": ph.rows, "swap_file_bytes": swap_bytes,
+            "swap_files_left": files_under(args.swap_dir), "zero": zero}
+
+
+# -- the parent -----------------------------------------------------------------------------
+def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
+    model_dir = os.path.join(run_dir, "model")
+    os.mkdir(model_dir, 0o700)
+    with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(LLAMA_QUICK if args.quick else LLAMA_2B, f, indent=1)
+    config = {"zero": {"stage": 3}, "precision": "bf16",
+              "optimizer": {"type": "adamw", "lr": 1.0e-4},
+              "gradient_clipping": 1.0,
+              "offload": {"device": "nvme", "path": os.path.join(run_dir, "swap-tierzero")}}
+    if args.host_bytes:  # default: the engine's own host budget (from available memory)
+        config["offload"]["budgets"] = {"host_bytes": args.host_bytes}
+    for name in ("swap-tierzero", "swap-deepspeed"):
+        os.mkdir(os.path.join(run_dir, name), 0o700)
+    config_path = os.path.join(run_dir, "tierzero.yaml")
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)  # JSON is YAML
+    return {"model": model_dir, "config": config_path}
+
+
+def plan_prediction(model_dir: str, config_path: str, seq: int, batch: int) -> dict[str, Any]:
+    """`tierzero plan`'s host prediction for this run (engine/plan), in a child process so
+    the parent's RSS stays small; {} when this checkout's plan has no such figure."""
+    code = ("import json, sys; from tierzero.engine.plan.planner import predict_run; "
+            "print(json.dumps(predict_run(sys.argv[1], sys.argv[2], seq_len=int(sys.argv[3]), "
+            "micro_batch=int(sys.argv[4]))))")
+    proc = subprocess.run([sys.executable, "-c", code, model_dir, config_path, str(seq),
+                           str(batch)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
+              args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [python, str(Path(__file__).resolve()), "--child", which, "--model", paths["model"],
+           "--config", paths["config"], "--swap-dir", swap_dir, "--steps", str(args.steps),
+           "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(args.threads),
+           "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    low: list[float] = []
+    late: list[float] = []
+    trace: list[tuple[float, int]] = []  # (s since start, child RSS) every ~0.5 s
+
+    def watch() -> None:
+        while proc.poll() is None:
+            avail = psutil.virtual_memory().available
+            with contextlib.suppress(OSError, ValueError):  # the child may be gone
+                trace.append((time.perf_counter() - t0, status_bytes("VmRSS", proc.pid)))
+            if avail < args.min_available:
+                low.append(avail / GiB)
+                proc.kill()
+                return
+            if args.child_timeout and time.perf_counter() - t0 > args.child_timeout:
+                late.append(time.perf_counter() - t0)
+                proc.kill()
+                return
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    stderr_lines: list[str] = []
+
+    def pump() -> None:
+        if proc.stderr is None:
+            return
+        for line in proc.stderr:
+            stderr_lines.append(line)
+            if line.startswith("scale_bench:"):
+                sys.stderr.write(f"  [{which}] {line}")
+
+    pumper = threading.Thread(target=pump, daemon=True)
+    pumper.start()
+    try:
+        stdout = proc.stdout.read() if proc.stdout else ""
+    except BaseException:
+        proc.kill()  # interrupted: the child must not outlive its run directory
+        proc.wait()
+        raise
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    watcher.join()
+    pumper.join()
+    row: dict[str, Any] = {"wall_s": time.perf_counter() - t0,
+                           "peak_rss_wait4": usage.ru_maxrss * 1024,
+                           "rss_trace_max": max((r for _, r in trace), default=0)}
+    if low:
+        row["killed"] = (f"machine's available memory fell to {low[0]:.2f} GiB "
+                         f"(< --min-available); not a measurement")
+        return row
+    if late:
+        row["killed"] = f"ran past --child-timeout ({late[0]:.0f} s); not a measurement"
+        row["partial"] = [json.loads(line.split(" GiB ", 1)[1]) for line in stderr_lines
+                          if line.startswith("scale_bench:") and " GiB {" in line]
+        return row
+    if proc.returncode != 0:
+        row["failed"] = "".join(stderr_lines)[-3000:]
+        return row
+    row.update(json.loads(stdout.strip().splitlines()[-1]))
+    return row
+
+
+def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> dict[str, Any]:
+    """Peak growth, its split at the peak phase, per-step figures against the disk."""
+    phases = row.get("phases")
+    if not phases:
+        return {}
+    peak = max(phases, key=lambda p: p["peak_growth"])
+    steps = [p for p in phases if p["phase"].startswith("step")]
+    steady = steps[1:] or steps  # step 1 records the unit trace
+    out: dict[str, Any] = {
+        "peak_growth": peak["peak_growth"], "peak_phase": peak["phase"],
+        "peak_over_state": peak["peak_growth"] / state_bytes,
+        "peak_rss": row["peak_rss_wait4"],
+        "losses": [p["loss"] for p in steps]}
+    if steady:
+        mid = sorted(steady, key=lambda p: p["s"])[len(steady) // 2]
+        io_s = mid["nvme_read"] / (bw["read_gbps"] * 1e9) + \
+            mid["nvme_written"] / (bw["write_gbps"] * 1e9)
+        out.update(step_s=mid["s"], nvme_read_per_step=mid["nvme_read"],
+                   nvme_written_per_step=mid["nvme_written"], io_bound_s=io_s,
+                   io_bound_share=io_s / mid["s"],
+                   step_peak_growth=max(p["peak_growth"] for p in steps))
+    if peak.get("tier_peak") is not None:
+        host = int(peak["tier_peak"].get("host", 0))
+        device = int(peak["tier_peak"].get("device", 0))
+        pipe = int(peak.get("outside_peak") or peak.get("pipeline_bytes", 0))
+        out["split_at_peak"] = {"tier_host_peak": host, "tier_device_peak": device,
+                                "adam_pipeline": pipe,
+                                "rest": peak["peak_growth"] - host - device - pipe}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", choices=("tierzero", "deepspeed"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--swap-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, default=32000, help=argparse.SUPPRESS)
+    ap.add_argument("--swap", default="/var/tmp",
+                    help="directory on the NVMe drive; a 0700 run directory is made inside")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--bw-bytes", type=int, default=4 * GiB,
+                    help="size of the O_DIRECT bandwidth file (default 4 GiB)")
+    ap.add_argument("--min-available", type=int, default=3 * GiB // 2,
+                    help="kill a child when the machine's available memory falls below this")
+    ap.add_argument("--host-bytes", type=int, default=0,
+                    help="offload.budgets.host_bytes of the tierzero run (default: unset)")
+    ap.add_argument("--child-timeout", type=float, default=0,
+                    help="kill a child after this many seconds (0: never); its finished "
+                    "phases are kept as `partial`")
+    ap.add_argument("--engines", default="tierzero,deepspeed")
+    ap.add_argument("--deepspeed-python", help="python of the DeepSpeed virtualenv")
+    ap.add_argument("--quick", action="store_true",
+                    help="the same architecture at 33.6M parameters")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print tierzero plan's host prediction for this run and exit")
+    ap.add_argument("--out", default="bench_out/scale_bench.json")
+    args = ap.parse_args()
+    if args.child:
+        fn = child_tierzero if args.child == "tierzero" else child_deepspeed
+        sys.stdout.write(json.dumps(fn(args)) + "\n")
+        return
+    for flag in ("steps", "seq", "batch", "threads"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} {getattr(args, flag)}: allowed: an integer >= 1")
+    if not os.path.isdir(args.swap) or not os.access(args.swap, os.W_OK):
+        ap.error(f"--swap {args.swap!r} is not a writable directory; pass one you own")
+    engines = args.engines.split(",")
+    if bad := set(engines) - {"tierzero", "deepspeed"}:
+        ap.error(f"--engines: unknown {sorted(bad)}; allowed: tierzero, deepspeed")
+    if args.quick:
+        args.bw_bytes = min(args.bw_bytes, 512 << 20)
+
+    sys.path.insert(0, str(HERE))
+    import machine  # benchmarks/machine.py
+
+    # SIGTERM unwinds like Ctrl-C, so the finally below removes the run directory (and
+    # run_child's kills its child)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("scale_bench: terminated"))
+    run_dir = tempfile.mkdtemp(dir=args.swap, prefix="scale_bench-")  # 0700, ours
+    result: dict[str, Any] = {"machine": machine.describe(args.swap), "shared_machine": True,
+                              "argv": sys.argv[1:], "rows": {}}
+    try:
+        paths = write_inputs(run_dir, args)
+        if args.plan_only:  # the plan's prediction for this config, no training
+            plan = plan_prediction(paths["model"], paths["config"], args.seq, args.batch)
+            sys.stdout.write(json.dumps(plan) + "\n")
+            return
+        bw = disk_bandwidth(run_dir, args.bw_bytes)
+        result["disk"] = bw
+        sys.stderr.write(f"disk: write {bw['write_gbps']:.2f} GB/s, read "
+                         f"{bw['read_gbps']:.2f} GB/s (O_DIRECT, {bw['bytes'] / GiB:.1f} GiB)\n")
+        if "tierzero" in engines:
+            result["plan"] = plan_prediction(paths["model"], paths["config"], args.seq,
+                                             args.batch)
+        for which in engines:
+            if which == "deepspeed" and not args.deepspeed_python:
+                result["rows"]["deepspeed"] = {"skipped": "no --deepspeed-python"}
+                continue
+            python = sys.executable if which == "tierzero" else args.deepspeed_python
+            swap_dir = os.path.join(run_dir, f"swap-{which}")
+            sys.stderr.write(f"{which}: running\n")
+            row = run_child(python, which, paths, swap_dir, args)
+            params = int(row.get("params", 0))
+            row["summary"] = summarize(row, bw, 16 * params) if params else {}
+            if which == "tierzero" and "host_peak" in result.get("plan", {}):
+                s = row["summary"]
+                if s:
+                    s["plan_host_peak"] = result["plan"]["host_peak"]
+                    s["plan_over_measured"] = result["plan"]["host_peak"] / s["peak_growth"]
+            result["rows"][which] = row
+            shutil.rmtree(swap_dir, ignore_errors=True)  # ours: made by write_inputs
+            sys.stderr.write(f"{which}: {json.dumps(row.get('summary') or row)[:1500]}\n")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    result["parent_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    sys.stderr.write(f"written: {args.out}\n")
+
+
+if __name__ == "__main__":
+    main()
