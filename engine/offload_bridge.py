@@ -492,7 +492,8 @@ class TieredShardStore(ShardStore):
                 "grad_home": "+".join(t for t in ("device", "host", "nvme") if grads.get(t))
                              or None,
                 # offload.params.max_in_cpu_bytes: param16 bytes homed in host, not NVMe
-                "params_in_cpu": sum(plan.specs[k].nbytes for k in plan.host_kept),
+                "params_in_cpu": sum(plan.specs[k].nbytes for k in plan.host_kept
+                                     if plan.specs[k].cls == "param16"),
                 "budget": dict(r.budget), "current": dict(r.current), "peak": dict(r.peak),
                 # host buffers outside the budgeted tier (CPU Adam ring, ...) by purpose
                 "outside": dict(r.outside), "outside_peak": r.outside_peak,
