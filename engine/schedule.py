@@ -217,7 +217,10 @@ class Scheduler:
             if u.index not in kept:
                 entries += [(g.key, "param16") for g in u.groups]
             if not (u.has_frozen or u.dynamic):  # those reduce at the end of backward
-                entries += [(g.key, "grad") for g in u.groups if g.trainable]
+                # a fresh gradient shard is overwritten by its reduction, never read
+                # ([Note: gradients zeroed by the first reduction]): no read-ahead for it
+                entries += [(g.key, "grad") for g in u.groups
+                            if g.trainable and not g.grad_fresh]
         self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit) -> None:

@@ -98,9 +98,11 @@ def _cfg(**params: object) -> TierSettings:
 
 def test_engine_maps_max_in_cpu_bytes_and_keeps_the_prefetch_window() -> None:
     default = _cfg()
-    assert default.host_allowance == {}  # tierzero's default: 0, params on nvme are on nvme
+    # tierzero's default: 0, params on nvme are on nvme. With an explicit host budget the
+    # gradient (grad_device auto) may use it ([Note: gradient home]).
+    assert default.host_allowance == {"grad": 4 << 30}
     cached = _cfg(max_in_cpu_bytes=123 * MiB)
-    assert cached.host_allowance == {"param16": 123 * MiB}
+    assert cached.host_allowance == {"param16": 123 * MiB, "grad": 4 << 30}
     # the NVMe window is 4 x zero.prefetch_bytes whatever max_in_cpu_bytes says
     for s in (default, cached, _cfg(max_in_cpu_bytes=1 * MiB)):
         assert s.prefetch.nvme_bytes == 40 * MiB and s.prefetch.device_bytes == 10 * MiB
