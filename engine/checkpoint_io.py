@@ -57,7 +57,7 @@ class TensorEntry:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

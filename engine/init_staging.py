@@ -119,5 +119,5 @@ class SliceStaging:
 
 def _padded(numel: int, dtype: torch.dtype) -> int:
     """`numel` rounded up to whole swap.ALIGN blocks of `dtype` elements."""
-    per_block = swap.ALIGN // torch.empty((), dtype=dtype).element_size()
+    per_block = swap.ALIGN // dtype.itemsize
     return max(per_block, -(-numel // per_block) * per_block)

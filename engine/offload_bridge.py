@@ -66,6 +66,25 @@ def homes_from(config: Config) -> dict[ShardKind, OffloadDevice]:
             "exp_avg_sq": opt}
 
 
+# [Note: dry-run pieces]
+# tierzero plan runs the engine on meta tensors and counts bytes ([Note: plan from the
+# engine] in engine/plan/dry_run.py). Every piece of master and moments is a record in the tier
+# manager and an item of the CPU Adam's stream, and each costs Python work per step: at
+# the default chunk_numel (1M elements) a 70B model has ~70,000 pieces per kind. A dry run
+# therefore cuts each shard into at most DRY_PIECES pieces (never smaller than
+# chunk_numel). The bytes it counts are the same (the same elements cross the same tiers:
+# the state pieces are read into the stream's ring, never into the manager's pool, and the
+# dry swap counts logical bytes), a shard is in several pieces exactly when it would be in
+# a real run, and the host memory it reports for the stream's buffers (ring_bytes,
+# param16_ring_bytes, the tier budget's host_outside) is computed from the real pieces.
+# Two things differ from a real run: the stream's own ring on meta is larger (it must hold
+# a coarse piece; the dry run reports pipeline_bytes() instead of what that ring took), and
+# its read-ahead during forward covers whole coarse pieces, so some state reads count in
+# forward instead of backward (the step's totals are exact; the split between the two
+# phases is not).
+DRY_PIECES = 16
+
+
 # [Note: gradient home]
 # The fp32 gradient shard (4 B/param) is written by the reduction of every micro-step and
 # read by the optimizer step (and by clipping's norm, fp16's overflow check). Where it is
@@ -227,6 +246,8 @@ class TieredShardStore(ShardStore):
         # the CPU Adam streams them ([Note: optimizer state in chunks])
         self.chunk_numel = (0 if self.optimizer_on_device or self.state_in_host()
                             else config.offload.optimizer.chunk_numel)
+        # A dry run (tierzero plan, on meta) counts bytes: [Note: dry-run pieces]
+        self.coarse = device.type == "meta" and self.chunk_numel > 0
 
     @property
     def resident(self) -> bool:
@@ -303,7 +324,16 @@ class TieredShardStore(ShardStore):
         step = self.chunk_numel
         if kind not in _STATE_KINDS or not step or n <= step:
             return [(f"{key}:{kind}", 0, n)]
+        if self.coarse:
+            step = max(step, -(-n // DRY_PIECES))
         return [(f"{key}:{kind}@{lo}", lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _chunk_bounds(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) of each piece a shard of ``n`` elements has in a real run."""
+        step = self.chunk_numel
+        if not step or n <= step:
+            return [(0, n)]
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     def ring_bytes(self) -> int:
         """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]):
@@ -314,12 +344,12 @@ class TieredShardStore(ShardStore):
         if self.optimizer_on_device or self.state_in_host():
             return 0
         sizes = [self._piece_bytes(key, lo, hi) for key, (n, kinds, _) in self._kinds.items()
-                 if len(kinds) > 1 and n for _, lo, hi in self.pieces(key, "master")]
+                 if len(kinds) > 1 and n for lo, hi in self._chunk_bounds(n)]
         if not sizes:
             return 0
         o = self.config.offload.optimizer
         each = o.buffer_bytes or sum(sizes) // len(sizes)
-        return max(o.buffer_count * each, *sizes)
+        return page_up(max(o.buffer_count * each, *sizes))  # as HostRing allocates it
 
     def _piece_bytes(self, key: str, lo: int, hi: int) -> int:
         n, _, dtype = self._kinds[key]

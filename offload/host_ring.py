@@ -73,5 +73,5 @@ class HostRing:
         return sum(end - start for start, end in self._live)
 
     def view(self, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return self.arena[start:start + numel * itemsize].view(dtype)

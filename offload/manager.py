@@ -66,7 +66,7 @@ class TierManager(ResidencyCore):
         """A 1D host tensor allocated like the manager's own: aligned, pinned when it pins.
         Counted in memory_report().outside[purpose] until host_free() (outside the host
         budget, which its caller took out of it first)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         out = self._alloc.empty(numel * itemsize).view(dtype)
         with self._lock:
             self._acct.add_outside(purpose, numel * itemsize)

@@ -102,7 +102,7 @@ class ShardSpec:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 _tick = itertools.count()

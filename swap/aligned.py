@@ -56,7 +56,7 @@ def aligned_empty(
     `pin_memory=True` allocates page-locked memory (needs CUDA).
     """
     shape = _shape_of(numel_or_shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = math.prod(shape) * itemsize
     base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     skip = (-base.data_ptr()) % ALIGN

@@ -14,6 +14,7 @@ from engine_dist import run_two_ranks
 
 from tierzero import engine
 from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.offload_bridge import DRY_PIECES, TieredShardStore
 from tierzero.engine.plan import (
     DryRun,
     ModelShape,
@@ -121,6 +122,32 @@ def test_dry_run_bytes_equal_a_real_run(tmp_path: Path) -> None:
     p16 = 2 * sum(n for _, n in model_shape("builtin:tiny").units)  # padded shards below
     assert real[-1].host_to_device >= p16 > 0 and real[-1].nvme_written > 0
     assert dry.step().adam_params > 0
+
+
+def test_dry_run_in_coarse_pieces_counts_a_chunked_real_run(tmp_path: Path) -> None:
+    """State kept in many small pieces (chunk_numel 2048: every block's shard is cut):
+    the dry run cuts each shard into at most DRY_PIECES pieces instead ([Note: dry-run
+    pieces]), and still counts the real run's bytes, and reports the real run's CPU Adam
+    buffers (ring and param16 assembly), not its own coarser ring's."""
+    config = nvme_config(tmp_path, buffer_count=64, chunk_numel=2048)
+    with torch.device("meta"):
+        module = TinyLM(SIZES["tiny"])
+    dry = dry_run(module, config, steps=3)
+    real = real_steps(config, steps=3)
+    assert_matches(real, dry, 3)
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=TinyLM(SIZES["tiny"]), config=config)
+    try:
+        store = eng.store
+        assert isinstance(store, TieredShardStore) and not store.coarse
+        many = [k for k in store.group_keys() if len(store.pieces(k, "master")) > DRY_PIECES]
+        assert many, "the model must have shards in more pieces than a dry run keeps"
+        eng.backward(eng(input_ids=torch.randint(0, 256, (2, 32))).logits.float().mean())
+        eng.step()
+        report = store.manager.memory_report()  # type: ignore[union-attr]
+        assert dry.pipeline_bytes == store.pipeline_bytes() == report.outside_peak
+    finally:
+        eng.close()
 
 
 def test_dry_run_under_pool_pressure_writes_equal(tmp_path: Path) -> None:
