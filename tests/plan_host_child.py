@@ -37,7 +37,8 @@ def main() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts here
     base = status_bytes("VmRSS")
     torch.manual_seed(0)
-    model = build_model(model_dir, seq_len)
+    with engine.Init(config=config):  # as tierzero train builds a stage-3 model
+        model = build_model(model_dir, seq_len)
     eng, _, _, _ = engine.initialize(model=model, config=config)
     del model  # the engine holds the module; `tierzero train` keeps no other reference
     g = torch.Generator().manual_seed(1)

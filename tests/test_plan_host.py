@@ -16,7 +16,7 @@ import pytest
 import torch
 from memory_child import MiB, run_memory_child
 
-from tierzero.engine.plan.host import SavedBytes, predict
+from tierzero.engine.plan.host import SavedBytes, init_build_bytes, predict
 from tierzero.engine.plan.planner import predict_run
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -77,6 +77,18 @@ def test_predict_adds_the_phases() -> None:
     gpu = predict(model=100 * mb, init_peak={"host": 40 * mb}, peak={"host": 50 * mb,
                   "device": 10 * mb}, pipeline=20 * mb, saved=5 * mb, largest_unit=mb,
                   largest_group=mb // 2, compute_bytes=2, device_is_host=False,
-                  built_under_init=True)
+                  init_build=0)
     assert (gpu.build, gpu.train) == (0, 70 * mb)  # device, activations, grads: on the GPU
     assert gpu.initialize == 40 * mb + 3 * mb  # the host homes, one group (0.5M x 6 B) staged
+
+
+def test_init_build_holds_slices_and_the_live_bound() -> None:
+    """A stage-3 build under engine.Init holds this rank's slices (host memory) or only the
+    staging writes in flight (params on NVMe), plus zero.max_live_bytes of whole params."""
+    mb = MiB
+    assert init_build_bytes(100 * mb, world_size=2, max_live=32 * mb,
+                            params_on_nvme=False) == (50 + 32) * mb
+    assert init_build_bytes(1000 * mb, world_size=1, max_live=32 * mb,
+                            params_on_nvme=True) == (64 + 32) * mb  # INFLIGHT_BYTES
+    assert init_build_bytes(10 * mb, world_size=1, max_live=32 * mb,
+                            params_on_nvme=True) == 20 * mb  # never more than the model

@@ -94,6 +94,7 @@ class DryRun:
     largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
     largest_group: int = 0  # elements of the largest flat group (placed one at a time)
     model_bytes: int = 0  # every parameter and buffer of the module as built
+    world_size: int = 1
 
     def step(self, index: int = -1) -> Traffic:
         """One step's traffic, all phases; default the last (steady state)."""
@@ -195,7 +196,7 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
         quiet.setLevel(level)
     store = eng.store if isinstance(eng.store, TieredShardStore) else None
     out = DryRun(store.manager.plan if store is not None and store.manager else None,
-                 units=len(eng.units), model_bytes=built_bytes,
+                 units=len(eng.units), model_bytes=built_bytes, world_size=world_size,
                  largest_unit=max((sum(g.numel for g in u.groups if g.trainable)
                                    for u in eng.units), default=0),
                  largest_group=max((g.numel for u in eng.units for g in u.groups), default=0))

@@ -6,11 +6,15 @@ each from what that phase really allocates (benchmarks/scale_bench.py measures t
 phases and splits them; RESULTS.md has the comparison). The figure is the peak RSS
 growth over the process's imports, on one rank:
 
-  build       the model as `tierzero train` builds it: every parameter and buffer
-              materialised at its dtype (fp32 from a Hugging Face config.json). A model
-              built under engine.Init never exists whole, so this phase is 0 there.
-  initialize  the built model (each flat group's tensors are forgotten once the group
-              is placed, so the model and the homes placed so far overlap) + the tier
+  build       the model as `tierzero train` builds it. With zero.stage 3 it builds
+              under engine.Init: this rank's slice of every parameter (in host memory,
+              or for offload.params.device nvme only the staging writes in flight) +
+              zero.max_live_bytes of whole parameters being initialised
+              (init_build_bytes). Otherwise every parameter and buffer materialised at
+              its dtype (fp32 from a Hugging Face config.json).
+  initialize  what the build holds (each flat group's tensors, or Init slices, are
+              forgotten once the group is placed, so they and the homes placed so far
+              overlap) + the tier
               manager's host bytes at the end of placement (and the CPU Adam ring
               when it is allocated by then) + one flat group's initial values being
               placed.
@@ -105,10 +109,22 @@ def saved_bytes() -> Iterator[SavedBytes]:
         hooks.clear()
 
 
+def init_build_bytes(model: int, *, world_size: int, max_live: int, params_on_nvme: bool
+                     ) -> int:
+    """Host bytes a build under engine.Init holds at its peak ([Note: Init partitioning] in
+    engine/init_context.py): the rank's slices of `model` bytes of parameters (host
+    memory), or only the NVMe staging writes in flight, + `max_live` bytes of whole
+    parameters (zero.max_live_bytes; never more than the model)."""
+    from tierzero.engine.init_staging import INFLIGHT_BYTES
+
+    slices = INFLIGHT_BYTES if params_on_nvme else -(-model // world_size)
+    return min(slices, model) + min(max_live, model)
+
+
 def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, int],
             pipeline: int, init_outside: int = 0,
             saved: int, largest_unit: int, largest_group: int, compute_bytes: int,
-            device_is_host: bool, built_under_init: bool = False) -> HostPeak:
+            device_is_host: bool, init_build: int | None = None) -> HostPeak:
     """[Note: plan host peak] from a dry run's counts (dry_run.DryRun's fields).
 
     `init_peak`, `peak`: the tier manager's per-tier peaks after placement and over the
@@ -117,10 +133,12 @@ def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, in
     `largest_unit`: elements of the largest trainable unit; `largest_group`: of the
     largest flat group (a root is cut into several); `compute_bytes`: bytes per
     element of the compute dtype; `device_is_host`: the device tier is host memory (no
-    CUDA), so its bytes, the saved tensors and the gradients count here too."""
+    CUDA), so its bytes, the saved tensors and the gradients count here too;
+    `init_build`: the build's bytes under engine.Init (init_build_bytes), None when the
+    model is built whole (`model` bytes)."""
     device = peak.get("device", 0) if device_is_host else 0
     init_device = init_peak.get("device", 0) if device_is_host else 0
-    built = 0 if built_under_init else model
+    built = model if init_build is None else init_build
     # initialize: flat groups are placed one by one (flat_shard.build_group): the group's
     # fp32 initial values and their compute-dtype copy are made, its host homes filled,
     # then the model's own tensors of that group forgotten; so the model and the homes

@@ -38,7 +38,7 @@ from tierzero.engine.config import Config, load_config
 from tierzero.engine.flat_shard import shard_numel
 from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.plan.dry_run import PHASES, DryRun, Traffic, dry_run
-from tierzero.engine.plan.host import HostPeak, predict
+from tierzero.engine.plan.host import HostPeak, init_build_bytes, predict
 from tierzero.engine.plan.shapes import ModelShape, model_shape
 from tierzero.engine.precision import compute_dtype
 from tierzero.offload import PlanError
@@ -167,9 +167,14 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
 
 def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
     """[Note: plan host peak] of a dry run of `config`."""
+    # tierzero train builds a stage-3 model under engine.Init (engine/train/loop.py)
+    init = (init_build_bytes(run.model_bytes, world_size=run.world_size,
+                             max_live=config.zero.max_live_bytes,
+                             params_on_nvme=config.offload.params.device == "nvme")
+            if config.zero.stage == 3 else None)
     return predict(model=run.model_bytes, init_peak=run.init_peak, peak=run.peak,
                    pipeline=run.pipeline_bytes, init_outside=run.init_outside,
-                   saved=run.saved_bytes,
+                   saved=run.saved_bytes, init_build=init,
                    largest_unit=run.largest_unit, largest_group=run.largest_group,
                    compute_bytes=torch.finfo(compute_dtype(config.precision.dtype)).bits // 8,
                    device_is_host=device_is_host)

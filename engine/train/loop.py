@@ -272,8 +272,13 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     t0 = time.perf_counter()
-    model = apply_lora(build_model(tc.model, tc.seq_len, data.tokenizer.vocab_size,
-                                   data.tokenizer.name), tc.lora)
+    # Under stage 3 the model is built straight into per-rank shards (engine.Init, on NVMe
+    # with offload.params.device nvme): a config.json model never exists whole in host
+    # memory (fp32, 4 B/param) on its way to the tiers. Values equal a plain build.
+    with engine.Init(config=config):
+        model = build_model(tc.model, tc.seq_len, data.tokenizer.vocab_size,
+                            data.tokenizer.name)
+    model = apply_lora(model, tc.lora)
     n_params = sum(p.numel() for p in model.parameters())
     if tc.lora.r:
         log.info("LoRA r=%d: %d of %d parameters train (the base is frozen)", tc.lora.r,
