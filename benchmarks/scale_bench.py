@@ -174,7 +174,8 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
     ph = Phases()
     torch.manual_seed(0)
     t = ph.start()
-    model = build_model(args.model, args.seq)  # as `tierzero train` builds it
+    with engine.Init(config=config):  # as `tierzero train` builds a stage-3 model
+        model = build_model(args.model, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     ph.end("build", t, model_bytes=sum(p.numel() * p.element_size()
                                        for p in model.parameters()))

@@ -33,6 +33,7 @@ from tierzero.engine.flat_shard import (
     zero_fresh_grads,
 )
 from tierzero.engine.hooks import HookSet
+from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.lr_schedules import build_scheduler
 from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
 from tierzero.engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
@@ -116,6 +117,7 @@ class ZeroEngine:
             if unit.persistent:
                 self.scheduler.ensure_gathered(unit)
         self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
+        release_free_heap("placement")  # the module's freed tensors ([Note: returning ...])
         self._train_keys = [g.key for g in self._train_groups]
         self.optimizer: torch.optim.Optimizer
         if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:

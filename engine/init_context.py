@@ -13,7 +13,7 @@ parameter is either
     flattened param | rank 0 | rank 1 | ... | rank W-1 |   chunk = ceil(numel / W) each,
                                                         the last one zero-padded
 
-Live parameters are kept in an LRU bounded by `zero.max_live_bytes`: when a
+Live parameters are kept in an LRU bounded by `zero.init_live_bytes`: when a
 new one would exceed it, the oldest live parameter writes its slice back and
 becomes partitioned. Any torch call inside the context that reads a
 partitioned parameter's values (the module's own `reset_parameters`, a
@@ -53,6 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config, load_config
 from tierzero.engine.config.load import ConfigSource
+from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.init_staging import SliceStaging
 from tierzero.engine.offload_bridge import swap_dir
 from tierzero.engine.progress import progress_bar
@@ -171,7 +172,7 @@ class _Partitioner:
                  staging: SliceStaging | None = None) -> None:
         self.comm = comm
         self.staging = staging  # slices go to NVMe (None: host memory)
-        self.max_live_bytes = max_live_bytes  # zero.max_live_bytes: bounds full params held
+        self.max_live_bytes = max_live_bytes  # zero.init_live_bytes: bounds full params held
         self._live: OrderedDict[int, nn.Parameter] = OrderedDict()  # id -> param, oldest first
         self.live_bytes = 0
         self.peak_live_bytes = 0
@@ -300,7 +301,7 @@ class Init:
 
     `config`: an engine.Config or anything engine.load_config takes. With
     `zero.stage` < 3 (parameters are not partitioned) it does nothing, as in
-    DeepSpeed. `zero.max_live_bytes` bounds the full parameter bytes held at
+    DeepSpeed. `zero.init_live_bytes` bounds the full parameter bytes held at
     once during construction (one parameter is always allowed, whatever its
     size). See [Note: Init partitioning]. With `offload.params.device: nvme` the
     slices go to NVMe as they are made ([Note: Init onto NVMe]), with a progress
@@ -311,7 +312,7 @@ class Init:
         cfg = config if isinstance(config, Config) else load_config(config)
         self.enabled = enabled and cfg.zero.stage == 3
         self._config = cfg
-        self._max_live = cfg.zero.max_live_bytes
+        self._max_live = cfg.zero.init_live_bytes
         self._nvme_dir = swap_dir(cfg) if cfg.offload.params.device == "nvme" else None
         if cfg.offload.params.device == "nvme" and self._nvme_dir is None:
             raise ValueError("engine.Init: offload.params.device is 'nvme' but neither "
@@ -362,6 +363,7 @@ class Init:
             self._staging.finish_building()  # the swap file lives until every slice is used
             self.nvme_bytes = self._staging.written_bytes
             self._staging = None
+        release_free_heap("engine.Init")  # [Note: returning freed host memory]
         self.peak_live_bytes = self._parts.peak_live_bytes
         self.gathers = self._parts.gathers
         log.info("Init: parameters partitioned over %d ranks; peak full bytes held %d, "

@@ -4,7 +4,7 @@
 parameter leaves when it is partitioned ([Note: Init partitioning]) is written
 to a swap file of its own under the offload path instead of being kept in host
 memory, so building a model holds only the live parameters (bounded by
-`zero.max_live_bytes`) plus the writes in flight (bounded by
+`zero.init_live_bytes`) plus the writes in flight (bounded by
 INFLIGHT_BYTES) in host memory. `engine.initialize` reads the slices back one
 parameter at a time to build each unit's flat shard, which the tier manager
 then places on its home tier; each slice is deleted as it is consumed, and the

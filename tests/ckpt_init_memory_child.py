@@ -34,7 +34,8 @@ def main() -> None:
     cfg = Config(
         precision=PrecisionConfig(dtype="bf16"),
         zero=ZeroConfig(stage=3, units=("MLPBlock",), persistence_threshold_bytes=0,
-                        prefetch_bytes=64 << 20, max_live_bytes=MAX_LIVE),
+                        prefetch_bytes=64 << 20, max_live_bytes=MAX_LIVE,
+                        init_live_bytes=MAX_LIVE),
         optimizer=OptimizerConfig(type="adamw", lr=1e-5),
         batch=BatchConfig(gradient_accumulation_steps=1),
         offload=OffloadConfig(

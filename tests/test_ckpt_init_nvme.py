@@ -25,7 +25,7 @@ def _cfg(swap: Path, max_live: int = 8_000, progress: str = "auto") -> engine.Co
     swap.mkdir(exist_ok=True)
     return engine.load_config({
         "zero": {"stage": 3, "units": ["Block"], "persistence_threshold_bytes": 0,
-                 "max_live_bytes": max_live},
+                 "max_live_bytes": max_live, "init_live_bytes": max_live},
         "precision": "fp32", "gradient_clipping": 0.5,
         "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1},

@@ -8,7 +8,7 @@ Its param16 (bf16) + master + moments = 14 B/param = 1.41 GB, on NVMe; host budg
 pipeline buffers), device budget 64 MiB (the CPU stand-in tier).
 
 Bounds on peak RSS growth over the child's RSS before the build:
-  * Init (construction): zero.max_live_bytes (32 MiB of live fp32 parameters) + the
+  * Init (construction): zero.init_live_bytes (32 MiB of live fp32 parameters) + the
     staging writes in flight (engine.init_staging.INFLIGHT_BYTES, 64 MiB) + 64 MiB of
     interpreter and allocator slack = 160 MiB. Keeping the fp32 slices in host memory, as
     Init did before, would be 384 MiB on its own. Measured: 93 MiB.

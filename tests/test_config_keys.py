@@ -38,6 +38,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("zero.collective_timeout_s", 600.0, 30, 30.0, {}),
     ("zero.prefetch_bytes", 100_000_000, "5e8", 500_000_000, {}),
     ("zero.max_live_bytes", 2_000_000_000, 1e9, 1_000_000_000, {}),
+    ("zero.init_live_bytes", 256 << 20, "64MiB", 64 << 20, {}),
     ("zero.persistence_threshold_bytes", 200_000, 0, 0, {}),
     ("zero.max_reuse_distance_bytes", 2_000_000_000, "2GB", 2_000_000_000, {}),
     ("zero.overlap_comm", True, False, False, {}),

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.cuda
 def _cfg() -> engine.Config:
     return engine.load_config({"zero": {"stage": 3, "units": ["Block"],
                                         "persistence_threshold_bytes": 0,
-                                        "max_live_bytes": 8_000},
+                                        "max_live_bytes": 8_000, "init_live_bytes": 8_000},
                                "precision": "fp32"})
 
 

@@ -1,5 +1,5 @@
 """engine.Init: modules built inside hold per-rank shards, never their whole set of values
-at once beyond zero.max_live_bytes; initial values equal an unpartitioned build with the
+at once beyond zero.init_live_bytes; initial values equal an unpartitioned build with the
 same seed (bitwise: the same init code draws the same random numbers); training from an
 Init build equals training from a plain build (bitwise: identical shards)."""
 
@@ -23,7 +23,7 @@ N_BLOCKS = 6
 def _cfg(max_live: int, units: tuple[str, ...] = ("Block",)) -> engine.Config:
     return engine.load_config({
         "zero": {"stage": 3, "units": list(units), "persistence_threshold_bytes": 0,
-                 "max_live_bytes": max_live},
+                 "max_live_bytes": max_live, "init_live_bytes": max_live},
         "precision": "fp32", "gradient_clipping": 0.5,
         "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1}})

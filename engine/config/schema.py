@@ -145,6 +145,16 @@ class ZeroConfig:
             "gathered parameter bytes resident per device before release", ge=0, unit="bytes"
         ),
     )
+    # engine.Init's own bound (tierzero train builds every stage-3 model under it): HF
+    # post_init touches each parameter once more after construction, so a larger LRU
+    # saves little I/O, while every byte of it is host memory held during the build.
+    init_live_bytes: int = field(
+        default=256 << 20,
+        metadata=meta(
+            "full parameter bytes engine.Init keeps while a model is built (the newest "
+            "parameter is always kept, whatever its size)", ge=0, unit="bytes"
+        ),
+    )
     persistence_threshold_bytes: int = field(
         default=200_000,
         metadata=meta(

@@ -9,7 +9,7 @@ growth over the process's imports, on one rank:
   build       the model as `tierzero train` builds it. With zero.stage 3 it builds
               under engine.Init: this rank's slice of every parameter (in host memory,
               or for offload.params.device nvme only the staging writes in flight) +
-              zero.max_live_bytes of whole parameters being initialised
+              zero.init_live_bytes of whole parameters being initialised
               (init_build_bytes). Otherwise every parameter and buffer materialised at
               its dtype (fp32 from a Hugging Face config.json).
   initialize  what the build holds (each flat group's tensors, or Init slices, are
@@ -114,7 +114,7 @@ def init_build_bytes(model: int, *, world_size: int, max_live: int, params_on_nv
     """Host bytes a build under engine.Init holds at its peak ([Note: Init partitioning] in
     engine/init_context.py): the rank's slices of `model` bytes of parameters (host
     memory), or only the NVMe staging writes in flight, + `max_live` bytes of whole
-    parameters (zero.max_live_bytes; never more than the model)."""
+    parameters (zero.init_live_bytes; never more than the model)."""
     from tierzero.engine.init_staging import INFLIGHT_BYTES
 
     slices = INFLIGHT_BYTES if params_on_nvme else -(-model // world_size)

@@ -169,7 +169,7 @@ def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
     """[Note: plan host peak] of a dry run of `config`."""
     # tierzero train builds a stage-3 model under engine.Init (engine/train/loop.py)
     init = (init_build_bytes(run.model_bytes, world_size=run.world_size,
-                             max_live=config.zero.max_live_bytes,
+                             max_live=config.zero.init_live_bytes,
                              params_on_nvme=config.offload.params.device == "nvme")
             if config.zero.stage == 3 else None)
     return predict(model=run.model_bytes, init_peak=run.init_peak, peak=run.peak,

@@ -1,0 +1,53 @@
+"""Give the C heap's free memory back to the system after the build and placement.
+
+[Note: returning freed host memory] glibc's malloc serves an allocation above its
+mmap threshold with mmap and returns it on free, but the threshold is dynamic: freeing
+one such block raises it (up to 32 MiB on 64-bit), so later blocks below the new threshold
+come from the heap, and a freed heap block is kept for reuse, in RSS, unless it sits at
+the heap's top. Building a model creates and frees many parameter-sized blocks (engine.Init
+partitions each parameter once it is initialised; initialize() copies each group into its
+shards and frees the module's tensors); afterwards the process would keep gigabytes of
+freed blocks resident that the training step never reuses, which a host budget cannot see.
+malloc_trim(0) at those two points hands every free page back (madvise on the free chunks
+of every arena, not only the top): a few milliseconds, nothing freed that is in use, and
+allocations after it are served as before. Setting a fixed mmap threshold instead
+(MALLOC_MMAP_THRESHOLD_) would also stop the retention, but makes every gather buffer and
+activation a fresh mmap and page faults it in again, slowing every step
+(benchmarks/RESULTS.md). Other C libraries: nothing to do (no malloc_trim).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def release_free_heap(where: str) -> bool:
+    """malloc_trim(0) where the C library has it ([Note: returning freed host memory]);
+    True when memory was handed back."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    released = bool(fn(0))
+    log.debug("malloc_trim after %s: %s", where, "released" if released else "nothing to release")
+    return released
