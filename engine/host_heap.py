@@ -8,12 +8,13 @@ the heap's top. Building a model creates and frees many parameter-sized blocks (
 partitions each parameter once it is initialised; initialize() copies each group into its
 shards and frees the module's tensors); afterwards the process would keep gigabytes of
 freed blocks resident that the training step never reuses, which a host budget cannot see.
-malloc_trim(0) at those two points hands every free page back (madvise on the free chunks
-of every arena, not only the top): a few milliseconds, nothing freed that is in use, and
-allocations after it are served as before. Setting a fixed mmap threshold instead
-(MALLOC_MMAP_THRESHOLD_) would also stop the retention, but makes every gather buffer and
-activation a fresh mmap and page faults it in again, slowing every step
-(benchmarks/RESULTS.md). Other C libraries: nothing to do (no malloc_trim).
+malloc_trim(0) during both (HeapTrim: each time another init_live_bytes / 256 MiB was
+freed, so the freed blocks never pile up) and at their ends hands every free page back
+(madvise on the free chunks of every arena, not only the top): milliseconds, nothing
+freed that is in use, and allocations after it are served as before. Setting a fixed
+mmap threshold instead (MALLOC_MMAP_THRESHOLD_) would also stop the retention, but makes
+every gather buffer and activation a fresh mmap and page faults it in again, slowing every
+step (benchmarks/RESULTS.md). Other C libraries: nothing to do (no malloc_trim).
 """
 
 from __future__ import annotations
@@ -51,3 +52,20 @@ def release_free_heap(where: str) -> bool:
     released = bool(fn(0))
     log.debug("malloc_trim after %s: %s", where, "released" if released else "nothing to release")
     return released
+
+
+class HeapTrim:
+    """release_free_heap() each time `every` more bytes were freed (as the caller counts
+    them), so a long build holds at most about that much freed memory at any time, not
+    everything it freed until its end."""
+
+    def __init__(self, every: int, where: str) -> None:
+        self.every = max(every, 1)
+        self.where = where
+        self._since = 0
+
+    def freed(self, nbytes: int) -> None:
+        self._since += nbytes
+        if self._since >= self.every:
+            self._since = 0
+            release_free_heap(self.where)

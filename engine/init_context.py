@@ -53,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config, load_config
 from tierzero.engine.config.load import ConfigSource
-from tierzero.engine.host_heap import release_free_heap
+from tierzero.engine.host_heap import HeapTrim, release_free_heap
 from tierzero.engine.init_staging import SliceStaging
 from tierzero.engine.offload_bridge import swap_dir
 from tierzero.engine.progress import progress_bar
@@ -178,6 +178,8 @@ class _Partitioner:
         self.peak_live_bytes = 0
         self.gathers = 0
         self.busy = False  # our own torch calls must not re-enter _GatherOnAccess
+        # the full tensors partition() drops go back to the system as the build goes
+        self._trim = HeapTrim(max(max_live_bytes, 64 << 20), "engine.Init partitions")
 
     def track(self, p: nn.Parameter) -> None:
         if _record(p) is not None or not p.dtype.is_floating_point or p.numel() == 0:
@@ -225,6 +227,7 @@ class _Partitioner:
                 p.data = _placeholder(p.detach())
         finally:
             self.busy = False
+        self._trim.freed(rec.numel * p.element_size())
 
     def gather(self, p: nn.Parameter) -> None:
         """partitioned -> live: all-gather the slices into a fresh full tensor."""

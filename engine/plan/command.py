@@ -9,6 +9,7 @@ choice, the short tier and by how much.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -210,6 +211,12 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, 
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.write:  # before minutes of dry runs, not after them
+        parent = os.path.dirname(os.path.abspath(args.write))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(errno.ENOENT, f"--write: directory {parent} does not "
+                                    "exist; create it or name a file in an existing one",
+                                    args.write)
     try:
         for flag in ("world_size", "seq_len", "micro_batch"):
             if getattr(args, flag) < 1:
