@@ -134,7 +134,10 @@ class TierManager(ResidencyCore):
             rec = self._rec(key)
             self._check_tier(rec, tier, "fetch")
             self._settle_all()
-            self._pf.consume(key, tier)
+            # a fetch that overwrites a shard the order does not list (a fresh gradient:
+            # nothing to read ahead) does not depart from the order
+            if not (discard and not self._pf.lists(key)):
+                self._pf.consume(key, tier)
             self._flush_above(rec, tier, drop=writable)
             copy = rec.copies[tier]
             if copy.state in (State.STORING, State.FILLING):

@@ -70,6 +70,10 @@ class Prefetcher:
                       key, tier, pos - self.cursor)
             self.cursor = pos + 1
 
+    def lists(self, key: str) -> bool:
+        """Whether the order given by set_order() uses ``key`` at all."""
+        return key in self._positions
+
     def next_use(self, key: str) -> float:
         """Distance (in entries) to ``key``'s next use; inf when not upcoming."""
         pos = self._next_index(key)
