@@ -98,7 +98,7 @@ class ZeroEngine:
                                   if offload_wanted(self.config) else ShardStore(self.device))
         self._declare_groups(specs)
         # each unit's module tensors (or Init slices) are freed once its shards are placed
-        trim = HeapTrim(256 << 20, "placement")  # [Note: returning freed host memory]
+        trim = HeapTrim(1, "placement")  # every unit: [Note: returning freed host memory]
         self.units = []
         for i, spec in enumerate(specs):
             self.units.append(self._build_unit(i, spec))

@@ -179,7 +179,7 @@ class _Partitioner:
         self.gathers = 0
         self.busy = False  # our own torch calls must not re-enter _GatherOnAccess
         # the full tensors partition() drops go back to the system as the build goes
-        self._trim = HeapTrim(max(max_live_bytes, 64 << 20), "engine.Init partitions")
+        self._trim = HeapTrim(64 << 20, "engine.Init partitions")
 
     def track(self, p: nn.Parameter) -> None:
         if _record(p) is not None or not p.dtype.is_floating_point or p.numel() == 0:

@@ -42,6 +42,7 @@ from torch import nn
 from tierzero.engine.collectives import Comm, PendingReduce
 from tierzero.engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from tierzero.engine.hooks import register_pre_backward
+from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
 from tierzero.engine.shard_store import ShardKind, ShardStore
 from tierzero.swap import trace
@@ -108,6 +109,7 @@ class Scheduler:
         # within `max_live_bytes` (zero.max_reuse_distance_bytes, zero.max_live_bytes):
         # the last units of forward are the first of backward.
         self._max_live = max_live_bytes
+        self._trim = HeapTrim(64 << 20, "step")
         self._max_reuse = max_reuse_distance_bytes
         self._reuse: dict[int, int] = {}  # unit index -> bytes gathered before its reuse
         self.kept = 0  # forwards after which a unit stayed gathered for its backward
@@ -187,10 +189,19 @@ class Scheduler:
     def release(self, unit: Unit) -> None:
         if unit.persistent or not any(g.gathered for g in unit.groups):
             return
+        nbytes = unit.gathered_bytes()
         with trace.span("release", unit.label):
             for g in unit.groups:
                 if g.gathered:
                     release_group(g)
+        self._heap_freed(unit, nbytes)
+
+    def _heap_freed(self, unit: Unit, nbytes: int) -> None:
+        """Gathered buffers and gradients freed in host memory (the compute device is the
+        CPU) go back to the system as the step goes ([Note: returning freed host memory]
+        in engine/host_heap.py): glibc would keep them resident, beyond every budget."""
+        if unit.groups and unit.groups[0].full.device.type == "cpu":
+            self._trim.freed(nbytes)
 
     # -- forward ---------------------------------------------------------------
     def begin_forward(self, root: Unit) -> None:
@@ -377,6 +388,7 @@ class Scheduler:
         groups = unit.groups if groups is None else groups
         for g in groups:
             self._issue(g)
+        self._heap_freed(unit, sum(g.numel * g.full.element_size() for g in groups))  # .grad
         unit.reduced_groups.update(g.key for g in groups)
         unit.reduced = all(g.key in unit.reduced_groups for g in unit.groups if g.trainable)
         if self.on_final is not None:
