@@ -292,7 +292,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
         start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
         if resume_from is not None:
             progress.checkpoint = checkpoints.resolved_path(resume_from)
-        progress.done = start
+        progress.done = stop.done = start
         if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
             checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
         weights = pretrained_dir(tc.model) if resume_from is None else None
@@ -346,7 +346,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                     _eval_event(eng, data.eval, step, world=world, result=result,
                                 writer=writer)
                 window.after(step)
-                progress.done = step
+                progress.done = stop.done = step
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
                 if writer:
