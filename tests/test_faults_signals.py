@@ -38,9 +38,9 @@ STEPS = 12  # every run's length: the signal comes after step 1..STEPS // 2, whi
 # a loaded machine six steps of slack between the test's read of the log and the signal
 INTERVAL = 3  # checkpoints at 3, 6, 9 and 12: both runs end with the checkpoint compared
 SIGNAL_LINE = re.compile(r"(SIGINT|SIGTERM) received after step (\d+): stopping")
-STOP_LINE = re.compile(r"tierzero train: stopped at step (\d+) \((SIGINT|SIGTERM)(; step \d+ "
-                       r"abandoned)?\); (resume with train\.resume: true .*newest checkpoint "
-                       r"(step\d+)\)|nothing to resume from.*)$")
+STOP_LINE = re.compile(r"tierzero train: stopped at step (\d+) \((SIGINT|SIGTERM)(; (step \d+|"
+                       r"saving step\d+) abandoned)?\); (resume with train\.resume: true .*"
+                       r"newest checkpoint (step\d+)\)|nothing to resume from.*)$")
 
 
 class Server:
@@ -188,22 +188,27 @@ def test_signal_at_random_steps(server: Server, reference: Reference,
         assert len(lines) == 1, where
         m = STOP_LINE.match(lines[0])
         assert m is not None and m.group(2) == sig.name, where
-        stopped, abandoned = int(m.group(1)), m.group(3) is not None
+        stopped, abandoned = int(m.group(1)), m.group(4)
         # promptly: the run's own warning names the last step done when the signal came;
-        # at most the step then in progress is finished (an abandoned one is not)
+        # at most the step then in progress is finished (an abandoned step is not; an
+        # abandoned save is of a step that finished)
         received = SIGNAL_LINE.findall(err)
         assert len(received) == 1 and received[0][0] == sig.name, where
         done_then = int(received[0][1])
         assert done_then >= at, where  # the test signalled after reading step `at`
-        assert stopped - done_then in ((0,) if abandoned else (0, 1)), where
+        after = stopped - done_then
+        if abandoned is None or abandoned.startswith("saving"):
+            assert after in (0, 1), where
+        else:
+            assert after == 0 and abandoned == f"step {stopped + 1}", where
         assert not list(swap.rglob("*.swp")), where
         # the steps it did are the uninterrupted run's, bit for bit
         assert _steps(root / "runs") == {s: reference.losses[s] for s in range(1, stopped + 1)}
-        newest = m.group(5)
-        if save_on_interrupt and not abandoned:  # a step boundary: step N was saved
+        newest = m.group(6)
+        if save_on_interrupt and abandoned is None:  # a step boundary: step N was saved
             assert newest == f"step{stopped}", where
         if newest is None:
-            assert stopped < INTERVAL and not save_on_interrupt, where
+            assert stopped < INTERVAL and (not save_on_interrupt or abandoned), where
             continue
         # resume to the end: the same losses and the same final state, bit for bit
         resume = _config(root / "r.yaml", swap, resume=True, out_dir=str(root / "rest"),
