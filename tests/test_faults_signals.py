@@ -250,3 +250,38 @@ def test_a_second_signal_abandons_the_step() -> None:
         for _ in range(6000):
             time.sleep(0.01)
     assert stop.signum == signal.SIGINT and stop.abandoned
+
+
+def test_a_stopped_run_gathers_nothing_to_exit(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue saw `close()` re-gather every unit after Ctrl-C (~60 s with the model on
+    NVMe): a stopped run releases its parameters without reading them back. Counted, not
+    timed: gathers after the signal (the rest of the step in progress, then the exit)."""
+    from tierzero.engine import schedule
+    from tierzero.engine.cli import main
+    from tierzero.engine.train import loop
+
+    gathers = {"before": 0, "after": 0}
+    signalled = False
+    real_step, real_gather = loop._one_step, schedule.gather_group
+
+    def one_step(*args: Any, step: int, **kwargs: Any) -> Any:
+        nonlocal signalled
+        record = real_step(*args, step=step, **kwargs)
+        if step == 2:  # as if Ctrl-C came at the end of step 2's optimizer step
+            os.kill(os.getpid(), signal.SIGINT)
+            signalled = True
+        return record
+
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        gathers["after" if signalled else "before"] += 1
+        return real_gather(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "_one_step", one_step)
+    monkeypatch.setattr(schedule, "gather_group", gather)
+    (tmp_path / "swap").mkdir()
+    cfg = _config(tmp_path / "c.yaml", tmp_path / "swap", steps=STEPS,
+                  out_dir=str(tmp_path / "runs"))
+    assert main(["train", str(cfg), "--no-progress"]) == 128 + signal.SIGINT
+    assert gathers["before"] > 0 and gathers["after"] == 0, gathers
+    assert sorted(_steps(tmp_path / "runs")) == [1, 2]
