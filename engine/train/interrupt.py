@@ -41,7 +41,6 @@ class StopSignals:
         self.signum: int | None = None  # the first stop signal received
         self.abandoned = False  # the step in progress was interrupted, not finished
         self.done = 0  # the last step finished (set by the loop), counted from the run's start
-        self.done_at_signal: int | None = None  # `done` when the first signal came
         self._previous: dict[int, object] = {}
         self._previous_alarm: object = None
 
@@ -60,7 +59,6 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-            self.done_at_signal = self.done
             log.warning("%s received after step %d: stopping after the step in progress (a "
                         "second signal, or %.0f s without the step finishing, abandons it)",
                         signal.Signals(signum).name, self.done, self.grace_s)
