@@ -18,21 +18,18 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import torch
 import yaml
+from fault_helpers import Server
 
 pytestmark = pytest.mark.faults
 
-HERE = Path(__file__).resolve().parent
 TRIALS = int(os.environ.get("TIERZERO_FAULT_TRIALS", "20"))
 STEPS = 12  # every run's length: the signal comes after step 1..STEPS // 2, which leaves
 # a loaded machine six steps of slack between the test's read of the log and the signal
@@ -41,60 +38,6 @@ SIGNAL_LINE = re.compile(r"(SIGINT|SIGTERM) received after step (\d+): stopping"
 STOP_LINE = re.compile(r"tierzero train: stopped at step (\d+) \((SIGINT|SIGTERM)(; (step \d+|"
                        r"saving step\d+) abandoned)?\); (resume with train\.resume: true .*"
                        r"newest checkpoint (step\d+)\)|nothing to resume from.*)$")
-
-
-class Server:
-    """The fork server: run(args) starts one `tierzero` process and returns its pid."""
-
-    def __init__(self, root: Path) -> None:
-        # one torch thread per run: the trials are tiny, and the machine is shared
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "fault_server.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env, cwd=root)
-        self._n = 0
-        self.root = root
-
-    def _line(self) -> str:
-        out: IO[str] | None = self.proc.stdout
-        assert out is not None
-        line = out.readline()
-        assert line, "the fault server died"
-        return line.strip()
-
-    def start(self, args: list[str]) -> tuple[int, Path, Path]:
-        self._n += 1
-        out, err = self.root / f"out{self._n}.txt", self.root / f"err{self._n}.txt"
-        stdin = self.proc.stdin
-        assert stdin is not None
-        stdin.write(json.dumps({"args": args, "stdout": str(out), "stderr": str(err)}) + "\n")
-        stdin.flush()
-        line = self._line()
-        kind, pid = line.split(maxsplit=1)
-        assert kind == "pid", line
-        return int(pid), out, err
-
-    def wait(self, pid: int) -> int:
-        kind, got, code = self._line().split()
-        assert kind == "exit" and int(got) == pid
-        return int(code)
-
-    def run(self, args: list[str]) -> tuple[int, str]:
-        pid, _, err = self.start(args)
-        return self.wait(pid), err.read_text()
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("server"))
-    yield s
-    s.close()
 
 
 def _config(path: Path, swap: Path, **train: Any) -> Path:
@@ -146,12 +89,12 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def reference(fault_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     root = tmp_path_factory.mktemp("reference")
     (root / "swap").mkdir()
     cfg = _config(root / "c.yaml", root / "swap", steps=STEPS, checkpoint_interval=INTERVAL,
                   checkpoint_dir=str(root / "ck"), out_dir=str(root / "runs"))
-    code, err = server.run(["train", str(cfg), "--no-progress"])
+    code, err = fault_server.run(["train", str(cfg), "--no-progress"])
     assert code == 0, err
     losses = _steps(root / "runs")
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -159,7 +102,7 @@ def reference(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Refer
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_at_random_steps(server: Server, reference: Reference,
+def test_signal_at_random_steps(fault_server: Server, reference: Reference,
                                 tmp_path: Path, sig: signal.Signals) -> None:
     seed = int(os.environ.get("TIERZERO_FAULT_SEED", "0")) or random.randrange(1 << 30)
     print(f"TIERZERO_FAULT_SEED={seed}")
@@ -176,10 +119,10 @@ def test_signal_at_random_steps(server: Server, reference: Reference,
         common = {"steps": STEPS, "checkpoint_interval": INTERVAL, "checkpoint_dir": str(ck)}
         cfg = _config(root / "c.yaml", swap, save_on_interrupt=save_on_interrupt,
                       out_dir=str(root / "runs"), **common)
-        pid, _, err_file = server.start(["train", str(cfg), "--no-progress"])
+        pid, _, err_file = fault_server.start(["train", str(cfg), "--no-progress"])
         _wait_for_step(root / "runs", at, pid)
         os.kill(pid, sig)
-        code = server.wait(pid)
+        code = fault_server.wait(pid)
         err = err_file.read_text()
         where = f"trial {trial} (seed {seed}, {sig.name} after step {at}): {err[-2000:]}"
         assert code == 128 + sig, where
@@ -213,7 +156,7 @@ def test_signal_at_random_steps(server: Server, reference: Reference,
         # resume to the end: the same losses and the same final state, bit for bit
         resume = _config(root / "r.yaml", swap, resume=True, out_dir=str(root / "rest"),
                          **common)
-        code, err = server.run(["train", str(resume), "--no-progress"])
+        code, err = fault_server.run(["train", str(resume), "--no-progress"])
         assert code == 0, f"resume of {where}: {err[-2000:]}"
         start = int(newest.removeprefix("step"))
         assert _steps(root / "rest") == {s: reference.losses[s]
