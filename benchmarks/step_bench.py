@@ -54,9 +54,11 @@ again; RSS lower).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -176,6 +178,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     else:
         p_dev, o_dev = OFFLOAD[base]
         path = tempfile.mkdtemp(dir=args.swap, prefix="step_bench-")
+        atexit.register(shutil.rmtree, path, True)  # the swap directory goes with the child
         cfg = engine.load_config({
             "zero": {"stage": 3, "units": list(units), "persistence_threshold_bytes": 0},
             "precision": "bf16", "optimizer": {"type": "adamw", "lr": 1e-4},
@@ -408,6 +411,7 @@ def main() -> None:
         plain_step = med["plain"]["step_s"] if "plain" in med else None
         for c, m in med.items():
             m["vs_plain"] = m["step_s"] / plain_step if plain_step else None
+            m["step_s_rounds"] = [r["step_s"] for r in runs[c]]  # the spread behind the median
             rows.append(m)
             sys.stdout.write(
                 f"{model:4s} {c:9s} step {m['step_s']:.3f}s (x{m['vs_plain'] or 0:.2f} plain)"
@@ -418,7 +422,8 @@ def main() -> None:
                 f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"
                 f"/{m['peak_rss_train'] / 2**20:.0f} MiB"
                 + (f" peakGPU {m['peak_gpu_bytes'] / 2**20:.0f} MiB" if ns.device == "cuda"
-                   else "") + "\n")
+                   else "")
+                + " rounds " + "/".join(f"{x:.3f}" for x in m["step_s_rounds"]) + "\n")
         report_deepspeed(model, med)
     spread = {k: (min(d[k] for d in disks), max(d[k] for d in disks)) for k in bw}
     sys.stdout.write("disk GB/s over the run (min, max): " + ", ".join(

@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 from engine_helpers import make_batches, make_config, make_model, train_steps
+from fault_helpers import Server
 
 from tierzero import engine
 from tierzero.engine import checkpoint_io
@@ -27,8 +28,6 @@ from tierzero.engine.train import run_lock
 from tierzero.engine.train.run_lock import LockError, RunLock
 
 pytestmark = pytest.mark.faults
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _config(tmp_path: Path, name: str, **train: Any) -> Path:
@@ -58,16 +57,14 @@ def _losses(out_dir: Path) -> dict[int, float]:
 # -- locks ----------------------------------------------------------------------------
 
 def test_second_run_on_a_checkpoint_dir_is_refused_and_the_first_saves_intact(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fault_server: Server) -> None:
     ck = tmp_path / "ck"
     first = _config(tmp_path, "first", steps=40, checkpoint_interval=10, checkpoint_dir=str(ck))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tierzero", "train", str(first),
-                             "--no-progress"], env=env, stderr=subprocess.PIPE, text=True)
+    pid, _, err_file = fault_server.start(["train", str(first), "--no-progress"])
     try:
         deadline = time.monotonic() + 120
         while not list((tmp_path / "first").glob("*/metrics.jsonl")):  # it holds the lock
-            assert proc.poll() is None and time.monotonic() < deadline, "first run ended"
+            assert time.monotonic() < deadline, f"first run not started: {err_file.read_text()}"
             time.sleep(0.02)
         second = _config(tmp_path, "second", steps=4, checkpoint_interval=2,
                          checkpoint_dir=str(ck), resume=True)
@@ -76,11 +73,11 @@ def test_second_run_on_a_checkpoint_dir_is_refused_and_the_first_saves_intact(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1, err
         assert f"train.checkpoint_dir '{ck}' is in use by another tierzero run (pid " \
-            f"{proc.pid} on host" in err, err
+            f"{pid} on host" in err, err
         assert not (tmp_path / "second").exists()  # refused before any work
     finally:
-        _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
+        code = fault_server.wait(pid)
+    assert code == 0, err_file.read_text()
     tags = sorted(p.name for p in ck.iterdir() if p.name.startswith("step"))
     assert tags == ["step10", "step20", "step30", "step40"]
     for tag in tags:  # every checkpoint of the first run loads, CRCs checked

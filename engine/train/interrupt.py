@@ -7,7 +7,10 @@ files behind. While `StopSignals` is entered, both signals only *ask* the run to
 
 - the step loop checks `requested` between steps (every rank agrees, loop.py), finishes
   the step in progress, optionally saves a checkpoint (train.save_on_interrupt), closes the
-  engine (which removes its swap files) and reports "stopped at step N; resume with ...";
+  engine (which removes its swap files) and reports "stopped at step N; resume with ...".
+  The loop sets `done` as each step finishes, so the warning logged on the signal
+  names the last step finished before it, K: a run that stops at a boundary stops at K or
+  K + 1 (at most the step in progress is finished, no new one starts);
 - if the step in progress has not finished `grace_s` seconds after the first signal, or a
   second signal comes, the step is abandoned: `KeyboardInterrupt` is raised in the main
   thread (a BaseException: no `except Exception` handler rewraps it), nothing is saved
@@ -37,6 +40,7 @@ class StopSignals:
         self.grace_s = grace_s  # a step still running this long after the signal is abandoned
         self.signum: int | None = None  # the first stop signal received
         self.abandoned = False  # the step in progress was interrupted, not finished
+        self.done = 0  # the last step finished (set by the loop), counted from the run's start
         self._previous: dict[int, object] = {}
         self._previous_alarm: object = None
 
@@ -55,9 +59,9 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-            log.warning("%s received: stopping after the step in progress (a second signal, "
-                        "or %.0f s without the step finishing, abandons it)",
-                        signal.Signals(signum).name, self.grace_s)
+            log.warning("%s received after step %d: stopping after the step in progress (a "
+                        "second signal, or %.0f s without the step finishing, abandons it)",
+                        signal.Signals(signum).name, self.done, self.grace_s)
             if self.grace_s > 0:
                 signal.setitimer(signal.ITIMER_REAL, self.grace_s)
             return

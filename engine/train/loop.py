@@ -105,6 +105,14 @@ class _Progress:
     done: int = 0  # optimizer steps completed (counted from the start of training)
     checkpoint: str | None = None  # the newest complete checkpoint this run saved or resumed
     checkpoint_dir: str | None = None  # where this run saves
+    saving: bool = False  # a checkpoint of step `done` is being written
+
+    def save(self, eng: engine.ZeroEngine, ckpt_dir: str, batches: Batches) -> None:
+        """Save step `done`; an interrupt while writing is reported as the save abandoned
+        (the partial directory is removed, the previous checkpoint stays the newest)."""
+        self.saving = True
+        self.checkpoint = checkpoints.save(eng, ckpt_dir, self.done, batches)
+        self.saving = False
 
     def last_good(self) -> str:
         if self.checkpoint is None:
@@ -237,7 +245,8 @@ def run(config: Config, options: TrainOptions) -> TrainResult:
             if stop.signum is None:
                 stop.signum = signal.SIGINT
             stop.abandoned = True
-    what = stop.name + (f"; step {progress.done + 1} abandoned" if stop.abandoned else "")
+    abandoned = f"saving step{progress.done}" if progress.saving else f"step {progress.done + 1}"
+    what = stop.name + (f"; {abandoned} abandoned" if stop.abandoned else "")
     raise TrainStopped(f"stopped at step {progress.done} ({what}); "
                        f"{progress.resume_hint(config.train)}", stop.exit_code)
 
@@ -292,7 +301,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
         start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
         if resume_from is not None:
             progress.checkpoint = checkpoints.resolved_path(resume_from)
-        progress.done = start
+        progress.done = stop.done = start
         if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
             checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
         weights = pretrained_dir(tc.model) if resume_from is None else None
@@ -346,7 +355,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                     _eval_event(eng, data.eval, step, world=world, result=result,
                                 writer=writer)
                 window.after(step)
-                progress.done = step
+                progress.done = stop.done = step
                 result.records.append(record)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
                 if writer:
@@ -360,7 +369,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                         f"train.max_nonfinite_steps: {tc.max_nonfinite_steps}); "
                         f"{progress.last_good()}")
                 if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
-                    progress.checkpoint = checkpoints.save(eng, ckpt_dir, step, batches)
+                    progress.save(eng, ckpt_dir, batches)
                     if tc.export.at_checkpoints:
                         _export(eng, tc, os.path.join(export_dir, f"step{step}"))
                 stop.step_done()
@@ -371,7 +380,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
             if tc.save_on_interrupt and progress.done > start and (
                     progress.checkpoint is None
                     or Path(progress.checkpoint).name != f"step{progress.done}"):
-                progress.checkpoint = checkpoints.save(eng, ckpt_dir, progress.done, batches)
+                progress.save(eng, ckpt_dir, batches)
         elif tc.export.at_end and is_hf_model(eng.module):  # (a stopped run exports nothing)
             result.export_path = _export(eng, tc, os.path.join(export_dir, "final"))
         if writer:
