@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -58,6 +58,14 @@ def _cut(named: list[tuple[str, nn.Parameter]], cap: int) -> list[list[tuple[str
         runs[-1].append((qname, p))
         size += p.numel()
     return runs
+
+
+class OptimizerTimes(NamedTuple):
+    """Cumulative seconds of the optimizer's work beside the training thread."""
+
+    hidden_s: float  # worker seconds that ran while the training thread computed
+    worker_s: float  # every second the optimizer's worker thread ran (hidden or waited for)
+    update_wait_s: float  # forward's waits for a unit's deferred update ([Note: deferred step])
 
 
 def _default_device() -> torch.device:
@@ -441,13 +449,11 @@ class ZeroEngine:
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def optimizer_times(self) -> tuple[float, float]:
-        """(hidden, waited), cumulative seconds: the CPU Adam's kernel time on its worker
-        thread while forward or backward ran (the optimizer's time hidden under compute),
-        and the time forward waited for a unit's deferred update ([Note: deferred step])."""
-        hidden = (self.optimizer.background_s if isinstance(self.optimizer, OffloadedAdam)
-                  else 0.0)
-        return hidden, self.scheduler.update_wait_s
+    def optimizer_times(self) -> OptimizerTimes:
+        """Cumulative seconds of the optimizer beside compute (see OptimizerTimes)."""
+        worker, hidden = (self.optimizer.worker_times()
+                          if isinstance(self.optimizer, OffloadedAdam) else (0.0, 0.0))
+        return OptimizerTimes(hidden, worker, self.scheduler.update_wait_s)
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes on this rank, from element counts: shards by kind, gathered params now and
