@@ -42,6 +42,7 @@ from tierzero.engine.precision import GradStat, LossScaler, compute_dtype, grad_
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shard_store import ShardStore
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
+from tierzero.engine.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,10 @@ class ZeroEngine:
             lambda *_: self._settle_optimizer())
         self.global_steps = 0
         self.skipped_steps = 0
+        # logging.wall_clock_breakdown: per-step phase times logged by rank 0
+        self._wall = WallClock(enabled=self.config.logging.wall_clock_breakdown,
+                               every=self.config.logging.steps_per_print,
+                               rank=self.comm.rank, counters=self._wall_counters)
         self.nonfinite_steps_in_row = 0  # optimizer steps skipped for a non-finite grad norm
         self.last_grad_norm: float | None = None
         self._saver = BackgroundSaver(self.comm.world_size)
@@ -271,6 +276,10 @@ class ZeroEngine:
         """Run the model's forward with its own signature. Tensor inputs move to the
         engine's device; floating ones are cast to the compute dtype."""
         self._check_open()
+        with self._wall.phase("forward"):
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: Any, kwargs: Any) -> Any:
         # a deferred update goes on: each unit waits for its own ([Note: deferred step])
         self._settle_optimizer(deferred=False)
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
@@ -302,6 +311,10 @@ class ZeroEngine:
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss; got shape {tuple(loss.shape)}")
+        with self._wall.phase("backward"):
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         scale = 1.0 / self.grad_accum
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
@@ -332,6 +345,20 @@ class ZeroEngine:
         """Call once per micro-step; the optimizer runs every gradient_accumulation_steps."""
         self._check_open()
         boundary = self.is_gradient_accumulation_boundary()
+        with self._wall.phase("step"):
+            self._step(boundary)
+        if boundary:
+            self._wall.step_done()
+
+    def _wall_counters(self) -> dict[str, float]:
+        """Cumulative seconds the wall-clock log reports per step (logging.wall_clock_breakdown)."""
+        times = self.optimizer_times()
+        stall = (self.store.tier_report() or {}).get("stall_s", 0.0)
+        return {"gathers": self.scheduler.gather_s, "deferred-update waits": times.update_wait_s,
+                "optimizer hidden": times.hidden_s,
+                "io stall": float(stall) if isinstance(stall, (int, float)) else 0.0}
+
+    def _step(self, boundary: bool) -> None:
         self.micro_steps += 1
         if not boundary:
             return
