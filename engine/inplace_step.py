@@ -57,6 +57,18 @@ else reads or writes shards drains first (ZeroEngine: backward, zero_fresh_grads
 save/load_checkpoint, close, module.state_dict(); load_pretrained and
 GatheredParameters wait for their units): nothing observes a half-updated step.
 The lr and other hyper-parameters are those of step(), as without deferral.
+
+The split of the worker's time into hidden and exposed that `tierzero train` logs
+comes from OverlapClock below: measured intervals, not the phase a job was queued in.
+
+State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
+it still runs after backward, on the training thread. Measured on the 2-core dev
+machine (benchmarks/RESULTS.md, issue 16 rows) overlapping the stream with compute
+does pay there: the unclipped stream during backward took 1.46 s a step against
+2.22 s after backward. Deferring it into the next forward could hide at most the
+forward's share of compute (about a third of forward + backward, ~0.3 s of the 2.3 s
+clipped step), and needs the stream moved to a worker with per-unit waits as above;
+not built yet.
 """
 
 from __future__ import annotations
