@@ -199,6 +199,7 @@ class InPlaceStep:
         self._measured: dict[str, Future[GradStat]] = {}
         self._deferred: dict[str, Future[float]] = {}  # group -> its pending update
         self._deferred_t0 = 0.0
+        self._deferred_args: tuple[AdamHyper, float, float] | None = None  # of defer()
         self._deferred_compute = 0.0  # kernel seconds of the deferred step so far
         self._deferred_failure: BaseException | None = None
         self.clock = OverlapClock()  # the worker's seconds, hidden under compute or waited for
@@ -367,7 +368,8 @@ class InPlaceStep:
         """Drop every measurement (the gradients changed since): waits for those running."""
         with self.clock.waiting():
             for job in self._measured.values():
-                job.exception()
+                if not job.cancelled():  # taken over by grad_stats
+                    job.exception()
         self._measured.clear()
 
     def grad_stats(self, redo: set[str]) -> dict[str, GradStat]:
@@ -375,8 +377,16 @@ class InPlaceStep:
         reduced again after it was measured) measured here. Consumes the measurements."""
         out: dict[str, GradStat] = {}
         try:
+            # Measurements the worker has not started are taken over here, from the back of
+            # its queue (it works from the front): the training thread would only wait.
+            for key in reversed(self._keys):
+                job = self._measured.get(key)
+                if job is not None and key not in redo and job.cancel():
+                    out[key] = grad_stat(self._store, key)
             for key in self._keys:
                 job = self._measured.get(key)
+                if key in out:
+                    continue
                 if job is None or key in redo:
                     out[key] = grad_stat(self._store, key)
                     continue
@@ -407,6 +417,7 @@ class InPlaceStep:
         worker = self._start_worker()
         keys = list(dict.fromkeys([*[k for k in order if k in self._keys], *self._keys]))
         self._deferred_t0 = time.perf_counter()
+        self._deferred_args = (hyper, step, grad_scale)
         self._deferred_compute = 0.0
         self._deferred_failure = None
         with self._lock:
@@ -416,22 +427,25 @@ class InPlaceStep:
                                                 grad_scale)
 
     def _run_deferred(self, key: str, hyper: AdamHyper, step: float,
-                      grad_scale: float) -> float:
-        """On the worker: one group of the deferred step; skipped after a failure, which
-        is kept (naming the group) for the next wait."""
+                      grad_scale: float, *, on_worker: bool = True) -> float:
+        """One group of the deferred step: on the worker, or (`on_worker` False) taken over
+        by the training thread waiting for it (see wait_groups); skipped after a failure,
+        which is kept (naming the group) for the next wait."""
         with self._lock:
             if self._deferred_failure is not None:
                 return 0.0
             beside = not self._finishing  # nobody is waiting for the whole step yet
-            threads = self._during if beside else self._threads
+            # taken over: the worker may be running another group at the same time
+            threads = self._during if beside or not on_worker else self._threads
         try:
-            with self.clock.busy():
+            with self.clock.busy() if on_worker else contextlib.nullcontext():
                 seconds = self.update(key, hyper, step, grad_scale, threads)
         except BaseException as exc:
             err = RuntimeError(f"the optimizer update deferred into the next forward "
                                f"(gradient clipping / fp16 with overlap_step) failed on "
                                f"shard group {key!r}: {exc}; the groups queued after it "
-                               f"were not updated in this step")
+                               f"were not updated in this step (unless the training "
+                               f"thread had taken them over already)")
             err.__cause__ = exc
             with self._lock:
                 self._deferred_failure = err
@@ -447,9 +461,16 @@ class InPlaceStep:
         if not self._deferred:
             return None
         with self.clock.waiting():
-            for key in keys:
-                job = self._deferred.pop(key, None)
-                if job is not None:
+            jobs = [(k, j) for k in keys if (j := self._deferred.pop(k, None)) is not None]
+            # Groups the worker has not started are taken over from the back of the list
+            # (the worker runs the queue from the front), so a unit of several groups
+            # (the root: embedding and head) is updated by both threads at once; each
+            # group whole by one of them, the same kernel: the same bits.
+            for key, job in reversed(jobs):
+                if self._deferred_args is not None and job.cancel():
+                    self._run_deferred(key, *self._deferred_args, on_worker=False)
+            for _, job in jobs:
+                if not job.cancelled():
                     job.result()  # _run_deferred keeps its failures; this only waits
         if self._deferred_failure is not None:
             self._drain_jobs()

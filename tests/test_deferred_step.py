@@ -176,11 +176,50 @@ def test_update_runs_during_the_next_forward_each_unit_before_its_gather(
     eng.backward(loss)
     eng.step()
     monkeypatch.setattr(eng.scheduler, "ensure_gathered", real_gather)
-    assert threads and all(t.startswith("tierzero-adam-early") for t in threads)
+    # on the worker, or taken over by the training thread waiting for it (wait_groups)
+    assert any(t.startswith("tierzero-adam-early") for t in threads)
+    assert threads <= {threading.main_thread().name} | {
+        t for t in threads if t.startswith("tierzero-adam-early")}
     got = full_params(eng, eng.module)
     want = engine_train(cpu_config(overlap=False, clip=1.0),
                         [make_batches(1, seed=1)[0], make_batches(1, seed=2)[0]], 2).params
     for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_groups_the_worker_has_not_started_are_taken_over_bit_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait for groups still queued behind the worker's current one runs them on the
+    waiting thread (each group whole, the same kernel): the same bits as overlap off."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                     config=cpu_config(overlap=True, clip=1.0))
+    try:
+        step = in_place(eng)
+        release = threading.Event()
+        ran: dict[str, str] = {}
+        real = step.update
+
+        def gated(key: str, *args: object) -> float:
+            ran[key] = threading.current_thread().name
+            if threading.current_thread() is not threading.main_thread():
+                assert release.wait(30)  # the worker holds its first group until released
+            return real(key, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(step, "update", gated)
+        _one_step(eng)
+        first, *rest = list(step._deferred)  # the worker took `first` and blocks in it
+        while first not in ran:
+            time.sleep(0.001)
+        assert step.wait_groups(rest) is None  # `first` still pending
+        assert all(ran[k] == threading.main_thread().name for k in rest)
+        release.set()
+        step.drain()
+        assert ran[first].startswith("tierzero-adam-early")
+        got = full_params(eng, eng.module)
+    finally:
+        release.set()
+        eng.close()
+    for k, v in _reference_after(1).items():
         assert torch.equal(got[k], v), k
 
 
