@@ -57,6 +57,11 @@ else reads or writes shards drains first (ZeroEngine: backward, zero_fresh_grads
 save/load_checkpoint, close, module.state_dict(); load_pretrained and
 GatheredParameters wait for their units): nothing observes a half-updated step.
 The lr and other hyper-parameters are those of step(), as without deferral.
+A training thread that waits (for the measurements in step(), for a unit's update
+before its gather) takes over the groups the worker has not started, from the back
+of the queue, so a unit of several groups runs on both threads at once. The root
+unit needs this most: it holds the embedding and the head, is measured last in
+backward and updated first before forward, so its work cannot hide under compute.
 
 The split of the worker's time into hidden and exposed that `tierzero train` logs
 comes from OverlapClock below: measured intervals, not the phase a job was queued in.
