@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from tierzero.engine.precision import GradStat, LossScaler, compute_dtype, grad_
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shard_store import ShardStore
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
+from tierzero.engine.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,14 @@ def _cut(named: list[tuple[str, nn.Parameter]], cap: int) -> list[list[tuple[str
         runs[-1].append((qname, p))
         size += p.numel()
     return runs
+
+
+class OptimizerTimes(NamedTuple):
+    """Cumulative seconds of the optimizer's work beside the training thread."""
+
+    hidden_s: float  # worker seconds that ran while the training thread computed
+    worker_s: float  # every second the optimizer's worker thread ran (hidden or waited for)
+    update_wait_s: float  # forward's waits for a unit's deferred update ([Note: deferred step])
 
 
 def _default_device() -> torch.device:
@@ -156,6 +165,10 @@ class ZeroEngine:
             lambda *_: self._settle_optimizer())
         self.global_steps = 0
         self.skipped_steps = 0
+        # logging.wall_clock_breakdown: per-step phase times logged by rank 0
+        self._wall = WallClock(enabled=self.config.logging.wall_clock_breakdown,
+                               every=self.config.logging.steps_per_print,
+                               rank=self.comm.rank, counters=self._wall_counters)
         self.nonfinite_steps_in_row = 0  # optimizer steps skipped for a non-finite grad norm
         self.last_grad_norm: float | None = None
         self._saver = BackgroundSaver(self.comm.world_size)
@@ -263,6 +276,10 @@ class ZeroEngine:
         """Run the model's forward with its own signature. Tensor inputs move to the
         engine's device; floating ones are cast to the compute dtype."""
         self._check_open()
+        with self._wall.phase("forward"):
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: Any, kwargs: Any) -> Any:
         # a deferred update goes on: each unit waits for its own ([Note: deferred step])
         self._settle_optimizer(deferred=False)
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
@@ -294,6 +311,10 @@ class ZeroEngine:
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss; got shape {tuple(loss.shape)}")
+        with self._wall.phase("backward"):
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         scale = 1.0 / self.grad_accum
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
@@ -324,6 +345,20 @@ class ZeroEngine:
         """Call once per micro-step; the optimizer runs every gradient_accumulation_steps."""
         self._check_open()
         boundary = self.is_gradient_accumulation_boundary()
+        with self._wall.phase("step"):
+            self._step(boundary)
+        if boundary:
+            self._wall.step_done()
+
+    def _wall_counters(self) -> dict[str, float]:
+        """Cumulative seconds the wall-clock log reports per step (logging.wall_clock_breakdown)."""
+        times = self.optimizer_times()
+        stall = (self.store.tier_report() or {}).get("stall_s", 0.0)
+        return {"gathers": self.scheduler.gather_s, "deferred-update waits": times.update_wait_s,
+                "optimizer hidden": times.hidden_s,
+                "io stall": float(stall) if isinstance(stall, (int, float)) else 0.0}
+
+    def _step(self, boundary: bool) -> None:
         self.micro_steps += 1
         if not boundary:
             return
@@ -441,13 +476,11 @@ class ZeroEngine:
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def optimizer_times(self) -> tuple[float, float]:
-        """(hidden, waited), cumulative seconds: the CPU Adam's kernel time on its worker
-        thread while forward or backward ran (the optimizer's time hidden under compute),
-        and the time forward waited for a unit's deferred update ([Note: deferred step])."""
-        hidden = (self.optimizer.background_s if isinstance(self.optimizer, OffloadedAdam)
-                  else 0.0)
-        return hidden, self.scheduler.update_wait_s
+    def optimizer_times(self) -> OptimizerTimes:
+        """Cumulative seconds of the optimizer beside compute (see OptimizerTimes)."""
+        worker, hidden = (self.optimizer.worker_times()
+                          if isinstance(self.optimizer, OffloadedAdam) else (0.0, 0.0))
+        return OptimizerTimes(hidden, worker, self.scheduler.update_wait_s)
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes on this rank, from element counts: shards by kind, gathered params now and

@@ -57,6 +57,23 @@ else reads or writes shards drains first (ZeroEngine: backward, zero_fresh_grads
 save/load_checkpoint, close, module.state_dict(); load_pretrained and
 GatheredParameters wait for their units): nothing observes a half-updated step.
 The lr and other hyper-parameters are those of step(), as without deferral.
+A training thread that waits (for the measurements in step(), for a unit's update
+before its gather) takes over the groups the worker has not started, from the back
+of the queue, so a unit of several groups runs on both threads at once. The root
+unit needs this most: it holds the embedding and the head, is measured last in
+backward and updated first before forward, so its work cannot hide under compute.
+
+The split of the worker's time into hidden and exposed that `tierzero train` logs
+comes from OverlapClock below: measured intervals, not the phase a job was queued in.
+
+State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
+it still runs after backward, on the training thread. Measured on the 2-core dev
+machine (benchmarks/RESULTS.md, issue 16 rows) overlapping the stream with compute
+does pay there: the unclipped stream during backward took 1.46 s a step against
+2.22 s after backward. Deferring it into the next forward could hide at most the
+forward's share of compute (about a third of forward + backward, ~0.3 s of the 2.3 s
+clipped step), and needs the stream moved to a worker with per-unit waits as above;
+not built yet.
 """
 
 from __future__ import annotations
@@ -65,7 +82,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -88,6 +105,77 @@ def threads_during_backward(threads: int) -> int:
     `threads` again. Measured on the 2-core dev VM with torch at 1 thread (step_bench, hf
     cpu): 1 kernel thread during backward beat 2 (see benchmarks/RESULTS.md)."""
     return max(1, min(threads, threads - torch.get_num_threads()))
+
+
+class OverlapClock:
+    """How much of the optimizer worker's time ran hidden under compute, measured.
+
+    The worker records each interval it runs optimizer work (a group's update or
+    measurement); the training thread records each interval it blocks on the worker
+    (finish, settle, a deferred group before its gather, drain). Worker seconds that
+    fall inside no such wait ran while the training thread did something else
+    (forward, backward, data): hidden. The rest were waited for: exposed. The split is
+    the intersection of the two sets of intervals, not an assumption about which phase
+    the worker ran in.
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self._now = now
+        self._lock = threading.Lock()
+        self._busy: list[tuple[float, float]] = []  # closed worker intervals, not counted yet
+        self._waits: list[tuple[float, float]] = []  # closed waits that may still overlap
+        self._running: float | None = None  # start of the worker interval in progress
+        self._depth = 0  # nested waits count once
+        self._wait_t0 = 0.0
+        self.busy_s = 0.0  # worker seconds counted so far (cumulative)
+        self.waited_busy_s = 0.0  # of those, seconds the training thread waited through
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around optimizer work on the worker thread."""
+        t0 = self._now()
+        with self._lock:
+            self._running = t0
+        try:
+            yield
+        finally:
+            t1 = self._now()
+            with self._lock:
+                self._running = None
+                self._busy.append((t0, t1))
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around the training thread blocking on the worker."""
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self._wait_t0 = self._now()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._waits.append((self._wait_t0, self._now()))
+
+    def totals(self) -> tuple[float, float]:
+        """(worker seconds, of which hidden under compute), cumulative over the closed
+        worker intervals; one still running is counted once it ends."""
+        with self._lock:
+            busy, self._busy = self._busy, []
+            waits = list(self._waits)
+            if self._depth:  # a wait in progress (another thread asks) counts up to now
+                waits.append((self._wait_t0, self._now()))
+            for b0, b1 in busy:
+                self.busy_s += b1 - b0
+                self.waited_busy_s += sum(max(0.0, min(b1, w1) - max(b0, w0))
+                                          for w0, w1 in waits if w1 > b0 and w0 < b1)
+            # a wait can still overlap the interval running now, never an earlier one
+            keep_from = self._running
+            self._waits = ([] if keep_from is None
+                           else [w for w in self._waits if w[1] > keep_from])
+            return self.busy_s, self.busy_s - self.waited_busy_s
 
 
 class InPlaceStep:
@@ -116,9 +204,10 @@ class InPlaceStep:
         self._measured: dict[str, Future[GradStat]] = {}
         self._deferred: dict[str, Future[float]] = {}  # group -> its pending update
         self._deferred_t0 = 0.0
+        self._deferred_args: tuple[AdamHyper, float, float] | None = None  # of defer()
         self._deferred_compute = 0.0  # kernel seconds of the deferred step so far
         self._deferred_failure: BaseException | None = None
-        self.worker_s = 0.0  # kernel seconds run on the worker, beside compute (cumulative)
+        self.clock = OverlapClock()  # the worker's seconds, hidden under compute or waited for
 
     # -- the whole step after backward -------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
@@ -203,10 +292,11 @@ class InPlaceStep:
             with self._lock:
                 if self._failure is not None:
                     return compute
-                hidden = not self._finishing  # backward still runs beside it
-                threads = self._during if hidden else self._threads
+                beside = not self._finishing  # backward still runs beside it
+                threads = self._during if beside else self._threads
             try:
-                seconds = self.update(key, hyper, step, 1.0, threads)
+                with self.clock.busy():
+                    seconds = self.update(key, hyper, step, 1.0, threads)
             except BaseException as exc:
                 err = RuntimeError(f"the optimizer step begun during backward failed on "
                                    f"shard group {key!r}: {exc}")
@@ -217,13 +307,13 @@ class InPlaceStep:
             compute += seconds
             with self._lock:
                 self._done.add(key)
-                self.worker_s += seconds if hidden else 0.0
         return compute
 
     def settle(self) -> None:
         """Wait until the worker has run every group handed to it so far."""
-        for job in list(self._jobs):
-            job.exception()  # _run keeps its failures; this only waits
+        with self.clock.waiting():
+            for job in list(self._jobs):
+                job.exception()  # _run keeps its failures; this only waits
 
     def finish(self) -> PipelineStats:
         """Wait for the worker, raise its failure, update the groups not handed over."""
@@ -233,7 +323,8 @@ class InPlaceStep:
         with self._lock:
             self._finishing = True
         try:
-            compute = sum(job.result() for job in self._jobs)
+            with self.clock.waiting():
+                compute = sum(job.result() for job in self._jobs)
             if self._failure is not None:
                 raise self._failure
             compute += sum(self.update(k, hyper, step, 1.0, self._threads)
@@ -272,12 +363,18 @@ class InPlaceStep:
             raise RuntimeError("InPlaceStep.measure() without begin_measure()")
         for key in keys:
             if key not in self._measured:
-                self._measured[key] = self._worker.submit(grad_stat, self._store, key)
+                self._measured[key] = self._worker.submit(self._measure_one, key)
+
+    def _measure_one(self, key: str) -> GradStat:
+        with self.clock.busy():
+            return grad_stat(self._store, key)
 
     def forget_measured(self) -> None:
         """Drop every measurement (the gradients changed since): waits for those running."""
-        for job in self._measured.values():
-            job.exception()
+        with self.clock.waiting():
+            for job in self._measured.values():
+                if not job.cancelled():  # taken over by grad_stats
+                    job.exception()
         self._measured.clear()
 
     def grad_stats(self, redo: set[str]) -> dict[str, GradStat]:
@@ -285,13 +382,22 @@ class InPlaceStep:
         reduced again after it was measured) measured here. Consumes the measurements."""
         out: dict[str, GradStat] = {}
         try:
+            # Measurements the worker has not started are taken over here, from the back of
+            # its queue (it works from the front): the training thread would only wait.
+            for key in reversed(self._keys):
+                job = self._measured.get(key)
+                if job is not None and key not in redo and job.cancel():
+                    out[key] = grad_stat(self._store, key)
             for key in self._keys:
                 job = self._measured.get(key)
+                if key in out:
+                    continue
                 if job is None or key in redo:
                     out[key] = grad_stat(self._store, key)
                     continue
                 try:
-                    out[key] = job.result()
+                    with self.clock.waiting():
+                        out[key] = job.result()
                 except Exception as exc:
                     raise RuntimeError(f"measuring the gradient of shard group {key!r} "
                                        f"during backward failed: {exc}") from exc
@@ -316,6 +422,7 @@ class InPlaceStep:
         worker = self._start_worker()
         keys = list(dict.fromkeys([*[k for k in order if k in self._keys], *self._keys]))
         self._deferred_t0 = time.perf_counter()
+        self._deferred_args = (hyper, step, grad_scale)
         self._deferred_compute = 0.0
         self._deferred_failure = None
         with self._lock:
@@ -325,28 +432,31 @@ class InPlaceStep:
                                                 grad_scale)
 
     def _run_deferred(self, key: str, hyper: AdamHyper, step: float,
-                      grad_scale: float) -> float:
-        """On the worker: one group of the deferred step; skipped after a failure, which
-        is kept (naming the group) for the next wait."""
+                      grad_scale: float, *, on_worker: bool = True) -> float:
+        """One group of the deferred step: on the worker, or (`on_worker` False) taken over
+        by the training thread waiting for it (see wait_groups); skipped after a failure,
+        which is kept (naming the group) for the next wait."""
         with self._lock:
             if self._deferred_failure is not None:
                 return 0.0
-            hidden = not self._finishing  # nobody is waiting for the whole step yet
-            threads = self._during if hidden else self._threads
+            beside = not self._finishing  # nobody is waiting for the whole step yet
+            # taken over: the worker may be running another group at the same time
+            threads = self._during if beside or not on_worker else self._threads
         try:
-            seconds = self.update(key, hyper, step, grad_scale, threads)
+            with self.clock.busy() if on_worker else contextlib.nullcontext():
+                seconds = self.update(key, hyper, step, grad_scale, threads)
         except BaseException as exc:
             err = RuntimeError(f"the optimizer update deferred into the next forward "
                                f"(gradient clipping / fp16 with overlap_step) failed on "
                                f"shard group {key!r}: {exc}; the groups queued after it "
-                               f"were not updated in this step")
+                               f"were not updated in this step (unless the training "
+                               f"thread had taken them over already)")
             err.__cause__ = exc
             with self._lock:
                 self._deferred_failure = err
             return 0.0
         with self._lock:
             self._deferred_compute += seconds
-            self.worker_s += seconds if hidden else 0.0
         return seconds
 
     def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
@@ -355,10 +465,18 @@ class InPlaceStep:
         the worker is raised (once), after everything queued has finished."""
         if not self._deferred:
             return None
-        for key in keys:
-            job = self._deferred.pop(key, None)
-            if job is not None:
-                job.result()  # _run_deferred keeps its failures; this only waits
+        with self.clock.waiting():
+            jobs = [(k, j) for k in keys if (j := self._deferred.pop(k, None)) is not None]
+            # Groups the worker has not started are taken over from the back of the list
+            # (the worker runs the queue from the front), so a unit of several groups
+            # (the root: embedding and head) is updated by both threads at once; each
+            # group whole by one of them, the same kernel: the same bits.
+            for key, job in reversed(jobs):
+                if self._deferred_args is not None and job.cancel():
+                    self._run_deferred(key, *self._deferred_args, on_worker=False)
+            for _, job in jobs:
+                if not job.cancelled():
+                    job.result()  # _run_deferred keeps its failures; this only waits
         if self._deferred_failure is not None:
             self._drain_jobs()
             err, self._deferred_failure = self._deferred_failure, None
@@ -377,8 +495,9 @@ class InPlaceStep:
         return self.wait_groups(list(self._deferred))
 
     def _drain_jobs(self) -> None:
-        for job in self._deferred.values():
-            job.exception()
+        with self.clock.waiting():
+            for job in self._deferred.values():
+                job.exception()
         self._deferred.clear()
 
     def _close_during(self) -> None:

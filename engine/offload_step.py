@@ -241,11 +241,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             if done is not None:
                 self.last_stats = done
 
-    @property
-    def background_s(self) -> float:
-        """Kernel seconds run on the worker thread beside compute so far (cumulative; the
-        optimizer's time hidden under forward and backward)."""
-        return 0.0 if self._in_place is None else self._in_place.worker_s
+    def worker_times(self) -> tuple[float, float]:
+        """(seconds the optimizer's worker thread ran, of which hidden under compute),
+        cumulative: measured as the worker's time outside every wait of the training
+        thread on it (OverlapClock in engine/inplace_step.py). (0, 0) for the streamed
+        step, which updates shards on the training thread."""
+        return (0.0, 0.0) if self._in_place is None else self._in_place.clock.totals()
 
     def _need_in_place(self) -> InPlaceStep:
         if self._in_place is None:

@@ -43,7 +43,6 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("zero.max_reuse_distance_bytes", 2_000_000_000, "2GB", 2_000_000_000, {}),
     ("zero.overlap_comm", True, False, False, {}),
     ("zero.reduce_bucket_bytes", 1_000_000_000, "256 MiB", 256 << 20, {}),
-    ("zero.gather_16bit_weights_on_model_save", False, "true", True, {}),
     ("offload.params.device", "none", "cpu", "cpu", {}),
     ("offload.params.path", None, "~/swap", f"{HOME}/swap", {}),
     ("offload.params.pin_memory", True, False, False, {}),
@@ -58,10 +57,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.optimizer.chunk_numel", 1 << 20, 4096, 4096, {}),
     ("offload.optimizer.grad_device", "auto", "cpu", "cpu",
      {"offload": {"optimizer": {"device": "cpu"}}}),
-    ("offload.optimizer.ratio", 1.0, 0.25, 0.25, {}),
     ("offload.optimizer.overlap_step", True, False, False, {}),
-    ("offload.optimizer.pipeline_read", True, False, False, {}),
-    ("offload.optimizer.pipeline_write", True, False, False, {}),
     ("offload.budgets.device_bytes", None, "80GB", 80 * 10**9, {}),
     ("offload.budgets.host_bytes", None, "256GiB", 256 << 30, {}),
     ("offload.budgets.nvme_bytes", None, "2TB", 2 * 10**12, {}),
@@ -200,11 +196,11 @@ def test_precision_shorthand_equals_mapping() -> None:
 
 def test_offload_shorthand_sets_both_classes(tmp_path: Any) -> None:
     config = engine.load_config({"offload": {"device": "nvme", "path": str(tmp_path),
-                                             "pin_memory": False, "ratio": 0.5,
+                                             "pin_memory": False, "overlap_step": False,
                                              "max_in_cpu_bytes": "1GB"}})
     for cls in (config.offload.params, config.offload.optimizer):
         assert (cls.device, cls.path, cls.pin_memory) == ("nvme", str(tmp_path), False)
-    assert config.offload.optimizer.ratio == 0.5
+    assert config.offload.optimizer.overlap_step is False
     assert config.offload.params.max_in_cpu_bytes == 10**9
 
 

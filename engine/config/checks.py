@@ -83,10 +83,6 @@ def _check_offload(config: Config) -> None:
     if opt.device != "none" and stage == 0:
         raise ConfigError("offload.optimizer.device",
                           f"{opt.device!r} needs zero.stage 1, 2 or 3 but zero.stage is 0")
-    if opt.ratio < 1.0 and stage != 3:
-        raise ConfigError("offload.optimizer.ratio",
-                          f"{opt.ratio} (partial offload) needs zero.stage 3; "
-                          f"zero.stage is {stage}")
     if opt.grad_device != "auto" and opt.device == "none":
         raise ConfigError("offload.optimizer.grad_device",
                           f"{opt.grad_device!r} needs an offloaded optimizer (the gradient shards "

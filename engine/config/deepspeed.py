@@ -74,6 +74,9 @@ IGNORED_ZERO = {
     "module_granularity_threshold": "units are set by zero.units / unit_min_bytes",
     "use_all_reduce_for_fetch_params": "not used", "allgather_sequential": "not used",
     "enable_sanity_checks": "not used", "leaf_module": "use zero.leaf_modules (class names)",
+    "gather_16bit_weights_on_model_save": (
+        "checkpoints stay sharded; whole weights are written by TierZeroTrainer.save_model, "
+        "train.export or tierzero.engine.consolidate_to_safetensors whatever this says"),
     "zenflow": "not supported", "save_muon_momentum_buffer_in_memory": "only Adam(W)",
 }
 ZERO_ALIASES = {  # DeepSpeed spelling -> its canonical (unprefixed) name
@@ -98,7 +101,6 @@ ZERO_ELEMENTS = {  # canonical DeepSpeed name -> native key, counted in elements
 }
 ZERO_PLAIN = {
     "stage": "zero.stage", "overlap_comm": "zero.overlap_comm",
-    "gather_16bit_weights_on_model_save": "zero.gather_16bit_weights_on_model_save",
 }
 ZERO_COUNTS = {  # canonical DeepSpeed name -> native key, counted in elements (not bytes)
     "sub_group_size": "offload.optimizer.chunk_numel",

@@ -17,6 +17,10 @@ OPT_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", 
             "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload",
             "cpuadam_cores_perc", "convert_grad_on_cpu", "max_in_nvme"}
 OPT_IGNORED = {
+    "ratio": "partial offload is not supported: the whole optimizer state is offloaded",
+    "pipeline_read": "always on: the streamed CPU Adam reads the next state ahead",
+    "pipeline_write": "always on: the streamed CPU Adam writes state back behind the update",
+    "pipeline": "always on: the streamed CPU Adam reads ahead and writes behind",
     "fast_init": "no equivalent setting",
     "super_offload": "Superchip-specific (not supported)",
     "cpuadam_cores_perc": "no equivalent setting (SuperOffload only)",
@@ -82,13 +86,9 @@ def _map_class(body: Mapping[str, Any], prefix: str, cls: str, itemsize: int,
             out.set(f"{native}.path", body["nvme_path"], f"{prefix}.nvme_path")
         else:
             out.ignore(f"{prefix}.nvme_path", f"unused: device is {device}")
-    for ds in ("pin_memory", "buffer_count", "ratio", "pipeline_read", "pipeline_write"):
+    for ds in ("pin_memory", "buffer_count"):
         if ds in body:
             out.set(f"{native}.{ds}", body[ds], f"{prefix}.{ds}")
-    if "pipeline" in body:  # older DeepSpeed: one switch for both directions
-        for ds in ("pipeline_read", "pipeline_write"):
-            if ds not in body:
-                out.set(f"{native}.{ds}", body["pipeline"], f"{prefix}.pipeline")
     # Parameter buffers hold compute-dtype elements; optimizer buffers fp32 state.
     size = itemsize if cls == "params" else 4
     if cls == "params" and device == "nvme" and "max_in_cpu" not in body:

@@ -7,7 +7,7 @@ values.coerce, and two shorthands are expanded here and only here:
 - `precision: bf16` means `precision: {dtype: bf16}`;
 - `offload: {device: nvme, path: /x, ...}` sets those keys on both
   `offload.params` and `offload.optimizer` (a key that belongs to one class
-  only, like `ratio`, goes to that class); an explicit `params:` or
+  only, like `max_in_cpu_bytes`, goes to that class); an explicit `params:` or
   `optimizer:` section next to them overrides the shorthand.
 """
 

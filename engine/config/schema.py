@@ -179,9 +179,6 @@ class ZeroConfig:
         metadata=meta("bound on gradient bytes in flight in reductions behind backward; 0 = one "
                       "reduction at a time", ge=0, unit="bytes"),
     )
-    gather_16bit_weights_on_model_save: bool = field(
-        default=False, metadata=meta("gather full compute-dtype weights when saving the model")
-    )
 
 
 @dataclass(frozen=True)
@@ -269,14 +266,6 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "nvme; otherwise it follows optimizer.device)"
         ),
     )
-    ratio: float = field(
-        default=1.0,
-        metadata=meta(
-            "fraction of optimizer state updated on the CPU; the rest stays on the device",
-            gt=0,
-            le=1,
-        ),
-    )
     overlap_step: bool = field(
         default=True,
         metadata=meta(
@@ -287,12 +276,6 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "worker during the next forward (same results); state on NVMe then steps after "
             "backward"
         ),
-    )
-    pipeline_read: bool = field(
-        default=True, metadata=meta("read the next unit's state during the current update")
-    )
-    pipeline_write: bool = field(
-        default=True, metadata=meta("write the previous unit's state during the current update")
     )
 
 
@@ -445,7 +428,10 @@ class LoggingConfig:
         default=10, metadata=meta("log loss, lr and throughput every this many steps", gt=0)
     )
     wall_clock_breakdown: bool = field(
-        default=False, metadata=meta("log forward/backward/step/I-O timings per step")
+        default=False, metadata=meta(
+            "the engine logs (rank 0, every steps_per_print optimizer steps) the step's wall "
+            "ms: forward, backward, step(), unit gathers, deferred-update waits, optimizer "
+            "time hidden under compute, I/O stalls (engine/wall_clock.py)")
     )
 
 

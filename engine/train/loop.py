@@ -452,8 +452,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
               world: int) -> StepRecord:
     start = time.perf_counter()
     wait_before = eng.scheduler.gather_s  # every unit gather, forward and backward
-    # the CPU Adam beside compute, and forward waiting for deferred updates of the last step
-    hidden_before, waited_before = eng.optimizer_times()
+    # the CPU Adam's worker beside compute, and forward waiting for deferred updates
+    times_before = eng.optimizer_times()
     losses: list[float] = []
     optimizer_s = 0.0
     n_tokens = 0
@@ -479,8 +479,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         optimizer_s += time.perf_counter() - t_opt
     step_s = time.perf_counter() - start
     wait_s = eng.scheduler.gather_s - wait_before
-    hidden_after, waited_after = eng.optimizer_times()
-    optimizer_s += waited_after - waited_before
+    times_after = eng.optimizer_times()
+    optimizer_s += times_after.update_wait_s - times_before.update_wait_s
     read, written = disk.delta()
     report = eng.memory_report()
     now, peak = tier_bytes(report)
@@ -490,7 +490,9 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
         lr=eng.get_lr()[0], tokens=total_tokens, tokens_per_s=total_tokens / step_s,
         step_s=step_s, compute_s=max(0.0, step_s - optimizer_s - wait_s), wait_s=wait_s,
-        optimizer_s=optimizer_s, optimizer_hidden_s=hidden_after - hidden_before,
+        optimizer_s=optimizer_s,
+        optimizer_hidden_s=times_after.hidden_s - times_before.hidden_s,
+        optimizer_worker_s=times_after.worker_s - times_before.worker_s,
         tier_bytes=now, tier_peak_bytes=peak,
         nvme_read_bytes=read, nvme_written_bytes=written,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
