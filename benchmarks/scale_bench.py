@@ -209,7 +209,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
         ph.end(f"step {step}", t, loss=float(loss.item()), nvme_read=io1[0] - io0[0],
                nvme_written=io1[1] - io0[1], **split())
     report = eng.memory_report()
-    eng.close()
+    eng.close(restore_params=False)  # as `tierzero train` ends: no model rebuilt in RAM
     left = files_under(args.swap_dir)
     return {"engine": "tierzero", "params": n_params, "base_rss": ph.base,
             "phases": ph.rows, "swap_files_left": left,
