@@ -75,7 +75,7 @@ typedef struct {
 } tz_adam_hp;
 
 /* Version of the argument layout above; adam_build.py checks it. */
-int tz_adam_abi_version(void) { return 2; }
+int tz_adam_abi_version(void) { return 3; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -197,3 +197,201 @@ int tz_f32_to_16(const float *src, void *dst, int okind, int64_t lo, int64_t hi)
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------
+ * Compressed moments (offload.optimizer.state_precision; formats and codes in
+ * offload/state_codec.py, [Note: 8-bit moment codes]). The same one pass as
+ * tz_adam_step: each element's stored moments are decoded, updated with exactly the
+ * arithmetic above, and the new ones re-encoded before moving on. skind 1: bf16 moments
+ * (m, v as bf16, round to nearest even). skind 2: int8 blocks of TZ_BLOCK elements: the
+ * block's new m and sqrt(v) are kept in two stack arrays (2 KiB, in L1) until the block's
+ * maximum is known, then encoded; nothing is read or written twice in memory. The fp32
+ * path above is untouched, so fp32 results are bit-identical to before this was added.
+ * ------------------------------------------------------------------------------------ */
+#define TZ_BLOCK 256
+
+/* Code q (mb mantissa bits, 4 exponent bits) -> its value in [0, top]. */
+static inline float dec_mag(uint32_t q, const int mb) {
+    uint32_t bits = (q + (112u << mb)) << (23 - mb);
+    float normal;
+    memcpy(&normal, &bits, sizeof normal);
+    float sub = (float)(q & ((1u << mb) - 1u)) * (mb == 3 ? 0x1p-17f : 0x1p-18f);
+    return (q >> mb) == 0 ? sub : normal;
+}
+
+/* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. */
+static inline uint32_t enc_mag(float y, const int mb) {
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    const int sh = 23 - mb;
+    int32_t normal = (int32_t)((bits + ((1u << (sh - 1)) - 1u) + ((bits >> sh) & 1u)) >> sh)
+                     - (112 << mb);
+    int32_t sub = (int32_t)rintf(y * (mb == 3 ? 0x1p17f : 0x1p18f));
+    int32_t q = y < 0x1p-14f ? sub : normal;
+    const int32_t top = (1 << (4 + mb)) - 1;
+    return (uint32_t)(q < 0 ? 0 : (q > top ? top : q));
+}
+
+static inline float pow2f(int32_t k) { /* 2^k for k in [-126, 127], exact */
+    uint32_t bits = (uint32_t)(k + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The block's power-of-two scale and its inverse (state_codec._block_scale). */
+static inline void block_scale(float absmax, uint32_t limit, float *scale, float *inv) {
+    uint32_t bits;
+    memcpy(&bits, &absmax, sizeof bits);
+    int32_t e = (int32_t)((bits >> 23) & 0xffu);
+    if (e == 0) {
+        *scale = 0.0f;
+        *inv = 0.0f;
+        return;
+    }
+    int32_t k = e - 127 + ((bits & 0x7fffffu) > limit ? 1 : 0);
+    k = k < -126 ? -126 : (k > 127 ? 127 : k);
+    *scale = pow2f(k);
+    *inv = pow2f(-k < -126 ? -126 : -k);
+}
+
+static inline __attribute__((always_inline)) void adam_q_range(
+    float *restrict p, void *restrict mraw, float *restrict ms, void *restrict vraw,
+    float *restrict vs, const void *restrict gptr, void *restrict optr, int64_t lo, int64_t hi,
+    const tz_adam_hp *hp, const int skind, const int gkind, const int okind,
+    const int decoupled, const int apply_decay, const int apply_scale, const int w_small) {
+    const float *restrict g32 = (const float *)gptr;
+    const uint16_t *restrict g16 = (const uint16_t *)gptr;
+    uint16_t *restrict o16 = (uint16_t *)optr;
+    uint16_t *restrict m16 = (uint16_t *)mraw;
+    uint16_t *restrict v16 = (uint16_t *)vraw;
+    uint8_t *restrict mq = (uint8_t *)mraw;
+    uint8_t *restrict vq = (uint8_t *)vraw;
+    const float scale = hp->grad_scale, decay = hp->decay, wd = hp->wd;
+    const float wc = hp->w_coeff, b2 = hp->beta2, omb2 = hp->one_minus_beta2;
+    const float bc2s = hp->bc2_sqrt, eps = hp->eps, nss = hp->neg_step_size;
+    for (int64_t b0 = lo; b0 < hi; b0 += TZ_BLOCK) {
+        const int len = (int)(hi - b0 < TZ_BLOCK ? hi - b0 : TZ_BLOCK);
+        float mt[TZ_BLOCK], ut[TZ_BLOCK];
+        float sm = 0.0f, sv = 0.0f;
+        if (skind == 2) {
+            sm = ms[b0 / TZ_BLOCK];
+            sv = vs[b0 / TZ_BLOCK];
+        }
+        for (int j = 0; j < len; ++j) {
+            const int64_t i = b0 + j;
+            float g = gkind == 0 ? g32[i] : gkind == 1 ? bf16_to_f32(g16[i])
+                                                       : f16_to_f32(g16[i]);
+            if (apply_scale) g = g * scale;
+            float pi = p[i];
+            if (apply_decay) {
+                if (decoupled) pi = pi * decay;
+                else g = fmaf(pi, wd, g);
+            }
+            float mi, vi;
+            if (skind == 1) {
+                mi = bf16_to_f32(m16[i]);
+                vi = bf16_to_f32(v16[i]);
+            } else {
+                uint32_t c = mq[i];
+                float mag = dec_mag(c & 0x7fu, 3) * sm;
+                mi = (c & 0x80u) ? -mag : mag;
+                float u = dec_mag(vq[i], 4) * sv;
+                vi = u * u;
+            }
+            mi = fmaf(wc, g - mi, w_small ? mi : g);
+            vi = vi * b2;
+            vi = fmaf(omb2 * g, g, vi);
+            float su = sqrtf(vi);
+            float d = su / bc2s + eps;
+            pi = pi + (nss * mi) / d;
+            p[i] = pi;
+            if (skind == 1) {
+                m16[i] = f32_to_bf16(mi);
+                v16[i] = f32_to_bf16(vi);
+            } else {
+                mt[j] = mi;
+                ut[j] = su;
+            }
+            if (okind == 1) o16[i] = f32_to_bf16(pi);
+            else if (okind == 2) o16[i] = f32_to_f16(pi);
+        }
+        if (skind == 2) {
+            float am = 0.0f, au = 0.0f;
+            int bad_m = 0, bad_u = 0;
+            for (int j = 0; j < len; ++j) {
+                float a = fabsf(mt[j]);
+                am = a > am ? a : am;
+                au = ut[j] > au ? ut[j] : au;
+                bad_m |= !(a <= 0x1.fffffep127f); /* NaN or inf */
+                bad_u |= !(ut[j] <= 0x1.fffffep127f);
+            }
+            float scm, invm, scu, invu;
+            block_scale(am, 0x700000u, &scm, &invm); /* top 1.875 */
+            block_scale(au, 0x780000u, &scu, &invu); /* top 1.9375 */
+            for (int j = 0; j < len; ++j) {
+                uint32_t q = enc_mag(fabsf(mt[j]) * invm, 3);
+                mq[b0 + j] = (uint8_t)(q | ((mt[j] < 0.0f && q) ? 0x80u : 0u));
+                vq[b0 + j] = (uint8_t)enc_mag(ut[j] * invu, 4);
+            }
+            ms[b0 / TZ_BLOCK] = bad_m ? NAN : scm;
+            vs[b0 / TZ_BLOCK] = bad_u ? NAN : scu;
+        }
+    }
+}
+
+#define TZ_QFLAGS(S, G, O)                                                                    \
+    static void adamq_##S##_##G##_##O(float *p, void *m, float *ms, void *v, float *vs,       \
+                                      const void *g, void *o, int64_t lo, int64_t hi,         \
+                                      const tz_adam_hp *hp) {                                 \
+        int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
+        int s = hp->apply_scale, ws = hp->w_small;                                            \
+        if (mode == 0 && !s && ws)                                                            \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 0, 0, 0, 1);             \
+        else if (mode == 2 && !s && ws)                                                       \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 1, 1, 0, 1);             \
+        else if (mode == 0 && s && ws)                                                        \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 0, 0, 1, 1);             \
+        else if (mode == 2 && s && ws)                                                        \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 1, 1, 1, 1);             \
+        else                                                                                  \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, mode == 2, mode != 0, s, \
+                         ws);                                                                 \
+    }
+#define TZ_QROW(S, G) TZ_QFLAGS(S, G, 0) TZ_QFLAGS(S, G, 1) TZ_QFLAGS(S, G, 2)
+TZ_QROW(1, 0)
+TZ_QROW(1, 1)
+TZ_QROW(1, 2)
+TZ_QROW(2, 0)
+TZ_QROW(2, 1)
+TZ_QROW(2, 2)
+
+typedef void (*tz_adamq_fn)(float *, void *, float *, void *, float *, const void *, void *,
+                            int64_t, int64_t, const tz_adam_hp *);
+
+static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
+    {{adamq_1_0_0, adamq_1_0_1, adamq_1_0_2},
+     {adamq_1_1_0, adamq_1_1_1, adamq_1_1_2},
+     {adamq_1_2_0, adamq_1_2_1, adamq_1_2_2}},
+    {{adamq_2_0_0, adamq_2_0_1, adamq_2_0_2},
+     {adamq_2_1_0, adamq_2_1_1, adamq_2_1_2},
+     {adamq_2_2_0, adamq_2_2_1, adamq_2_2_2}},
+};
+
+/* Update elements [lo, hi) of a shard whose moments are stored compressed. m / v: the
+ * moments' bf16 data (skind 1) or int8 codes (skind 2, with their per-block scales ms / vs,
+ * indexed from element 0 of the shard). For skind 2, lo must be a multiple of TZ_BLOCK
+ * and hi a multiple of it or the shard's end. Returns 0, or -1 for a bad kind / range. */
+int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void *g, int gkind,
+                   void *out, int okind, int skind, int64_t lo, int64_t hi,
+                   const tz_adam_hp *hp) {
+    if (gkind < 0 || gkind > 2 || okind < 0 || okind > 2 || (okind != 0 && out == 0)) return -1;
+    if (skind < 1 || skind > 2 || (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0)))
+        return -1;
+    unsigned mxcsr = tz_enter(); /* see [Note: subnormals] */
+    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp);
+    tz_leave(mxcsr);
+    return 0;
+}
+
+int tz_state_block(void) { return TZ_BLOCK; }
