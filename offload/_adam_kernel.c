@@ -203,20 +203,26 @@ int tz_f32_to_16(const float *src, void *dst, int okind, int64_t lo, int64_t hi)
  * offload/state_codec.py, [Note: 8-bit moment codes]). The same one pass as
  * tz_adam_step: each element's stored moments are decoded, updated with exactly the
  * arithmetic above, and the new ones re-encoded before moving on. skind 1: bf16 moments
- * (m, v as bf16, round to nearest even). skind 2: int8 blocks of TZ_BLOCK elements: the
+ * (m, v as bf16, rounded stochastically). skind 2: int8 blocks of TZ_BLOCK elements: the
  * block's new m and sqrt(v) are kept in two stack arrays (2 KiB, in L1) until the block's
  * maximum is known, then encoded; nothing is read or written twice in memory. The fp32
  * path above is untouched, so fp32 results are bit-identical to before this was added.
  * ------------------------------------------------------------------------------------ */
 #define TZ_BLOCK 256
 
-/* Code q (mb mantissa bits, 4 exponent bits) -> its value in [0, top]. */
-static inline float dec_mag(uint32_t q, const int mb) {
-    uint32_t bits = (q + (112u << mb)) << (23 - mb);
-    float normal;
-    memcpy(&normal, &bits, sizeof normal);
-    float sub = (float)(q & ((1u << mb) - 1u)) * (mb == 3 ? 0x1p-17f : 0x1p-18f);
-    return (q >> mb) == 0 ? sub : normal;
+/* murmur3's 32-bit finaliser: the counter-based random bits of stochastic rounding. */
+static inline uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* Element i's random bits under a moment's key (state_codec.random_bits). */
+static inline uint32_t rbits(int64_t i, uint32_t key) {
+    return fmix32(((uint32_t)i * 0x9e3779b1u) ^ key);
 }
 
 /* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. */
@@ -232,34 +238,29 @@ static inline uint32_t enc_mag(float y, const int mb) {
     return (uint32_t)(q < 0 ? 0 : (q > top ? top : q));
 }
 
-static inline float pow2f(int32_t k) { /* 2^k for k in [-126, 127], exact */
-    uint32_t bits = (uint32_t)(k + 127) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* fp32 -> bf16 rounded stochastically with the low 16 of r; NaN becomes 0x7fc0. */
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+    uint32_t rounded = (u + (r & 0xffffu)) >> 16;
+    return (uint16_t)(is_nan ? 0x7fc0u : rounded);
 }
 
-/* The block's power-of-two scale and its inverse (state_codec._block_scale). */
-static inline void block_scale(float absmax, uint32_t limit, float *scale, float *inv) {
-    uint32_t bits;
-    memcpy(&bits, &absmax, sizeof bits);
-    int32_t e = (int32_t)((bits >> 23) & 0xffu);
-    if (e == 0) {
-        *scale = 0.0f;
-        *inv = 0.0f;
-        return;
-    }
-    int32_t k = e - 127 + ((bits & 0x7fffffu) > limit ? 1 : 0);
-    k = k < -126 ? -126 : (k > 127 ? 127 : k);
-    *scale = pow2f(k);
-    *inv = pow2f(-k < -126 ? -126 : -k);
+/* The block's scale (its largest magnitude, 0 for a zero or subnormal block) and the
+ * factor that maps it to the top code `top` (state_codec._block_scale). */
+static inline void block_scale(float absmax, float top, float *scale, float *inv) {
+    int ok = absmax >= 0x1p-126f;
+    *scale = ok ? absmax : 0.0f;
+    *inv = ok ? top / absmax : 0.0f;
 }
 
 static inline __attribute__((always_inline)) void adam_q_range(
     float *restrict p, void *restrict mraw, float *restrict ms, void *restrict vraw,
     float *restrict vs, const void *restrict gptr, void *restrict optr, int64_t lo, int64_t hi,
-    const tz_adam_hp *hp, const int skind, const int gkind, const int okind,
-    const int decoupled, const int apply_decay, const int apply_scale, const int w_small) {
+    const tz_adam_hp *hp, const float *restrict tm, const float *restrict tv, const uint32_t key_m, const uint32_t key_v, const int skind,
+    const int gkind, const int okind, const int decoupled, const int apply_decay,
+    const int apply_scale, const int w_small) {
     const float *restrict g32 = (const float *)gptr;
     const uint16_t *restrict g16 = (const uint16_t *)gptr;
     uint16_t *restrict o16 = (uint16_t *)optr;
@@ -294,9 +295,9 @@ static inline __attribute__((always_inline)) void adam_q_range(
                 vi = bf16_to_f32(v16[i]);
             } else {
                 uint32_t c = mq[i];
-                float mag = dec_mag(c & 0x7fu, 3) * sm;
+                float mag = tm[c & 0x7fu] * sm;
                 mi = (c & 0x80u) ? -mag : mag;
-                float u = dec_mag(vq[i], 4) * sv;
+                float u = tv[vq[i]] * sv;
                 vi = u * u;
             }
             mi = fmaf(wc, g - mi, w_small ? mi : g);
@@ -307,8 +308,8 @@ static inline __attribute__((always_inline)) void adam_q_range(
             pi = pi + (nss * mi) / d;
             p[i] = pi;
             if (skind == 1) {
-                m16[i] = f32_to_bf16(mi);
-                v16[i] = f32_to_bf16(vi);
+                m16[i] = f32_to_bf16_sr(mi, rbits(i, key_m));
+                v16[i] = f32_to_bf16_sr(vi, rbits(i, key_v));
             } else {
                 mt[j] = mi;
                 ut[j] = su;
@@ -327,8 +328,8 @@ static inline __attribute__((always_inline)) void adam_q_range(
                 bad_u |= !(ut[j] <= 0x1.fffffep127f);
             }
             float scm, invm, scu, invu;
-            block_scale(am, 0x700000u, &scm, &invm); /* top 1.875 */
-            block_scale(au, 0x780000u, &scu, &invu); /* top 1.9375 */
+            block_scale(am, 1.875f, &scm, &invm);
+            block_scale(au, 1.9375f, &scu, &invu);
             for (int j = 0; j < len; ++j) {
                 uint32_t q = enc_mag(fabsf(mt[j]) * invm, 3);
                 mq[b0 + j] = (uint8_t)(q | ((mt[j] < 0.0f && q) ? 0x80u : 0u));
@@ -343,19 +344,20 @@ static inline __attribute__((always_inline)) void adam_q_range(
 #define TZ_QFLAGS(S, G, O)                                                                    \
     static void adamq_##S##_##G##_##O(float *p, void *m, float *ms, void *v, float *vs,       \
                                       const void *g, void *o, int64_t lo, int64_t hi,         \
-                                      const tz_adam_hp *hp) {                                 \
+                                      const tz_adam_hp *hp, const float *tm, const float *tv, \
+                                      uint32_t km, uint32_t kv) {                             \
         int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
         int s = hp->apply_scale, ws = hp->w_small;                                            \
         if (mode == 0 && !s && ws)                                                            \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 0, 0, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 0, 0, 0, 1);             \
         else if (mode == 2 && !s && ws)                                                       \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 1, 1, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 1, 1, 0, 1);             \
         else if (mode == 0 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 0, 0, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 0, 0, 1, 1);             \
         else if (mode == 2 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, 1, 1, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 1, 1, 1, 1);             \
         else                                                                                  \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, S, G, O, mode == 2, mode != 0, s, \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, mode == 2, mode != 0, s, \
                          ws);                                                                 \
     }
 #define TZ_QROW(S, G) TZ_QFLAGS(S, G, 0) TZ_QFLAGS(S, G, 1) TZ_QFLAGS(S, G, 2)
@@ -367,7 +369,8 @@ TZ_QROW(2, 1)
 TZ_QROW(2, 2)
 
 typedef void (*tz_adamq_fn)(float *, void *, float *, void *, float *, const void *, void *,
-                            int64_t, int64_t, const tz_adam_hp *);
+                            int64_t, int64_t, const tz_adam_hp *, const float *, const float *,
+                            uint32_t, uint32_t);
 
 static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
     {{adamq_1_0_0, adamq_1_0_1, adamq_1_0_2},
@@ -380,16 +383,23 @@ static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
 
 /* Update elements [lo, hi) of a shard whose moments are stored compressed. m / v: the
  * moments' bf16 data (skind 1) or int8 codes (skind 2, with their per-block scales ms / vs,
- * indexed from element 0 of the shard). For skind 2, lo must be a multiple of TZ_BLOCK
+ * indexed from element 0 of the shard, and `tables`: the 128 exp_avg magnitudes then the
+ * 256 sqrt(exp_avg_sq) values of the codes, relative to the block scale:
+ * state_codec.kernel_tables()). seed: bf16 moments are rounded stochastically with random
+ * bits of (seed, element index), so a step is reproducible; int8 codes round to nearest. For skind 2, lo must be a multiple of TZ_BLOCK
  * and hi a multiple of it or the shard's end. Returns 0, or -1 for a bad kind / range. */
 int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void *g, int gkind,
                    void *out, int okind, int skind, int64_t lo, int64_t hi,
-                   const tz_adam_hp *hp) {
+                   const tz_adam_hp *hp, const float *tables, uint32_t seed) {
     if (gkind < 0 || gkind > 2 || okind < 0 || okind > 2 || (okind != 0 && out == 0)) return -1;
-    if (skind < 1 || skind > 2 || (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0)))
+    if (skind < 1 || skind > 2 ||
+        (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0 || tables == 0)))
         return -1;
     unsigned mxcsr = tz_enter(); /* see [Note: subnormals] */
-    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp);
+    /* the moments' keys for this call's stochastic rounding (state_codec.moment_keys) */
+    uint32_t km = fmix32(seed * 2u + 1u), kv = fmix32(seed * 2u + 2u);
+    const float *tm = tables, *tv = tables == 0 ? 0 : tables + 128;
+    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, tm, tv, km, kv);
     tz_leave(mxcsr);
     return 0;
 }

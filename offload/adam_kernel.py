@@ -24,7 +24,16 @@ import torch
 from .adam_build import CompiledKernel, HyperParams, compiled_kernel, kernel_status
 from .adam_math import AdamHyper, check_flat, check_storage, step_scalars, torch_update
 from .adam_threads import MIN_PER_THREAD, AdamThreads
-from .state_codec import BLOCK, SKIND, check_precision, decode, encode, split_int8
+from .state_codec import (
+    BLOCK,
+    SKIND,
+    check_precision,
+    decode,
+    encode,
+    kernel_tables,
+    split_int8,
+    step_seed,
+)
 
 Backend = Literal["auto", "compiled", "torch"]
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -196,11 +205,14 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
         decode("exp_avg_sq", exp_avg_sq, v, state)
         torch_update(master, m, v, grad, hyper=prepared.hyper, step=prepared.step,
                      grad_scale=prepared.grad_scale, shadow=shadow)
-        encode("exp_avg", m, exp_avg, state)
-        encode("exp_avg_sq", v, exp_avg_sq, state)
+        seed = step_seed(prepared.step)
+        encode("exp_avg", m, exp_avg, state, seed)
+        encode("exp_avg_sq", v, exp_avg_sq, state, seed)
         return
     hp_ref = ctypes.byref(prepared.struct)
     skind = SKIND[state]
+    seed = step_seed(prepared.step)
+    tables = kernel_tables().data_ptr()
     mp, vp = exp_avg.data_ptr(), exp_avg_sq.data_ptr()
     ms = vs = None
     if state == "int8":
@@ -216,7 +228,8 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
 
     def part(lo: int, hi: int) -> None:
         lo, hi = lo * unit, min(n, hi * unit)
-        rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref)
+        rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref,
+                    tables, seed)
         if rc != 0:
             raise RuntimeError(f"tz_adam_step_q rejected its arguments (rc={rc}, kinds "
                                f"{gkind}/{okind}/{skind}, range {lo}:{hi})")

@@ -17,40 +17,51 @@ tests, as the PyTorch fallback, and for whole-shard conversions off the step
 (checkpoints, loading a checkpoint of another precision).
 
 [Note: 8-bit moment codes]
-Both moments use a small floating-point code relative to a per-block power-of-two
-scale, the "dynamic" code idea of Dettmers et al. (8-bit Optimizers via Block-wise
-Quantization, 2021): relative precision that stays constant over many orders of
-magnitude, which Adam's second moment needs (a small v quantized to zero turns
-m / (sqrt(v) + eps) into m / eps). Choices, and why:
+Both moments use a small floating-point code relative to a per-block scale, the
+"dynamic" code idea of Dettmers et al. (8-bit Optimizers via Block-wise Quantization,
+2021): relative precision that stays constant over orders of magnitude, which Adam's
+second moment needs (a small v quantized to zero turns m / (sqrt(v) + eps) into m / eps,
+and Adam's update is scale-free per element, so every element needs the same relative
+precision, not the same absolute one). Choices, and why:
 
-- exp_avg: sign bit + 7-bit magnitude, 4 exponent bits and 3 mantissa bits with a
-  linear (subnormal) range at the bottom. Normalised values y = |m| / scale in
-  [0, 1.875]: code q = (e, f) is f * 2^-17 for e = 0, else (1 + f/8) * 2^(e - 15).
-  Relative error <= 1/16 over 15 binades (4.5 decades), gradual underflow below.
-- exp_avg_sq: stored as u = sqrt(v) (the kernel computes sqrt(v) for the update
-  anyway) in an unsigned 8-bit code, 4 exponent and 4 mantissa bits: u / scale in
-  [0, 1.9375], relative error of u <= 1/32 (of v <= 1/16); the sqrt halves the
-  log-range, so 16 binades of u cover ~9.6 decades of v per block. Dettmers' code
-  for v is unsigned and dynamic too; the sqrt domain is what lets 8 bits span it.
-- Encoding rounds to the nearest code, ties to the even code, by integer arithmetic
-  on the fp32 bits (vectorisable in C, identical in PyTorch); decoding is exact.
-- The block scale is a power of two: the smallest 2^k with max|x| <= top * 2^k
-  (top = 1.875 or 1.9375). Scaling by it is exact, so (a) the C kernel and this
-  reference agree bit for bit, and (b) decode -> encode of decoded values gives back
-  the same values (a block whose maximum decodes to exactly top/2 is re-expressed one
-  binade up, value for value), which makes a checkpoint of decoded fp32 moments
-  resume bit-exactly. A power-of-two scale costs at most one of the 15-16 binades of
-  range and no relative precision (the code is floating-point).
+- exp_avg: sign bit + 7-bit magnitude, 4 exponent and 3 mantissa bits with a linear
+  (subnormal) range at the bottom: code (e, f) is f * 2^-17 for e = 0, else
+  (1 + f/8) * 2^(e - 15), top 1.875. Relative error <= 1/16 over 15 binades, gradual
+  underflow below.
+- exp_avg_sq: stored as u = sqrt(v) (the kernel computes sqrt(v) for the update anyway)
+  in an unsigned code with 4 exponent and 4 mantissa bits, top 1.9375: relative error
+  of u <= 1/32; the sqrt halves the log-range, so 16 binades of u cover ~9.6 decades of
+  v per block. Dettmers' code for v is unsigned and dynamic too; the sqrt domain is what
+  lets 8 bits span it.
+- The block scale is the block's largest magnitude (fp32), which maps to the top code:
+  the block maximum is stored exactly each step, so what all elements of a block do
+  together (v growing from zero after the start, decaying when gradients shrink) is
+  tracked exactly and rounding only touches their ratios to the maximum. A power-of-two
+  scale was tried first: it loses this, and v stalls wherever its per-step change
+  (about (1 - beta2) = 0.1 %) is below half a code step (measured: v off by up to 84 %
+  after 50 steps in the kernel test's setting, 64 % with the fp32 scale).
+- Codes round to the nearest, ties to even, by integer arithmetic on the fp32 bits
+  (vectorisable in C, identical in PyTorch); decoding is a table lookup times the scale
+  (tables: code value / top value, so the top code decodes to the scale exactly). So
+  (a) the C kernel and this module agree bit for bit, and (b) encoding decoded values
+  gives back the same codes and scales (the maximum decodes exactly, every other value
+  to within two ulps of its code), which makes a checkpoint of decoded fp32 moments
+  resume bit-exactly. Stochastic rounding was tried for int8 too: it is unbiased, but
+  with beta2 = 0.999 its per-step noise (a code step) performs a random walk that the
+  0.1 % pull of the average barely damps (v off by up to 146 % in the same test).
 - ``BLOCK`` = 256: the range a block needs is what the code's 15-16 binades give;
-  smaller blocks would add scale bytes (4 / BLOCK per element) for no precision.
+  smaller blocks would add scale bytes (4 / BLOCK per element).
 - The update uses the unrounded new moments of this step; only what is stored for
   the next step is rounded (as bitsandbytes' 8-bit Adam does).
 - Non-finite moments: a block holding a NaN or inf gets a NaN scale, so every element
   of it decodes to NaN (visible, never silently finite).
-- bf16 stores v itself (bf16 has fp32's exponent range); with beta2 = 0.999 a
-  decaying v moves by less than half a bf16 ulp per step and so decays in steps, not
-  smoothly (the int8 code's per-block rescaling does not have this: every element of
-  a block moves with its scale). benchmarks/RESULTS.md measures both against fp32.
+- bf16 stores m and v themselves (bf16 has fp32's exponent range), rounded
+  stochastically with counter-based random bits of (step, element index): round to
+  nearest would freeze v once its per-step change is below half a bf16 ulp (0.2 %),
+  e.g. after ~500 steps of a stationary gradient, while the bias correction keeps
+  shrinking, so the update would grow. bf16's ulp is small enough that the random walk
+  of stochastic rounding stays a few percent. Reproducible: the bits depend only on the
+  step and the element's index in its piece (not on how threads split it).
 """
 
 from __future__ import annotations
@@ -123,24 +134,36 @@ def check_raw(raw: torch.Tensor, numel: int, precision: str, name: str = "moment
 
 
 # ------------------------------------------------------------------ the codes
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """2.0 ** k as fp32 for integer k in [-126, 127] (exact, built from the bits)."""
-    return ((k + 127).to(torch.int32) << 23).view(torch.float32)
+def _code_values(mant_bits: int) -> torch.Tensor:
+    """The value of each magnitude code (4 exponent bits): f * 2^-(14 + mant_bits) for
+    e = 0, else (1 + f / 2^mant_bits) * 2^(e - 15); built from the fp32 bits, exact."""
+    q = torch.arange(1 << (4 + mant_bits), dtype=torch.int32)
+    e, f = q >> mant_bits, q & ((1 << mant_bits) - 1)
+    normal = ((q + ((_MIN_NORMAL_EXP - 1) << mant_bits)) << (23 - mant_bits)).view(torch.float32)
+    sub = f.to(torch.float32) * float(2.0 ** -(14 + mant_bits))
+    return torch.where(e == 0, sub, normal)
+
+
+# Decoded values relative to the block scale: code value / top code value (fp32 division),
+# so the top code decodes to the block's maximum exactly. The kernel gets the same tables.
+M_TABLE = _code_values(_M_MANT) / M_TOP  # 128 exp_avg magnitudes
+U_TABLE = _code_values(_U_MANT) / U_TOP  # 256 sqrt(exp_avg_sq) values
+_TABLES = torch.cat([M_TABLE, U_TABLE]).contiguous()
+
+
+def kernel_tables() -> torch.Tensor:
+    """The 384 fp32 values tz_adam_step_q decodes with (M_TABLE then U_TABLE)."""
+    return _TABLES
 
 
 def _block_scale(absmax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, 1 / scale) of each block: the smallest power of two 2^k with absmax <= top * 2^k,
-    k capped at 127 (moments beyond 2^127 clamp to the top code); (0, 0) for a zero or
-    subnormal absmax (the C kernel runs with denormals-are-zero). Both are built from the
-    exponent bits, so they are exact (1 / 2^127 is taken as 2^-126: no subnormal)."""
-    bits = absmax.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
-    limit = 0x700000 if top == M_TOP else 0x780000  # 1.875 / 1.9375 as fp32 mantissas
-    k = torch.clamp(exp - 127 + (mant > limit).to(torch.int32), -126, 127)
-    zero = exp == 0
-    scale = torch.where(zero, 0.0, _pow2(k))
-    inv = torch.where(zero, 0.0, _pow2(torch.clamp(-k, min=-126)))
+    """(scale, factor) of each block: the scale is the block's largest magnitude (0 when it
+    is zero or subnormal: the C kernel runs with denormals-are-zero), and y = |x| * factor
+    maps it to the top code (factor = top / absmax in fp32, as the kernel computes it)."""
+    ok = absmax >= _FLT_MIN
+    scale = torch.where(ok, absmax, 0.0)
+    inv = torch.where(ok, torch.tensor(top, dtype=torch.float32) / torch.where(ok, absmax, 1.0),
+                      0.0)
     return scale, inv
 
 
@@ -150,8 +173,9 @@ def _flush(x: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_mag(y: torch.Tensor, mant_bits: int) -> torch.Tensor:
-    """Code (int32) of magnitudes y >= 0 (fp32, already divided by the scale): nearest code,
-    ties to even, clamped to the top code. Subnormal y counts as 0 (as in the C kernel)."""
+    """Code (int32) of magnitudes y >= 0 (fp32, already scaled): the nearest code, ties to
+    the even code, by rounding the fp32 bits (as the kernel's enc_mag), clamped to the top
+    code. Subnormal y must be flushed by the caller."""
     top = (1 << (4 + mant_bits)) - 1
     bits = y.view(torch.int32)
     shift = 23 - mant_bits
@@ -162,13 +186,35 @@ def _encode_mag(y: torch.Tensor, mant_bits: int) -> torch.Tensor:
     return torch.clamp(q, 0, top)
 
 
-def _decode_mag(q: torch.Tensor, mant_bits: int) -> torch.Tensor:
-    q = q.to(torch.int32)
-    e = q >> mant_bits
-    f = q & ((1 << mant_bits) - 1)
-    normal = ((q + ((_MIN_NORMAL_EXP - 1) << mant_bits)) << (23 - mant_bits)).view(torch.float32)
-    sub = f.to(torch.float32) * float(2.0 ** -(14 + mant_bits))
-    return torch.where(e == 0, sub, normal)
+_MASK = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on int64 tensors holding uint32 values (as fmix32 in the kernel)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK
+    return h ^ (h >> 16)
+
+
+def step_seed(step: float) -> int:
+    """The stochastic-rounding seed of Adam step ``step`` (1 on the first update)."""
+    return int(step) & _MASK
+
+
+def moment_keys(seed: int) -> tuple[int, int]:
+    """(exp_avg key, exp_avg_sq key) of a seed, as tz_adam_step_q derives them."""
+    keys = _fmix32(torch.tensor([(seed * 2 + 1) & _MASK, (seed * 2 + 2) & _MASK]))
+    return int(keys[0]), int(keys[1])
+
+
+def random_bits(numel: int, key: int) -> torch.Tensor:
+    """Element i's 32 random bits under ``key`` (int64 values in [0, 2^32)): the kernel's
+    rbits(i, key). Counter-based, so any range of a piece gets the same bits however the
+    kernel's threads split it."""
+    i = torch.arange(numel, dtype=torch.int64)
+    return _fmix32(((i * 0x9E3779B1) & _MASK) ^ key)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -199,8 +245,8 @@ def decode_m(raw: torch.Tensor, out: torch.Tensor) -> None:
     """int8 bytes of exp_avg -> fp32 ``out``."""
     n = out.numel()
     codes, scales = split_int8(raw, n)
-    q = codes.to(torch.int32)
-    mag = _decode_mag(q & 0x7F, _M_MANT)
+    q = codes.to(torch.int64)
+    mag = M_TABLE[q & 0x7F]
     val = torch.where(q >= 0x80, -mag, mag)
     out.copy_(_flush(_blocks(val) * scales[:, None]).view(-1)[:n])
 
@@ -221,15 +267,28 @@ def decode_v(raw: torch.Tensor, out: torch.Tensor) -> None:
     """int8 bytes of exp_avg_sq -> fp32 v = u * u (u the decoded sqrt(v), rounded once)."""
     n = out.numel()
     codes, scales = split_int8(raw, n)
-    u = _flush(_blocks(_decode_mag(codes, _U_MANT)) * scales[:, None])
+    u = _flush(_blocks(U_TABLE[codes.to(torch.int64)]) * scales[:, None])
     out.copy_(_flush(u * u).view(-1)[:n])
 
 
-def encode(kind: str, value: torch.Tensor, out: torch.Tensor, precision: str) -> None:
-    """fp32 moment ``value`` of ``kind`` ("exp_avg" / "exp_avg_sq") -> stored bytes ``out``."""
+def encode_bf16(value: torch.Tensor, out: torch.Tensor, key: int) -> None:
+    """fp32 -> bf16 bytes rounded stochastically (the kernel's f32_to_bf16_sr)."""
+    bits = value.detach().float().contiguous().view(torch.int32).to(torch.int64) & _MASK
+    r = random_bits(value.numel(), key)
+    rounded = ((bits + (r & 0xFFFF)) >> 16) & 0xFFFF
+    nan = torch.isnan(value)
+    rounded = torch.where(nan, 0x7FC0, rounded)
+    out.view(torch.int16).copy_(rounded.to(torch.int32).to(torch.int16))
+
+
+def encode(kind: str, value: torch.Tensor, out: torch.Tensor, precision: str,
+           seed: int = 0) -> None:
+    """fp32 moment ``value`` of ``kind`` ("exp_avg" / "exp_avg_sq") -> stored bytes ``out``,
+    rounded stochastically with the random bits of ``seed`` (a value the format holds
+    exactly is stored exactly, whatever the seed)."""
     check_raw(out, value.numel(), precision, kind)
     if precision == "bf16":
-        out.view(torch.bfloat16).copy_(value)
+        encode_bf16(value, out, moment_keys(seed)[0 if kind == "exp_avg" else 1])
     elif kind == "exp_avg":
         encode_m(value, out)
     else:
