@@ -258,7 +258,8 @@ static inline void block_scale(float absmax, float top, float *scale, float *inv
 static inline __attribute__((always_inline)) void adam_q_range(
     float *restrict p, void *restrict mraw, float *restrict ms, void *restrict vraw,
     float *restrict vs, const void *restrict gptr, void *restrict optr, int64_t lo, int64_t hi,
-    const tz_adam_hp *hp, const float *restrict tm, const float *restrict tv, const uint32_t key_m, const uint32_t key_v, const int skind,
+    const tz_adam_hp *hp, const float *restrict tm, const float *restrict tv, const int64_t base,
+    const uint32_t key_m, const uint32_t key_v, const int skind,
     const int gkind, const int okind, const int decoupled, const int apply_decay,
     const int apply_scale, const int w_small) {
     const float *restrict g32 = (const float *)gptr;
@@ -308,8 +309,8 @@ static inline __attribute__((always_inline)) void adam_q_range(
             pi = pi + (nss * mi) / d;
             p[i] = pi;
             if (skind == 1) {
-                m16[i] = f32_to_bf16_sr(mi, rbits(i, key_m));
-                v16[i] = f32_to_bf16_sr(vi, rbits(i, key_v));
+                m16[i] = f32_to_bf16_sr(mi, rbits(i + base, key_m));
+                v16[i] = f32_to_bf16_sr(vi, rbits(i + base, key_v));
             } else {
                 mt[j] = mi;
                 ut[j] = su;
@@ -345,19 +346,19 @@ static inline __attribute__((always_inline)) void adam_q_range(
     static void adamq_##S##_##G##_##O(float *p, void *m, float *ms, void *v, float *vs,       \
                                       const void *g, void *o, int64_t lo, int64_t hi,         \
                                       const tz_adam_hp *hp, const float *tm, const float *tv, \
-                                      uint32_t km, uint32_t kv) {                             \
+                                      int64_t base, uint32_t km, uint32_t kv) {               \
         int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
         int s = hp->apply_scale, ws = hp->w_small;                                            \
         if (mode == 0 && !s && ws)                                                            \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 0, 0, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 0, 0, 0, 1);             \
         else if (mode == 2 && !s && ws)                                                       \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 1, 1, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 1, 1, 0, 1);             \
         else if (mode == 0 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 0, 0, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 0, 0, 1, 1);             \
         else if (mode == 2 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, 1, 1, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 1, 1, 1, 1);             \
         else                                                                                  \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, km, kv, S, G, O, mode == 2, mode != 0, s, \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, mode == 2, mode != 0, s, \
                          ws);                                                                 \
     }
 #define TZ_QROW(S, G) TZ_QFLAGS(S, G, 0) TZ_QFLAGS(S, G, 1) TZ_QFLAGS(S, G, 2)
@@ -370,7 +371,7 @@ TZ_QROW(2, 2)
 
 typedef void (*tz_adamq_fn)(float *, void *, float *, void *, float *, const void *, void *,
                             int64_t, int64_t, const tz_adam_hp *, const float *, const float *,
-                            uint32_t, uint32_t);
+                            int64_t, uint32_t, uint32_t);
 
 static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
     {{adamq_1_0_0, adamq_1_0_1, adamq_1_0_2},
@@ -385,12 +386,13 @@ static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
  * moments' bf16 data (skind 1) or int8 codes (skind 2, with their per-block scales ms / vs,
  * indexed from element 0 of the shard, and `tables`: the 128 exp_avg magnitudes then the
  * 256 sqrt(exp_avg_sq) values of the codes, relative to the block scale:
- * state_codec.kernel_tables()). seed: bf16 moments are rounded stochastically with random
- * bits of (seed, element index), so a step is reproducible; int8 codes round to nearest. For skind 2, lo must be a multiple of TZ_BLOCK
+ * state_codec.kernel_tables()). seed, base: bf16 moments are rounded stochastically with
+ * random bits of (seed, base + element index), so a step is reproducible and a shard
+ * stored in pieces (base: the piece's first element) rounds as one; int8 rounds to nearest. For skind 2, lo must be a multiple of TZ_BLOCK
  * and hi a multiple of it or the shard's end. Returns 0, or -1 for a bad kind / range. */
 int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void *g, int gkind,
                    void *out, int okind, int skind, int64_t lo, int64_t hi,
-                   const tz_adam_hp *hp, const float *tables, uint32_t seed) {
+                   const tz_adam_hp *hp, const float *tables, uint32_t seed, int64_t base) {
     if (gkind < 0 || gkind > 2 || okind < 0 || okind > 2 || (okind != 0 && out == 0)) return -1;
     if (skind < 1 || skind > 2 ||
         (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0 || tables == 0)))
@@ -399,7 +401,8 @@ int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void 
     /* the moments' keys for this call's stochastic rounding (state_codec.moment_keys) */
     uint32_t km = fmix32(seed * 2u + 1u), kv = fmix32(seed * 2u + 2u);
     const float *tm = tables, *tv = tables == 0 ? 0 : tables + 128;
-    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, tm, tv, km, kv);
+    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, tm, tv, base, km,
+                                       kv);
     tz_leave(mxcsr);
     return 0;
 }

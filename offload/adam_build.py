@@ -98,7 +98,7 @@ class CompiledKernel:
     step: Callable[..., int]  # tz_adam_step(p, m, v, g, gkind, out, okind, lo, hi, hp*)
     to_16: Callable[..., int]  # tz_f32_to_16(src, dst, okind, lo, hi)
     # tz_adam_step_q(p, m, ms, v, vs, g, gkind, out, okind, skind, lo, hi, hp*, tables,
-    # seed): compressed
+    # seed, base): compressed
     # moments (offload/state_codec.py)
     step_q: Callable[..., int]
 
@@ -288,7 +288,7 @@ def _load(path: Path, fd: int) -> CompiledKernel:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(HyperParams), ctypes.c_void_p,
-        ctypes.c_uint32,
+        ctypes.c_uint32, ctypes.c_int64,
     ]
     if lib.tz_state_block() != STATE_BLOCK:
         raise OSError(f"{path} has state block {lib.tz_state_block()}, expected {STATE_BLOCK}")

@@ -117,19 +117,21 @@ def adam_update(
     threads: AdamThreads | None = None,
     backend: Backend = "auto",
     state: str = "fp32",
+    offset: int = 0,
 ) -> None:
     """Apply one Adam/AdamW update in place; `step` counts this update (1 on the first).
 
     `threads` spreads the work over a pool's workers (one thread when None). `state`: how
     the moments are stored (offload/state_codec.py): "fp32" tensors, or "bf16" / "int8"
     flat uint8 tensors of state_codec.moment_nbytes(numel) bytes, decoded and re-encoded
-    in the same pass.
+    in the same pass. `offset`: the tensors' first element within their shard (a piece of
+    it), which bf16's stochastic rounding draws its bits by.
     """
     if master.is_meta:  # a dry run (tierzero plan): no data, nothing to compute
         return
     prepared = prepare_step(hyper, step, grad_scale, backend)
     run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads,
-                 state=state)
+                 state=state, offset=offset)
 
 
 def run_prepared(
@@ -142,6 +144,7 @@ def run_prepared(
     shadow: torch.Tensor | None = None,
     threads: AdamThreads | None = None,
     state: str = "fp32",
+    offset: int = 0,
 ) -> None:
     """`adam_update` with scalars prepared once for many tensors.
 
@@ -154,7 +157,8 @@ def run_prepared(
     if n == 0:
         return
     if state != "fp32":
-        _run_compressed(prepared, master, exp_avg, exp_avg_sq, grad, shadow, threads, state)
+        _run_compressed(prepared, master, exp_avg, exp_avg_sq, grad, shadow, threads, state,
+                        offset)
         return
     hyper, step, grad_scale = prepared.hyper, prepared.step, prepared.grad_scale
     if prepared.kernel is None or prepared.struct is None:
@@ -194,7 +198,7 @@ def run_prepared(
 
 def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, grad: torch.Tensor, shadow: torch.Tensor | None,
-                    threads: AdamThreads | None, state: str) -> None:
+                    threads: AdamThreads | None, state: str, offset: int) -> None:
     """`run_prepared` with moments stored in ``state`` (bf16 / int8 bytes, checked)."""
     n = master.numel()
     if prepared.kernel is None or prepared.struct is None:
@@ -206,8 +210,8 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
         torch_update(master, m, v, grad, hyper=prepared.hyper, step=prepared.step,
                      grad_scale=prepared.grad_scale, shadow=shadow)
         seed = step_seed(prepared.step)
-        encode("exp_avg", m, exp_avg, state, seed)
-        encode("exp_avg_sq", v, exp_avg_sq, state, seed)
+        encode("exp_avg", m, exp_avg, state, seed, offset)
+        encode("exp_avg_sq", v, exp_avg_sq, state, seed, offset)
         return
     hp_ref = ctypes.byref(prepared.struct)
     skind = SKIND[state]
@@ -229,7 +233,7 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
     def part(lo: int, hi: int) -> None:
         lo, hi = lo * unit, min(n, hi * unit)
         rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref,
-                    tables, seed)
+                    tables, seed, offset)
         if rc != 0:
             raise RuntimeError(f"tz_adam_step_q rejected its arguments (rc={rc}, kinds "
                                f"{gkind}/{okind}/{skind}, range {lo}:{hi})")

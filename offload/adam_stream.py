@@ -352,7 +352,7 @@ class AdamStream:
             adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
                         grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
                         grad_scale=op.grad_scale, shadow=shadow, threads=self._threads,
-                        backend=self._backend, state=self._state)
+                        backend=self._backend, state=self._state, offset=piece.lo)
         if whole is not None and self._shadow is None:  # fp32 compute: param16 is the master
             whole[piece.lo:piece.hi].copy_(master)
         return time.perf_counter() - t

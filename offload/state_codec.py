@@ -209,11 +209,11 @@ def moment_keys(seed: int) -> tuple[int, int]:
     return int(keys[0]), int(keys[1])
 
 
-def random_bits(numel: int, key: int) -> torch.Tensor:
-    """Element i's 32 random bits under ``key`` (int64 values in [0, 2^32)): the kernel's
-    rbits(i, key). Counter-based, so any range of a piece gets the same bits however the
-    kernel's threads split it."""
-    i = torch.arange(numel, dtype=torch.int64)
+def random_bits(numel: int, key: int, offset: int = 0) -> torch.Tensor:
+    """Elements offset..offset+numel-1's 32 random bits under ``key`` (int64 values in
+    [0, 2^32)): the kernel's rbits(i, key). Counter-based, so a shard gets the same bits
+    however the kernel's threads split it and however it is stored in pieces."""
+    i = torch.arange(offset, offset + numel, dtype=torch.int64)
     return _fmix32(((i * 0x9E3779B1) & _MASK) ^ key)
 
 
@@ -271,10 +271,10 @@ def decode_v(raw: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_flush(u * u).view(-1)[:n])
 
 
-def encode_bf16(value: torch.Tensor, out: torch.Tensor, key: int) -> None:
+def encode_bf16(value: torch.Tensor, out: torch.Tensor, key: int, offset: int = 0) -> None:
     """fp32 -> bf16 bytes rounded stochastically (the kernel's f32_to_bf16_sr)."""
     bits = value.detach().float().contiguous().view(torch.int32).to(torch.int64) & _MASK
-    r = random_bits(value.numel(), key)
+    r = random_bits(value.numel(), key, offset)
     rounded = ((bits + (r & 0xFFFF)) >> 16) & 0xFFFF
     nan = torch.isnan(value)
     rounded = torch.where(nan, 0x7FC0, rounded)
@@ -282,13 +282,13 @@ def encode_bf16(value: torch.Tensor, out: torch.Tensor, key: int) -> None:
 
 
 def encode(kind: str, value: torch.Tensor, out: torch.Tensor, precision: str,
-           seed: int = 0) -> None:
-    """fp32 moment ``value`` of ``kind`` ("exp_avg" / "exp_avg_sq") -> stored bytes ``out``,
-    rounded stochastically with the random bits of ``seed`` (a value the format holds
-    exactly is stored exactly, whatever the seed)."""
+           seed: int = 0, offset: int = 0) -> None:
+    """fp32 moment ``value`` of ``kind`` ("exp_avg" / "exp_avg_sq") -> stored bytes ``out``;
+    bf16 rounds stochastically with the bits of ``seed`` for elements from ``offset`` on (a
+    value the format holds exactly is stored exactly, whatever the seed)."""
     check_raw(out, value.numel(), precision, kind)
     if precision == "bf16":
-        encode_bf16(value, out, moment_keys(seed)[0 if kind == "exp_avg" else 1])
+        encode_bf16(value, out, moment_keys(seed)[0 if kind == "exp_avg" else 1], offset)
     elif kind == "exp_avg":
         encode_m(value, out)
     else:
