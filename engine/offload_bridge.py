@@ -541,7 +541,7 @@ class TieredShardStore(ShardStore):
                 buf = mgr.host_empty(moment_nbytes(hi - lo, prec), torch.uint8,
                                      purpose="shard_assembly")
                 try:
-                    encode(kind, whole[lo:hi], buf, prec)
+                    encode(kind, whole[lo:hi], buf, prec, offset=lo)
                     mgr.write_from(mkey, buf).wait()
                 finally:
                     mgr.host_free(buf)

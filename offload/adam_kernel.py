@@ -152,13 +152,13 @@ def run_prepared(
     storage size), so no caller can make the kernel touch memory it was not given.
     """
     check_precision(state)
-    check_flat(master, exp_avg, exp_avg_sq, grad, shadow, state)
+    check_flat(master, exp_avg, exp_avg_sq, grad, shadow, state=state)
     n = master.numel()
     if n == 0:
         return
     if state != "fp32":
-        _run_compressed(prepared, master, exp_avg, exp_avg_sq, grad, shadow, threads, state,
-                        offset)
+        _run_compressed(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow,
+                        threads=threads, state=state, offset=offset)
         return
     hyper, step, grad_scale = prepared.hyper, prepared.step, prepared.grad_scale
     if prepared.kernel is None or prepared.struct is None:
@@ -197,8 +197,9 @@ def run_prepared(
 
 
 def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, grad: torch.Tensor, shadow: torch.Tensor | None,
-                    threads: AdamThreads | None, state: str, offset: int) -> None:
+                    exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
+                    shadow: torch.Tensor | None, threads: AdamThreads | None, state: str,
+                    offset: int) -> None:
     """`run_prepared` with moments stored in ``state`` (bf16 / int8 bytes, checked)."""
     n = master.numel()
     if prepared.kernel is None or prepared.struct is None:
@@ -210,8 +211,8 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
         torch_update(master, m, v, grad, hyper=prepared.hyper, step=prepared.step,
                      grad_scale=prepared.grad_scale, shadow=shadow)
         seed = step_seed(prepared.step)
-        encode("exp_avg", m, exp_avg, state, seed, offset)
-        encode("exp_avg_sq", v, exp_avg_sq, state, seed, offset)
+        encode("exp_avg", m, exp_avg, state, seed=seed, offset=offset)
+        encode("exp_avg_sq", v, exp_avg_sq, state, seed=seed, offset=offset)
         return
     hp_ref = ctypes.byref(prepared.struct)
     skind = SKIND[state]

@@ -91,6 +91,7 @@ def check_flat(
     exp_avg_sq: torch.Tensor,
     grad: torch.Tensor,
     shadow: torch.Tensor | None,
+    *,
     state: str = "fp32",
 ) -> None:
     """Raise ValueError naming the operand unless all are flat-compatible.

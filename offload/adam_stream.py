@@ -74,8 +74,8 @@ from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .pipelined_adam import PipelineStats
-from .state_codec import check_precision, moment_nbytes
 from .settings import Tier
+from .state_codec import check_precision, moment_nbytes
 from .stream_parts import STATE, Chunk, OpenStep, StreamRead, StreamSet, wait_all
 from .transfer import TierTransfer
 

@@ -281,7 +281,7 @@ def encode_bf16(value: torch.Tensor, out: torch.Tensor, key: int, offset: int = 
     out.view(torch.int16).copy_(rounded.to(torch.int32).to(torch.int16))
 
 
-def encode(kind: str, value: torch.Tensor, out: torch.Tensor, precision: str,
+def encode(kind: str, value: torch.Tensor, out: torch.Tensor, precision: str, *,
            seed: int = 0, offset: int = 0) -> None:
     """fp32 moment ``value`` of ``kind`` ("exp_avg" / "exp_avg_sq") -> stored bytes ``out``;
     bf16 rounds stochastically with the bits of ``seed`` for elements from ``offset`` on (a

@@ -141,7 +141,7 @@ def test_nonfinite_block_decodes_to_nan() -> None:
     assert torch.equal(out[:256], x[:256]) and torch.equal(out[512:], x[512:])
 
 
-def _run(prec: str, backend: str, n: int, steps: int, threads: AdamThreads | None = None,
+def _run(prec: str, backend: str, n: int, steps: int, *, threads: AdamThreads | None = None,
          gdtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
@@ -186,11 +186,11 @@ def test_threads_and_torch_fallback_agree(prec: str) -> None:
     n = 70000 + 13  # above two threads' minimum, not a multiple of the block
     threads = AdamThreads(2)
     try:
-        a = _run(prec, "compiled", n, 3, threads, torch.bfloat16)
+        a = _run(prec, "compiled", n, 3, threads=threads, gdtype=torch.bfloat16)
     finally:
         threads.close()
-    b = _run(prec, "compiled", n, 3, None, torch.bfloat16)
-    c = _run(prec, "torch", n, 3, None, torch.bfloat16)
+    b = _run(prec, "compiled", n, 3, gdtype=torch.bfloat16)
+    c = _run(prec, "torch", n, 3, gdtype=torch.bfloat16)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
     for kind, x, y in (("exp_avg", a[1], c[1]), ("exp_avg_sq", a[2], c[2])):
