@@ -120,10 +120,12 @@ def check_flat(
             allowed = ", ".join(str(d) for d in dtypes)
             what = f" (state precision {state})" if state != "fp32" else ""
             raise ValueError(f"Adam {name} has dtype {t.dtype}; allowed{what}: {allowed}")
-        want = moment_numel if name.startswith("exp_avg") else n
-        if t.numel() != want:
-            raise ValueError(f"Adam {name} has {t.numel()} elements; {want} expected for a "
-                             f"master of {n} ({state} moments)")
+        if state != "fp32" and name.startswith("exp_avg"):
+            if t.numel() != moment_numel:
+                raise ValueError(f"Adam {name} has {t.numel()} elements; {moment_numel} "
+                                 f"expected for a master of {n} ({state} moments)")
+        elif t.numel() != n:
+            raise ValueError(f"Adam {name} has {t.numel()} elements; master has {n}")
         if not t.is_contiguous():
             raise ValueError(f"Adam {name} is not contiguous; pass a contiguous (flat) tensor")
         check_storage(f"Adam {name}", t)
