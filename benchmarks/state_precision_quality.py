@@ -70,6 +70,9 @@ def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], l
             eng.backward(loss)
             eng.step()
             losses.append(float(loss.detach()))
+            if len(losses) % 50 == 0:
+                print(f"  {prec} step {len(losses)}: {statistics.mean(losses[-50:]):.4f}",
+                      flush=True)
     finally:
         eng.close()
     return losses
@@ -164,8 +167,20 @@ def main() -> None:
     ap.add_argument("--runs", default="scratch,finetune")
     ap.add_argument("--out", default="bench_out/state_quality.json")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--merge", default=None,
+                    help="a,b: only merge these result files (runs made separately, e.g. in "
+                         "parallel) into --out and plot them")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    if args.merge:
+        merged: dict[str, Any] = {}
+        for f in args.merge.split(","):
+            merged.update(json.loads(Path(f).read_text()))
+        Path(args.out).write_text(json.dumps(merged, indent=1))
+        if args.plot:
+            plot(merged, args.plot)
+        return
+    torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"args": vars(args)}
     for name in args.runs.split(","):
         result[name] = {"scratch": scratch, "finetune": finetune}[name](args)

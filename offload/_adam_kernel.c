@@ -319,15 +319,23 @@ static inline __attribute__((always_inline)) void adam_q_range(
             else if (okind == 2) o16[i] = f32_to_f16(pi);
         }
         if (skind == 2) {
-            float am = 0.0f, au = 0.0f;
-            int bad_m = 0, bad_u = 0;
+            /* The largest magnitudes, as integers: the bits of non-negative floats order
+             * as they do (this reduction vectorises; a float max does not without
+             * -ffast-math), and NaN / inf are the bit patterns above the largest finite. */
+            uint32_t amb = 0, aub = 0;
             for (int j = 0; j < len; ++j) {
-                float a = fabsf(mt[j]);
-                am = a > am ? a : am;
-                au = ut[j] > au ? ut[j] : au;
-                bad_m |= !(a <= 0x1.fffffep127f); /* NaN or inf */
-                bad_u |= !(ut[j] <= 0x1.fffffep127f);
+                uint32_t a, u;
+                memcpy(&a, &mt[j], sizeof a);
+                memcpy(&u, &ut[j], sizeof u);
+                a &= 0x7fffffffu;
+                u &= 0x7fffffffu;
+                amb = a > amb ? a : amb;
+                aub = u > aub ? u : aub;
             }
+            int bad_m = amb > 0x7f7fffffu, bad_u = aub > 0x7f7fffffu; /* NaN or inf */
+            float am, au;
+            memcpy(&am, &amb, sizeof am);
+            memcpy(&au, &aub, sizeof au);
             float scm, invm, scu, invu;
             block_scale(am, 1.875f, &scm, &invm);
             block_scale(au, 1.9375f, &scu, &invu);
