@@ -80,9 +80,9 @@ def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], l
 
 def scratch(args: argparse.Namespace) -> dict[str, Any]:
     data = corpus(("docs/*.md", "engine/*.py", "offload/*.py"))
-    rows = batches(data, args.steps, args.batch, args.seq, seed=1)
+    rows = batches(data, args.steps, args.batch, args.seq, seed=1 + 100 * args.seed)
     cfg = TinyLMConfig(dim=128, layers=4, heads=4, max_seq_len=args.seq)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     init = TinyLM(cfg).state_dict()
     out: dict[str, Any] = {"params": sum(v.numel() for v in init.values()), "curves": {}}
     for prec in PRECISIONS:
@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/state_quality.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="scratch: initial weights and batches")
     ap.add_argument("--merge", default=None,
                     help="a,b: only merge these result files (runs made separately, e.g. in "
                          "parallel) into --out and plot them")
@@ -183,7 +184,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"args": vars(args)}
     for name in args.runs.split(","):
-        result[name] = {"scratch": scratch, "finetune": finetune}[name](args)
+        key = f"{name}_seed{args.seed}" if name == "scratch" and args.seed else name
+        result[key] = {"scratch": scratch, "finetune": finetune}[name](args)
+        name = key
         summarise(result[name])
         print(name, json.dumps(result[name]["gap_vs_fp32"]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
