@@ -139,8 +139,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, name in zip(axes, ("scratch", "finetune"), strict=True):
+    names = [k for k, v in result.items() if isinstance(v, dict) and "curves" in v]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
         run = result[name]
         for prec, curve in run["curves"].items():
             k = 10  # moving average over 10 steps
