@@ -187,9 +187,8 @@ def main() -> None:
     for name in args.runs.split(","):
         key = f"{name}_seed{args.seed}" if name == "scratch" and args.seed else name
         result[key] = {"scratch": scratch, "finetune": finetune}[name](args)
-        name = key
-        summarise(result[name])
-        print(name, json.dumps(result[name]["gap_vs_fp32"]), flush=True)
+        summarise(result[key])
+        print(key, json.dumps(result[key]["gap_vs_fp32"]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if args.plot and {"scratch", "finetune"} <= set(result):
