@@ -21,6 +21,8 @@ the configurations, the median over `--repeats` rounds is reported):
 Variants: a configuration may carry suffixes, run as rows of their own in the same rounds:
   :clip     gradient clipping at --clip (default 1.0; plain: torch's clip_grad_norm_)
   :noover   offload.optimizer.overlap_step off (tierzero rows; else --overlap-step decides)
+  :bf16m, :int8m  offload.optimizer.state_precision bf16 / int8 (compressed moments; tierzero
+            rows with an offloaded optimizer)
 e.g. `--configs plain,cpu,cpu:clip,cpu:clip:noover` compares the overlapped step with and
 without clipping against the step after backward, in the same run.
 Models: "mlp" (~80M parameters: embedding, 9 pre-norm MLP blocks of width 1024, head;
@@ -132,10 +134,10 @@ def _reset_hwm() -> None:
 def split_config(config: str) -> tuple[str, set[str]]:
     """"cpu:clip:noover" -> ("cpu", {"clip", "noover"}); unknown suffixes are an error."""
     base, *flags = config.split(":")
-    unknown = set(flags) - {"clip", "noover"}
+    unknown = set(flags) - {"clip", "noover", "bf16m", "int8m"}
     if unknown:
         raise SystemExit(f"--configs {config!r}: unknown variant {sorted(unknown)}; "
-                         "allowed: clip, noover")
+                         "allowed: clip, noover, bf16m, int8m")
     return base, set(flags)
 
 
@@ -191,6 +193,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                             p_dev, o_dev) else None,
                                       "overlap_step": (args.overlap_step == "on"
                                                        and "noover" not in flags),
+                                      "state_precision": ("int8" if "int8m" in flags else
+                                                          "bf16" if "bf16m" in flags else
+                                                          "fp32"),
                                       **({"buffer_count": args.buffer_count}
                                          if args.buffer_count else {})}}})
         eng, _, _, _ = engine.initialize(model=model, config=cfg, device=dev)

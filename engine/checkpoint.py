@@ -36,6 +36,16 @@ leaves `latest` naming the previous complete checkpoint. Load checks each
 file's size and CRC-32 before using it. One shared file system is assumed
 for all ranks (every rank writes into the same directory).
 
+[Note: compressed moments in checkpoints]
+With offload.optimizer.state_precision bf16 / int8 the moments are kept compressed
+(offload/state_codec.py). A checkpoint stores them as their decoded fp32 values (the
+store's use() decodes) and the manifest's "state_precision" says how they were kept.
+Decoding is exact and encoding a decoded value gives it back ([Note: 8-bit moment codes]),
+so a resume with the same precision continues bit for bit; the files keep the fp32
+layout, so resharding to another world size, loading into a run of another precision
+(logged: into fp32 it is exact, into a coarser format the moments are rounded once) and
+`consolidate` work unchanged. The checkpoint is therefore not smaller than an fp32 one.
+
 Parameter names and the flat layout follow [Note: flat layout] in
 engine/flat_shard.py; group keys are `FlatGroup.key`.
 """
@@ -214,6 +224,8 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
         manifest = {
             "format": FORMAT, "version": VERSION,
             "world_size": eng.comm.world_size, "compute_dtype": str(eng.dtype),
+            # how the run kept its Adam moments ([Note: compressed moments in checkpoints])
+            "state_precision": eng.config.offload.optimizer.state_precision,
             "groups": [lay.as_json() for lay in layouts],
             # model order (named_parameters, then persistent buffers) for consolidated output
             "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),

@@ -107,6 +107,13 @@ def load_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
                     world, saved_world)
     if CLIENT_STATE in manifest["files"]:
         names.append(CLIENT_STATE)
+    saved_prec = manifest.get("state_precision", "fp32")  # absent: saved before it existed
+    run_prec = eng.config.offload.optimizer.state_precision
+    if saved_prec != run_prec and rank == 0:
+        log.warning("%s kept its Adam moments as %s, this run keeps them as %s: they are "
+                    "converted on load (%s; [Note: compressed moments in checkpoints])", path,
+                    saved_prec, run_prec, "exact" if run_prec == "fp32" else
+                    f"rounded once to {run_prec}")
     error = None
     try:  # every rank's files are checked before any rank changes anything
         _check_files(path, manifest, names, verify)

@@ -223,16 +223,21 @@ class InPlaceStep:
         Returns the kernel's seconds."""
         store = self._store
         with contextlib.ExitStack() as held:
-            master, exp_avg, exp_avg_sq = (
-                held.enter_context(store.use(key, kind, writable=True))
-                for kind in ("master", "exp_avg", "exp_avg_sq"))
+            # compressed moments (offload.optimizer.state_precision) as their stored bytes:
+            # the kernel decodes and encodes them in its pass
+            state = store.state_precision
+            master = held.enter_context(store.use(key, "master", writable=True))
+            exp_avg, exp_avg_sq = (
+                held.enter_context(store.use(key, kind, writable=True, raw=True))
+                for kind in ("exp_avg", "exp_avg_sq"))
             grad = held.enter_context(store.use(key, "grad"))
             p16 = held.enter_context(store.use(key, "param16", writable=True, compute=False))
             shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
             t = time.perf_counter()
             with trace.span("adam", key, numel=master.numel()):
                 adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper, step=step,
-                            grad_scale=grad_scale, shadow=shadow, threads=threads)
+                            grad_scale=grad_scale, shadow=shadow, threads=threads,
+                            state=state)
             seconds = time.perf_counter() - t
             if shadow is None:
                 p16.copy_(master)  # rounds to the compute dtype; host->device on CUDA

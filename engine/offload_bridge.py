@@ -8,6 +8,10 @@ Homes per tensor class:
     param16                      offload.params.device  (none -> device, cpu -> host, ...)
     master, exp_avg, exp_avg_sq  offload.optimizer.device
     grad                         offload.optimizer.grad_device ([Note: gradient home])
+Moments kept compressed (offload.optimizer.state_precision bf16 / int8, see
+offload/state_codec.py) are uint8 manager keys of state_codec.moment_nbytes(numel) bytes:
+the CPU Adam reads and writes them at that size; `use()` hands everyone else the decoded
+fp32 values (and encodes them back when writable), `use(raw=True)` the stored bytes.
 Manager keys are "<group key>:<class>"; master and moments streamed from NVMe in several
 pieces (offload.optimizer.chunk_numel, [Note: optimizer state in chunks] in
 offload/adam_stream.py) are "<group key>:<class>@<first element>" per piece.
@@ -42,6 +46,7 @@ from tierzero.offload import (
 )
 from tierzero.offload.host_ring import page_up
 from tierzero.offload.settings import OffloadDevice, TensorClass, Tier
+from tierzero.offload.state_codec import decode, encode, moment_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +253,12 @@ class TieredShardStore(ShardStore):
                             else config.offload.optimizer.chunk_numel)
         # A dry run (tierzero plan, on meta) counts bytes: [Note: dry-run pieces]
         self.coarse = device.type == "meta" and self.chunk_numel > 0
+        # how the moments are kept on their home tier ([Note: 8-bit moment codes])
+        self.state_precision: str = config.offload.optimizer.state_precision
+        if self.state_precision != "fp32" and self.optimizer_on_device:
+            raise ValueError(f"offload.optimizer.state_precision="
+                             f"{self.state_precision!r} needs the CPU Adam, but the optimizer "
+                             "state lives on the device; set it to 'fp32'")
 
     @property
     def resident(self) -> bool:
@@ -283,7 +294,7 @@ class TieredShardStore(ShardStore):
         """Plan placement over every declared shard and start the tier manager."""
         if self.manager is not None:
             return
-        specs = [ShardSpec(mkey, kind, hi - lo, dtype if kind == "param16" else torch.float32)
+        specs = [self._spec(mkey, kind, hi - lo, dtype)
                  for key, (n, kinds, dtype) in self._kinds.items() for kind in kinds
                  for mkey, lo, hi in self.pieces(key, kind)]
         # declaration order: blocks in forward order, the root last, which is the order
@@ -310,6 +321,17 @@ class TieredShardStore(ShardStore):
         except BaseException:
             self.close()
             raise
+
+    def _spec(self, mkey: str, kind: ShardKind, numel: int, dtype: torch.dtype) -> ShardSpec:
+        if kind == "param16":
+            return ShardSpec(mkey, kind, numel, dtype)
+        if self.compressed(kind):
+            return ShardSpec(mkey, kind, moment_nbytes(numel, self.state_precision), torch.uint8)
+        return ShardSpec(mkey, kind, numel, torch.float32)
+
+    def compressed(self, kind: str) -> bool:
+        """``kind`` is a moment kept compressed (uint8 keys, [Note: 8-bit moment codes])."""
+        return self.state_precision != "fp32" and kind in ("exp_avg", "exp_avg_sq")
 
     def state_in_host(self) -> bool:
         """Master and moments homed in host memory: the CPU Adam updates them in place."""
@@ -355,7 +377,8 @@ class TieredShardStore(ShardStore):
         n, _, dtype = self._kinds[key]
         low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
         whole = hi - lo == n  # one piece: its param16 is carved from the ring too
-        return 3 * page_up(4 * (hi - lo)) + (page_up(low * n) if low and whole else 0)
+        state = page_up(4 * (hi - lo)) + 2 * page_up(moment_nbytes(hi - lo, self.state_precision))
+        return state + (page_up(low * n) if low and whole else 0)
 
     def param16_ring_bytes(self) -> int:
         """Host bytes where the stream assembles the new param16 of shards in several
@@ -381,7 +404,11 @@ class TieredShardStore(ShardStore):
         for kind in ("master", "grad", "exp_avg", "exp_avg_sq"):
             src = pend.init if kind == "master" else zeros
             for mkey, lo, hi in self.pieces(key, kind):
-                mgr.place(mkey, src[lo:hi]).wait()
+                if self.compressed(kind):  # all-zero bytes decode to zero moments
+                    mgr.place(mkey, torch.zeros(moment_nbytes(hi - lo, self.state_precision),
+                                                dtype=torch.uint8)).wait()
+                else:
+                    mgr.place(mkey, src[lo:hi]).wait()
         if self.optimizer_on_device:
             for kind in _OPTIMIZER_KINDS:
                 self._views[(key, kind)] = mgr.pin(f"{key}:{kind}", "device").wait()
@@ -434,17 +461,29 @@ class TieredShardStore(ShardStore):
 
     @contextmanager
     def use(self, key: str, kind: ShardKind, *, writable: bool = False,
-            compute: bool = True, overwrite: bool = False) -> Iterator[torch.Tensor]:
+            compute: bool = True, overwrite: bool = False, raw: bool = False
+            ) -> Iterator[torch.Tensor]:
         """`compute=False`: not for a gather, so param16 is reached on its home tier (host
         for NVMe) instead of being copied to the device first. `overwrite=True` (implies
         writable): the caller writes every element, so old data need not be read
-        (TierManager.fetch discard); the view's contents are undefined until then."""
+        (TierManager.fetch discard); the view's contents are undefined until then.
+        A compressed moment (`compressed(kind)`) is handed out decoded to fp32 and, when
+        writable, encoded back on exit; `raw=True` hands out its stored bytes instead (one
+        piece only: the CPU Adam's in-place step)."""
         self._check(key, kind)
         view = self._views.get((key, kind))
         if view is not None:
             yield view
             return
         pieces = self.pieces(key, kind)
+        if self.compressed(kind) and not raw:
+            with self._use_decoded(key, kind, pieces, writable=writable or overwrite,
+                                   overwrite=overwrite) as t:
+                yield t
+            return
+        if raw and len(pieces) > 1:
+            raise KeyError(f"shard group {key!r} keeps its {kind} in {len(pieces)} pieces; "
+                           "raw access takes one piece (use pieces())")
         if len(pieces) > 1:
             with self._use_pieces(key, pieces, writable=writable or overwrite,
                                   overwrite=overwrite) as t:
@@ -480,6 +519,35 @@ class TieredShardStore(ShardStore):
         finally:
             mgr.host_free(whole)
 
+    @contextmanager
+    def _use_decoded(self, key: str, kind: ShardKind, pieces: list[tuple[str, int, int]], *,
+                     writable: bool, overwrite: bool) -> Iterator[torch.Tensor]:
+        """A compressed moment as one fp32 host buffer: each piece read and decoded, and
+        encoded and written back when ``writable`` (state_codec.decode / encode: exact
+        decoding; encoding decoded values gives them back, see [Note: 8-bit moment codes])."""
+        mgr, prec = self._mgr(), self.state_precision
+        whole = mgr.host_empty(self.numel(key), torch.float32, purpose="shard_assembly")
+        try:
+            for mkey, lo, hi in pieces if not overwrite else ():
+                buf = mgr.host_empty(moment_nbytes(hi - lo, prec), torch.uint8,
+                                     purpose="shard_assembly")
+                try:
+                    mgr.read_into(mkey, buf).wait()
+                    decode(kind, buf, whole[lo:hi], prec)
+                finally:
+                    mgr.host_free(buf)
+            yield whole
+            for mkey, lo, hi in pieces if writable else ():
+                buf = mgr.host_empty(moment_nbytes(hi - lo, prec), torch.uint8,
+                                     purpose="shard_assembly")
+                try:
+                    encode(kind, whole[lo:hi], buf, prec, offset=lo)
+                    mgr.write_from(mkey, buf).wait()
+                finally:
+                    mgr.host_free(buf)
+        finally:
+            mgr.host_free(whole)
+
     def has(self, key: str, kind: ShardKind) -> bool:
         entry = self._kinds.get(key)
         return entry is not None and kind in entry[1]
@@ -502,6 +570,9 @@ class TieredShardStore(ShardStore):
         out: dict[str, int] = dict.fromkeys(SHARD_KINDS, 0)
         for n, kinds, dtype in self._kinds.values():
             for kind in kinds:
+                if self.compressed(kind):
+                    out[kind] += moment_nbytes(n, self.state_precision)
+                    continue
                 size = torch.finfo(dtype).bits // 8 if kind == "param16" else 4
                 out[kind] += n * size
         return out

@@ -99,7 +99,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 shadow=self._shadow, threads=self._threads,
                 # zero_grad() follows every step: a consumed gradient is never read again
                 # ([Note: gradient home] in engine/offload_bridge.py)
-                consume_grads=True)
+                consume_grads=True, state=store.state_precision)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0, defer: Sequence[str] | None = None) -> None:

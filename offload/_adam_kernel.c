@@ -75,7 +75,7 @@ typedef struct {
 } tz_adam_hp;
 
 /* Version of the argument layout above; adam_build.py checks it. */
-int tz_adam_abi_version(void) { return 2; }
+int tz_adam_abi_version(void) { return 3; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -197,3 +197,222 @@ int tz_f32_to_16(const float *src, void *dst, int okind, int64_t lo, int64_t hi)
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------
+ * Compressed moments (offload.optimizer.state_precision; formats and codes in
+ * offload/state_codec.py, [Note: 8-bit moment codes]). The same one pass as
+ * tz_adam_step: each element's stored moments are decoded, updated with exactly the
+ * arithmetic above, and the new ones re-encoded before moving on. skind 1: bf16 moments
+ * (m, v as bf16, rounded stochastically). skind 2: int8 blocks of TZ_BLOCK elements: the
+ * block's new m and sqrt(v) are kept in two stack arrays (2 KiB, in L1) until the block's
+ * maximum is known, then encoded; nothing is read or written twice in memory. The fp32
+ * path above is untouched, so fp32 results are bit-identical to before this was added.
+ * ------------------------------------------------------------------------------------ */
+#define TZ_BLOCK 256
+
+/* murmur3's 32-bit finaliser: the counter-based random bits of stochastic rounding. */
+static inline uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* Element i's random bits under a moment's key (state_codec.random_bits). */
+static inline uint32_t rbits(int64_t i, uint32_t key) {
+    return fmix32(((uint32_t)i * 0x9e3779b1u) ^ key);
+}
+
+/* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. */
+static inline uint32_t enc_mag(float y, const int mb) {
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    const int sh = 23 - mb;
+    int32_t normal = (int32_t)((bits + ((1u << (sh - 1)) - 1u) + ((bits >> sh) & 1u)) >> sh)
+                     - (112 << mb);
+    int32_t sub = (int32_t)rintf(y * (mb == 3 ? 0x1p17f : 0x1p18f));
+    int32_t q = y < 0x1p-14f ? sub : normal;
+    const int32_t top = (1 << (4 + mb)) - 1;
+    return (uint32_t)(q < 0 ? 0 : (q > top ? top : q));
+}
+
+/* fp32 -> bf16 rounded stochastically with the low 16 of r; NaN becomes 0x7fc0. */
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+    uint32_t rounded = (u + (r & 0xffffu)) >> 16;
+    return (uint16_t)(is_nan ? 0x7fc0u : rounded);
+}
+
+/* The block's scale (its largest magnitude, 0 for a zero or subnormal block) and the
+ * factor that maps it to the top code `top` (state_codec._block_scale). */
+static inline void block_scale(float absmax, float top, float *scale, float *inv) {
+    int ok = absmax >= 0x1p-126f;
+    *scale = ok ? absmax : 0.0f;
+    *inv = ok ? top / absmax : 0.0f;
+}
+
+static inline __attribute__((always_inline)) void adam_q_range(
+    float *restrict p, void *restrict mraw, float *restrict ms, void *restrict vraw,
+    float *restrict vs, const void *restrict gptr, void *restrict optr, int64_t lo, int64_t hi,
+    const tz_adam_hp *hp, const float *restrict tm, const float *restrict tv, const int64_t base,
+    const uint32_t key_m, const uint32_t key_v, const int skind,
+    const int gkind, const int okind, const int decoupled, const int apply_decay,
+    const int apply_scale, const int w_small) {
+    const float *restrict g32 = (const float *)gptr;
+    const uint16_t *restrict g16 = (const uint16_t *)gptr;
+    uint16_t *restrict o16 = (uint16_t *)optr;
+    uint16_t *restrict m16 = (uint16_t *)mraw;
+    uint16_t *restrict v16 = (uint16_t *)vraw;
+    uint8_t *restrict mq = (uint8_t *)mraw;
+    uint8_t *restrict vq = (uint8_t *)vraw;
+    const float scale = hp->grad_scale, decay = hp->decay, wd = hp->wd;
+    const float wc = hp->w_coeff, b2 = hp->beta2, omb2 = hp->one_minus_beta2;
+    const float bc2s = hp->bc2_sqrt, eps = hp->eps, nss = hp->neg_step_size;
+    for (int64_t b0 = lo; b0 < hi; b0 += TZ_BLOCK) {
+        const int len = (int)(hi - b0 < TZ_BLOCK ? hi - b0 : TZ_BLOCK);
+        float mt[TZ_BLOCK], ut[TZ_BLOCK];
+        float sm = 0.0f, sv = 0.0f;
+        if (skind == 2) {
+            sm = ms[b0 / TZ_BLOCK];
+            sv = vs[b0 / TZ_BLOCK];
+        }
+        for (int j = 0; j < len; ++j) {
+            const int64_t i = b0 + j;
+            float g = gkind == 0 ? g32[i] : gkind == 1 ? bf16_to_f32(g16[i])
+                                                       : f16_to_f32(g16[i]);
+            if (apply_scale) g = g * scale;
+            float pi = p[i];
+            if (apply_decay) {
+                if (decoupled) pi = pi * decay;
+                else g = fmaf(pi, wd, g);
+            }
+            float mi, vi;
+            if (skind == 1) {
+                mi = bf16_to_f32(m16[i]);
+                vi = bf16_to_f32(v16[i]);
+            } else {
+                uint32_t c = mq[i];
+                float mag = tm[c & 0x7fu] * sm;
+                mi = (c & 0x80u) ? -mag : mag;
+                float u = tv[vq[i]] * sv;
+                vi = u * u;
+            }
+            mi = fmaf(wc, g - mi, w_small ? mi : g);
+            vi = vi * b2;
+            vi = fmaf(omb2 * g, g, vi);
+            float su = sqrtf(vi);
+            float d = su / bc2s + eps;
+            pi = pi + (nss * mi) / d;
+            p[i] = pi;
+            if (skind == 1) {
+                m16[i] = f32_to_bf16_sr(mi, rbits(i + base, key_m));
+                v16[i] = f32_to_bf16_sr(vi, rbits(i + base, key_v));
+            } else {
+                mt[j] = mi;
+                ut[j] = su;
+            }
+            if (okind == 1) o16[i] = f32_to_bf16(pi);
+            else if (okind == 2) o16[i] = f32_to_f16(pi);
+        }
+        if (skind == 2) {
+            /* The largest magnitudes, as integers: the bits of non-negative floats order
+             * as they do (this reduction vectorises; a float max does not without
+             * -ffast-math), and NaN / inf are the bit patterns above the largest finite. */
+            uint32_t amb = 0, aub = 0;
+            for (int j = 0; j < len; ++j) {
+                uint32_t a, u;
+                memcpy(&a, &mt[j], sizeof a);
+                memcpy(&u, &ut[j], sizeof u);
+                a &= 0x7fffffffu;
+                u &= 0x7fffffffu;
+                amb = a > amb ? a : amb;
+                aub = u > aub ? u : aub;
+            }
+            int bad_m = amb > 0x7f7fffffu, bad_u = aub > 0x7f7fffffu; /* NaN or inf */
+            float am, au;
+            memcpy(&am, &amb, sizeof am);
+            memcpy(&au, &aub, sizeof au);
+            float scm, invm, scu, invu;
+            block_scale(am, 1.875f, &scm, &invm);
+            block_scale(au, 1.9375f, &scu, &invu);
+            for (int j = 0; j < len; ++j) {
+                uint32_t q = enc_mag(fabsf(mt[j]) * invm, 3);
+                mq[b0 + j] = (uint8_t)(q | ((mt[j] < 0.0f && q) ? 0x80u : 0u));
+                vq[b0 + j] = (uint8_t)enc_mag(ut[j] * invu, 4);
+            }
+            ms[b0 / TZ_BLOCK] = bad_m ? NAN : scm;
+            vs[b0 / TZ_BLOCK] = bad_u ? NAN : scu;
+        }
+    }
+}
+
+#define TZ_QFLAGS(S, G, O)                                                                    \
+    static void adamq_##S##_##G##_##O(float *p, void *m, float *ms, void *v, float *vs,       \
+                                      const void *g, void *o, int64_t lo, int64_t hi,         \
+                                      const tz_adam_hp *hp, const float *tm, const float *tv, \
+                                      int64_t base, uint32_t km, uint32_t kv) {               \
+        int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
+        int s = hp->apply_scale, ws = hp->w_small;                                            \
+        if (mode == 0 && !s && ws)                                                            \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 0, 0, 0, 1);             \
+        else if (mode == 2 && !s && ws)                                                       \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 1, 1, 0, 1);             \
+        else if (mode == 0 && s && ws)                                                        \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 0, 0, 1, 1);             \
+        else if (mode == 2 && s && ws)                                                        \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 1, 1, 1, 1);             \
+        else                                                                                  \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, mode == 2, mode != 0, s, \
+                         ws);                                                                 \
+    }
+#define TZ_QROW(S, G) TZ_QFLAGS(S, G, 0) TZ_QFLAGS(S, G, 1) TZ_QFLAGS(S, G, 2)
+TZ_QROW(1, 0)
+TZ_QROW(1, 1)
+TZ_QROW(1, 2)
+TZ_QROW(2, 0)
+TZ_QROW(2, 1)
+TZ_QROW(2, 2)
+
+typedef void (*tz_adamq_fn)(float *, void *, float *, void *, float *, const void *, void *,
+                            int64_t, int64_t, const tz_adam_hp *, const float *, const float *,
+                            int64_t, uint32_t, uint32_t);
+
+static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
+    {{adamq_1_0_0, adamq_1_0_1, adamq_1_0_2},
+     {adamq_1_1_0, adamq_1_1_1, adamq_1_1_2},
+     {adamq_1_2_0, adamq_1_2_1, adamq_1_2_2}},
+    {{adamq_2_0_0, adamq_2_0_1, adamq_2_0_2},
+     {adamq_2_1_0, adamq_2_1_1, adamq_2_1_2},
+     {adamq_2_2_0, adamq_2_2_1, adamq_2_2_2}},
+};
+
+/* Update elements [lo, hi) of a shard whose moments are stored compressed. m / v: the
+ * moments' bf16 data (skind 1) or int8 codes (skind 2, with their per-block scales ms / vs,
+ * indexed from element 0 of the shard, and `tables`: the 128 exp_avg magnitudes then the
+ * 256 sqrt(exp_avg_sq) values of the codes, relative to the block scale:
+ * state_codec.kernel_tables()). seed, base: bf16 moments are rounded stochastically with
+ * random bits of (seed, base + element index), so a step is reproducible and a shard
+ * stored in pieces (base: the piece's first element) rounds as one; int8 rounds to nearest. For skind 2, lo must be a multiple of TZ_BLOCK
+ * and hi a multiple of it or the shard's end. Returns 0, or -1 for a bad kind / range. */
+int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void *g, int gkind,
+                   void *out, int okind, int skind, int64_t lo, int64_t hi,
+                   const tz_adam_hp *hp, const float *tables, uint32_t seed, int64_t base) {
+    if (gkind < 0 || gkind > 2 || okind < 0 || okind > 2 || (okind != 0 && out == 0)) return -1;
+    if (skind < 1 || skind > 2 ||
+        (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0 || tables == 0)))
+        return -1;
+    unsigned mxcsr = tz_enter(); /* see [Note: subnormals] */
+    /* the moments' keys for this call's stochastic rounding (state_codec.moment_keys) */
+    uint32_t km = fmix32(seed * 2u + 1u), kv = fmix32(seed * 2u + 2u);
+    const float *tm = tables, *tv = tables == 0 ? 0 : tables + 128;
+    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, tm, tv, base, km,
+                                       kv);
+    tz_leave(mxcsr);
+    return 0;
+}
+
+int tz_state_block(void) { return TZ_BLOCK; }

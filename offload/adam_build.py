@@ -54,10 +54,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .state_codec import BLOCK as STATE_BLOCK
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_adam_kernel.c")
-ABI_VERSION = 2
+ABI_VERSION = 3
 # -ffp-contract=off: see [Note: Adam operation order] in _adam_kernel.c.
 # -fno-math-errno lets sqrtf vectorise; it does not change any result.
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
@@ -90,11 +92,15 @@ class HyperParams(ctypes.Structure):
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    """The loaded shared object and the two entry points tierzero calls."""
+    """The loaded shared object and the entry points tierzero calls."""
 
     path: Path  # the cached .so
     step: Callable[..., int]  # tz_adam_step(p, m, v, g, gkind, out, okind, lo, hi, hp*)
     to_16: Callable[..., int]  # tz_f32_to_16(src, dst, okind, lo, hi)
+    # tz_adam_step_q(p, m, ms, v, vs, g, gkind, out, okind, skind, lo, hi, hp*, tables,
+    # seed, base): compressed
+    # moments (offload/state_codec.py)
+    step_q: Callable[..., int]
 
 
 _lock = threading.Lock()
@@ -276,7 +282,17 @@ def _load(path: Path, fd: int) -> CompiledKernel:
     to_16.restype = ctypes.c_int
     to_16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                       ctypes.c_int64]
-    return CompiledKernel(path=path, step=step, to_16=to_16)
+    step_q = lib.tz_adam_step_q
+    step_q.restype = ctypes.c_int
+    step_q.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(HyperParams), ctypes.c_void_p,
+        ctypes.c_uint32, ctypes.c_int64,
+    ]
+    if lib.tz_state_block() != STATE_BLOCK:
+        raise OSError(f"{path} has state block {lib.tz_state_block()}, expected {STATE_BLOCK}")
+    return CompiledKernel(path=path, step=step, to_16=to_16, step_q=step_q)
 
 
 def _try_compile() -> tuple[CompiledKernel | None, str]:

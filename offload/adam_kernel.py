@@ -23,7 +23,17 @@ import torch
 
 from .adam_build import CompiledKernel, HyperParams, compiled_kernel, kernel_status
 from .adam_math import AdamHyper, check_flat, check_storage, step_scalars, torch_update
-from .adam_threads import AdamThreads
+from .adam_threads import MIN_PER_THREAD, AdamThreads
+from .state_codec import (
+    BLOCK,
+    SKIND,
+    check_precision,
+    decode,
+    encode,
+    kernel_tables,
+    split_int8,
+    step_seed,
+)
 
 Backend = Literal["auto", "compiled", "torch"]
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -106,15 +116,22 @@ def adam_update(
     shadow: torch.Tensor | None = None,
     threads: AdamThreads | None = None,
     backend: Backend = "auto",
+    state: str = "fp32",
+    offset: int = 0,
 ) -> None:
     """Apply one Adam/AdamW update in place; `step` counts this update (1 on the first).
 
-    `threads` spreads the work over a pool's workers (one thread when None).
+    `threads` spreads the work over a pool's workers (one thread when None). `state`: how
+    the moments are stored (offload/state_codec.py): "fp32" tensors, or "bf16" / "int8"
+    flat uint8 tensors of state_codec.moment_nbytes(numel) bytes, decoded and re-encoded
+    in the same pass. `offset`: the tensors' first element within their shard (a piece of
+    it), which bf16's stochastic rounding draws its bits by.
     """
     if master.is_meta:  # a dry run (tierzero plan): no data, nothing to compute
         return
     prepared = prepare_step(hyper, step, grad_scale, backend)
-    run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads)
+    run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads,
+                 state=state, offset=offset)
 
 
 def run_prepared(
@@ -126,15 +143,22 @@ def run_prepared(
     *,
     shadow: torch.Tensor | None = None,
     threads: AdamThreads | None = None,
+    state: str = "fp32",
+    offset: int = 0,
 ) -> None:
     """`adam_update` with scalars prepared once for many tensors.
 
     Every call checks every operand (check_flat: dtype, device, contiguity, numel and
     storage size), so no caller can make the kernel touch memory it was not given.
     """
-    check_flat(master, exp_avg, exp_avg_sq, grad, shadow)
+    check_precision(state)
+    check_flat(master, exp_avg, exp_avg_sq, grad, shadow, state=state)
     n = master.numel()
     if n == 0:
+        return
+    if state != "fp32":
+        _run_compressed(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow,
+                        threads=threads, state=state, offset=offset)
         return
     hyper, step, grad_scale = prepared.hyper, prepared.step, prepared.grad_scale
     if prepared.kernel is None or prepared.struct is None:
@@ -170,6 +194,56 @@ def run_prepared(
         part(0, n)
     else:
         threads.run(n, part)
+
+
+def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
+                    shadow: torch.Tensor | None, threads: AdamThreads | None, state: str,
+                    offset: int) -> None:
+    """`run_prepared` with moments stored in ``state`` (bf16 / int8 bytes, checked)."""
+    n = master.numel()
+    if prepared.kernel is None or prepared.struct is None:
+        # The PyTorch path: decode, the fp32 update, encode (three passes; the fallback only)
+        m = torch.empty(n, dtype=torch.float32)
+        v = torch.empty(n, dtype=torch.float32)
+        decode("exp_avg", exp_avg, m, state)
+        decode("exp_avg_sq", exp_avg_sq, v, state)
+        torch_update(master, m, v, grad, hyper=prepared.hyper, step=prepared.step,
+                     grad_scale=prepared.grad_scale, shadow=shadow)
+        seed = step_seed(prepared.step)
+        encode("exp_avg", m, exp_avg, state, seed=seed, offset=offset)
+        encode("exp_avg_sq", v, exp_avg_sq, state, seed=seed, offset=offset)
+        return
+    hp_ref = ctypes.byref(prepared.struct)
+    skind = SKIND[state]
+    seed = step_seed(prepared.step)
+    tables = kernel_tables().data_ptr()
+    mp, vp = exp_avg.data_ptr(), exp_avg_sq.data_ptr()
+    ms = vs = None
+    if state == "int8":
+        ms = split_int8(exp_avg, n)[1].data_ptr()
+        vs = split_int8(exp_avg_sq, n)[1].data_ptr()
+    pp, gp = master.data_ptr(), grad.data_ptr()
+    gkind = _KIND[grad.dtype]
+    out_ptr = shadow.data_ptr() if shadow is not None else None
+    okind = _KIND[shadow.dtype] if shadow is not None else 0
+    step_q = prepared.kernel.step_q
+    # int8: the kernel's ranges start on block boundaries, so threads split whole blocks
+    unit = BLOCK if state == "int8" else 1
+
+    def part(lo: int, hi: int) -> None:
+        lo, hi = lo * unit, min(n, hi * unit)
+        rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref,
+                    tables, seed, offset)
+        if rc != 0:
+            raise RuntimeError(f"tz_adam_step_q rejected its arguments (rc={rc}, kinds "
+                               f"{gkind}/{okind}/{skind}, range {lo}:{hi})")
+
+    units = -(-n // unit)
+    if threads is None:
+        part(0, units)
+    else:
+        threads.run(units, part, max(1, MIN_PER_THREAD // unit))
 
 
 def to_low_precision(src: torch.Tensor, dst: torch.Tensor, threads: AdamThreads | None = None,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .state_codec import moment_nbytes
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 GRAD_DTYPES = (torch.float32, *LOW_PRECISION)
 # 64 Ki elements: 256 KiB per fp32 operand, so the working set of one chunk
@@ -89,18 +91,24 @@ def check_flat(
     exp_avg_sq: torch.Tensor,
     grad: torch.Tensor,
     shadow: torch.Tensor | None,
+    *,
+    state: str = "fp32",
 ) -> None:
     """Raise ValueError naming the operand unless all are flat-compatible.
 
     Flat-compatible: contiguous CPU tensors of one numel, each within its storage, fp32
-    state, grad fp32/bf16/fp16. Runs before every kernel call (see run_prepared): the C
-    kernel touches exactly n elements from each data pointer and nothing checks after.
+    master, grad fp32/bf16/fp16; the moments fp32 of that numel, or with a compressed
+    ``state`` precision flat uint8 tensors of state_codec.moment_nbytes(numel) bytes. Runs
+    before every kernel call (see run_prepared): the C kernel touches exactly n elements
+    (bytes) from each data pointer and nothing checks after.
     """
     n = master.numel()
+    moment = torch.float32 if state == "fp32" else torch.uint8
+    moment_numel = n if state == "fp32" else moment_nbytes(n, state)
     named: list[tuple[str, torch.Tensor, tuple[torch.dtype, ...]]] = [
         ("master", master, (torch.float32,)),
-        ("exp_avg", exp_avg, (torch.float32,)),
-        ("exp_avg_sq", exp_avg_sq, (torch.float32,)),
+        ("exp_avg", exp_avg, (moment,)),
+        ("exp_avg_sq", exp_avg_sq, (moment,)),
         ("grad", grad, GRAD_DTYPES),
     ]
     if shadow is not None:
@@ -110,8 +118,13 @@ def check_flat(
             raise ValueError(f"Adam {name} is on {t.device}; the CPU Adam needs CPU tensors")
         if t.dtype not in dtypes:
             allowed = ", ".join(str(d) for d in dtypes)
-            raise ValueError(f"Adam {name} has dtype {t.dtype}; allowed: {allowed}")
-        if t.numel() != n:
+            what = f" (state precision {state})" if state != "fp32" else ""
+            raise ValueError(f"Adam {name} has dtype {t.dtype}; allowed{what}: {allowed}")
+        if state != "fp32" and name.startswith("exp_avg"):
+            if t.numel() != moment_numel:
+                raise ValueError(f"Adam {name} has {t.numel()} elements; {moment_numel} "
+                                 f"expected for a master of {n} ({state} moments)")
+        elif t.numel() != n:
             raise ValueError(f"Adam {name} has {t.numel()} elements; master has {n}")
         if not t.is_contiguous():
             raise ValueError(f"Adam {name} is not contiguous; pass a contiguous (flat) tensor")

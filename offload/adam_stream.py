@@ -75,6 +75,7 @@ from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .pipelined_adam import PipelineStats
 from .settings import Tier
+from .state_codec import check_precision, moment_nbytes
 from .stream_parts import STATE, Chunk, OpenStep, StreamRead, StreamSet, wait_all
 from .transfer import TierTransfer
 
@@ -138,6 +139,10 @@ class AdamStream:
     consume_grads: a gradient is dead once its shard is updated (the caller overwrites it
         before reading it again): its caches are dropped unwritten (TierManager.discard), so
         an NVMe-homed gradient cached in the pool is not written down after the step.
+    state: how the moments are stored (offload/state_codec.py, offload.optimizer.
+        state_precision): "fp32", or "bf16" / "int8", whose manager keys then hold uint8
+        tensors of state_codec.moment_nbytes(piece numel) bytes; they are read, updated
+        and written at that size (the kernel decodes and encodes in its pass).
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
@@ -146,8 +151,10 @@ class AdamStream:
                  shadow: torch.dtype | None, threads: AdamThreads | None = None,
                  backend: Backend = "auto", keep_host_buffers: int | None = None,
                  consume_grads: bool = False,
-                 chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None = None
-                 ) -> None:
+                 chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None = None,
+                 state: str = "fp32") -> None:
+        check_precision(state)
+        self._state = state
         n = len(numels)
         if len(keys) != n:
             raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
@@ -345,7 +352,7 @@ class AdamStream:
             adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
                         grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
                         grad_scale=op.grad_scale, shadow=shadow, threads=self._threads,
-                        backend=self._backend)
+                        backend=self._backend, state=self._state, offset=piece.lo)
         if whole is not None and self._shadow is None:  # fp32 compute: param16 is the master
             whole[piece.lo:piece.hi].copy_(master)
         return time.perf_counter() - t
@@ -423,13 +430,17 @@ class AdamStream:
     def footprint(self, numel: int) -> int:
         """Ring bytes of one shard's buffers in one piece (each part page-aligned)."""
         low = 0 if self._shadow is None else page_up(numel * 2)
-        return 3 * page_up(numel * 4) + low if numel else 0
+        return self._state_bytes(numel) + low if numel else 0
+
+    def _state_bytes(self, numel: int) -> int:
+        """Ring bytes of a piece's master and moments (each part page-aligned)."""
+        return page_up(numel * 4) + 2 * page_up(moment_nbytes(numel, self._state))
 
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param16 when the shard is one piece."""
         if len(self._chunks[piece.shard]) == 1:
             return self.footprint(piece.numel)
-        return 3 * page_up(piece.numel * 4)
+        return self._state_bytes(piece.numel)
 
     def _top_up(self, pos: int, *, now: bool = True) -> None:
         """Issue reads for the positions from ``pos`` on (at most one step ahead, wrapping
@@ -463,12 +474,20 @@ class AdamStream:
     def _carve(self, start: int, numel: int, *, param16: bool = True) -> StreamSet:
         if start < 0:
             empty = torch.empty(0)
-            return StreamSet(start, empty, empty, empty, None)
+            return StreamSet(start, empty, empty, empty, None, self._state)
         size = page_up(numel * 4)
-        fp32 = [self._ring.view(start + i * size, numel, torch.float32) for i in range(3)]
+        master = self._ring.view(start, numel, torch.float32)
+        if self._state == "fp32":
+            moments = [self._ring.view(start + i * size, numel, torch.float32) for i in (1, 2)]
+            end = start + 3 * size
+        else:
+            each = page_up(moment_nbytes(numel, self._state))
+            moments = [self._ring.view(start + size + i * each, moment_nbytes(
+                numel, self._state), torch.uint8) for i in (0, 1)]
+            end = start + size + 2 * each
         p16 = (None if self._shadow is None or not param16
-               else self._ring.view(start + 3 * size, numel, self._shadow))
-        return StreamSet(start, fp32[0], fp32[1], fp32[2], p16)
+               else self._ring.view(end, numel, self._shadow))
+        return StreamSet(start, master, moments[0], moments[1], p16, self._state)
 
     def _issue_read(self, piece: Chunk, bufs: StreamSet, after: list[TierTransfer],
                     background: bool) -> list[tuple[str, int, TierTransfer]]:

@@ -12,6 +12,7 @@ import torch
 
 from .adam_math import AdamHyper
 from .errors import OffloadError
+from .state_codec import moment_nbytes
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,16 @@ class StreamSet:
     exp_avg: torch.Tensor  # fp32
     exp_avg_sq: torch.Tensor  # fp32
     param16: torch.Tensor | None  # the compute dtype when it is bf16/fp16, else None
+    # how the moments are stored (offload/state_codec.py): fp32 tensors, or else uint8
+    # tensors of state_codec.moment_nbytes(numel) bytes
+    state: str = "fp32"
 
     def part(self, name: str, numel: int) -> torch.Tensor:
         t = getattr(self, name)
         if not isinstance(t, torch.Tensor):
             raise OffloadError(f"internal: buffer set has no {name!r} buffer")
+        if self.state != "fp32" and name in ("exp_avg", "exp_avg_sq"):
+            return t[:moment_nbytes(numel, self.state)]
         return t[:numel]
 
 

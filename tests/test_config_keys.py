@@ -55,6 +55,8 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.optimizer.buffer_count", 4, 6, 6, {}),
     ("offload.optimizer.buffer_bytes", None, 4096, 4096, {}),
     ("offload.optimizer.chunk_numel", 1 << 20, 4096, 4096, {}),
+    ("offload.optimizer.state_precision", "fp32", "int8", "int8",
+     {"offload": {"optimizer": {"device": "cpu"}}}),
     ("offload.optimizer.grad_device", "auto", "cpu", "cpu",
      {"offload": {"optimizer": {"device": "cpu"}}}),
     ("offload.optimizer.overlap_step", True, False, False, {}),

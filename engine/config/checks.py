@@ -88,6 +88,12 @@ def _check_offload(config: Config) -> None:
                           f"{opt.grad_device!r} needs an offloaded optimizer (the gradient shards "
                           "live on the device with device Adam) but offload.optimizer.device is "
                           "'none'; set grad_device: auto or offload the optimizer")
+    if opt.state_precision != "fp32" and opt.device == "none":
+        raise ConfigError("offload.optimizer.state_precision",
+                          f"{opt.state_precision!r} needs the CPU Adam (the moments are "
+                          "compressed on the host or NVMe tier) but offload.optimizer.device "
+                          "is 'none'; set state_precision: fp32 or offload.optimizer.device: "
+                          "cpu / nvme / auto")
     if opt.grad_device == "nvme" and opt.path is None and params.path is None:
         raise ConfigError("offload.optimizer.grad_device",
                           "'nvme' needs a swap directory; set offload.optimizer.path")

@@ -30,6 +30,7 @@ OptimizerType = Literal["adamw", "adam"]
 SchedulerType = Literal["constant", "warmup_linear", "warmup_cosine"]
 WarmupShape = Literal["linear", "log"]
 DirectIO = Literal["auto", "on", "off"]
+StatePrecision = Literal["fp32", "bf16", "int8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Source = Literal["native", "deepspeed"]
 
@@ -253,6 +254,18 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "(DeepSpeed's sub_group_size): each piece has its own swap region and the CPU "
             "Adam's ring holds pieces, so host memory does not grow with the largest unit",
             gt=0,
+        ),
+    )
+    # [Note: 8-bit moment codes] in offload/state_codec.py
+    state_precision: StatePrecision = field(
+        default="fp32",
+        metadata=meta(
+            "how the CPU Adam keeps exp_avg and exp_avg_sq on their home tier (host or "
+            "NVMe) between steps: fp32 = 8 B/param, exact (today's results, bit for bit); "
+            "bf16 = 4 B/param, each moment rounded to bf16; int8 = 2.03 B/param, blockwise "
+            "8-bit codes (256 elements per fp32 scale, a floating-point code for exp_avg "
+            "and for sqrt(exp_avg_sq)). Decoded and re-encoded inside the one-pass kernel; "
+            "the master stays fp32. Needs an offloaded optimizer (device cpu, nvme or auto)"
         ),
     )
     # [Note: gradient home] in engine/offload_bridge.py

@@ -25,6 +25,7 @@ from tierzero.engine.config import ConfigError
 from tierzero.engine.config.values import parse_bytes
 from tierzero.engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend, step_time
 from tierzero.engine.plan.shapes import ModelShape, model_shape
+from tierzero.engine.plan.state_precision import precision_rows
 from tierzero.engine.train.metrics import human_bytes
 from tierzero.engine.train.model_source import ModelError
 from tierzero.offload.settings import TENSOR_CLASSES, TIERS
@@ -173,6 +174,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
               f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
              for p in plans if p.fits]
     out.append(_table(rows))
+    out += _precision_table(plans)
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
     out += [f"{p.choice}: the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) "
             f"is above the host's {human_bytes(machine.host_bytes)}"
@@ -190,6 +192,22 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                "Time per phase: max(NVMe, copies, CPU Adam), phases in "
                "sequence; compute is not modelled, so real steps are at least this long")
     return "\n".join(out)
+
+
+def _precision_table(plans: list[ChoicePlan]) -> list[str]:
+    """Bytes and SSD writes of each offload.optimizer.state_precision (engine/plan/
+    state_precision.py); none is recommended, the user allows one by setting it."""
+    rows = [["offload", "state_precision", "moments B/param", "moments", "on",
+             "NVMe read/step", "NVMe written/step", "written/1,000 steps"]]
+    rows += [[r.choice, r.precision, f"{r.bytes_per_param:.2f}", human_bytes(r.moments),
+              r.moments_tier, human_bytes(r.nvme_read), human_bytes(r.nvme_written),
+              human_bytes(r.written_per_1000)] for r in precision_rows(plans)]
+    if len(rows) == 1:
+        return []
+    return [_table(rows), "state_precision: how the CPU Adam keeps exp_avg/exp_avg_sq "
+            "(offload.optimizer.state_precision; fp32 is exact, bf16/int8 change the "
+            "numbers: set it to use one); rows scale the counted fp32 step by the moments' "
+            "bytes"]
 
 
 def _table(rows: list[list[str]]) -> str:

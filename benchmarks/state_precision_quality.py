@@ -1,0 +1,199 @@
+"""Loss curves of offload.optimizer.state_precision fp32 / bf16 / int8 (compressed Adam moments).
+
+Two runs, each with every choice from the same initial weights on the same batches:
+  scratch   the built-in byte-level GPT (engine/models/tiny_lm.py, dim 128, 4 blocks) trained
+            from scratch on this repository's docs and sources (bytes)
+  finetune  a small Llama (transformers, hidden 128, 4 layers, byte vocabulary) first
+            pretrained here with plain torch AdamW on the docs and saved with save_pretrained
+            (nothing is downloaded), then loaded with from_pretrained and fine-tuned by the
+            engine on the Python sources
+The engine runs with the optimizer state in host memory (offload cpu: the in-place CPU Adam;
+the NVMe stream runs the same kernel over the same blocks, bit-identical,
+tests/test_engine_state_precision.py), bf16 compute, AdamW betas (0.9, 0.999).
+Final loss: the mean training loss of the last 25 steps (the batches are the same for every
+choice); the gap is relative to fp32.
+
+    python benchmarks/state_precision_quality.py --out bench_out/state_quality.json \\
+        --plot docs/state_precision_loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tierzero import engine  # noqa: E402
+from tierzero.engine.models.tiny_lm import TinyLM, TinyLMConfig  # noqa: E402
+
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def corpus(patterns: tuple[str, ...]) -> torch.Tensor:
+    data = b"".join(p.read_bytes() for pat in patterns for p in sorted(ROOT.glob(pat)))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+        out.append(torch.stack([data[s:s + seq + 1] for s in starts.tolist()]))
+    return out
+
+
+def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], lr: float,
+                  hf: bool) -> list[float]:
+    cfg = engine.load_config({
+        "zero": {"stage": 3}, "precision": "bf16",
+        "optimizer": {"type": "adamw", "lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.01},
+        "offload": {"device": "cpu", "optimizer": {"state_precision": prec}}})
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    losses = []
+    try:
+        for row in rows:
+            if hf:
+                loss = eng(input_ids=row[:, :-1], labels=row[:, :-1]).loss
+            else:
+                loss = eng(row[:, :-1], row[:, 1:]).loss
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss.detach()))
+            if len(losses) % 50 == 0:
+                print(f"  {prec} step {len(losses)}: {statistics.mean(losses[-50:]):.4f}",
+                      flush=True)
+    finally:
+        eng.close()
+    return losses
+
+
+def scratch(args: argparse.Namespace) -> dict[str, Any]:
+    data = corpus(("docs/*.md", "engine/*.py", "offload/*.py"))
+    rows = batches(data, args.steps, args.batch, args.seq, seed=1 + 100 * args.seed)
+    cfg = TinyLMConfig(dim=128, layers=4, heads=4, max_seq_len=args.seq)
+    torch.manual_seed(args.seed)
+    init = TinyLM(cfg).state_dict()
+    out: dict[str, Any] = {"params": sum(v.numel() for v in init.values()), "curves": {}}
+    for prec in PRECISIONS:
+        model = TinyLM(cfg)
+        model.load_state_dict(init)
+        t = time.perf_counter()
+        out["curves"][prec] = engine_losses(model, prec, rows, args.lr, hf=False)
+        print(f"scratch {prec}: final {statistics.mean(out['curves'][prec][-25:]):.4f} "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
+    return out
+
+
+def finetune(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=args.seq)
+    pre = corpus(("docs/*.md", "README.md"))
+    tune = corpus(("engine/*.py", "offload/*.py", "swap/*.py"))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for row in batches(pre, args.pretrain_steps, args.batch, args.seq, seed=2):
+        loss = model(input_ids=row[:, :-1], labels=row[:, :-1]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(f"pretrained: loss {float(loss):.4f}", flush=True)
+    rows = batches(tune, args.steps, args.batch, args.seq, seed=3)
+    out: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters()),
+                           "pretrain_final_loss": float(loss), "curves": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        for prec in PRECISIONS:
+            tuned = transformers.LlamaForCausalLM.from_pretrained(tmp)
+            t = time.perf_counter()
+            out["curves"][prec] = engine_losses(tuned, prec, rows, args.ft_lr, hf=True)
+            print(f"finetune {prec}: final {statistics.mean(out['curves'][prec][-25:]):.4f} "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+    return out
+
+
+def summarise(run: dict[str, Any]) -> None:
+    final = {p: statistics.mean(c[-25:]) for p, c in run["curves"].items()}
+    run["final_loss"] = final
+    run["gap_vs_fp32"] = {p: (final[p] - final["fp32"]) / final["fp32"] for p in final}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, v in result.items() if isinstance(v, dict) and "curves" in v]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        run = result[name]
+        for prec, curve in run["curves"].items():
+            k = 10  # moving average over 10 steps
+            smooth = [statistics.mean(curve[max(0, i - k + 1):i + 1]) for i in range(len(curve))]
+            ax.plot(smooth, label=f"{prec} (final {run['final_loss'][prec]:.3f}, "
+                    f"{100 * run['gap_vs_fp32'][prec]:+.2f}%)")
+        ax.set_title(f"{name} ({run['params'] / 1e6:.2f}M params)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (10-step mean)")
+        ax.legend()
+    fig.suptitle("offload.optimizer.state_precision: Adam moments fp32 / bf16 / int8")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--pretrain-steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--ft-lr", type=float, default=5e-4)
+    ap.add_argument("--runs", default="scratch,finetune")
+    ap.add_argument("--out", default="bench_out/state_quality.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="scratch: initial weights and batches")
+    ap.add_argument("--merge", default=None,
+                    help="a,b: only merge these result files (runs made separately, e.g. in "
+                         "parallel) into --out and plot them")
+    args = ap.parse_args()
+    if args.merge:
+        merged: dict[str, Any] = {}
+        for f in args.merge.split(","):
+            merged.update(json.loads(Path(f).read_text()))
+        Path(args.out).write_text(json.dumps(merged, indent=1))
+        if args.plot:
+            plot(merged, args.plot)
+        return
+    torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {"args": vars(args)}
+    for name in args.runs.split(","):
+        key = f"{name}_seed{args.seed}" if name == "scratch" and args.seed else name
+        result[key] = {"scratch": scratch, "finetune": finetune}[name](args)
+        summarise(result[key])
+        print(key, json.dumps(result[key]["gap_vs_fp32"]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot and {"scratch", "finetune"} <= set(result):
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()
