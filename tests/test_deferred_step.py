@@ -453,8 +453,9 @@ def test_train_log_shows_the_optimizer_hidden_and_exposed(
         assert 0.0 <= r["optimizer_hidden_s"] <= r["optimizer_worker_s"] + 1e-9
         assert 0.0 <= r["optimizer_s"] <= r["step_s"]
         assert r["optimizer_hidden_s"] <= r["step_s"]  # ran within the step's wall time
-    # the worker measured every gradient during each backward (and updated during the
-    # next forward): it ran in every step
-    assert all(r["optimizer_worker_s"] > 0 for r in steps)
+    # the optimizer worked in every step: on its worker, or on the training thread, which
+    # takes over the groups the worker has not started when it waits for them (on a busy
+    # machine it may take them all), counted as exposed
+    assert all(r["optimizer_worker_s"] + r["optimizer_s"] > 0 for r in steps)
     lines = [m for m in caplog.messages if m.startswith("step ")]
     assert len(lines) == 3 and all("exposed" in m and "hidden" in m for m in lines)
