@@ -33,7 +33,7 @@ from tierzero.engine.flat_shard import (
     zero_fresh_grads,
 )
 from tierzero.engine.hooks import HookSet
-from tierzero.engine.host_heap import HeapTrim, release_free_heap
+from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.lr_schedules import build_scheduler
 from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
 from tierzero.engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
@@ -106,12 +106,12 @@ class ZeroEngine:
         self.store: ShardStore = (TieredShardStore(self.device, self.config)
                                   if offload_wanted(self.config) else ShardStore(self.device))
         self._declare_groups(specs)
-        # each unit's module tensors (or Init slices) are freed once its shards are placed
-        trim = HeapTrim(1, "placement")  # every unit: [Note: returning freed host memory]
+        # each unit's module tensors (or Init slices) are freed once its shards are placed:
+        # back to the system before the next ([Note: returning freed host memory])
         self.units = []
         for i, spec in enumerate(specs):
             self.units.append(self._build_unit(i, spec))
-            trim.freed(4 * sum(p.numel() for _, p in spec.params))
+            release_free_heap("placement")
         self.root = self.units[-1]
         self.comm.know([g.key for u in self.units for g in u.groups])
         self.scheduler = Scheduler(self.units, self.comm, self.store,
@@ -131,7 +131,6 @@ class ZeroEngine:
             if unit.persistent:
                 self.scheduler.ensure_gathered(unit)
         self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
-        release_free_heap("placement")  # the module's freed tensors ([Note: returning ...])
         self._train_keys = [g.key for g in self._train_groups]
         self.optimizer: torch.optim.Optimizer
         if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:

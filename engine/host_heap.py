@@ -10,8 +10,8 @@ shards and frees the module's tensors); afterwards the process would keep gigaby
 freed blocks resident that the training step never reuses, which a host budget cannot see.
 The same holds during training on a CPU compute device, where every unit's gather buffer
 and gradients are host memory freed each step. malloc_trim(0) hands every free page back
-(madvise on the free chunks of every arena, not only the top): HeapTrim calls it after
-each unit is placed, and each time another 64 MiB of parameters was partitioned by Init or
+(madvise on the free chunks of every arena, not only the top): the engine calls it after
+each unit is placed, and HeapTrim each time another 64 MiB of parameters was partitioned by Init or
 of gather buffers and gradients released by a step on the CPU, so freed blocks never pile
 up (a call costs ~10 us with nothing to release, a few ms otherwise; nothing in use is
 freed, and allocations after it are served as before). Setting a fixed
