@@ -24,7 +24,7 @@ baselines, an AdamThreads pool of the same size for tierzero):
              baseline offloaded 40 B (plain + 6 B per conversion pass).
   subnormal  moments already subnormal and zero grads (long-unused rows): tierzero
              vs fused AdamW at all threads, params/4 elements.
-  nvme       (unless --skip-nvme) pipelined_step over a swap.SwapStore in
+  nvme       (unless --skip-nvme) the streamed CPU Adam (AdamStream) over swap files in
              --nvme-dir vs the Adam compute alone and the same I/O alone; the
              target is step <= 1.15 x max(adam, disk).
 

@@ -27,7 +27,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def _offloaded_optimizer_config(config: Config, optimizer: object) -> Config:
-    """With optimizer state offloaded the engine runs its CPU Adam (offload.pipelined_step),
+    """With optimizer state offloaded the engine runs its CPU Adam (engine/offload_step.py),
     not a user optimizer: a torch Adam/AdamW passes its hyper-parameters, anything else is
     refused by name."""
     if optimizer is None or config.offload.optimizer.device == "none":

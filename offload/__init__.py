@@ -17,13 +17,12 @@ from . import numa
 from .adam_build import kernel_status
 from .adam_kernel import Backend, adam_update, to_low_precision
 from .adam_math import AdamHyper
-from .adam_stream import AdamStream
+from .adam_stream import AdamStream, PipelineStats
 from .adam_threads import AdamThreads
 from .budget import TierBudgets, memlock_limit, resolve_budgets
 from .cpu_adam import CPUAdam
 from .errors import BudgetError, OffloadError, PlanError, TransferError
 from .manager import TierManager
-from .pipelined_adam import PipelineStats, pipelined_step
 from .placement import Plan, plan_placement
 from .pool import BufferPool, HostAllocator, PoolBuffer
 from .prefetch import Prefetcher
@@ -41,15 +40,6 @@ from .settings import (
     Tier,
     TierSettings,
 )
-from .shard_store import (
-    HostShardStore,
-    ShardBuffers,
-    ShardLayout,
-    ShardStore,
-    SwapShardStore,
-    Transfer,
-)
-from .tier_store import TierShardStore
 from .transfer import SwapBackend, TierTransfer
 
 __all__ = [
@@ -65,7 +55,6 @@ __all__ = [
     "BufferPool",
     "CPUAdam",
     "HostAllocator",
-    "HostShardStore",
     "MemoryReport",
     "OffloadDevice",
     "OffloadError",
@@ -79,28 +68,21 @@ __all__ = [
     "Prefetcher",
     "Role",
     "SettingsError",
-    "ShardBuffers",
-    "ShardLayout",
     "ShardRecord",
     "ShardSpec",
-    "ShardStore",
     "State",
     "SwapBackend",
-    "SwapShardStore",
     "TensorClass",
     "Tier",
     "TierBudgets",
     "TierManager",
     "TierSettings",
-    "TierShardStore",
     "TierTransfer",
-    "Transfer",
     "TransferError",
     "adam_update",
     "kernel_status",
     "memlock_limit",
     "numa",
-    "pipelined_step",
     "plan_placement",
     "resolve_budgets",
     "to_low_precision",

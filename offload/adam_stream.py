@@ -1,8 +1,8 @@
 """The CPU Adam step over tier-managed shards, streamed across steps.
 
 [Note: streamed optimizer step]
-``pipelined_step`` fetches, updates and stores every shard inside one call, so
-its NVMe traffic runs only while the caller waits in ``step()``. ``AdamStream``
+A step that fetched, updated and stored every shard inside one call would run
+its NVMe traffic only while the caller waits in ``step()``. ``AdamStream``
 keeps one host ring of ``buffer_bytes`` (offload/host_ring.py) for the whole run
 and lets the traffic spill into the time around the step:
 
@@ -62,6 +62,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -73,13 +74,26 @@ from .adam_threads import AdamThreads
 from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
-from .pipelined_adam import PipelineStats
 from .settings import Tier
 from .state_codec import check_precision, moment_nbytes
 from .stream_parts import STATE, Chunk, OpenStep, StreamRead, StreamSet, wait_all
 from .transfer import TierTransfer
 
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Where the time of one optimizer step went (seconds, wall clock)."""
+
+    shards: int
+    total_s: float
+    compute_s: float  # inside the Adam kernel
+    fetch_wait_s: float  # compute thread blocked on a read
+    store_wait_s: float  # blocked on a write to free ring room, or draining at the end
+    buffer_bytes: int  # host bytes held by the step's buffers
+
+
 log = logging.getLogger(__name__)
+
 
 def _checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
                     chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None

@@ -1,8 +1,9 @@
 """offload.AdamStream with the optimizer state in pieces ([Note: optimizer state in chunks]):
 for every piece size, gradient home and compute dtype the state after several steps equals,
-bitwise, the plain pipelined step over whole host tensors (the unchunked step); each state
-byte crosses NVMe once per direction per step; the host ring is sized by the piece, not the
-shard; and a consumed gradient cached over its NVMe home is dropped without a write.
+bitwise, the in-place reference step over whole host tensors (tests/adam_reference.py: the
+unchunked step); each state byte crosses NVMe once per direction per step; the host ring is
+sized by the piece, not the shard; and a consumed gradient cached over its NVMe home is
+dropped without a write.
 
 Exactness: the same Adam kernel runs on the same fp32 inputs, piece by piece or whole
 (Adam is elementwise), so the comparison is torch.equal, not a tolerance.
@@ -15,16 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from adam_reference import HostShards
 from tiers_util import cpu_settings
 
 from tierzero.offload import (
     AdamHyper,
     AdamStream,
-    HostShardStore,
-    ShardLayout,
     ShardSpec,
     TierManager,
-    pipelined_step,
 )
 from tierzero.offload.host_ring import page_up
 from tierzero.swap import SwapStore
@@ -57,7 +56,7 @@ class ChunkRig:
                   for c in STATE]
         homes = {"master": "nvme", "exp_avg": "nvme", "exp_avg_sq": "nvme",
                  "grad": grad_home, "param16": "nvme"}
-        self.ref = HostShardStore(ShardLayout(NUMELS, param16_dtype=p16))
+        self.ref = HostShards(NUMELS, param16_dtype=p16)
         self.swap = SwapStore(tmp_path, block_size=1 << 16)
         self.mgr = TierManager(specs, cpu_settings(homes, device=1 << 20, host=16 << 20),
                                swap=self.swap)
@@ -110,7 +109,6 @@ class ChunkRig:
     def close(self) -> None:
         self.mgr.close()
         self.swap.close()
-        self.ref.close()
 
 
 @pytest.mark.parametrize(("chunk", "grad_home", "p16"), [
@@ -129,7 +127,7 @@ def test_chunked_stream_matches_the_unchunked_step(tmp_path: Path, chunk: int, g
         counts = []
         for step in range(1, 4):
             rig.new_grads()
-            pipelined_step(rig.ref, hyper=HYPER, step=step, grad_scale=0.5)
+            rig.ref.step(hyper=HYPER, step=step, grad_scale=0.5)
             stream.step(HYPER, step, grad_scale=0.5)
             stream.wait_idle()
             counts.append(rig.nvme())

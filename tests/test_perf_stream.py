@@ -1,7 +1,8 @@
 """offload.AdamStream ([Note: streamed optimizer step]): the streamed CPU Adam over the tier
-manager gives bitwise the state of the plain pipelined step over host tensors, moves each
-state byte over NVMe once per direction per step, lets its writes drain after step()
-without anyone seeing stale data, and leaves consistent state when a step fails.
+manager gives bitwise the state of the in-place reference step over host tensors
+(tests/adam_reference.py), moves each state byte over NVMe once per direction per step, lets
+its writes drain after step() without anyone seeing stale data, and leaves consistent state
+when a step fails.
 
 Exactness: both sides run the same Adam kernel on the same fp32 inputs, so the comparison
 is torch.equal, not a tolerance.
@@ -15,18 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from adam_reference import HostShards
 from tiers_util import DelayIO, cpu_settings
 
 from tierzero.offload import (
     AdamHyper,
     AdamStream,
-    HostShardStore,
     OffloadError,
-    ShardLayout,
     ShardSpec,
     TierManager,
     adam_stream,
-    pipelined_step,
 )
 from tierzero.swap import FileIO, SwapStore
 
@@ -59,7 +58,7 @@ class Rig:
         self.keys = [{c: f"{c}/{i}" for c in DTYPES} if n else {} for i, n in enumerate(NUMELS)]
         specs = [ShardSpec(k[c], c, n, DTYPES[c])  # type: ignore[arg-type]
                  for k, n in zip(self.keys, NUMELS, strict=True) if n for c in DTYPES]
-        self.ref = HostShardStore(ShardLayout(NUMELS, param16_dtype=torch.bfloat16))
+        self.ref = HostShards(NUMELS, param16_dtype=torch.bfloat16)
         self.swap = SwapStore(tmp_path, block_size=1 << 16, fileio=fileio)
         self.mgr = TierManager(specs, cpu_settings(HOMES, device=1 << 20, host=16 << 20),
                                swap=self.swap)
@@ -103,11 +102,10 @@ class Rig:
     def close(self) -> None:
         self.mgr.close()
         self.swap.close()
-        self.ref.close()
 
 
 @pytest.mark.parametrize("ring", [0, 150_000, 1 << 20])
-def test_stream_matches_pipelined_step_and_moves_each_byte_once(tmp_path: Path,
+def test_stream_matches_the_reference_step_and_moves_each_byte_once(tmp_path: Path,
                                                                 ring: int) -> None:
     """ring 0: one shard at a time; 150 kB: a few shards of mixed sizes in flight, with
     wrap-around; 1 MiB: every shard fits (the whole next step is read ahead)."""
@@ -117,7 +115,7 @@ def test_stream_matches_pipelined_step_and_moves_each_byte_once(tmp_path: Path,
         counts = []
         for step in range(1, 5):
             rig.new_grads()
-            pipelined_step(rig.ref, hyper=HYPER, step=step)
+            rig.ref.step(hyper=HYPER, step=step)
             stats = stream.step(HYPER, step)
             assert stats.shards == len(NUMELS)
             stream.wait_idle()  # the read-ahead of the next step has landed too
@@ -147,7 +145,7 @@ def test_deferred_writes_are_seen_by_the_next_reader(tmp_path: Path) -> None:
     stream = rig.stream(150_000)
     try:
         rig.new_grads()
-        pipelined_step(rig.ref, hyper=HYPER, step=1)
+        rig.ref.step(hyper=HYPER, step=1)
         stream.step(HYPER, 1)
         assert stream.writes_in_flight > 0
         last = ORDER[-1]  # written last: its writes are surely still queued
@@ -166,7 +164,7 @@ def test_state_written_between_steps_is_read_again(tmp_path: Path) -> None:
     stream = rig.stream(150_000)
     try:
         rig.new_grads()
-        pipelined_step(rig.ref, hyper=HYPER, step=1)
+        rig.ref.step(hyper=HYPER, step=1)
         stream.step(HYPER, 1)
         stream.wait_idle()  # the first shards of step 2 are in host buffers now
         first = ORDER[0]
@@ -174,7 +172,7 @@ def test_state_written_between_steps_is_read_again(tmp_path: Path) -> None:
         rig.ref.tensors[first]["master"].copy_(new)
         rig.write(first, "master", new)
         rig.new_grads()
-        pipelined_step(rig.ref, hyper=HYPER, step=2)
+        rig.ref.step(hyper=HYPER, step=2)
         stream.step(HYPER, 2)
         stream.flush()
         rig.assert_equal()
@@ -201,7 +199,7 @@ def test_failure_mid_step_leaves_each_shard_whole(tmp_path: Path,
 
     try:
         rig.new_grads()
-        pipelined_step(rig.ref, hyper=HYPER, step=1)
+        rig.ref.step(hyper=HYPER, step=1)
         monkeypatch.setattr(adam_stream, "adam_update", failing)
         with pytest.raises(RuntimeError, match="injected kernel failure"):
             stream.step(HYPER, 1)
@@ -233,7 +231,7 @@ def test_read_failure_is_raised_naming_the_shard_and_unwinds(tmp_path: Path) -> 
         io.armed = False
         rig.mgr.synchronize()
         rig.mgr.audit()
-        pipelined_step(rig.ref, hyper=HYPER, step=1)
+        rig.ref.step(hyper=HYPER, step=1)
         stream.step(HYPER, 1)
         stream.flush()
         rig.assert_equal()
@@ -261,12 +259,12 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path: Path) -> None:
 def test_new_order_between_steps_keeps_the_state_exact(tmp_path: Path, ring: int) -> None:
     """set_order after a step, with writes in flight and the read-ahead taken for the old
     order (slow writes keep them queued): the stream drains once, every later step follows
-    the new order, and the state stays bitwise the plain pipelined step's."""
+    the new order, and the state stays bitwise the reference step's."""
     rig = Rig(tmp_path, DelayIO(write_delay=0.002))
     stream = rig.stream(ring)
     try:
         rig.new_grads()
-        pipelined_step(rig.ref, hyper=HYPER, step=1)
+        rig.ref.step(hyper=HYPER, step=1)
         stream.step(HYPER, 1)
         assert stream.writes_in_flight > 0
         kept = stream.kept
@@ -276,7 +274,7 @@ def test_new_order_between_steps_keeps_the_state_exact(tmp_path: Path, ring: int
         assert not stream.set_order(new)  # the same order again: nothing to do
         for step in (2, 3):
             rig.new_grads()
-            pipelined_step(rig.ref, hyper=HYPER, step=step)
+            rig.ref.step(hyper=HYPER, step=step)
             stream.step(HYPER, step)
         assert stream.kept == kept  # chosen once, from the construction order
         stream.flush()
