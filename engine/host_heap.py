@@ -13,8 +13,8 @@ and gradients are host memory freed each step. malloc_trim(0) hands every free p
 (madvise on the free chunks of every arena, not only the top): the engine calls it after
 each unit is placed, and HeapTrim each time another 64 MiB of parameters was partitioned by Init or
 of gather buffers and gradients released by a step on the CPU, so freed blocks never pile
-up (a call costs ~10 us with nothing to release, a few ms otherwise; nothing in use is
-freed, and allocations after it are served as before). Setting a fixed
+up (a call is cheap with nothing to release; nothing in use is freed, and allocations
+after it are served as before). Setting a fixed
 mmap threshold instead (MALLOC_MMAP_THRESHOLD_) would also stop the retention, but makes
 every gather buffer and activation a fresh mmap and page faults it in again, slowing every
 step (benchmarks/RESULTS.md). Other C libraries: nothing to do (no malloc_trim).

@@ -1,17 +1,16 @@
 """Build and load the C Adam kernel (`_adam_kernel.c`) at first use.
 
-Why a C file compiled at first use (measured on the 2-core AVX-512 dev VM;
-numbers in benchmarks/RESULTS.md, "CPU Adam"):
+Why a C file compiled at first use (numbers in benchmarks/RESULTS.md, "CPU Adam"
+and "Measurements behind design choices"):
 
 - The step is memory-bandwidth bound. ``torch.optim.AdamW(fused=True)`` is
-  already within a few percent of our kernel on plain fp32 (quiet machine:
-  0.75 vs 0.70 G params/s on 1 thread, 1.27 vs 1.36 on 2), and removing the
+  already within a few percent of our kernel on plain fp32, and removing the
   sqrt and both divisions from our loop did not make it faster, so no kernel
   wins by arithmetic. It wins by bytes: the offloaded update (bf16 grad in,
   bf16 param out) is 28 B/param in one pass against 40 B for any PyTorch
-  optimizer plus its two conversion passes, measured 2.05-2.07x faster.
+  optimizer plus its two conversion passes.
 - Plain C with ``-O3 -march=native`` auto-vectorises all nine dtype variants
-  (gcc 12 reports every loop vectorised) and builds in ~1.3 s because it
+  (gcc 12 reports every loop vectorised) and builds in seconds because it
   includes no torch headers; ``torch.utils.cpp_extension`` takes about a
   minute, and a build step at install time would make pip's build isolation
   fetch a CUDA torch. numba would add a heavy dependency for the same loop.

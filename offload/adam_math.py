@@ -19,8 +19,8 @@ from .state_codec import moment_nbytes
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 GRAD_DTYPES = (torch.float32, *LOW_PRECISION)
 # 64 Ki elements: 256 KiB per fp32 operand, so the working set of one chunk
-# (p, m, v, g and two temporaries) fits in a 2 MiB L2. Measured (dev VM, 1 thread,
-# 10M params, G params/s): 16 Ki 0.11, 64 Ki 0.23, 256 Ki 0.18, 1 Mi 0.12, unchunked 0.10.
+# (p, m, v, g and two temporaries) fits in a 2 MiB L2: the fastest of the chunk sizes
+# tried (benchmarks/RESULTS.md, "Measurements behind design choices").
 TORCH_CHUNK = 1 << 16
 
 

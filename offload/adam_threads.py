@@ -1,11 +1,10 @@
 """The worker threads that run the CPU Adam kernel over ranges of a shard.
 
 Why Python threads and not OpenMP: the ctypes call releases the GIL, so plain
-threads run the C loop in parallel. Measured on the dev VM (2 threads, 40M
-params, bf16 grad in/out, interleaved, under load): this pool 0.26-0.28 and an
-OpenMP build of the same kernel 0.29-0.30 G params/s, the same within noise.
-With threads of our own, each can be bound to a NUMA node through
-``offload.numa`` before it runs, and the one pool is created here, visibly,
+threads run the C loop in parallel, as fast as an OpenMP build of the same
+kernel (benchmarks/RESULTS.md, "Measurements behind design choices"). With
+threads of our own, each can be bound to a NUMA node through ``offload.numa``
+before it runs, and the one pool is created here, visibly,
 instead of by a second OpenMP runtime beside torch's.
 
 Each thread streams its range once: the kernel keeps no intermediates, so
@@ -21,9 +20,8 @@ thread slowed by another process (the swap I/O threads, a data loader, other
 ranks) takes fewer chunks instead of holding up the whole step, as a static
 one-range-per-thread split would. ``first_touch`` zero-fills a buffer with the
 same chunk-to-node map, so on a multi-node machine every chunk of a buffer
-lives on the node that updates it. (Measured on the loaded dev VM, 2 threads,
-50M params, interleaved: dynamic 0.78-0.82 vs static 0.78 G params/s median,
-with a lower worst case; the gain is robustness, not peak speed.)
+lives on the node that updates it. The gain is robustness (a lower worst case),
+not peak speed (benchmarks/RESULTS.md, "Measurements behind design choices").
 """
 
 from __future__ import annotations
@@ -43,10 +41,10 @@ from . import numa
 logger = logging.getLogger(__name__)
 
 ALIGN = 32  # elements: 128 B of fp32, 64 B of bf16, so parts never share a cache line
-# Below this many elements per thread the dispatch (~20 us) costs more than it saves.
+# Below this many elements per thread the dispatch to a thread costs more than it saves.
 MIN_PER_THREAD = 1 << 15
 # Chunks per thread: enough to rebalance around a descheduled thread, few enough that the
-# per-chunk cost (one ctypes call, ~2 us) stays far below a chunk's time.
+# per-chunk cost (one ctypes call) stays far below a chunk's time.
 CHUNKS_PER_THREAD = 8
 
 

@@ -11,9 +11,8 @@ long as the tensor. We prefer this to an anonymous mmap + `torch.frombuffer`:
 it needs no mmap object to outlive the tensor, works unchanged for pinned
 memory (`pin_memory=True`), and costs at most ALIGN - 1 bytes per tensor. For
 large sizes both come from the kernel as fresh zero pages (glibc serves big
-mallocs with mmap). Measured (`benchmarks/swap_bench.py --aligned`, 256 MiB
-allocated and touched, median of 5, loaded 2-core VM): aligned_empty 201 ms,
-mmap + frombuffer 246 ms, plain torch.empty 210 ms.
+mallocs with mmap), and neither is slower than plain torch.empty
+(`benchmarks/swap_bench.py --aligned`; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ last one shorter); each block's CRC-32 is taken by the I/O thread that moves
 it (in parallel, GIL released), and the checksum is the CRC-32 of those block
 CRCs packed as little-endian u32s. The header is written after every payload
 block has landed, so a region with a valid header has a complete payload.
-CRC-32 is the zlib polynomial; ISA-L's implementation (package `isal`, ~24 GB/s
-per core here vs ~2 GB/s for zlib) is used when installed, zlib otherwise: the
-values are identical.
+CRC-32 is the zlib polynomial; ISA-L's implementation (package `isal`, about ten
+times zlib's speed: benchmarks/RESULTS.md) is used when installed, zlib otherwise:
+the values are identical.
 """
 
 from __future__ import annotations

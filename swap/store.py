@@ -56,7 +56,7 @@ class SwapStore:
         order. Block order: see [Note: swap I/O order]. Default 8.
     threads: I/O threads, each with one block request in flight. Default 4.
     verify: checksum every payload on write and check header and checksum on
-        every read (cost: one CRC-32 pass, ~24 GB/s per core with `isal`). Default
+        every read (cost: one CRC-32 pass over each block). Default
         True: a flipped bit is an error naming file and key, never a silently
         different tensor.
     direct: True requires O_DIRECT, False never uses it, None (default) uses it
