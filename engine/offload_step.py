@@ -13,7 +13,7 @@ in the same pass to its home tier; the last writes drain, and the next step's
 first reads run, behind the next forward and backward. When the state is
 homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
 on it instead, group by group (no staging copies; engine/inplace_step.py). Either
-way the step can begin during backward (EarlyStep, offload.optimizer.overlap_step).
+way the step can begin during backward (OffloadedStep, offload.optimizer.overlap_step).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from tierzero.engine.config import Config
-from tierzero.engine.flat_shard import FlatGroup
 from tierzero.engine.inplace_step import InPlaceStep
 from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.precision import GradStat
-from tierzero.engine.schedule import Scheduler, Unit
+from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shard_store import ShardKind
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
+from tierzero.offload.step_seam import StepOrder
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, adamw: bool,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 threads: int, buffer_bytes: int = 0, order: Sequence[int] | None = None
+                 threads: int, buffer_bytes: int = 0, order: StepOrder | None = None
                  ) -> None:
         """buffer_bytes: the stream's host ring (TieredShardStore.pipeline_bytes()); order:
-        the shard order of each step (the groups the next forward gathers first, first)."""
+        the owner of the streamed step's group order ([Note: step order learned from
+        backward]; default: construction order)."""
         handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager
         super().__init__(handles, {"lr": lr, "betas": betas, "eps": eps,
                                    "weight_decay": weight_decay})
@@ -69,6 +70,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._store = store
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
+        self.order = StepOrder(self._keys) if order is None else order
         dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
         # the master itself (written from it).
@@ -94,7 +96,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._stream = AdamStream(
                 manager, [{n: store.manager_key(k, n) for n in ("grad", "param16")}
                           for k in self._keys],
-                [store.numel(k) for k in self._keys], order=order, buffer_bytes=buffer_bytes,
+                [store.numel(k) for k in self._keys], order=self.order.indices(),
+                buffer_bytes=buffer_bytes,
                 chunks=chunks,
                 shadow=self._shadow, threads=self._threads,
                 # zero_grad() follows every step: a consumed gradient is never read again
@@ -178,19 +181,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             return list(self._keys)
         return [self._keys[i] for i in self._stream.order]
 
-    def set_step_order(self, keys: Sequence[str]) -> bool:
-        """Update the groups in this order from the next step on (the streamed step; state
-        updated in place has no order). Groups left out keep their relative order after
-        the named ones. Returns whether the order changed."""
+    def apply_step_order(self) -> bool:
+        """The streamed step takes `order`'s current order from the next step on (state
+        updated in place has no order). Returns whether the stream's order changed."""
         if self._stream is None:
             return False
-        unknown = [k for k in keys if k not in self._index]
-        if unknown:
-            raise ValueError(f"OffloadedAdam.set_step_order: unknown groups {unknown[:3]}")
-        named = [self._index[k] for k in dict.fromkeys(keys)]
-        seen = set(named)
-        rest = [i for i in self._stream.order if i not in seen]
-        return self._stream.set_order(named + rest)
+        return self._stream.set_order(self.order.indices())
 
     def settle(self, *, deferred: bool = True) -> None:
         """Wait until no optimizer thread is updating a shard (the in-place step's worker
@@ -289,17 +285,20 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._threads.close()
 
 
-class EarlyStep:
-    """The optimizer step begun during backward (offload.optimizer.overlap_step).
+class OffloadedStep:
+    """The offloaded CPU Adam behind the step seam ([Note: the optimizer-step seam] in
+    offload/step_seam.py): `OffloadedAdam` updates the shards; this decides when.
 
-    On an accumulation boundary, with offloaded optimizer state and nothing that needs
-    every gradient first (clipping's global norm, fp16's overflow check), the step begins
-    when backward starts and each unit is updated once its gradient shard is reduced
-    (Scheduler.on_final; not a group that may still get late gradients, [Note: late
-    gradients]), while backward runs on the others: state streamed from NVMe on
-    the compute thread ([Note: streamed optimizer step]), state in host memory in place on
-    one worker thread ([Note: in-place early step]). `OffloadedAdam.step()` finishes it.
-    `lr` and the other hyper-parameters are taken when backward starts.
+    On an accumulation boundary, with nothing that needs every gradient first (clipping's
+    global norm, fp16's overflow check) and offload.optimizer.overlap_step on, the step
+    begins when backward starts and each group is updated once its gradient shard is
+    reduced (`groups_final`, from the scheduler; not a group that may still get late
+    gradients, [Note: late gradients]), while backward runs on the others: state streamed
+    from NVMe on the compute thread ([Note: streamed optimizer step]), state in host memory
+    in place on one worker thread ([Note: in-place early step]). `finish()` does the rest.
+    `lr` and the other hyper-parameters are taken when backward starts. With clipping or
+    fp16, state updated in place is measured during backward and updated during the next
+    forward ([Note: deferred step]).
     """
 
     def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
@@ -311,21 +310,33 @@ class EarlyStep:
         self.enabled = overlap and not needs_every_grad
         # Clipping's norm or fp16's overflow check: measure during backward, update during
         # the next forward ([Note: deferred step]); the streamed step updates after backward.
-        self.deferred = overlap and needs_every_grad and optimizer.can_defer
-        if self.deferred:
+        self.defers = overlap and needs_every_grad and optimizer.can_defer
+        if self.defers:
             # nothing is updated during backward: a late gradient only makes its group's
             # measurement stale (measured again in step(), Scheduler.reissued)
             scheduler.late.strict = False
         self.measuring = False  # this backward measures the gradients turning final
         self.abandoned = False  # a step begun in backward failed: skip this boundary's step
         self.total = len(optimizer.param_groups[0]["params"])
+        scheduler.subscribe(self)
+
+    @property
+    def listening(self) -> bool:
+        return self.measuring or self.optimizer.step_open
+
+    @property
+    def step_open(self) -> bool:
+        return self.optimizer.step_open
+
+    @property
+    def step_order(self) -> list[str]:
+        return self.optimizer.step_order
 
     def begin(self, *, boundary: bool) -> None:
-        if self.deferred:
+        if self.defers:
             self.measuring = boundary
             if boundary:
                 self.optimizer.begin_measure()
-                self.scheduler.on_final = self._measure_final
             else:
                 self.optimizer.forget_measured()  # the gradients change again
             return
@@ -336,27 +347,31 @@ class EarlyStep:
                                "the optimizer step begun by the previous backward is still "
                                "open; call eng.step() after each backward()")
         self.optimizer.begin_step()
-        self.scheduler.on_final = self._unit_final
 
-    def _unit_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
-        del unit  # the groups say it all
-        self.optimizer.groups_final([g.key for g in groups if g.trainable])
+    def groups_final(self, keys: Sequence[str]) -> None:
+        if self.measuring:
+            self.optimizer.measure(keys)
+        else:
+            self.optimizer.groups_final(keys)
 
-    def _measure_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
-        del unit
-        self.optimizer.measure([g.key for g in groups if g.trainable])
+    def grad_stats(self, redo: set[str]) -> dict[str, GradStat] | None:
+        """The gradients measured during this boundary's backward (consumed), or None."""
+        measured, self.measuring = self.measuring, False
+        return self.optimizer.grad_stats(redo) if measured else None
 
-    def take_measured(self) -> bool:
-        """This boundary's backward measured the gradients (step() uses the measurements)."""
-        out, self.measuring = self.measuring, False
-        return out
+    def finish(self, grad_scale: float) -> None:
+        """Unscale and clip folded into the CPU Adam's one pass over the gradients."""
+        if self.defers:
+            self.optimizer.step(grad_scale=grad_scale, defer=self.scheduler.forward_keys())
+            return
+        self.optimizer.step(grad_scale=grad_scale)
+        self._follow_backward_order()
 
     def abandon(self) -> None:
-        """Backward failed with a step begun early: units updated so far keep their update
+        """Backward failed with a step begun early: groups updated so far keep their update
         (each whole: master, moments and param16 together); the step of this boundary is
         skipped, never applied twice. Measurements (deferred mode) are dropped: nothing
         was updated, and step() measures what the gradients hold then."""
-        self.scheduler.on_final = None
         if self.measuring:
             self.measuring = False
             self.optimizer.forget_measured()
@@ -370,3 +385,32 @@ class EarlyStep:
     def take_abandoned(self) -> bool:
         out, self.abandoned = self.abandoned, False
         return out
+
+    def gradients_zeroed(self) -> None:
+        if self.measuring:
+            self.abandon()  # measured gradients are gone: step() measures zeros
+
+    def settle(self, *, deferred: bool = True) -> None:
+        self.optimizer.settle(deferred=deferred)
+
+    def wait_groups(self, keys: Sequence[str]) -> None:
+        self.optimizer.wait_groups(keys)
+
+    def drain(self) -> None:
+        self.optimizer.drain()
+
+    def worker_times(self) -> tuple[float, float]:
+        return self.optimizer.worker_times()
+
+    def stats(self) -> dict[str, Any] | None:
+        return self.optimizer.stats()
+
+    def close(self) -> None:
+        self.optimizer.close()
+
+    def _follow_backward_order(self) -> None:
+        """After a step: the order decides on the last backward's final order ([Note: step
+        order learned from backward] in offload/step_seam.py); the stream applies it."""
+        seen = self.scheduler.final_order  # trainable groups only (Scheduler._issue)
+        if self.optimizer.order.learn(seen) and self.optimizer.apply_step_order():
+            log.debug("optimizer step order follows backward: %s ... %s", seen[:2], seen[-2:])

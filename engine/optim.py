@@ -104,3 +104,73 @@ def run_step(
             m.grad = None
     for k in keys:
         store.write_param16_from_master(k)
+
+
+class DeviceStep:
+    """The step seam's device driver ([Note: the optimizer-step seam] in
+    offload/step_seam.py): a torch optimizer over device-resident master shards, stepped
+    once backward is over. Nothing runs during backward or beside compute."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: ShardStore,
+                 keys: Sequence[str]) -> None:
+        self.optimizer = optimizer
+        self._store = store
+        self._keys = list(keys)
+
+    @property
+    def listening(self) -> bool:
+        return False
+
+    @property
+    def defers(self) -> bool:
+        return False
+
+    @property
+    def step_open(self) -> bool:
+        return False
+
+    @property
+    def step_order(self) -> list[str]:
+        return list(self._keys)
+
+    def begin(self, *, boundary: bool) -> None:
+        del boundary  # the step starts after backward
+
+    def groups_final(self, keys: Sequence[str]) -> None:
+        del keys  # never listening
+
+    def abandon(self) -> None:
+        """Nothing was begun during backward."""
+
+    def take_abandoned(self) -> bool:
+        return False
+
+    def grad_stats(self, redo: set[str]) -> None:
+        del redo  # nothing is measured during backward
+
+    def finish(self, grad_scale: float) -> None:
+        if grad_scale != 1.0:
+            for k in self._keys:
+                self._store.tensor(k, "grad").mul_(grad_scale)
+        run_step(self.optimizer, self._store, self._keys)
+
+    def gradients_zeroed(self) -> None:
+        """Nothing measured to forget."""
+
+    def settle(self, *, deferred: bool = True) -> None:
+        del deferred  # the step runs on the caller's thread
+
+    def wait_groups(self, keys: Sequence[str]) -> None:
+        del keys  # nothing deferred
+
+    def drain(self) -> None:
+        """Nothing deferred."""
+
+    def worker_times(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def stats(self) -> dict[str, Any] | None:
+        return None
+
+    def close(self) -> None:
+        """The optimizer's tensors are the store's, freed with it."""

@@ -32,9 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,6 +43,7 @@ from tierzero.engine.hooks import register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
 from tierzero.engine.shard_store import ShardKind, ShardStore
+from tierzero.offload.step_seam import StepDriver
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
@@ -87,14 +86,6 @@ class Unit:
         return self.name or "<root>"
 
 
-class PendingUpdates(Protocol):
-    """Optimizer updates still running when forward starts ([Note: deferred step])."""
-
-    def wait_groups(self, keys: Sequence[str]) -> None: ...
-
-    def drain(self) -> None: ...
-
-
 class Scheduler:
     def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
                  overlap_comm: bool, inflight_reduce_bytes: int,
@@ -127,11 +118,13 @@ class Scheduler:
         self._order: list[int] = []
         self._in_backward = False
         self._backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        # Called with a unit and those of its groups whose gradient shards are final
-        # (reduced, and waited for) on an accumulation boundary, while backward goes on:
-        # the engine starts the optimizer on them ([Note: streamed optimizer step],
-        # [Note: in-place early step]). None: nobody listens.
-        self.on_final: Callable[[Unit, list[FlatGroup]], None] | None = None
+        # The optimizer-step driver ([Note: the optimizer-step seam] in
+        # offload/step_seam.py), subscribed once: told of the groups whose gradient shards
+        # are final (reduced, and waited for) while it listens, so it can start on them
+        # while backward goes on ([Note: streamed optimizer step], [Note: in-place early
+        # step]); its update deferred into the next forward is waited for per unit before
+        # the unit is gathered ([Note: deferred step]). None: nobody listens.
+        self._driver: StepDriver | None = None
         self.late = LateGrads()  # [Note: late gradients]
         # Trainable group keys in the order their gradients turned final in the last
         # complete backward (each at its last reduction: a late-gradient group where it
@@ -142,9 +135,6 @@ class Scheduler:
         # Trainable groups reduced more than once in this backward (late gradients): a
         # measurement taken at their first reduction is stale ([Note: deferred step]).
         self.reissued: set[str] = set()
-        # The optimizer update deferred into the next forward: a unit's groups are waited
-        # for before it is gathered ([Note: deferred step]). None: nothing is deferred.
-        self.updates: PendingUpdates | None = None
         self.update_wait_s = 0.0  # seconds gathers waited for those updates (cumulative)
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         # seconds the training thread spent gathering units (forward and backward, NVMe
@@ -152,16 +142,24 @@ class Scheduler:
         self.gather_s = 0.0
         self.gathered_peak_bytes = 0
 
+    def subscribe(self, driver: StepDriver) -> None:
+        """The optimizer-step driver listens from now on (once, when the engine is built)."""
+        if self._driver is not None:
+            raise RuntimeError("Scheduler.subscribe: an optimizer-step driver is subscribed "
+                               "already; the engine chooses one when it is built")
+        self._driver = driver
+
     # -- residency -------------------------------------------------------------
     def wait_updates(self, unit: Unit | None = None) -> None:
         """The deferred optimizer update of `unit`'s groups (None: of every group) has run."""
-        if self.updates is None:
+        driver = self._driver
+        if driver is None or not driver.defers:
             return
         start = time.perf_counter()
         if unit is None:
-            self.updates.drain()
+            driver.drain()
         else:
-            self.updates.wait_groups([g.key for g in unit.groups if g.trainable])
+            driver.wait_groups([g.key for g in unit.groups if g.trainable])
         self.update_wait_s += time.perf_counter() - start
 
     def forward_keys(self) -> list[str]:
@@ -384,18 +382,18 @@ class Scheduler:
             unit.reduced_groups.clear()
 
     def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None) -> None:
-        """Reduce `groups` of `unit` (default: all), then tell on_final."""
+        """Reduce `groups` of `unit` (default: all), then tell the listening driver."""
         groups = unit.groups if groups is None else groups
         for g in groups:
             self._issue(g)
         self._heap_freed(unit, sum(g.numel * g.full.element_size() for g in groups))  # .grad
         unit.reduced_groups.update(g.key for g in groups)
         unit.reduced = all(g.key in unit.reduced_groups for g in unit.groups if g.trainable)
-        if self.on_final is not None:
+        if self._driver is not None and self._driver.listening:
             final = self.late.hand_over(groups)  # not those that may get late gradients
             if final:
                 self.wait_reductions()  # the shard holds the reduced gradient after wait()
-                self.on_final(unit, final)
+                self._driver.groups_final([g.key for g in final])
 
     def _issue(self, g: FlatGroup) -> None:
         """Start reducing `g`'s gradients into its shard, within the in-flight bound."""
