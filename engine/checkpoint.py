@@ -92,8 +92,8 @@ from tierzero.engine.checkpoint_layout import (
 )
 from tierzero.engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
 from tierzero.engine.config.native import as_dict
-from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.progress import progress_bar, progress_enabled
+from tierzero.engine.shard_store import ShardStore
 from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
 if TYPE_CHECKING:
@@ -104,22 +104,14 @@ log = logging.getLogger(__name__)
 
 
 @contextmanager
-def shard_use(store: Any, key: str, kind: str, *, writable: bool = False,
+def shard_use(store: ShardStore, key: str, kind: str, *, writable: bool = False,
               overwrite: bool = False) -> Iterator[torch.Tensor]:
-    """A shard tensor for the duration of the block, through the store's own access path:
-    `use()` where the store has one (a tiered store fetches and releases around the block,
-    [Note: shard residency]), else the resident tensor. `overwrite=True`: the block
-    writes every element, so a tiered store need not read the old bytes from NVMe."""
-    if isinstance(store, TieredShardStore):  # on its home tier (host for NVMe), not gathered
-        with store.use(key, kind, writable=writable, compute=False,  # type: ignore[arg-type]
-                       overwrite=overwrite) as t:
-            yield t
-        return
-    use = getattr(store, "use", None)
-    if use is None:
-        yield store.tensor(key, kind)
-        return
-    with use(key, kind, writable=writable or overwrite) as t:
+    """A shard tensor for the duration of the block, through the store's own access path
+    (a tiered store fetches and releases around the block, [Note: shard residency]), on
+    its home tier (host for NVMe), not gathered: `compute=False`. `overwrite=True`: the
+    block writes every element, so a tiered store need not read the old bytes from NVMe."""
+    with store.use(key, kind, writable=writable or overwrite,  # type: ignore[arg-type]
+                   compute=False, overwrite=overwrite) as t:
         yield t
 
 
@@ -315,7 +307,7 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     # offloaded state (what did not fit in host memory to begin with), so the save streams
     # from the store synchronously instead, one shard at a time; the caller still gets a
     # PendingSave, already complete.
-    snapshot = background is not None and eng.store.resident
+    snapshot = background is not None and eng.store.snapshot_in_host
     payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
     job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
     if background is not None and snapshot:

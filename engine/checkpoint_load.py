@@ -182,10 +182,9 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                 store.write_param16_from_master(lay.key)
                 if not isinstance(eng.optimizer, OffloadedAdam):
                     restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
-        loaded = {lay.key for lay in saved}
-        for g in eng._train_groups:  # gradient shards written above: no longer zero_grad()'s
-            if g.key in loaded:
-                g.grad_fresh = False
+        for lay in saved:  # gradient shards written above: no longer zero_grad()'s
+            if lay.trainable:
+                store.take_grad_zeroed(lay.key)
         if isinstance(eng.optimizer, OffloadedAdam):
             restore_offloaded_step(eng.optimizer, {lay.key: rank_meta["optimizer"][lay.key]
                                                    for lay in saved if lay.trainable})

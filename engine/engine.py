@@ -31,7 +31,6 @@ from tierzero.engine.flat_shard import (
     build_group,
     release_group,
     shard_numel,
-    zero_fresh_grads,
 )
 from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_heap import release_free_heap
@@ -104,9 +103,12 @@ class ZeroEngine:
         # Largest block unit (elements): the root's flat groups are cut to this size.
         self._group_cap = max((sum(p.numel() for _, p in s.params) for s in specs
                                if not s.is_root), default=0)
-        # Plain device-resident shards, or the tier manager when anything is offloaded.
-        self.store: ShardStore = (TieredShardStore(self.device, self.config)
-                                  if offload_wanted(self.config) else ShardStore(self.device))
+        # Plain device-resident shards, or the tier manager when anything is offloaded:
+        # chosen once; afterwards the store says what callers may do ([Note: shard
+        # residency] in shard_store.py).
+        tiered = (TieredShardStore(self.device, self.config)
+                  if offload_wanted(self.config) else None)
+        self.store: ShardStore = ShardStore(self.device) if tiered is None else tiered
         self._declare_groups(specs)
         # each unit's module tensors (or Init slices) are freed once its shards are placed:
         # back to the system before the next ([Note: returning freed host memory])
@@ -136,7 +138,7 @@ class ZeroEngine:
         self._train_keys = [g.key for g in self._train_groups]
         # The optimizer the user sees (lr schedule, param groups) and the driver the engine
         # steps it through, chosen once ([Note: the optimizer-step seam]).
-        self.optimizer, self.step_driver = self._build_step(optimizer_factory)
+        self.optimizer, self.step_driver = self._build_step(optimizer_factory, tiered)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
@@ -164,21 +166,21 @@ class ZeroEngine:
                      self.device)
         self._closed = False
 
-    def _build_step(self, factory: OptimizerFactory
+    def _build_step(self, factory: OptimizerFactory, tiered: TieredShardStore | None
                     ) -> tuple[torch.optim.Optimizer, StepDriver]:
         """The CPU Adam when the optimizer state is offloaded (its update may begin during
         backward), else the factory's optimizer over device-resident shards."""
-        if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
+        if tiered is not None and tiered.optimizer_offloaded:
             o = self.config.optimizer
             # [Note: step order learned from backward] in offload/step_seam.py
             order = StepOrder.backward_guess(
                 self._train_keys, [[g.key for g in u.groups] for u in self.units[:-1]],
                 [g.key for g in self.root.groups])
             adam = OffloadedAdam(
-                self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
+                tiered, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
                 threads=threads_per_rank(self.comm.world_size),
-                buffer_bytes=self.store.ring_bytes(), order=order)
+                buffer_bytes=tiered.ring_bytes(), order=order)
             return adam, OffloadedStep(adam, self.scheduler, self.config,
                                        fp16=self.dtype == torch.float16)
         opt = build_optimizer(factory, self.store, self._train_keys)
@@ -407,8 +409,7 @@ class ZeroEngine:
         on reading them: the mark changes no byte of a shard."""
         self._settle_optimizer(deferred=False)
         self.step_driver.gradients_zeroed()  # measured gradients are gone: step() measures zeros
-        for g in self._train_groups:
-            g.grad_fresh = True
+        self.store.mark_grads_zeroed(self._train_keys)
         for u in self.units:
             for p in u.trainable:
                 p.grad = None
@@ -417,7 +418,7 @@ class ZeroEngine:
         """Write the zeros of gradient shards marked by zero_grad() and not reduced into
         since (for whoever reads them without a backward first)."""
         self._settle_optimizer()  # a deferred update may still read a marked shard
-        zero_fresh_grads(self._train_groups, self.store)
+        self.store.write_zeroed_grads()
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

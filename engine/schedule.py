@@ -213,7 +213,7 @@ class Scheduler:
         root, each non-persistent unit's forward, then the same units in reverse for
         backward. The tier manager starts NVMe reads and host->device copies within its
         byte windows (zero.prefetch_bytes) ahead of each use ([Note: unit order trace])."""
-        if self.trace is None or self.store.resident:
+        if self.trace is None or not self.store.prefetches:
             return
         by_index = {u.index: u for u in self.units}
         fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
@@ -229,7 +229,7 @@ class Scheduler:
                 # a fresh gradient shard is overwritten by its reduction, never read
                 # ([Note: gradients zeroed by the first reduction]): no read-ahead for it
                 entries += [(g.key, "grad") for g in u.groups
-                            if g.trainable and not g.grad_fresh]
+                            if g.trainable and not self.store.grad_zeroed(g.key)]
         self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit) -> None:
