@@ -291,8 +291,9 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self._settle_optimizer()  # reductions write gradient shards a deferred update reads
-        self.scheduler.begin_backward()
+        # the driver first: a begin it refuses (TrainingStateError) leaves no pass open
         self.step_driver.begin(boundary=self.is_gradient_accumulation_boundary())
+        self.scheduler.begin_backward()
         ok = False
         try:
             (loss.float() * scale).backward()  # type: ignore[no-untyped-call]

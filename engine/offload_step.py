@@ -32,7 +32,7 @@ from tierzero.engine.precision import GradStat
 from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shard_store import ShardKind
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
-from tierzero.offload.step_seam import StepOrder
+from tierzero.offload.step_seam import STEP_TRANSITIONS, StepOrder, StepState, transition
 
 log = logging.getLogger(__name__)
 
@@ -315,18 +315,23 @@ class OffloadedStep:
             # nothing is updated during backward: a late gradient only makes its group's
             # measurement stale (measured again in step(), Scheduler.reissued)
             scheduler.late.strict = False
-        self.measuring = False  # this backward measures the gradients turning final
-        self.abandoned = False  # a step begun in backward failed: skip this boundary's step
+        self.state = StepState.IDLE  # checked transitions: STEP_TRANSITIONS
         self.total = len(optimizer.param_groups[0]["params"])
         scheduler.subscribe(self)
 
+    def _to(self, new: StepState, call: str) -> None:
+        self.state = transition(
+            "the optimizer step (offload.optimizer.overlap_step)", STEP_TRANSITIONS,
+            self.state, new, call=call, fix="call eng.step() once after each backward() on an "
+            "accumulation boundary, also after a backward() that failed (it skips the step)")
+
     @property
     def listening(self) -> bool:
-        return self.measuring or self.optimizer.step_open
+        return self.state in (StepState.MEASURING, StepState.OPEN)
 
     @property
     def step_open(self) -> bool:
-        return self.optimizer.step_open
+        return self.state is StepState.OPEN
 
     @property
     def step_order(self) -> list[str]:
@@ -334,37 +339,42 @@ class OffloadedStep:
 
     def begin(self, *, boundary: bool) -> None:
         if self.defers:
-            self.measuring = boundary
             if boundary:
+                self._to(StepState.MEASURING, "backward() on an accumulation boundary")
                 self.optimizer.begin_measure()
             else:
+                if self.state is StepState.MEASURING:
+                    self._to(StepState.IDLE, "backward() within an accumulation")
                 self.optimizer.forget_measured()  # the gradients change again
             return
         if not (self.enabled and boundary):
             return
-        if self.optimizer.step_open:
-            raise RuntimeError("backward() on an accumulation boundary again before step(): "
-                               "the optimizer step begun by the previous backward is still "
-                               "open; call eng.step() after each backward()")
+        self._to(StepState.OPEN, "backward() on an accumulation boundary")
         self.optimizer.begin_step()
 
     def groups_final(self, keys: Sequence[str]) -> None:
-        if self.measuring:
+        if self.state is StepState.MEASURING:
             self.optimizer.measure(keys)
         else:
             self.optimizer.groups_final(keys)
 
     def grad_stats(self, redo: set[str]) -> dict[str, GradStat] | None:
         """The gradients measured during this boundary's backward (consumed), or None."""
-        measured, self.measuring = self.measuring, False
-        return self.optimizer.grad_stats(redo) if measured else None
+        if self.state is not StepState.MEASURING:
+            return None
+        self._to(StepState.IDLE, "step()")
+        return self.optimizer.grad_stats(redo)
 
     def finish(self, grad_scale: float) -> None:
         """Unscale and clip folded into the CPU Adam's one pass over the gradients."""
         if self.defers:
             self.optimizer.step(grad_scale=grad_scale, defer=self.scheduler.forward_keys())
             return
-        self.optimizer.step(grad_scale=grad_scale)
+        try:
+            self.optimizer.step(grad_scale=grad_scale)
+        finally:
+            if self.state is StepState.OPEN and not self.optimizer.step_open:
+                self._to(StepState.IDLE, "step()")  # finished, or failed and closed
         self._follow_backward_order()
 
     def abandon(self) -> None:
@@ -372,22 +382,24 @@ class OffloadedStep:
         (each whole: master, moments and param16 together); the step of this boundary is
         skipped, never applied twice. Measurements (deferred mode) are dropped: nothing
         was updated, and step() measures what the gradients hold then."""
-        if self.measuring:
-            self.measuring = False
+        if self.state is StepState.MEASURING:
+            self._to(StepState.IDLE, "abandon()")
             self.optimizer.forget_measured()
-        if self.optimizer.step_open:
+        if self.state is StepState.OPEN:
             done = self.optimizer.abort_step()
-            self.abandoned = True
+            self._to(StepState.ABANDONED, "abandon()")
             log.error("backward failed after the optimizer step had updated %d of %d "
                       "parameter groups (overlap_step); those keep their update, the step "
                       "of this boundary is skipped", done, self.total)
 
     def take_abandoned(self) -> bool:
-        out, self.abandoned = self.abandoned, False
-        return out
+        if self.state is not StepState.ABANDONED:
+            return False
+        self._to(StepState.IDLE, "step()")
+        return True
 
     def gradients_zeroed(self) -> None:
-        if self.measuring:
+        if self.state is StepState.MEASURING:
             self.abandon()  # measured gradients are gone: step() measures zeros
 
     def settle(self, *, deferred: bool = True) -> None:

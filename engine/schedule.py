@@ -29,6 +29,7 @@ hands the tier manager the order of the coming param16 fetches.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
@@ -43,7 +44,7 @@ from tierzero.engine.hooks import register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
 from tierzero.engine.shard_store import ShardKind, ShardStore
-from tierzero.offload.step_seam import StepDriver
+from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,22 @@ class Unit:
         return self.name or "<root>"
 
 
+class PassState(enum.Enum):
+    """Which pass the scheduler is in; the transitions are `PASS_TRANSITIONS`."""
+
+    IDLE = enum.auto()  # between passes
+    FORWARD = enum.auto()  # begin_forward .. end_forward (or abort)
+    BACKWARD = enum.auto()  # begin_backward .. end_backward (or abort); forwards inside it
+    # are recomputations (activation checkpointing), not new passes
+
+
+PASS_TRANSITIONS: dict[PassState, frozenset[PassState]] = {
+    PassState.IDLE: frozenset({PassState.FORWARD, PassState.BACKWARD}),
+    PassState.FORWARD: frozenset({PassState.IDLE}),
+    PassState.BACKWARD: frozenset({PassState.IDLE}),
+}
+
+
 class Scheduler:
     def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
                  overlap_comm: bool, inflight_reduce_bytes: int,
@@ -116,7 +133,7 @@ class Scheduler:
         self.trace: list[int] | None = None  # unit indices in forward order, first micro-step
         self.trace_changes = 0
         self._order: list[int] = []
-        self._in_backward = False
+        self.state = PassState.IDLE  # checked transitions: PASS_TRANSITIONS
         self._backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
         # The optimizer-step driver ([Note: the optimizer-step seam] in
         # offload/step_seam.py), subscribed once: told of the groups whose gradient shards
@@ -202,11 +219,21 @@ class Scheduler:
             self._trim.freed(nbytes)
 
     # -- forward ---------------------------------------------------------------
+    def _to(self, new: PassState, call: str) -> None:
+        self.state = self._allowed(new, call)
+
+    def _allowed(self, new: PassState, call: str) -> PassState:
+        return transition("the scheduler", PASS_TRANSITIONS, self.state, new, call=call,
+                          fix="forward and backward passes run one at a time, each to its end "
+                          "(eng(...) returns before eng.backward(loss) is called)")
+
     def begin_forward(self, root: Unit) -> None:
+        new = self._allowed(PassState.FORWARD, "begin_forward()")  # before anything changes
         self._order = []
         self.late.begin_forward()
         self._prefetch_from_trace(root)
         self.ensure_gathered(root)
+        self.state = new  # a failed gather above leaves the scheduler idle
 
     def _prefetch_from_trace(self, root: Unit) -> None:
         """Hand the shard store this step's param16 uses, in order, from the recorded trace:
@@ -233,13 +260,13 @@ class Scheduler:
         self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit) -> None:
-        if not self._in_backward:
+        if self.state is not PassState.BACKWARD:
             self._order.append(unit.index)
             self.late.unit_forward()
         self.ensure_gathered(unit)
 
     def post_forward(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
-        if self._in_backward:
+        if self.state is PassState.BACKWARD:
             return  # recomputation inside backward: the unit's backward still needs it
         needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad and torch.is_grad_enabled():
@@ -280,6 +307,7 @@ class Scheduler:
         return out
 
     def end_forward(self, root: Unit, grad_enabled: bool) -> None:
+        self._to(PassState.IDLE, "end_forward()")
         order = self._order
         if self.trace is None:
             self.trace = order
@@ -300,7 +328,7 @@ class Scheduler:
 
     # -- backward --------------------------------------------------------------
     def begin_backward(self) -> None:
-        self._in_backward = True
+        self._to(PassState.BACKWARD, "begin_backward()")
         self._finals = {}
         self.reissued.clear()
 
@@ -364,15 +392,15 @@ class Scheduler:
             for h in self._backward_hooks:
                 h.remove()
             self._backward_hooks.clear()
-            self._in_backward = False
+            self._to(PassState.IDLE, "end_backward()")
 
     def abort(self) -> None:
         """A forward failed: release and forget this pass, with no collective (the other
-        ranks may not have failed) and no gradients touched."""
+        ranks may not have failed) and no gradients touched. From any state."""
         for h in self._backward_hooks:
             h.remove()
         self._backward_hooks.clear()
-        self._in_backward = False
+        self.state = PassState.IDLE
         self.wait_reductions()  # already issued on every rank: complete them
         self.late.reset()
         for unit in self.units:

@@ -30,8 +30,47 @@ nothing of modules, units or ranks.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+
+class TrainingStateError(RuntimeError):
+    """A call that the object's training state does not allow (see `transition`)."""
+
+
+S = TypeVar("S", bound=enum.Enum)
+
+
+def transition(owner: str, table: Mapping[S, frozenset[S]], old: S, new: S, *, call: str,
+               fix: str) -> S:
+    """`new` when `table` allows `old` -> `new`, else TrainingStateError naming the owner,
+    the call, both states, what `old` allows and the fix."""
+    allowed = table[old]
+    if new not in allowed:
+        names = ", ".join(sorted(s.name for s in allowed)) or "nothing"
+        raise TrainingStateError(f"{owner}: {call} in state {old.name} would go to {new.name}, "
+                                 f"which {old.name} does not allow (it allows {names}); {fix}")
+    return new
+
+
+class StepState(enum.Enum):
+    """Where a driver's step stands between backward and step() ([Note: the optimizer-step
+    seam]); the transitions are `STEP_TRANSITIONS`."""
+
+    IDLE = enum.auto()  # nothing begun: step() updates every group
+    MEASURING = enum.auto()  # a boundary's backward measures gradients as they turn final
+    OPEN = enum.auto()  # a step begun in backward updates groups as they turn final
+    ABANDONED = enum.auto()  # that backward failed: step() skips this boundary's step
+
+
+STEP_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
+    StepState.IDLE: frozenset({StepState.MEASURING, StepState.OPEN}),
+    # a second boundary backward before step() measures again, from scratch
+    StepState.MEASURING: frozenset({StepState.IDLE, StepState.MEASURING}),
+    StepState.OPEN: frozenset({StepState.IDLE, StepState.ABANDONED}),
+    StepState.ABANDONED: frozenset({StepState.IDLE}),
+}
 
 
 class GradMeasure(Protocol):
