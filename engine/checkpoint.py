@@ -90,7 +90,7 @@ from tierzero.engine.checkpoint_layout import (
     shard_name,
     temp_dir_name,
 )
-from tierzero.engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
+from tierzero.engine.checkpoint_state import OPTIM_PREFIX, engine_state, rng_state
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.progress import progress_bar, progress_enabled
 from tierzero.engine.shard_store import ShardStore
@@ -152,12 +152,16 @@ def raise_if_any_failed(eng: ZeroEngine, error: str | None, what: str) -> None:
 
 
 def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
+    """Every flat group's layout; a trainable group's kinds: its master, the moments the
+    step driver keeps in the store (its state_dict's shards), its gradient `with_grad`."""
+    optim = eng.step_driver.state_dict()["state"]
     out = []
     for unit in eng.units:
         for g in unit.groups:
             if g.trainable:
-                kinds = ["master", "exp_avg", "exp_avg_sq"] + (["grad"] if with_grad else [])
-                kinds = [k for k in kinds if eng.store.has(g.key, k)]  # type: ignore[arg-type]
+                kinds = (["master"] if eng.store.has(g.key, "master") else []) + list(
+                    optim[g.key].shards) + (["grad"] if with_grad and eng.store.has(
+                        g.key, "grad") else [])
             else:
                 kinds = ["param16"]
             params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
@@ -187,6 +191,7 @@ class RankPayload:
 def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
              snapshot: bool) -> RankPayload:
     store = eng.store
+    optim = eng.step_driver.state_dict()["state"]  # the moments as StoreTensors: no copies
     tensors: list[tuple[str, torch.Tensor | ShardRef]] = []
     scalars: dict[str, Any] = {}
     for lay in layouts:
@@ -199,8 +204,9 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             else:
                 tensors.append((shard_name(lay.key, kind), ref))
         if lay.trainable:
-            split = split_optimizer_state(eng, lay.key)
-            tensors += [(shard_name(lay.key, n), t) for n, t in split.elementwise.items()]
+            split = optim[lay.key]
+            tensors += [(shard_name(lay.key, OPTIM_PREFIX + n), t)
+                        for n, t in split.tensors.items()]
             scalars[lay.key] = split.scalars
     rng_js, rng_t = rng_state(eng.device)
     tensors += list(rng_t.items())

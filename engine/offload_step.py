@@ -20,19 +20,27 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from tierzero.engine.checkpoint_layout import CheckpointError
 from tierzero.engine.config import Config
 from tierzero.engine.inplace_step import InPlaceStep
 from tierzero.engine.offload_bridge import TieredShardStore
+from tierzero.engine.optim import hyper_params, load_hyper_params, load_store_moments, store_moments
 from tierzero.engine.precision import GradStat
 from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shard_store import ShardKind
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
-from tierzero.offload.step_seam import STEP_TRANSITIONS, StepOrder, StepState, transition
+from tierzero.offload.step_seam import (
+    STEP_TRANSITIONS,
+    GroupState,
+    StepOrder,
+    StepState,
+    transition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +111,16 @@ class OffloadedAdam(torch.optim.Optimizer):
                 # zero_grad() follows every step: a consumed gradient is never read again
                 # ([Note: gradient home] in engine/offload_bridge.py)
                 consume_grads=True, state=store.state_precision)
+
+    @property
+    def store(self) -> TieredShardStore:
+        """The store whose shards this optimizer updates."""
+        return self._store
+
+    @property
+    def keys(self) -> list[str]:
+        """The trainable group keys, in construction order."""
+        return list(self._keys)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0, defer: Sequence[str] | None = None) -> None:
@@ -419,6 +437,51 @@ class OffloadedStep:
 
     def close(self) -> None:
         self.optimizer.close()
+
+    # -- checkpoints ([Note: the optimizer-step seam]) -----------------------------------
+    # The CPU Adam keeps no per-tensor torch state: its moments are the store's shards
+    # (streamed from their tiers when saved and loaded) and its step count is one integer,
+    # saved in the same form as torch's AdamW ({"step": {"tensor": n, "dtype":
+    # "torch.float32"}} per group), so a checkpoint of either loads into the other.
+    def state_dict(self) -> dict[str, Any]:
+        store = self.optimizer.store
+        step = {"tensor": float(self.optimizer.steps), "dtype": str(torch.float32)}
+        return {"param_groups": hyper_params(self.optimizer),
+                "state": {key: GroupState(shards=store_moments(store, key),
+                                          scalars={"step": dict(step)})
+                          for key in self.optimizer.keys}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved_groups = state["param_groups"]
+        for saved in saved_groups:  # torch's AdamW saves flags the CPU Adam does not have
+            unsupported = [k for k in ("amsgrad", "maximize") if saved.get(k)]
+            if unsupported:
+                raise CheckpointError(f"the checkpoint's optimizer uses {unsupported}, which "
+                                      "the engine's CPU Adam (offload.optimizer.device cpu/"
+                                      "nvme) does not implement; load with offload.optimizer."
+                                      "device 'none'")
+        groups: Mapping[str, GroupState] = state["state"]
+        steps: dict[str, int] = {}
+        for key, group in groups.items():  # checked before anything changes
+            unknown = sorted({*group.scalars, *group.tensors} - {"step"})
+            if unknown:
+                raise CheckpointError(
+                    f"optimizer state {unknown} of group {key!r} has no place in the engine's "
+                    "CPU Adam (offload.optimizer.device cpu/nvme); it was saved by another "
+                    "optimizer type: load with offload.optimizer.device 'none' and that "
+                    "optimizer")
+            value = group.scalars.get("step", 0)
+            step = float(value["tensor"] if isinstance(value, dict) else value)
+            if step != int(step) or step < 0:
+                raise CheckpointError(f"optimizer step {step} of group {key!r} is not a count")
+            steps[key] = int(step)
+        if len(set(steps.values())) > 1:
+            raise CheckpointError(f"optimizer groups were saved at different steps {steps}; "
+                                  "the engine's CPU Adam keeps one step count for every group")
+        for key, group in groups.items():
+            load_store_moments(self.optimizer.store, key, group)  # one shard at a time
+        self.optimizer.steps = next(iter(steps.values()), 0)
+        load_hyper_params(self.optimizer, saved_groups, known_only=True)
 
     def _follow_backward_order(self) -> None:
         """After a step: the order decides on the last backward's final order ([Note: step

@@ -24,6 +24,13 @@ A training step, as the engine calls it:
     forward    settle(deferred=False)         wait_groups(keys) before each unit's gather
     zero_grad  settle(deferred=False); gradients_zeroed()
 
+Checkpoints ask the driver for its state (`state_dict`) and hand it back
+(`load_state_dict`) in one form for both drivers: per group, the per-element state
+the shard store holds (the moments: `StoreTensor`s, streamed through the store one
+shard at a time, so the state is never copied whole into host memory), the driver's
+own per-element tensors, and scalars ([Note: checkpoint layout] in
+engine/checkpoint.py says where each goes in the files).
+
 Everything here speaks of group keys (the shard store's) and tensors: offload knows
 nothing of modules, units or ranks.
 """
@@ -32,7 +39,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
+
+import torch
 
 
 class TrainingStateError(RuntimeError):
@@ -71,6 +81,34 @@ STEP_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
     StepState.OPEN: frozenset({StepState.IDLE, StepState.ABANDONED}),
     StepState.ABANDONED: frozenset({StepState.IDLE}),
 }
+
+
+@dataclass(frozen=True)
+class StoreTensor:
+    """Per-element optimizer state that the shard store holds: shard `kind` of group `key`.
+    Saved and loaded through the store's own access path, one shard at a time."""
+
+    key: str
+    kind: str
+
+
+class TensorSource(Protocol):
+    """Saved per-element state of one group, read on demand into a tensor of its size."""
+
+    def read_into(self, out: torch.Tensor) -> None: ...
+
+
+@dataclass
+class GroupState:
+    """One trainable group's optimizer state, in the form checkpoints hold it.
+
+    From `state_dict`: `shards` maps a store kind to its StoreTensor and `tensors` holds
+    the driver's own tensors (no copies). To `load_state_dict`: both hold TensorSources,
+    which the driver reads into the store's shard or its own tensor."""
+
+    shards: dict[str, Any] = field(default_factory=dict)  # "exp_avg" -> StoreTensor | source
+    tensors: dict[str, Any] = field(default_factory=dict)  # per element: Tensor | source
+    scalars: dict[str, Any] = field(default_factory=dict)  # JSON: {"tensor": v, "dtype": d}|v
 
 
 class GradMeasure(Protocol):
@@ -156,6 +194,16 @@ class StepDriver(Protocol):
 
     def stats(self) -> dict[str, Any] | None:
         """The last step's pipeline statistics (None: nothing to report)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"param_groups": [each param group's hyper-parameters, JSON], "state": {group
+        key: GroupState}}; nothing is copied (StoreTensors name the store's shards)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The same form, the per-element entries as TensorSources; each group's are read
+        into their place (store shards through the store, one at a time)."""
         ...
 
     def close(self) -> None:

@@ -6,15 +6,19 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from engine_helpers import make_batches, make_config, make_model
+from test_engine_offload import offload_config
 
 from tierzero import engine
 from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig
 from tierzero.engine.schedule import PassState
 from tierzero.offload.step_seam import (
     STEP_TRANSITIONS,
+    GroupState,
     StepOrder,
     StepState,
+    StoreTensor,
     TrainingStateError,
     transition,
 )
@@ -123,5 +127,58 @@ def test_backward_again_after_a_failed_early_step_is_refused(tmp_path: Path) -> 
         eng.backward(eng(ids, tg))
         eng.step()
         assert eng.global_steps == 1
+    finally:
+        eng.close()
+
+
+class _Held:
+    """A TensorSource over a tensor already in memory."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def read_into(self, out: torch.Tensor) -> None:
+        out.copy_(self.t)
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_each_driver_saves_and_loads_its_own_state(offload: str, tmp_path: Path) -> None:
+    """state_dict() names the store's moments (StoreTensors, nothing copied) and the step
+    in the same form for both drivers; load_state_dict() reads each group's moments back
+    into the store through their sources and takes the step and hyper-parameters."""
+    cfg = make_config() if offload == "none" else offload_config(make_config(), offload,
+                                                                tmp_path)
+    eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+    try:
+        for ids, tg in make_batches(2):
+            eng.backward(eng(ids, tg))
+            eng.step()
+        state = eng.step_driver.state_dict()
+        assert list(state["state"]) == eng._train_keys
+        for key, group in state["state"].items():
+            assert group.shards == {k: StoreTensor(key, k) for k in ("exp_avg", "exp_avg_sq")}
+            assert group.tensors == {}
+            assert group.scalars == {"step": {"tensor": 2.0, "dtype": "torch.float32"}}
+        assert state["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+        saved = {}
+        for key in eng._train_keys:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                with eng.store.use(key, kind) as t:  # type: ignore[arg-type]
+                    saved[key, kind] = t.detach().clone()
+                    assert t.any()
+        eng.step_driver.load_state_dict({
+            "param_groups": [{**state["param_groups"][0], "lr": 0.5}],
+            "state": {key: GroupState(
+                shards={k: _Held(torch.full_like(saved[key, k], 0.25))
+                        for k in ("exp_avg", "exp_avg_sq")},
+                scalars={"step": {"tensor": 7.0, "dtype": "torch.float32"}})
+                for key in eng._train_keys}})
+        assert opt.param_groups[0]["lr"] == 0.5
+        again = eng.step_driver.state_dict()["state"]
+        assert all(g.scalars["step"]["tensor"] == 7.0 for g in again.values())
+        for key in eng._train_keys:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                with eng.store.use(key, kind) as t:  # type: ignore[arg-type]
+                    assert bool((t == 0.25).all()), (key, kind)
     finally:
         eng.close()
