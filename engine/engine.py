@@ -36,7 +36,8 @@ from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.lr_schedules import build_scheduler
 from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
-from tierzero.engine.offload_step import OffloadedAdam, OffloadedStep, threads_per_rank
+from tierzero.engine.offload_driver import OffloadedStep
+from tierzero.engine.offload_step import OffloadedAdam, threads_per_rank
 from tierzero.engine.optim import DeviceStep, OptimizerFactory, build_optimizer
 from tierzero.engine.precision import LossScaler, compute_dtype, grad_stat
 from tierzero.engine.schedule import Scheduler, Unit

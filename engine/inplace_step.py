@@ -6,7 +6,7 @@ With master, moments and gradient shards in host memory (offload.optimizer.devic
 "exp_avg_sq" and the compute-dtype "param16" written in the same pass), group by
 group. `run_all()` does that for every group after backward. The step can also
 begin while backward runs (offload.optimizer.overlap_step, see OffloadedStep in
-offload_step.py):
+offload_driver.py):
 
     backward (compute thread)   ... unit 5 | reduce 5 | unit 4 | reduce 4 | ...
     worker thread                          | adam 5 ...........| adam 4 ....

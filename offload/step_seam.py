@@ -8,7 +8,7 @@ it never asks which driver it holds. Two implement it:
                       (engine/optim.py DeviceStep): nothing happens during
                       backward; `finish` scales the gradients and steps it.
     offloaded driver  the CPU Adam over shards in the tier manager
-                      (engine/offload_step.py OffloadedStep): may begin during
+                      (engine/offload_driver.py OffloadedStep): may begin during
                       backward, update each group as its gradient turns final,
                       measure gradients for clipping / fp16 beside backward and
                       defer the update into the next forward.

@@ -28,7 +28,8 @@ from test_engine_offload import offload_config
 
 from tierzero import engine
 from tierzero.engine.config import Config
-from tierzero.engine.offload_step import OffloadedAdam, OffloadedStep
+from tierzero.engine.offload_driver import OffloadedStep
+from tierzero.engine.offload_step import OffloadedAdam
 
 BIG_VOCAB = 256  # embedding and head 8192 elements each: larger than a block (4256)
 
