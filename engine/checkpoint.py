@@ -90,10 +90,10 @@ from tierzero.engine.checkpoint_layout import (
     shard_name,
     temp_dir_name,
 )
-from tierzero.engine.checkpoint_state import engine_state, rng_state, split_optimizer_state
+from tierzero.engine.checkpoint_state import OPTIM_PREFIX, engine_state, rng_state
 from tierzero.engine.config.native import as_dict
-from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.progress import progress_bar, progress_enabled
+from tierzero.engine.shard_store import ShardStore
 from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
 if TYPE_CHECKING:
@@ -104,22 +104,14 @@ log = logging.getLogger(__name__)
 
 
 @contextmanager
-def shard_use(store: Any, key: str, kind: str, *, writable: bool = False,
+def shard_use(store: ShardStore, key: str, kind: str, *, writable: bool = False,
               overwrite: bool = False) -> Iterator[torch.Tensor]:
-    """A shard tensor for the duration of the block, through the store's own access path:
-    `use()` where the store has one (a tiered store fetches and releases around the block,
-    [Note: shard residency]), else the resident tensor. `overwrite=True`: the block
-    writes every element, so a tiered store need not read the old bytes from NVMe."""
-    if isinstance(store, TieredShardStore):  # on its home tier (host for NVMe), not gathered
-        with store.use(key, kind, writable=writable, compute=False,  # type: ignore[arg-type]
-                       overwrite=overwrite) as t:
-            yield t
-        return
-    use = getattr(store, "use", None)
-    if use is None:
-        yield store.tensor(key, kind)
-        return
-    with use(key, kind, writable=writable or overwrite) as t:
+    """A shard tensor for the duration of the block, through the store's own access path
+    (a tiered store fetches and releases around the block, [Note: shard residency]), on
+    its home tier (host for NVMe), not gathered: `compute=False`. `overwrite=True`: the
+    block writes every element, so a tiered store need not read the old bytes from NVMe."""
+    with store.use(key, kind, writable=writable or overwrite,  # type: ignore[arg-type]
+                   compute=False, overwrite=overwrite) as t:
         yield t
 
 
@@ -160,12 +152,16 @@ def raise_if_any_failed(eng: ZeroEngine, error: str | None, what: str) -> None:
 
 
 def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
+    """Every flat group's layout; a trainable group's kinds: its master, the moments the
+    step driver keeps in the store (its state_dict's shards), its gradient `with_grad`."""
+    optim = eng.step_driver.state_dict()["state"]
     out = []
     for unit in eng.units:
         for g in unit.groups:
             if g.trainable:
-                kinds = ["master", "exp_avg", "exp_avg_sq"] + (["grad"] if with_grad else [])
-                kinds = [k for k in kinds if eng.store.has(g.key, k)]  # type: ignore[arg-type]
+                kinds = (["master"] if eng.store.has(g.key, "master") else []) + list(
+                    optim[g.key].shards) + (["grad"] if with_grad and eng.store.has(
+                        g.key, "grad") else [])
             else:
                 kinds = ["param16"]
             params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
@@ -195,6 +191,7 @@ class RankPayload:
 def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
              snapshot: bool) -> RankPayload:
     store = eng.store
+    optim = eng.step_driver.state_dict()["state"]  # the moments as StoreTensors: no copies
     tensors: list[tuple[str, torch.Tensor | ShardRef]] = []
     scalars: dict[str, Any] = {}
     for lay in layouts:
@@ -207,8 +204,9 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             else:
                 tensors.append((shard_name(lay.key, kind), ref))
         if lay.trainable:
-            split = split_optimizer_state(eng, lay.key)
-            tensors += [(shard_name(lay.key, n), t) for n, t in split.elementwise.items()]
+            split = optim[lay.key]
+            tensors += [(shard_name(lay.key, OPTIM_PREFIX + n), t)
+                        for n, t in split.tensors.items()]
             scalars[lay.key] = split.scalars
     rng_js, rng_t = rng_state(eng.device)
     tensors += list(rng_t.items())
@@ -315,7 +313,7 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     # offloaded state (what did not fit in host memory to begin with), so the save streams
     # from the store synchronously instead, one shard at a time; the caller still gets a
     # PendingSave, already complete.
-    snapshot = background is not None and eng.store.resident
+    snapshot = background is not None and eng.store.snapshot_in_host
     payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
     job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
     if background is not None and snapshot:

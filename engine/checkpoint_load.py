@@ -14,8 +14,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,15 +34,10 @@ from tierzero.engine.checkpoint_layout import (
     shard_name,
     verify_files,
 )
-from tierzero.engine.checkpoint_state import (
-    OPTIM_PREFIX,
-    restore_engine_state,
-    restore_offloaded_step,
-    restore_optimizer_scalars,
-    restore_rng,
-)
-from tierzero.engine.offload_step import OffloadedAdam
+from tierzero.engine.checkpoint_state import OPTIM_PREFIX, restore_engine_state, restore_rng
+from tierzero.engine.optim import MOMENT_KINDS
 from tierzero.engine.progress import progress_bar
+from tierzero.offload.step_seam import GroupState
 
 if TYPE_CHECKING:
     from tierzero.engine.engine import ZeroEngine
@@ -166,29 +160,31 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
         shard_numel = {g.key: g.shard_numel for u in eng.units for g in u.groups}
         bar = progress_bar(eng.config.logging.progress, rank, total=len(saved), unit="group",
                            desc=f"load {path.name}")
+        # the optimizer's part of each group, for the step driver to read into its place
+        optim: dict[str, GroupState] = {}
         for lay in saved:
             n = shard_numel[lay.key]
+            group = GroupState(scalars=dict(rank_meta["optimizer"][lay.key])
+                               if lay.trainable else {})
             for kind in (*lay.kinds, *_optim_names(files, src_rank, lay.key)):
-                with _dest(eng, lay.key, kind) as dest:
-                    if same_world:
-                        files.read_into(rank, shard_name(lay.key, kind), dest)
-                    else:
-                        dest.copy_(files.read_range(lay, kind, rank * n, (rank + 1) * n))
+                source = _Saved(files, lay, kind, rank, same_world, n)
+                if kind.startswith(OPTIM_PREFIX):
+                    group.tensors[kind.removeprefix(OPTIM_PREFIX)] = source
+                elif kind in MOMENT_KINDS:
+                    group.shards[kind] = source
+                else:  # every element is replaced: an NVMe shard's old bytes are not read
+                    with shard_use(store, lay.key, kind, overwrite=True) as dest:
+                        source.read_into(dest)
             bar.update(1)
             if lay.trainable:
+                optim[lay.key] = group
                 if "grad" not in lay.kinds:
                     with shard_use(store, lay.key, "grad", overwrite=True) as grad:
                         grad.zero_()
                 store.write_param16_from_master(lay.key)
-                if not isinstance(eng.optimizer, OffloadedAdam):
-                    restore_optimizer_scalars(eng, lay.key, rank_meta["optimizer"][lay.key])
-        loaded = {lay.key for lay in saved}
-        for g in eng._train_groups:  # gradient shards written above: no longer zero_grad()'s
-            if g.key in loaded:
-                g.grad_fresh = False
-        if isinstance(eng.optimizer, OffloadedAdam):
-            restore_offloaded_step(eng.optimizer, {lay.key: rank_meta["optimizer"][lay.key]
-                                                   for lay in saved if lay.trainable})
+                store.take_grad_zeroed(lay.key)  # written above: no longer zero_grad()'s
+        eng.step_driver.load_state_dict({"param_groups": manifest["engine"]["param_groups"],
+                                         "state": optim})
         restore_engine_state(eng, manifest["engine"])
         rng = {n: files.tensor(src_rank, n) for n in _names(files, src_rank, RNG_PREFIX)}
         restore_rng(rank_meta["rng"], rng, eng.device)
@@ -207,20 +203,24 @@ def _optim_names(files: RankFiles, rank: int, key: str) -> list[str]:
     return [n.removeprefix(shard_name(key, "")) for n in _names(files, rank, head)]
 
 
-@contextmanager
-def _dest(eng: ZeroEngine, key: str, kind: str) -> Iterator[torch.Tensor]:
-    if kind.startswith(OPTIM_PREFIX):
-        master = eng.store.tensor(key, "master")
-        value = eng.optimizer.state.get(master, {}).get(kind.removeprefix(OPTIM_PREFIX))
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"checkpoint holds optimizer state {kind!r} for {key!r}, but "
-                                  "this engine's optimizer has none: load with the same "
-                                  "optimizer type")
-        yield value
-        return
-    # every element is replaced from the checkpoint: an NVMe shard's old bytes are not read
-    with shard_use(eng.store, key, kind, overwrite=True) as t:
-        yield t
+@dataclass(frozen=True)
+class _Saved:
+    """One saved shard of this rank's group, read on demand (offload.step_seam.TensorSource):
+    from this rank's file at the saved world size, else its new slice of the saved ranks'."""
+
+    files: RankFiles
+    lay: GroupLayout
+    kind: str
+    rank: int
+    same_world: bool
+    numel: int  # this rank's shard
+
+    def read_into(self, out: torch.Tensor) -> None:
+        if self.same_world:
+            self.files.read_into(self.rank, shard_name(self.lay.key, self.kind), out)
+        else:
+            lo = self.rank * self.numel
+            out.copy_(self.files.read_range(self.lay, self.kind, lo, lo + self.numel))
 
 
 def _restore_buffers(eng: ZeroEngine, files: RankFiles) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,19 +31,20 @@ from tierzero.engine.flat_shard import (
     build_group,
     release_group,
     shard_numel,
-    zero_fresh_grads,
 )
 from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.lr_schedules import build_scheduler
 from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
-from tierzero.engine.offload_step import EarlyStep, OffloadedAdam, threads_per_rank
-from tierzero.engine.optim import OptimizerFactory, build_optimizer, run_step
-from tierzero.engine.precision import GradStat, LossScaler, compute_dtype, grad_stat
+from tierzero.engine.offload_driver import OffloadedStep
+from tierzero.engine.offload_step import OffloadedAdam, threads_per_rank
+from tierzero.engine.optim import DeviceStep, OptimizerFactory, build_optimizer
+from tierzero.engine.precision import LossScaler, compute_dtype, grad_stat
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shard_store import ShardStore
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
 from tierzero.engine.wall_clock import WallClock
+from tierzero.offload.step_seam import GradMeasure, StepDriver, StepOrder
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +104,12 @@ class ZeroEngine:
         # Largest block unit (elements): the root's flat groups are cut to this size.
         self._group_cap = max((sum(p.numel() for _, p in s.params) for s in specs
                                if not s.is_root), default=0)
-        # Plain device-resident shards, or the tier manager when anything is offloaded.
-        self.store: ShardStore = (TieredShardStore(self.device, self.config)
-                                  if offload_wanted(self.config) else ShardStore(self.device))
+        # Plain device-resident shards, or the tier manager when anything is offloaded:
+        # chosen once; afterwards the store says what callers may do ([Note: shard
+        # residency] in shard_store.py).
+        tiered = (TieredShardStore(self.device, self.config)
+                  if offload_wanted(self.config) else None)
+        self.store: ShardStore = ShardStore(self.device) if tiered is None else tiered
         self._declare_groups(specs)
         # each unit's module tensors (or Init slices) are freed once its shards are placed:
         # back to the system before the next ([Note: returning freed host memory])
@@ -132,32 +137,13 @@ class ZeroEngine:
                 self.scheduler.ensure_gathered(unit)
         self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
         self._train_keys = [g.key for g in self._train_groups]
-        self.optimizer: torch.optim.Optimizer
-        if isinstance(self.store, TieredShardStore) and not self.store.optimizer_on_device:
-            o = self.config.optimizer
-            # Step order until backward has been seen: the blocks last to first, the root
-            # last ([Note: step order learned from backward]).
-            rank = {g.key: r for r, u in enumerate([*self.units[-2::-1], self.root])
-                    for g in u.groups}
-            order = sorted(range(len(self._train_keys)),
-                           key=lambda i: rank[self._train_keys[i]])
-            self.optimizer = OffloadedAdam(
-                self.store, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
-                eps=o.eps, weight_decay=o.weight_decay,
-                threads=threads_per_rank(self.comm.world_size),
-                buffer_bytes=self.store.ring_bytes(), order=order)
-        else:
-            self.optimizer = build_optimizer(optimizer_factory, self.store, self._train_keys)
+        # The optimizer the user sees (lr schedule, param groups) and the driver the engine
+        # steps it through, chosen once ([Note: the optimizer-step seam]).
+        self.optimizer, self.step_driver = self._build_step(optimizer_factory, tiered)
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.loss_scaler = (LossScaler(config.precision.loss_scale)
                             if self.dtype == torch.float16 else None)
         self.micro_steps = 0
-        # The optimizer step begun during backward (offload.optimizer.overlap_step).
-        self._early = (EarlyStep(self.optimizer, self.scheduler, self.config,
-                                 fp16=self.loss_scaler is not None)
-                       if isinstance(self.optimizer, OffloadedAdam) else None)
-        if self._early is not None and self._early.deferred:
-            self.scheduler.updates = self._early.optimizer  # [Note: deferred step]
         # module.state_dict() between steps sees whole steps (a persistent unit's
         # parameters may view the shards a deferred update writes)
         self._state_dict_hook = module.register_state_dict_pre_hook(  # type: ignore[no-untyped-call]
@@ -179,39 +165,27 @@ class ZeroEngine:
             log.info("activations.cpu_offload: the device is %s, whose memory is "
                      "host memory already; saved activations stay where they are (no-op)",
                      self.device)
-        self._seen_order: list[str] | None = None  # the last backward's final order
         self._closed = False
 
-    # [Note: step order learned from backward]
-    # The streamed CPU Adam updates groups in one order each step, and its read-ahead during
-    # forward fetches the state of that order's first groups. The right order is the one in
-    # which gradients turn final in backward: the early step (overlap_step) can then update
-    # each group as soon as it is reduced, and the ring's read-ahead is what backward
-    # finalises first. The blocks' order is known (last to first), but not where the root's
-    # pieces fall: a head used last in forward is final first, the embedding last, and a
-    # tied or reused weight wherever its last use is. So the engine starts from blocks
-    # last-to-first with the root last and, after a step, takes the order the scheduler saw
-    # (Scheduler.final_order): at once the first time, later only when two steps in a row
-    # agree on a new order, so a model whose order alternates does not re-order every step.
-    # A change drains the stream once (AdamStream.set_order). Measured with
-    # benchmarks/step_bench.py on hf (Llama-shaped, 40M; its root's head and embedding pieces
-    # hold 117 MB of optimizer state each, a block 40 MB), the old and the new commit run
-    # back to back on the 2-core VM, medians of 3 (benchmarks/RESULTS.md): opt_nvme 0.597 ->
-    # 0.540 s, all_nvme 0.661 -> 0.589 s, all_nvme_cache 0.581 -> 0.556 s per step. Before,
-    # the disk sat idle ~85 ms at the start of backward (the ring full of read-ahead, the
-    # head's gradient final but its state queued last) and the head's state was read at the
-    # end of backward, behind the embedding's. On mlp (one root group) nothing changes.
-    def _follow_backward_order(self) -> None:
-        if not isinstance(self.optimizer, OffloadedAdam):
-            return
-        seen = self.scheduler.final_order  # trainable groups only (Scheduler._issue)
-        if not seen:
-            return
-        first = self._seen_order is None
-        stable = seen == self._seen_order
-        self._seen_order = seen
-        if (first or stable) and self.optimizer.set_step_order(seen):
-            log.debug("optimizer step order follows backward: %s ... %s", seen[:2], seen[-2:])
+    def _build_step(self, factory: OptimizerFactory, tiered: TieredShardStore | None
+                    ) -> tuple[torch.optim.Optimizer, StepDriver]:
+        """The CPU Adam when the optimizer state is offloaded (its update may begin during
+        backward), else the factory's optimizer over device-resident shards."""
+        if tiered is not None and tiered.optimizer_offloaded:
+            o = self.config.optimizer
+            # [Note: step order learned from backward] in offload/step_seam.py
+            order = StepOrder.backward_guess(
+                self._train_keys, [[g.key for g in u.groups] for u in self.units[:-1]],
+                [g.key for g in self.root.groups])
+            adam = OffloadedAdam(
+                tiered, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
+                eps=o.eps, weight_decay=o.weight_decay,
+                threads=threads_per_rank(self.comm.world_size),
+                buffer_bytes=tiered.ring_bytes(), order=order)
+            return adam, OffloadedStep(adam, self.scheduler, self.config,
+                                       fp16=self.dtype == torch.float16)
+        opt = build_optimizer(factory, self.store, self._train_keys)
+        return opt, DeviceStep(opt, self.store, self._train_keys)
 
     # -- construction -------------------------------------------------------------
     def _move_buffers(self) -> None:
@@ -318,24 +292,21 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self._settle_optimizer()  # reductions write gradient shards a deferred update reads
+        # the driver first: a begin it refuses (TrainingStateError) leaves no pass open
+        self.step_driver.begin(boundary=self.is_gradient_accumulation_boundary())
         self.scheduler.begin_backward()
-        if self._early is not None:
-            self._early.begin(boundary=self.is_gradient_accumulation_boundary())
         ok = False
         try:
             (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
             ok = True
         finally:
-            if not ok and self._early is not None:
-                self._early.abandon()
+            if not ok:
+                self.step_driver.abandon()
             try:
                 self.scheduler.end_backward()
             except BaseException:
-                if self._early is not None:
-                    self._early.abandon()
+                self.step_driver.abandon()
                 raise
-            finally:
-                self.scheduler.on_final = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
@@ -361,7 +332,7 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
-        if self._early is not None and self._early.take_abandoned():  # see EarlyStep.abandon
+        if self.step_driver.take_abandoned():  # see OffloadedStep.abandon
             self.skipped_steps += 1
             self.zero_grad()
             # some groups were updated before the step was abandoned
@@ -392,35 +363,24 @@ class ZeroEngine:
             self.zero_grad()
             return
         self.nonfinite_steps_in_row = 0
-        if isinstance(self.optimizer, OffloadedAdam):
-            # unscale and clip folded into the CPU Adam's one pass over the gradients
-            if self._early is not None and self._early.deferred:
-                self.optimizer.step(grad_scale=unscale * coef,
-                                    defer=self.scheduler.forward_keys())
-            else:
-                self.optimizer.step(grad_scale=unscale * coef)
-                self._follow_backward_order()
-        else:
-            if unscale * coef != 1.0:
-                for k in self._train_keys:
-                    self.store.tensor(k, "grad").mul_(unscale * coef)
-            run_step(self.optimizer, self.store, self._train_keys)
+        self.step_driver.finish(unscale * coef)
         self.lr_scheduler.step()
         self.zero_grad()  # also waits for any optimizer thread (settle)
         self.scheduler.after_step()  # [Note: persistent units after the step] in schedule.py
         self.global_steps += 1
 
-    def _grad_stats(self) -> dict[str, GradStat]:
+    def _grad_stats(self) -> Mapping[str, GradMeasure]:
         """Per trainable group, its gradient's norm and finiteness when clipping or the fp16
         overflow check needs them (else empty): measured during backward by the worker
         ([Note: deferred step]) or here, one pass over every gradient shard."""
         if self.config.gradient_clipping <= 0 and self.loss_scaler is None:
             return {}
-        if self._early is not None and self._early.take_measured():
-            return self._early.optimizer.grad_stats(self.scheduler.reissued)
+        measured = self.step_driver.grad_stats(self.scheduler.reissued)
+        if measured is not None:
+            return measured
         return {k: grad_stat(self.store, k) for k in self._train_keys}
 
-    def _clip(self, unscale: float, stats: dict[str, GradStat]) -> float:
+    def _clip(self, unscale: float, stats: Mapping[str, GradMeasure]) -> float:
         """Global L2 norm of the (unscaled) gradients over every shard on every rank; sets
         `last_grad_norm` and returns the factor that brings it down to the limit (1.0 when
         clipping is off: the norm costs a pass over every gradient, so it is skipped)."""
@@ -443,18 +403,15 @@ class ZeroEngine:
         """No optimizer thread is writing a shard after this ([Note: in-place early step]);
         with `deferred` False, an update deferred into the next forward goes on ([Note:
         deferred step]: each unit waits for its groups before it is gathered)."""
-        if isinstance(self.optimizer, OffloadedAdam):
-            self.optimizer.settle(deferred=deferred)
+        self.step_driver.settle(deferred=deferred)
 
     def zero_grad(self) -> None:
         """Gradients to zero: the fp32 shards are marked, not written ([Note: gradients
         zeroed by the first reduction] in engine/flat_shard.py). A deferred update may go
         on reading them: the mark changes no byte of a shard."""
         self._settle_optimizer(deferred=False)
-        if self._early is not None and self._early.measuring:
-            self._early.abandon()  # measured gradients are gone: step() measures zeros
-        for g in self._train_groups:
-            g.grad_fresh = True
+        self.step_driver.gradients_zeroed()  # measured gradients are gone: step() measures zeros
+        self.store.mark_grads_zeroed(self._train_keys)
         for u in self.units:
             for p in u.trainable:
                 p.grad = None
@@ -463,7 +420,7 @@ class ZeroEngine:
         """Write the zeros of gradient shards marked by zero_grad() and not reduced into
         since (for whoever reads them without a backward first)."""
         self._settle_optimizer()  # a deferred update may still read a marked shard
-        zero_fresh_grads(self._train_groups, self.store)
+        self.store.write_zeroed_grads()
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
@@ -477,8 +434,7 @@ class ZeroEngine:
 
     def optimizer_times(self) -> OptimizerTimes:
         """Cumulative seconds of the optimizer beside compute (see OptimizerTimes)."""
-        worker, hidden = (self.optimizer.worker_times()
-                          if isinstance(self.optimizer, OffloadedAdam) else (0.0, 0.0))
+        worker, hidden = self.step_driver.worker_times()
         return OptimizerTimes(hidden, worker, self.scheduler.update_wait_s)
 
     def memory_report(self) -> dict[str, Any]:
@@ -507,8 +463,7 @@ class ZeroEngine:
             # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)
             "tiers": self.store.tier_report(),
             "activations_to_host": dataclasses.asdict(self.activation_stats),
-            "optimizer_step": (self.optimizer.stats()
-                               if isinstance(self.optimizer, OffloadedAdam) else None),
+            "optimizer_step": self.step_driver.stats(),
         }
 
     # -- checkpoints (engine/checkpoint*.py) ---------------------------------------
@@ -536,9 +491,9 @@ class ZeroEngine:
         # a deferred update runs to the end first: nothing saves or overwrites a shard
         # half-way through its step ([Note: deferred step])
         self._settle_optimizer()
-        if self._early is not None and self._early.measuring and what == "load_checkpoint":
-            self._early.abandon()  # the gradients measured in backward are replaced
-        if isinstance(self.optimizer, OffloadedAdam) and self.optimizer.step_open:
+        if what == "load_checkpoint":
+            self.step_driver.gradients_zeroed()  # the gradients measured in backward are replaced
+        if self.step_driver.step_open:
             raise CheckpointError(
                 f"{what} between backward() and step(): the optimizer step begun during "
                 "backward (offload.optimizer.overlap_step) has updated some units and not "
@@ -574,7 +529,6 @@ class ZeroEngine:
         self._hooks.close()
         self._state_dict_hook.remove()
         self._closed = True
-        if isinstance(self.optimizer, OffloadedAdam):
-            self.optimizer.close()
+        self.step_driver.close()
         self.store.close()
         self.comm.close()

@@ -17,7 +17,6 @@ memory (`FlatGroup.base` says which tensor the views point into).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,9 +54,6 @@ class FlatGroup:
     world_size: int
     full: torch.Tensor = field(repr=False)  # 1D compute dtype, device; storage 0 when released
     base: torch.Tensor | None = field(default=None, repr=False)  # what params view; None: released
-    # The fp32 gradient shard is logically zero but not written ([Note: gradients zeroed by
-    # the first reduction]): the next reduction overwrites it instead of adding.
-    grad_fresh: bool = False
 
     @property
     def padded_numel(self) -> int:
@@ -115,7 +111,7 @@ def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
     """All-gather the shards into the full buffer and point each parameter at its view."""
     with torch.no_grad(), store.use(group.key, "param16") as shard:
-        if comm.world_size == 1 and store.resident and shard.device == group.full.device:
+        if comm.world_size == 1 and store.keeps_views and shard.device == group.full.device:
             base = shard  # the shard is the whole buffer: view it, copy nothing
         else:  # an offloaded shard's view is valid only inside use(): copy it out
             base = group.full
@@ -165,20 +161,13 @@ def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
 # [Note: gradients zeroed by the first reduction]
 # zero_grad() does not write zeros over every fp32 gradient shard (on the 2-core VM a 40M-
 # element memset is 23 ms of the step's critical path, which plain PyTorch's set-to-None
-# does not pay). It marks each group `grad_fresh`; the group's next reduction writes its
-# gradient (converted) where it would have added it, and zeros only what no gradient
-# covers. Anything that reads a gradient shard without reducing first (a step with no
-# backward, a checkpoint saved mid-accumulation) zeros the fresh ones first
-# (`zero_fresh_grads`); a checkpoint load that writes gradients clears the marks.
-
-
-def zero_fresh_grads(groups: Iterable[FlatGroup], store: ShardStore) -> None:
-    """Write the zeros a fresh group's gradient shard stands for; clear the mark."""
-    for g in groups:
-        if g.grad_fresh:
-            with torch.no_grad(), store.use(g.key, "grad", overwrite=True) as grad_shard:
-                grad_shard.zero_()
-            g.grad_fresh = False
+# does not pay). It marks each group's gradient shard zero in the shard store, which owns
+# the marks (ShardStore.mark_grads_zeroed); the group's next reduction takes the mark
+# (take_grad_zeroed) and writes its gradient (converted) where it would have added it,
+# and zeros only what no gradient covers. Anything that reads a gradient shard without
+# reducing first (a step with no backward, a checkpoint saved mid-accumulation) has the
+# store write the marked zeros first (write_zeroed_grads); a checkpoint load writes every
+# gradient shard and takes the marks; the prefetch order skips a marked shard's read.
 
 
 def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
@@ -189,10 +178,10 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     with several this starts a collective and returns it in flight: the shard
     holds the result only after `wait()`. Every rank must reduce the same
     groups in the same order (see [Note: reduction order] in schedule.py).
-    A `grad_fresh` group's shard is overwritten instead ([Note: gradients zeroed
+    A shard marked zero in the store is overwritten instead ([Note: gradients zeroed
     by the first reduction]).
     """
-    fresh, group.grad_fresh = group.grad_fresh, False
+    fresh = store.take_grad_zeroed(group.key)
     with torch.no_grad():
         if comm.world_size == 1:
             # a fresh shard is overwritten whole: its old bytes are not read from NVMe
@@ -219,7 +208,7 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
                 full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
                 s.param.grad = None
         mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
-        if store.resident:
+        if store.keeps_views:
             if fresh:  # the collective adds into the shard itself
                 store.tensor(group.key, "grad").zero_()
             return comm.reduce_scatter_mean_async(

@@ -5,15 +5,15 @@ With master, moments and gradient shards in host memory (offload.optimizer.devic
 = cpu) the kernel updates each group where it lives ("master", "exp_avg",
 "exp_avg_sq" and the compute-dtype "param16" written in the same pass), group by
 group. `run_all()` does that for every group after backward. The step can also
-begin while backward runs (offload.optimizer.overlap_step, see EarlyStep in
-offload_step.py):
+begin while backward runs (offload.optimizer.overlap_step, see OffloadedStep in
+offload_driver.py):
 
     backward (compute thread)   ... unit 5 | reduce 5 | unit 4 | reduce 4 | ...
     worker thread                          | adam 5 ...........| adam 4 ....
     step()                      wait for the worker, then the groups never handed over
 
 `begin()` takes the hyper-parameters; `submit(keys)` hands the groups of a unit whose
-gradient shards are final (Scheduler.on_final) to one worker thread, which runs the
+gradient shards are final (OffloadedStep.groups_final) to one worker thread, which runs the
 same kernel on them in submission order; `finish()` waits for the worker, raises its
 failure (naming the group), and updates on the caller's thread whatever was not handed
 over. The kernel is elementwise, so which thread updates a group, and when, changes no

@@ -22,7 +22,7 @@ Handling, per backward:
   every rank issues the same late collectives in the same order. Clipping's norm
   (step()) is taken after end_backward, over the final shards.
 - The optimizer step begun during backward (offload.optimizer.overlap_step,
-  `Scheduler.on_final`) must not take a group whose gradient can still change.
+  `OffloadedStep.groups_final`) must not take a group whose gradient can still change.
   `hand_over()` withholds (they are updated by step(), after backward): every
   group that had a late gradient in an earlier backward of this engine, and all
   groups while probing. Probing: this forward ran a unit with gradients off
@@ -35,7 +35,7 @@ Handling, per backward:
   did not announce, or a graph that changed without a unit-order change) cannot
   be made right: the optimizer may have updated the group already.
   `LateGradientError` names the parameter, unit, group, why and the fix; the
-  engine abandons the early step (EarlyStep.abandon: this boundary's step is
+  engine abandons the early step (OffloadedStep.abandon: this boundary's step is
   skipped), and the group is withheld from then on.
 """
 

@@ -261,8 +261,20 @@ class TieredShardStore(ShardStore):
                              "state lives on the device; set it to 'fp32'")
 
     @property
-    def resident(self) -> bool:
-        return False
+    def keeps_views(self) -> bool:
+        return False  # a view is valid inside use() only: the manager may move the shard
+
+    @property
+    def prefetches(self) -> bool:
+        return True
+
+    @property
+    def snapshot_in_host(self) -> bool:
+        return False  # a copy of the offloaded state is what did not fit in host memory
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return not self.optimizer_on_device
 
     @property
     def optimizer_on_device(self) -> bool:

@@ -13,7 +13,8 @@ in the same pass to its home tier; the last writes drain, and the next step's
 first reads run, behind the next forward and backward. When the state is
 homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
 on it instead, group by group (no staging copies; engine/inplace_step.py). Either
-way the step can begin during backward (EarlyStep, offload.optimizer.overlap_step).
+way the step can begin during backward (OffloadedStep in offload_driver.py,
+offload.optimizer.overlap_step).
 """
 
 from __future__ import annotations
@@ -25,14 +26,12 @@ from typing import Any
 
 import torch
 
-from tierzero.engine.config import Config
-from tierzero.engine.flat_shard import FlatGroup
 from tierzero.engine.inplace_step import InPlaceStep
 from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.precision import GradStat
-from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shard_store import ShardKind
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
+from tierzero.offload.step_seam import StepOrder
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +55,11 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, adamw: bool,
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 threads: int, buffer_bytes: int = 0, order: Sequence[int] | None = None
+                 threads: int, buffer_bytes: int = 0, order: StepOrder | None = None
                  ) -> None:
         """buffer_bytes: the stream's host ring (TieredShardStore.pipeline_bytes()); order:
-        the shard order of each step (the groups the next forward gathers first, first)."""
+        the owner of the streamed step's group order ([Note: step order learned from
+        backward]; default: construction order)."""
         handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager
         super().__init__(handles, {"lr": lr, "betas": betas, "eps": eps,
                                    "weight_decay": weight_decay})
@@ -69,6 +69,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._store = store
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
+        self.order = StepOrder(self._keys) if order is None else order
         dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
         # the master itself (written from it).
@@ -94,12 +95,23 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._stream = AdamStream(
                 manager, [{n: store.manager_key(k, n) for n in ("grad", "param16")}
                           for k in self._keys],
-                [store.numel(k) for k in self._keys], order=order, buffer_bytes=buffer_bytes,
+                [store.numel(k) for k in self._keys], order=self.order.indices(),
+                buffer_bytes=buffer_bytes,
                 chunks=chunks,
                 shadow=self._shadow, threads=self._threads,
                 # zero_grad() follows every step: a consumed gradient is never read again
                 # ([Note: gradient home] in engine/offload_bridge.py)
                 consume_grads=True, state=store.state_precision)
+
+    @property
+    def store(self) -> TieredShardStore:
+        """The store whose shards this optimizer updates."""
+        return self._store
+
+    @property
+    def keys(self) -> list[str]:
+        """The trainable group keys, in construction order."""
+        return list(self._keys)
 
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
              grad_scale: float = 1.0, defer: Sequence[str] | None = None) -> None:
@@ -178,19 +190,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             return list(self._keys)
         return [self._keys[i] for i in self._stream.order]
 
-    def set_step_order(self, keys: Sequence[str]) -> bool:
-        """Update the groups in this order from the next step on (the streamed step; state
-        updated in place has no order). Groups left out keep their relative order after
-        the named ones. Returns whether the order changed."""
+    def apply_step_order(self) -> bool:
+        """The streamed step takes `order`'s current order from the next step on (state
+        updated in place has no order). Returns whether the stream's order changed."""
         if self._stream is None:
             return False
-        unknown = [k for k in keys if k not in self._index]
-        if unknown:
-            raise ValueError(f"OffloadedAdam.set_step_order: unknown groups {unknown[:3]}")
-        named = [self._index[k] for k in dict.fromkeys(keys)]
-        seen = set(named)
-        rest = [i for i in self._stream.order if i not in seen]
-        return self._stream.set_order(named + rest)
+        return self._stream.set_order(self.order.indices())
 
     def settle(self, *, deferred: bool = True) -> None:
         """Wait until no optimizer thread is updating a shard (the in-place step's worker
@@ -287,86 +292,3 @@ class OffloadedAdam(torch.optim.Optimizer):
         finally:
             self._stream = None
             self._threads.close()
-
-
-class EarlyStep:
-    """The optimizer step begun during backward (offload.optimizer.overlap_step).
-
-    On an accumulation boundary, with offloaded optimizer state and nothing that needs
-    every gradient first (clipping's global norm, fp16's overflow check), the step begins
-    when backward starts and each unit is updated once its gradient shard is reduced
-    (Scheduler.on_final; not a group that may still get late gradients, [Note: late
-    gradients]), while backward runs on the others: state streamed from NVMe on
-    the compute thread ([Note: streamed optimizer step]), state in host memory in place on
-    one worker thread ([Note: in-place early step]). `OffloadedAdam.step()` finishes it.
-    `lr` and the other hyper-parameters are taken when backward starts.
-    """
-
-    def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
-                 fp16: bool) -> None:
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        overlap = optimizer.can_begin_early and config.offload.optimizer.overlap_step
-        needs_every_grad = config.gradient_clipping > 0 or fp16
-        self.enabled = overlap and not needs_every_grad
-        # Clipping's norm or fp16's overflow check: measure during backward, update during
-        # the next forward ([Note: deferred step]); the streamed step updates after backward.
-        self.deferred = overlap and needs_every_grad and optimizer.can_defer
-        if self.deferred:
-            # nothing is updated during backward: a late gradient only makes its group's
-            # measurement stale (measured again in step(), Scheduler.reissued)
-            scheduler.late.strict = False
-        self.measuring = False  # this backward measures the gradients turning final
-        self.abandoned = False  # a step begun in backward failed: skip this boundary's step
-        self.total = len(optimizer.param_groups[0]["params"])
-
-    def begin(self, *, boundary: bool) -> None:
-        if self.deferred:
-            self.measuring = boundary
-            if boundary:
-                self.optimizer.begin_measure()
-                self.scheduler.on_final = self._measure_final
-            else:
-                self.optimizer.forget_measured()  # the gradients change again
-            return
-        if not (self.enabled and boundary):
-            return
-        if self.optimizer.step_open:
-            raise RuntimeError("backward() on an accumulation boundary again before step(): "
-                               "the optimizer step begun by the previous backward is still "
-                               "open; call eng.step() after each backward()")
-        self.optimizer.begin_step()
-        self.scheduler.on_final = self._unit_final
-
-    def _unit_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
-        del unit  # the groups say it all
-        self.optimizer.groups_final([g.key for g in groups if g.trainable])
-
-    def _measure_final(self, unit: Unit, groups: list[FlatGroup]) -> None:
-        del unit
-        self.optimizer.measure([g.key for g in groups if g.trainable])
-
-    def take_measured(self) -> bool:
-        """This boundary's backward measured the gradients (step() uses the measurements)."""
-        out, self.measuring = self.measuring, False
-        return out
-
-    def abandon(self) -> None:
-        """Backward failed with a step begun early: units updated so far keep their update
-        (each whole: master, moments and param16 together); the step of this boundary is
-        skipped, never applied twice. Measurements (deferred mode) are dropped: nothing
-        was updated, and step() measures what the gradients hold then."""
-        self.scheduler.on_final = None
-        if self.measuring:
-            self.measuring = False
-            self.optimizer.forget_measured()
-        if self.optimizer.step_open:
-            done = self.optimizer.abort_step()
-            self.abandoned = True
-            log.error("backward failed after the optimizer step had updated %d of %d "
-                      "parameter groups (overlap_step); those keep their update, the step "
-                      "of this boundary is skipped", done, self.total)
-
-    def take_abandoned(self) -> bool:
-        out, self.abandoned = self.abandoned, False
-        return out

@@ -11,12 +11,17 @@ residency]). Any `torch.optim.Optimizer` over flat tensors fits here:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from tierzero.engine.shard_store import ShardStore
+from tierzero.engine.checkpoint_layout import CheckpointError
+from tierzero.engine.shard_store import ShardKind, ShardStore
+from tierzero.offload.step_seam import GroupState, StoreTensor, TensorSource
+
+# per-element optimizer state the shard store keeps for every trainable group
+MOMENT_KINDS: tuple[ShardKind, ...] = ("exp_avg", "exp_avg_sq")
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -104,3 +109,169 @@ def run_step(
             m.grad = None
     for k in keys:
         store.write_param16_from_master(k)
+
+
+class DeviceStep:
+    """The step seam's device driver ([Note: the optimizer-step seam] in
+    offload/step_seam.py): a torch optimizer over device-resident master shards, stepped
+    once backward is over. Nothing runs during backward or beside compute."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: ShardStore,
+                 keys: Sequence[str]) -> None:
+        self.optimizer = optimizer
+        self._store = store
+        self._keys = list(keys)
+
+    @property
+    def listening(self) -> bool:
+        return False
+
+    @property
+    def defers(self) -> bool:
+        return False
+
+    @property
+    def step_open(self) -> bool:
+        return False
+
+    @property
+    def step_order(self) -> list[str]:
+        return list(self._keys)
+
+    def begin(self, *, boundary: bool) -> None:
+        del boundary  # the step starts after backward
+
+    def groups_final(self, keys: Sequence[str]) -> None:
+        del keys  # never listening
+
+    def abandon(self) -> None:
+        """Nothing was begun during backward."""
+
+    def take_abandoned(self) -> bool:
+        return False
+
+    def grad_stats(self, redo: set[str]) -> None:
+        del redo  # nothing is measured during backward
+
+    def finish(self, grad_scale: float) -> None:
+        if grad_scale != 1.0:
+            for k in self._keys:
+                self._store.tensor(k, "grad").mul_(grad_scale)
+        run_step(self.optimizer, self._store, self._keys)
+
+    def gradients_zeroed(self) -> None:
+        """Nothing measured to forget."""
+
+    def settle(self, *, deferred: bool = True) -> None:
+        del deferred  # the step runs on the caller's thread
+
+    def wait_groups(self, keys: Sequence[str]) -> None:
+        del keys  # nothing deferred
+
+    def drain(self) -> None:
+        """Nothing deferred."""
+
+    def worker_times(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def stats(self) -> dict[str, Any] | None:
+        return None
+
+    # -- checkpoints ([Note: the optimizer-step seam]) -------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Per group: the store's moments (the optimizer's own when pre-seeded, see
+        build_optimizer), its other per-element tensors, and its scalars (`step`)."""
+        state = {}
+        for key in self._keys:
+            out = GroupState(shards=store_moments(self._store, key))
+            master = self._store.tensor(key, "master")
+            for name, value in self.optimizer.state.get(master, {}).items():
+                if isinstance(value, torch.Tensor):
+                    if self._store.has(key, name) and value is self._store.tensor(key, name):
+                        continue  # saved as the shard itself
+                    if value.numel() == master.numel() and value.dim() == 1:
+                        out.tensors[name] = value
+                    elif value.numel() == 1:
+                        out.scalars[name] = {"tensor": value.item(), "dtype": str(value.dtype)}
+                    else:
+                        raise CheckpointError(
+                            f"optimizer state {name!r} of group {key!r} has shape "
+                            f"{list(value.shape)}: neither per-element nor scalar, so it "
+                            "cannot be saved with the shards")
+                elif isinstance(value, bool | int | float | str) or value is None:
+                    out.scalars[name] = value
+                else:
+                    raise CheckpointError(f"optimizer state {name!r} of group {key!r} is a "
+                                          f"{type(value).__name__}; checkpoints hold tensors "
+                                          "and JSON scalars")
+            state[key] = out
+        return {"param_groups": hyper_params(self.optimizer), "state": state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_hyper_params(self.optimizer, state["param_groups"])
+        groups: Mapping[str, GroupState] = state["state"]
+        for key, group in groups.items():
+            load_store_moments(self._store, key, group)
+            master = self._store.tensor(key, "master")
+            mine = self.optimizer.state.setdefault(master, {})
+            for name, source in group.tensors.items():
+                dest = mine.get(name)
+                if not isinstance(dest, torch.Tensor):
+                    raise CheckpointError(
+                        f"checkpoint holds optimizer state 'optim.{name}' for {key!r}, but "
+                        "this engine's optimizer has none: load with the same optimizer type")
+                source.read_into(dest)
+            for name, value in group.scalars.items():
+                if isinstance(value, dict):
+                    cur = mine.get(name)
+                    device = cur.device if isinstance(cur, torch.Tensor) else torch.device("cpu")
+                    dtype = getattr(torch, value["dtype"].removeprefix("torch."))
+                    mine[name] = torch.tensor(value["tensor"], dtype=dtype, device=device)
+                else:
+                    mine[name] = value
+
+    def close(self) -> None:
+        """The optimizer's tensors are the store's, freed with it."""
+
+
+def store_moments(store: ShardStore, key: str) -> dict[str, Any]:
+    """The moments the store keeps for group `key`, by kind (saved streamed from it)."""
+    return {kind: StoreTensor(key, kind) for kind in MOMENT_KINDS if store.has(key, kind)}
+
+
+def load_store_moments(store: ShardStore, key: str, group: GroupState) -> None:
+    """Read the saved moments of group `key` into the store's shards, one at a time, on
+    their home tier (every element is replaced: an NVMe shard's old bytes are not read)."""
+    for kind, source in group.shards.items():
+        if kind not in MOMENT_KINDS or not store.has(key, kind):
+            raise CheckpointError(f"checkpoint holds shard {kind!r} of group {key!r}, which "
+                                  "the shard store does not keep as optimizer state")
+        with store.use(key, kind, overwrite=True, compute=False) as t:
+            read: TensorSource = source
+            read.read_into(t)
+
+
+def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyper-parameters that JSON holds (tuples as lists), no params."""
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()
+             if k != "params" and _jsonable(v)} for g in optimizer.param_groups]
+
+
+def load_hyper_params(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], *,
+                      known_only: bool = False) -> None:
+    """Saved hyper-parameters into the param groups (lists back to tuples where the group
+    holds a tuple); `known_only`: keys the group does not have are left out."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint has {len(saved)} optimizer param groups, "
+                              f"the engine {len(optimizer.param_groups)}")
+    for group, saved_group in zip(optimizer.param_groups, saved, strict=True):
+        for k, v in saved_group.items():
+            if known_only and k not in group:
+                continue
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+def _jsonable(v: Any) -> bool:
+    if isinstance(v, list | tuple):
+        return all(_jsonable(x) for x in v)
+    return isinstance(v, bool | int | float | str) or v is None

@@ -29,12 +29,11 @@ hands the tier manager the order of the coming param16 fetches.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,6 +44,7 @@ from tierzero.engine.hooks import register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
 from tierzero.engine.shard_store import ShardKind, ShardStore
+from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,20 @@ class Unit:
         return self.name or "<root>"
 
 
-class PendingUpdates(Protocol):
-    """Optimizer updates still running when forward starts ([Note: deferred step])."""
+class PassState(enum.Enum):
+    """Which pass the scheduler is in; the transitions are `PASS_TRANSITIONS`."""
 
-    def wait_groups(self, keys: Sequence[str]) -> None: ...
+    IDLE = enum.auto()  # between passes
+    FORWARD = enum.auto()  # begin_forward .. end_forward (or abort)
+    BACKWARD = enum.auto()  # begin_backward .. end_backward (or abort); forwards inside it
+    # are recomputations (activation checkpointing), not new passes
 
-    def drain(self) -> None: ...
+
+PASS_TRANSITIONS: dict[PassState, frozenset[PassState]] = {
+    PassState.IDLE: frozenset({PassState.FORWARD, PassState.BACKWARD}),
+    PassState.FORWARD: frozenset({PassState.IDLE}),
+    PassState.BACKWARD: frozenset({PassState.IDLE}),
+}
 
 
 class Scheduler:
@@ -125,13 +133,15 @@ class Scheduler:
         self.trace: list[int] | None = None  # unit indices in forward order, first micro-step
         self.trace_changes = 0
         self._order: list[int] = []
-        self._in_backward = False
+        self.state = PassState.IDLE  # checked transitions: PASS_TRANSITIONS
         self._backward_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        # Called with a unit and those of its groups whose gradient shards are final
-        # (reduced, and waited for) on an accumulation boundary, while backward goes on:
-        # the engine starts the optimizer on them ([Note: streamed optimizer step],
-        # [Note: in-place early step]). None: nobody listens.
-        self.on_final: Callable[[Unit, list[FlatGroup]], None] | None = None
+        # The optimizer-step driver ([Note: the optimizer-step seam] in
+        # offload/step_seam.py), subscribed once: told of the groups whose gradient shards
+        # are final (reduced, and waited for) while it listens, so it can start on them
+        # while backward goes on ([Note: streamed optimizer step], [Note: in-place early
+        # step]); its update deferred into the next forward is waited for per unit before
+        # the unit is gathered ([Note: deferred step]). None: nobody listens.
+        self._driver: StepDriver | None = None
         self.late = LateGrads()  # [Note: late gradients]
         # Trainable group keys in the order their gradients turned final in the last
         # complete backward (each at its last reduction: a late-gradient group where it
@@ -142,9 +152,6 @@ class Scheduler:
         # Trainable groups reduced more than once in this backward (late gradients): a
         # measurement taken at their first reduction is stale ([Note: deferred step]).
         self.reissued: set[str] = set()
-        # The optimizer update deferred into the next forward: a unit's groups are waited
-        # for before it is gathered ([Note: deferred step]). None: nothing is deferred.
-        self.updates: PendingUpdates | None = None
         self.update_wait_s = 0.0  # seconds gathers waited for those updates (cumulative)
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
         # seconds the training thread spent gathering units (forward and backward, NVMe
@@ -152,16 +159,24 @@ class Scheduler:
         self.gather_s = 0.0
         self.gathered_peak_bytes = 0
 
+    def subscribe(self, driver: StepDriver) -> None:
+        """The optimizer-step driver listens from now on (once, when the engine is built)."""
+        if self._driver is not None:
+            raise RuntimeError("Scheduler.subscribe: an optimizer-step driver is subscribed "
+                               "already; the engine chooses one when it is built")
+        self._driver = driver
+
     # -- residency -------------------------------------------------------------
     def wait_updates(self, unit: Unit | None = None) -> None:
         """The deferred optimizer update of `unit`'s groups (None: of every group) has run."""
-        if self.updates is None:
+        driver = self._driver
+        if driver is None or not driver.defers:
             return
         start = time.perf_counter()
         if unit is None:
-            self.updates.drain()
+            driver.drain()
         else:
-            self.updates.wait_groups([g.key for g in unit.groups if g.trainable])
+            driver.wait_groups([g.key for g in unit.groups if g.trainable])
         self.update_wait_s += time.perf_counter() - start
 
     def forward_keys(self) -> list[str]:
@@ -204,18 +219,28 @@ class Scheduler:
             self._trim.freed(nbytes)
 
     # -- forward ---------------------------------------------------------------
+    def _to(self, new: PassState, call: str) -> None:
+        self.state = self._allowed(new, call)
+
+    def _allowed(self, new: PassState, call: str) -> PassState:
+        return transition("the scheduler", PASS_TRANSITIONS, self.state, new, call=call,
+                          fix="forward and backward passes run one at a time, each to its end "
+                          "(eng(...) returns before eng.backward(loss) is called)")
+
     def begin_forward(self, root: Unit) -> None:
+        new = self._allowed(PassState.FORWARD, "begin_forward()")  # before anything changes
         self._order = []
         self.late.begin_forward()
         self._prefetch_from_trace(root)
         self.ensure_gathered(root)
+        self.state = new  # a failed gather above leaves the scheduler idle
 
     def _prefetch_from_trace(self, root: Unit) -> None:
         """Hand the shard store this step's param16 uses, in order, from the recorded trace:
         root, each non-persistent unit's forward, then the same units in reverse for
         backward. The tier manager starts NVMe reads and host->device copies within its
         byte windows (zero.prefetch_bytes) ahead of each use ([Note: unit order trace])."""
-        if self.trace is None or self.store.resident:
+        if self.trace is None or not self.store.prefetches:
             return
         by_index = {u.index: u for u in self.units}
         fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
@@ -231,17 +256,17 @@ class Scheduler:
                 # a fresh gradient shard is overwritten by its reduction, never read
                 # ([Note: gradients zeroed by the first reduction]): no read-ahead for it
                 entries += [(g.key, "grad") for g in u.groups
-                            if g.trainable and not g.grad_fresh]
+                            if g.trainable and not self.store.grad_zeroed(g.key)]
         self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit) -> None:
-        if not self._in_backward:
+        if self.state is not PassState.BACKWARD:
             self._order.append(unit.index)
             self.late.unit_forward()
         self.ensure_gathered(unit)
 
     def post_forward(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
-        if self._in_backward:
+        if self.state is PassState.BACKWARD:
             return  # recomputation inside backward: the unit's backward still needs it
         needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad and torch.is_grad_enabled():
@@ -282,6 +307,7 @@ class Scheduler:
         return out
 
     def end_forward(self, root: Unit, grad_enabled: bool) -> None:
+        self._to(PassState.IDLE, "end_forward()")
         order = self._order
         if self.trace is None:
             self.trace = order
@@ -302,7 +328,7 @@ class Scheduler:
 
     # -- backward --------------------------------------------------------------
     def begin_backward(self) -> None:
-        self._in_backward = True
+        self._to(PassState.BACKWARD, "begin_backward()")
         self._finals = {}
         self.reissued.clear()
 
@@ -366,15 +392,15 @@ class Scheduler:
             for h in self._backward_hooks:
                 h.remove()
             self._backward_hooks.clear()
-            self._in_backward = False
+            self._to(PassState.IDLE, "end_backward()")
 
     def abort(self) -> None:
         """A forward failed: release and forget this pass, with no collective (the other
-        ranks may not have failed) and no gradients touched."""
+        ranks may not have failed) and no gradients touched. From any state."""
         for h in self._backward_hooks:
             h.remove()
         self._backward_hooks.clear()
-        self._in_backward = False
+        self.state = PassState.IDLE
         self.wait_reductions()  # already issued on every rank: complete them
         self.late.reset()
         for unit in self.units:
@@ -384,18 +410,18 @@ class Scheduler:
             unit.reduced_groups.clear()
 
     def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None) -> None:
-        """Reduce `groups` of `unit` (default: all), then tell on_final."""
+        """Reduce `groups` of `unit` (default: all), then tell the listening driver."""
         groups = unit.groups if groups is None else groups
         for g in groups:
             self._issue(g)
         self._heap_freed(unit, sum(g.numel * g.full.element_size() for g in groups))  # .grad
         unit.reduced_groups.update(g.key for g in groups)
         unit.reduced = all(g.key in unit.reduced_groups for g in unit.groups if g.trainable)
-        if self.on_final is not None:
+        if self._driver is not None and self._driver.listening:
             final = self.late.hand_over(groups)  # not those that may get late gradients
             if final:
                 self.wait_reductions()  # the shard holds the reduced gradient after wait()
-                self.on_final(unit, final)
+                self._driver.groups_final([g.key for g in final])
 
     def _issue(self, g: FlatGroup) -> None:
         """Start reducing `g`'s gradients into its shard, within the in-flight bound."""

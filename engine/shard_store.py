@@ -10,11 +10,17 @@ device, pinned host and NVMe. Code that may run with either reads a shard
 inside `with store.use(key, kind) as t:` (fetched and released around the
 block); `tensor()` is for shards that stay put (the plain store, or device-
 pinned optimizer state).
+
+Callers never test which store they hold: each store says what they may do
+(`keeps_views`, `prefetches`, `snapshot_in_host`, `optimizer_offloaded`) and owns
+the "gradient zeroed" marks ([Note: gradients zeroed by the first reduction] in
+engine/flat_shard.py: `mark_grads_zeroed`, `grad_zeroed`, `take_grad_zeroed`,
+`write_zeroed_grads`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -37,6 +43,9 @@ class ShardStore:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._records: dict[str, _Record] = {}
+        # groups whose fp32 gradient shard is logically zero but not written ([Note:
+        # gradients zeroed by the first reduction])
+        self._zeroed: set[str] = set()
 
     def add(
         self, key: str, master_init: torch.Tensor, compute_dtype: torch.dtype, trainable: bool
@@ -69,18 +78,64 @@ class ShardStore:
                            "keep only param16)")
         return t
 
+    # -- what callers may do with the shards ------------------------------------------
     @property
-    def resident(self) -> bool:
-        """Every shard tensor stays where it is for the store's life (views may be kept)."""
+    def keeps_views(self) -> bool:
+        """A shard tensor stays where it is, authoritative, for the store's life: a caller
+        may keep a view of it past `use()` (a gather viewing the param16 shard, a
+        reduction accumulating into the gradient shard asynchronously)."""
         return True
+
+    @property
+    def prefetches(self) -> bool:
+        """`set_order()` acts: the store reads ahead of the uses it is told of."""
+        return False
+
+    @property
+    def snapshot_in_host(self) -> bool:
+        """A copy of every shard may be taken into host memory (a background checkpoint's
+        snapshot): the shards live within the device's memory, not beyond the host's."""
+        return True
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        """Master and moments live off the device: the CPU Adam updates them (never a
+        torch optimizer over `tensor()` views)."""
+        return False
 
     @contextmanager
     def use(self, key: str, kind: ShardKind, *, writable: bool = False,
-            overwrite: bool = False) -> Iterator[torch.Tensor]:
+            compute: bool = True, overwrite: bool = False) -> Iterator[torch.Tensor]:
         """The shard tensor for the duration of the block (`writable`: it will be modified;
-        `overwrite`: every element will be written, so a tiered store need not read it)."""
-        del writable, overwrite  # every tensor here is the authoritative copy
+        `compute`: for a gather, so on the compute device; `overwrite`: every element will
+        be written, so a tiered store need not read it)."""
+        del writable, compute, overwrite  # every tensor here is the authoritative copy
         yield self.tensor(key, kind)
+
+    # -- gradients zeroed by the first reduction ---------------------------------------
+    def mark_grads_zeroed(self, keys: Iterable[str]) -> None:
+        """zero_grad(): these gradient shards are zero from now on, without a byte written."""
+        self._zeroed.update(keys)
+
+    def grad_zeroed(self, key: str) -> bool:
+        """The gradient shard of `key` is marked zero (its bytes are stale)."""
+        return key in self._zeroed
+
+    def take_grad_zeroed(self, key: str) -> bool:
+        """The caller writes every element of the gradient shard now (a reduction, a
+        checkpoint load): returns whether it was marked zero, and clears the mark."""
+        if key in self._zeroed:
+            self._zeroed.discard(key)
+            return True
+        return False
+
+    def write_zeroed_grads(self) -> None:
+        """Write the zeros of every marked gradient shard and clear the marks (for whoever
+        reads them without a reduction first)."""
+        for key in [k for k in self.group_keys() if k in self._zeroed]:
+            with torch.no_grad(), self.use(key, "grad", overwrite=True) as grad:
+                grad.zero_()
+            self._zeroed.discard(key)
 
     def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
         """Group `key` will be added with `numel` elements; nothing to plan for resident

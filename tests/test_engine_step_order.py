@@ -28,6 +28,7 @@ from test_engine_offload import offload_config
 
 from tierzero import engine
 from tierzero.engine.config import Config
+from tierzero.engine.offload_driver import OffloadedStep
 from tierzero.engine.offload_step import OffloadedAdam
 
 BIG_VOCAB = 256  # embedding and head 8192 elements each: larger than a block (4256)
@@ -103,7 +104,7 @@ def test_learned_order_changes_nothing_but_the_order(tmp_path: Path,
     runs = []
     for pinned in (False, True):
         if pinned:
-            monkeypatch.setattr(engine.ZeroEngine, "_follow_backward_order", lambda self: None)
+            monkeypatch.setattr(OffloadedStep, "_follow_backward_order", lambda self: None)
         model = big_root_model()
         (tmp_path / str(pinned)).mkdir()
         eng, opt, _, _ = engine.initialize(device="cpu", model=model,
@@ -143,14 +144,14 @@ def test_a_new_order_is_taken_only_when_two_steps_agree(tmp_path: Path) -> None:
         learned = opt.step_order
         other = list(reversed(learned))
         eng.scheduler.final_order = other
-        eng._follow_backward_order()
+        eng.step_driver._follow_backward_order()
         assert opt.step_order == learned  # seen once: kept
         eng.scheduler.final_order = learned
-        eng._follow_backward_order()
+        eng.step_driver._follow_backward_order()
         eng.scheduler.final_order = other
-        eng._follow_backward_order()
+        eng.step_driver._follow_backward_order()
         assert opt.step_order == learned  # alternating: kept
-        eng._follow_backward_order()
+        eng.step_driver._follow_backward_order()
         assert opt.step_order == other  # twice in a row: taken
         train_steps(eng, batches(2))  # and the stream runs with it
     finally:

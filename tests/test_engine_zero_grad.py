@@ -51,8 +51,8 @@ def test_step_without_backward_sees_zero_gradients(offload: str, tmp_path: Path)
                 for k in eng._train_keys:
                     with eng.store.use(k, "grad", writable=True) as g:
                         g.zero_()
-                for g in eng._train_groups:
-                    g.grad_fresh = False
+                for k in eng._train_keys:
+                    eng.store.take_grad_zeroed(k)
             eng.step()
             runs.append(full_params(eng, model))
         finally:
@@ -71,7 +71,7 @@ def test_zero_grad_writes_nothing_until_read(tmp_path: Path) -> None:
         eng.backward(eng(ids, tg))
         before = grads(eng)
         eng.zero_grad()
-        assert all(g.grad_fresh for g in eng._train_groups)
+        assert all(eng.store.grad_zeroed(k) for k in eng._train_keys)
         assert all(torch.equal(grads(eng)[k], before[k]) for k in before)  # not written
         eng.zero_fresh_grads()
         assert all(not v.any() for v in grads(eng).values())
@@ -131,9 +131,9 @@ def test_loaded_partial_gradients_are_kept_after_zero_grad(tmp_path: Path) -> No
     eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
     try:
         train(eng, range(2))  # a boundary: zero_grad() has marked every shard
-        assert all(g.grad_fresh for g in eng._train_groups)
+        assert all(eng.store.grad_zeroed(k) for k in eng._train_keys)
         eng.load_checkpoint(tmp_path / "ckpt")
-        assert not any(g.grad_fresh for g in eng._train_groups)
+        assert not any(eng.store.grad_zeroed(k) for k in eng._train_keys)
         train(eng, range(3, 4))
         got = full_params(eng, model)
     finally:

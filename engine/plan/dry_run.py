@@ -44,7 +44,6 @@ from torch import nn
 from tierzero.engine.config import Config
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.offload_bridge import TieredShardStore
-from tierzero.engine.offload_step import OffloadedAdam
 from tierzero.engine.optim import torch_adam_factory
 from tierzero.engine.plan.dry_comm import DryComm
 from tierzero.engine.plan.host import model_bytes, saved_bytes
@@ -226,10 +225,9 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                     phases["forward"] += counters.delta(since(mark), grad_bytes)
                     mark = len(rec.events)
                     eng.backward(loss)
-                    if isinstance(eng.optimizer, OffloadedAdam):
-                        # the in-place step begun during backward runs on a worker: what
-                        # it was handed during backward counts there, deterministically
-                        eng.optimizer.settle()
+                    # the in-place step begun during backward runs on a worker: what
+                    # it was handed during backward counts there, deterministically
+                    eng.step_driver.settle()
                     phases["backward"] += counters.delta(since(mark), grad_bytes)
                     mark = len(rec.events)
                     eng.step()

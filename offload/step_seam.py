@@ -1,0 +1,281 @@
+"""The optimizer-step seam: what the engine calls on whatever updates the shards.
+
+[Note: the optimizer-step seam]
+The engine chooses one `StepDriver` when it is built and afterwards only calls it;
+it never asks which driver it holds. Two implement it:
+
+    device driver     a torch.optim.Optimizer over device-resident fp32 shards
+                      (engine/optim.py DeviceStep): nothing happens during
+                      backward; `finish` scales the gradients and steps it.
+    offloaded driver  the CPU Adam over shards in the tier manager
+                      (engine/offload_driver.py OffloadedStep): may begin during
+                      backward, update each group as its gradient turns final,
+                      measure gradients for clipping / fp16 beside backward and
+                      defer the update into the next forward.
+
+A training step, as the engine calls it:
+
+    backward   settle(); begin(boundary)      groups_final(keys) for each group whose
+               ... reductions ...             gradient shard is final, while `listening`
+               abandon()                      (only if backward failed)
+    step       take_abandoned()               -> skip this boundary's step
+               grad_stats(redo)               -> measured during backward, or None
+               finish(grad_scale)             the update (or hand it to the next forward)
+    forward    settle(deferred=False)         wait_groups(keys) before each unit's gather
+    zero_grad  settle(deferred=False); gradients_zeroed()
+
+Checkpoints ask the driver for its state (`state_dict`) and hand it back
+(`load_state_dict`) in one form for both drivers: per group, the per-element state
+the shard store holds (the moments: `StoreTensor`s, streamed through the store one
+shard at a time, so the state is never copied whole into host memory), the driver's
+own per-element tensors, and scalars ([Note: checkpoint layout] in
+engine/checkpoint.py says where each goes in the files).
+
+Everything here speaks of group keys (the shard store's) and tensors: offload knows
+nothing of modules, units or ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+
+class TrainingStateError(RuntimeError):
+    """A call that the object's training state does not allow (see `transition`)."""
+
+
+S = TypeVar("S", bound=enum.Enum)
+
+
+def transition(owner: str, table: Mapping[S, frozenset[S]], old: S, new: S, *, call: str,
+               fix: str) -> S:
+    """`new` when `table` allows `old` -> `new`, else TrainingStateError naming the owner,
+    the call, both states, what `old` allows and the fix."""
+    allowed = table[old]
+    if new not in allowed:
+        names = ", ".join(sorted(s.name for s in allowed)) or "nothing"
+        raise TrainingStateError(f"{owner}: {call} in state {old.name} would go to {new.name}, "
+                                 f"which {old.name} does not allow (it allows {names}); {fix}")
+    return new
+
+
+class StepState(enum.Enum):
+    """Where a driver's step stands between backward and step() ([Note: the optimizer-step
+    seam]); the transitions are `STEP_TRANSITIONS`."""
+
+    IDLE = enum.auto()  # nothing begun: step() updates every group
+    MEASURING = enum.auto()  # a boundary's backward measures gradients as they turn final
+    OPEN = enum.auto()  # a step begun in backward updates groups as they turn final
+    ABANDONED = enum.auto()  # that backward failed: step() skips this boundary's step
+
+
+STEP_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
+    StepState.IDLE: frozenset({StepState.MEASURING, StepState.OPEN}),
+    # a second boundary backward before step() measures again, from scratch
+    StepState.MEASURING: frozenset({StepState.IDLE, StepState.MEASURING}),
+    StepState.OPEN: frozenset({StepState.IDLE, StepState.ABANDONED}),
+    StepState.ABANDONED: frozenset({StepState.IDLE}),
+}
+
+
+@dataclass(frozen=True)
+class StoreTensor:
+    """Per-element optimizer state that the shard store holds: shard `kind` of group `key`.
+    Saved and loaded through the store's own access path, one shard at a time."""
+
+    key: str
+    kind: str
+
+
+class TensorSource(Protocol):
+    """Saved per-element state of one group, read on demand into a tensor of its size."""
+
+    def read_into(self, out: torch.Tensor) -> None: ...
+
+
+@dataclass
+class GroupState:
+    """One trainable group's optimizer state, in the form checkpoints hold it.
+
+    From `state_dict`: `shards` maps a store kind to its StoreTensor and `tensors` holds
+    the driver's own tensors (no copies). To `load_state_dict`: both hold TensorSources,
+    which the driver reads into the store's shard or its own tensor."""
+
+    shards: dict[str, Any] = field(default_factory=dict)  # "exp_avg" -> StoreTensor | source
+    tensors: dict[str, Any] = field(default_factory=dict)  # per element: Tensor | source
+    scalars: dict[str, Any] = field(default_factory=dict)  # JSON: {"tensor": v, "dtype": d}|v
+
+
+class GradMeasure(Protocol):
+    """One gradient shard's squared L2 norm and finiteness (clipping, fp16 overflow)."""
+
+    @property
+    def sq_norm(self) -> float: ...
+
+    @property
+    def finite(self) -> bool: ...
+
+
+class StepDriver(Protocol):
+    """The optimizer step over every trainable group; see [Note: the optimizer-step seam]."""
+
+    @property
+    def listening(self) -> bool:
+        """Gradient-final events are wanted now (a step or a measurement begun in backward)."""
+        ...
+
+    @property
+    def defers(self) -> bool:
+        """The update may run during the next forward: each unit's groups are waited for
+        (`wait_groups`) before the unit is gathered."""
+        ...
+
+    @property
+    def step_open(self) -> bool:
+        """A step begun during backward has updated some groups and not others."""
+        ...
+
+    def begin(self, *, boundary: bool) -> None:
+        """Backward starts; `boundary`: its gradients are the last of this step's."""
+        ...
+
+    def groups_final(self, keys: Sequence[str]) -> None:
+        """These groups' gradient shards are final for this step (called while listening)."""
+        ...
+
+    def abandon(self) -> None:
+        """Backward failed, or the gradients measured in it are gone: close whatever was
+        begun; groups already updated keep their update."""
+        ...
+
+    def take_abandoned(self) -> bool:
+        """A step begun in backward was abandoned: the engine skips this boundary's step."""
+        ...
+
+    def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure] | None:
+        """Every group's gradient measure taken during backward (`redo`: groups reduced
+        again since, measured now); None when backward measured nothing."""
+        ...
+
+    def finish(self, grad_scale: float) -> None:
+        """The step: gradients times `grad_scale` (unscale, clipping), over every group."""
+        ...
+
+    def gradients_zeroed(self) -> None:
+        """zero_grad(): measurements of the gradients no longer hold."""
+        ...
+
+    def settle(self, *, deferred: bool = True) -> None:
+        """No optimizer thread writes a shard after this (with `deferred` False an update
+        deferred into the next forward goes on, waited for group by group)."""
+        ...
+
+    def wait_groups(self, keys: Sequence[str]) -> None:
+        """These groups' deferred updates have run."""
+        ...
+
+    def drain(self) -> None:
+        """Every deferred update has run."""
+        ...
+
+    @property
+    def step_order(self) -> list[str]:
+        """Group keys in the order the step updates them."""
+        ...
+
+    def worker_times(self) -> tuple[float, float]:
+        """(seconds the driver's worker thread ran, of which hidden under compute)."""
+        ...
+
+    def stats(self) -> dict[str, Any] | None:
+        """The last step's pipeline statistics (None: nothing to report)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"param_groups": [each param group's hyper-parameters, JSON], "state": {group
+        key: GroupState}}; nothing is copied (StoreTensors name the store's shards)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The same form, the per-element entries as TensorSources; each group's are read
+        into their place (store shards through the store, one at a time)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the driver's threads and buffers. Idempotent."""
+        ...
+
+
+# [Note: step order learned from backward]
+# The streamed CPU Adam updates groups in one order each step, and its read-ahead during
+# forward fetches the state of that order's first groups. The right order is the one in
+# which gradients turn final in backward: the early step (overlap_step) can then update
+# each group as soon as it is reduced, and the ring's read-ahead is what backward
+# finalises first. The blocks' order is known (last to first), but not where the root's
+# pieces fall: a head used last in forward is final first, the embedding last, and a
+# tied or reused weight wherever its last use is. So the order starts from the blocks
+# last-to-first with the root last (`StepOrder.backward_guess`) and, after each step,
+# `learn`s the order the scheduler saw in the last backward (Scheduler.final_order): at
+# once the first time, later only when two steps in a row agree on a new order, so a
+# model whose order alternates does not re-order every step. A change drains the stream
+# once (AdamStream.set_order, which applies the order; StepOrder alone decides it). Before,
+# the disk sat idle at the start of backward (the ring full of read-ahead, the head's
+# gradient final but its state queued last) and the head's state was read at the end of
+# backward, behind the embedding's (benchmarks/RESULTS.md, "Step order learned from
+# backward"). On a model of one root group nothing changes.
+class StepOrder:
+    """The one owner of the order in which the optimizer step updates the groups; see
+    [Note: step order learned from backward]."""
+
+    def __init__(self, keys: Sequence[str], initial: Sequence[str] | None = None) -> None:
+        """keys: every trainable group, in construction order; initial: the order until
+        backward has been seen (default: construction order)."""
+        self._index = {k: i for i, k in enumerate(keys)}
+        start = list(keys) if initial is None else list(initial)
+        if sorted(self._index[k] for k in start if k in self._index) != list(range(len(keys))):
+            raise ValueError(f"StepOrder: the initial order must list every group once; got "
+                             f"{start[:3]}... of {len(start)} for {len(keys)} groups")
+        self._order = start
+        self._seen: list[str] | None = None  # the order seen after the last step
+
+    @classmethod
+    def backward_guess(cls, keys: Sequence[str], blocks: Sequence[Sequence[str]],
+                       root: Sequence[str]) -> StepOrder:
+        """Before any backward: the groups of `blocks` (forward order) last to first, then
+        the `root`'s; groups of `keys` named by neither keep their place after them."""
+        rank = {k: r for r, group in enumerate([*blocks[::-1], root]) for k in group}
+        return cls(keys, sorted(keys, key=lambda k: rank.get(k, len(rank))))
+
+    @property
+    def keys(self) -> list[str]:
+        """Group keys in step order."""
+        return list(self._order)
+
+    def indices(self) -> list[int]:
+        """The step order as positions in the construction order of the keys."""
+        return [self._index[k] for k in self._order]
+
+    def learn(self, seen: Sequence[str]) -> bool:
+        """After a step: `seen` is the order gradients turned final in its backward (empty:
+        none seen). Returns whether the step order changed."""
+        if not seen:
+            return False
+        unknown = [k for k in seen if k not in self._index]
+        if unknown:
+            raise ValueError(f"StepOrder.learn: unknown groups {unknown[:3]}")
+        first = self._seen is None
+        stable = list(seen) == self._seen
+        self._seen = list(seen)
+        if not (first or stable):
+            return False
+        named = list(dict.fromkeys(seen))
+        known = set(named)
+        order = named + [k for k in self._order if k not in known]
+        changed = order != self._order
+        self._order = order
+        return changed
