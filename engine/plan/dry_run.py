@@ -92,7 +92,10 @@ class DryRun:
     init_outside: int = 0  # host buffers outside the tiers already taken at placement
     pipeline_bytes: int = 0  # host buffers outside the tiers (CPU Adam ring), peak
     saved_bytes: int = 0  # tensors autograd saved in one forward (largest micro-batch)
-    largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
+    # elements of the most gradients held at once before their reduction: a block unit's
+    # trainable elements (reduced together), or one of the root's trainable groups (each
+    # reduced once its own gradients are complete: Scheduler._reduce_root_groups)
+    largest_unit: int = 0
     largest_group: int = 0  # elements of the largest flat group (placed one at a time)
     gathered_peak: int = 0  # most gathered parameter bytes at once (root, kept units, one)
     model_bytes: int = 0  # every parameter and buffer of the module as built
@@ -211,7 +214,9 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     store = eng.store if isinstance(eng.store, TieredShardStore) else None
     out = DryRun(store.manager.plan if store is not None and store.manager else None,
                  units=len(eng.units), model_bytes=built_bytes, world_size=world_size,
-                 largest_unit=max((sum(g.numel for g in u.groups if g.trainable)
+                 largest_unit=max((max((g.numel for g in u.groups if g.trainable), default=0)
+                                   if u.is_root else
+                                   sum(g.numel for g in u.groups if g.trainable)
                                    for u in eng.units), default=0),
                  largest_group=max((g.numel for u in eng.units for g in u.groups), default=0))
     if store is not None and store.manager is not None:

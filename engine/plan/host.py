@@ -28,7 +28,9 @@ growth over the process's imports, on one rank:
               + the tensors autograd saves in one forward (counted on meta tensors by
               a saved-tensor hook; parameters excluded, they are the gathered copies
               above) + one unit's gradients in the compute dtype and their fp32 reduction
-              (autograd's output before the reduce path copies it to the shard). The
+              (autograd's output before the reduce path copies it to the shard); for the
+              root, one of its groups' (each is reduced as soon as its gradients are
+              complete, the head's first in backward, the embedding's last). The
               gathered units, the saved tensors and the gradients are host memory only
               when the device tier is (no CUDA).
 
@@ -136,7 +138,8 @@ def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, in
     `init_peak`, `peak`: the tier manager's per-tier peaks after placement and over the
     steps; `pipeline`: the CPU Adam ring at its peak, `init_outside`: the part of it
     already allocated when placement ends; `saved`: bytes autograd saved in one forward;
-    `largest_unit`: elements of the largest trainable unit; `largest_group`: of the
+    `largest_unit`: elements of the most gradients held before their reduction (a block
+    unit's, or one root group's: DryRun.largest_unit); `largest_group`: of the
     largest flat group (a root is cut into several); `compute_bytes`: bytes per
     element of the compute dtype; `device_is_host`: the device tier is host memory (no
     CUDA), so its bytes, the saved tensors and the gradients count here too;
