@@ -6,9 +6,9 @@ gathered parameter bytes kept between a unit's forward and its backward
 x 2 B) and the device tier's budget (offload.budgets.device_bytes: detected free device
 memory). On a CPU compute device every one of them is host memory beside the tier
 manager's host budget, so defaults that are harmless on a GPU become gigabytes of RSS that
-grow with the model (a 2.07B model kept 1.44 GB of units gathered and 0.79 GB of device
-caches; benchmarks/RESULTS.md). When the user leaves them unset (null) and the device is
-not CUDA, they are sized to what the schedule needs instead:
+grow with the model (benchmarks/RESULTS.md has the 2.07B runs before and after). When the
+user leaves them unset (null) and the device is not CUDA, they are sized to what the
+schedule needs instead:
 
   zero.max_live_bytes           the bytes that stay gathered through forward anyway (the
                                 root unit and the persistent units) + the largest other

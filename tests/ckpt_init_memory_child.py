@@ -48,9 +48,9 @@ def main() -> None:
                 device_bytes=None if device_budget == "none" else int(device_budget))))
     imported = rss().rss
     # The first torch.optim.Optimizer a process builds imports torch._dynamo (and sympy):
-    # ~70 MiB of modules, the same for any model, that a training script pays with any
-    # optimizer (the engine's too: eng.optimizer is a torch.optim.Optimizer). Paid before
-    # `base`, so the growth over it is what the engine holds.
+    # tens of MiB of modules (RESULTS.md), the same for any model, that a training script
+    # pays with any optimizer (the engine's too: eng.optimizer is a torch.optim.Optimizer).
+    # Paid before `base`, so the growth over it is what the engine holds.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     base = rss().rss
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ Its param16 (bf16) + master + moments = 14 B/param = 1.41 GB, on NVMe; host budg
 pipeline buffers), device budget 64 MiB (the CPU stand-in tier).
 
 Bounds on peak RSS growth over the child's RSS before the build, once the first torch
-optimizer's own imports are paid (torch._dynamo and sympy, ~71 MiB whatever the model;
+optimizer's own imports are paid (torch._dynamo and sympy, the same whatever the model;
 `base_rss` in the child):
   * Init (construction): zero.init_live_bytes (32 MiB of live fp32 parameters) + the
     staging writes in flight (engine.init_staging.INFLIGHT_BYTES, 64 MiB) + 64 MiB of
@@ -53,10 +53,10 @@ def test_init_onto_nvme_peak_rss(tmp_path: Path) -> None:
 
 
 # No budget set: the bound is 0.12 of the 16 B/param state for a model built under
-# Init. Measured 0.09 over base_rss (139 MiB: NVMe pool 40 MB, Adam ring and param16
-# assembly 57 MB, the CPU stand-in device tier 17 MB ([Note: CPU compute defaults]), the
-# gathered unit and its gradients), 0.137 over the RSS after the imports alone (the first
-# torch optimizer's imports add 71 MiB). A host gradient home alone would be 0.25.
+# Init, over the RSS once the first torch optimizer's imports are paid (base_rss; the NVMe
+# pool, the CPU Adam's ring, the CPU stand-in device tier of [Note: CPU compute defaults],
+# the gathered unit and its gradients; RESULTS.md has the split). A host gradient home
+# alone would be 0.25.
 INIT_NO_BUDGET_BOUND = 0.12
 # the same run measured from the RSS after the imports, the optimizer's included
 INIT_NO_BUDGET_IMPORTED_BOUND = 0.15
