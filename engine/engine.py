@@ -33,6 +33,7 @@ from tierzero.engine.flat_shard import (
     shard_numel,
 )
 from tierzero.engine.hooks import HookSet
+from tierzero.engine.host_defaults import gather_bounds
 from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.lr_schedules import build_scheduler
 from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
@@ -119,11 +120,12 @@ class ZeroEngine:
             release_free_heap("placement")
         self.root = self.units[-1]
         self.comm.know([g.key for u in self.units for g in u.groups])
+        # [Note: CPU compute defaults]: unset gather bounds sized to the compute device
+        max_live, max_reuse = gather_bounds(config, self.device, self.units)
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
                                    inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
-                                   max_live_bytes=config.zero.max_live_bytes,
-                                   max_reuse_distance_bytes=config.zero.max_reuse_distance_bytes)
+                                   max_live_bytes=max_live, max_reuse_distance_bytes=max_reuse)
         for unit in self.units:
             for g in unit.groups:
                 for s in g.slots:

@@ -26,7 +26,7 @@ device once and `tensor()` hands out those views, which stay valid.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,6 +35,7 @@ import torch
 
 from tierzero import swap
 from tierzero.engine.config import Config
+from tierzero.engine.host_defaults import cpu_device_budget, device_is_host
 from tierzero.engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
 from tierzero.offload import (
     Budgets,
@@ -137,17 +138,30 @@ def swap_dir(config: Config) -> str | None:
     return config.offload.optimizer.path or config.offload.params.path
 
 
-def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0) -> TierSettings:
+def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0,
+                  specs: Sequence[ShardSpec] = ()) -> TierSettings:
     """offload.TierSettings from the engine config (budgets, pool, prefetch windows).
 
     `host_outside`: host bytes the engine allocates itself (the CPU Adam's pipeline
     buffers); offload.budgets.host_bytes covers them too, so the manager gets the rest.
+    `specs`: every shard the manager will hold (sizes the CPU stand-in's device tier).
     """
     b = config.offload.budgets
     dev_budget = b.device_bytes
-    if dev_budget is None and device.type != "cuda":
-        # The CPU stand-in device tier is plain process memory: bound it by what is free.
-        dev_budget = int(psutil.virtual_memory().available)
+    homes = homes_from(config)
+    if dev_budget is None and device_is_host(device):
+        # The CPU stand-in device tier is host memory ([Note: CPU compute defaults] in
+        # engine/host_defaults.py): what it must hold, or, when the planner may home shards
+        # there (an auto home), what is free.
+        if "auto" in homes.values() or not specs:
+            dev_budget = int(psutil.virtual_memory().available)
+        else:
+            below = [s for s in specs if homes[s.cls] != "none"]
+            dev_budget = cpu_device_budget(
+                homed=sum(s.nbytes for s in specs if homes[s.cls] == "none"),
+                fetched=[s.nbytes for s in below if s.cls == "param16"],
+                reserve=max((s.nbytes for s in below if s.cls in ("param16", "grad")),
+                            default=0))
     reserve = {} if b.host_reserve_bytes is None else {"host_reserve": b.host_reserve_bytes}
     host = b.host_bytes
     if host is not None:
@@ -162,7 +176,6 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
                       nvme_reserve_fraction=b.nvme_reserve_fraction,
                       nvme_in_flight=host_outside, **reserve)
     p, o = config.offload.params, config.offload.optimizer
-    homes = homes_from(config)
     # The pool stages NVMe traffic that goes through the manager's caches: parameter
     # gathers (offload.params.buffer_count x buffer_bytes). The optimizer step reads and
     # writes its state straight into its own ring (offload.optimizer.buffer_count x
@@ -327,7 +340,7 @@ class TieredShardStore(ShardStore):
                                            nvme.direct_io])
         try:
             settings = tier_settings(self.config, self.device,
-                                     host_outside=self.pipeline_bytes())
+                                     host_outside=self.pipeline_bytes(), specs=specs)
             self.manager = TierManager(specs, settings,
                                        swap=self.swap)
         except BaseException:

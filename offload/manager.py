@@ -136,7 +136,9 @@ class TierManager(ResidencyCore):
             self._settle_all()
             # a fetch that overwrites a shard the order does not list (a fresh gradient:
             # nothing to read ahead) does not depart from the order
-            if not (discard and not self._pf.lists(key)):
+            if discard and not self._pf.lists(key):
+                self._pf.overwritten(key)
+            else:
                 self._pf.consume(key, tier)
             self._flush_above(rec, tier, drop=writable)
             copy = rec.copies[tier]

@@ -37,6 +37,9 @@ class Prefetcher:
         self._positions: dict[str, list[int]] = {}  # key -> sorted indices in the order
         self.cursor = 0
         self.mismatches = 0  # fetches that did not follow the recorded order
+        # unlisted keys overwritten since set_order (fresh gradients): their later fetches
+        # are re-uses of what was just written, not departures from the order
+        self._overwritten: set[str] = set()
 
     def set_order(self, entries: Sequence[tuple[str, Tier]]) -> None:
         self._entries = list(entries)
@@ -44,6 +47,11 @@ class Prefetcher:
         for i, (key, _tier) in enumerate(self._entries):
             self._positions.setdefault(key, []).append(i)
         self.cursor = 0
+        self._overwritten.clear()
+
+    def overwritten(self, key: str) -> None:
+        """An unlisted ``key`` was fetched to be overwritten (nothing to read ahead)."""
+        self._overwritten.add(key)
 
     @property
     def active(self) -> bool:
@@ -52,9 +60,10 @@ class Prefetcher:
     def consume(self, key: str, tier: Tier) -> None:
         """Advance past ``key``'s next use; note a mismatch if it was not next.
 
-        A key whose every use in the order is already behind the cursor is being used
-        again (e.g. the optimizer reading a gradient shard the reduce just wrote): that
-        does not depart from the order, so it neither counts nor moves the cursor."""
+        A key whose every use in the order is already behind the cursor, or an unlisted
+        key overwritten since the order was set, is being used again (e.g. the optimizer
+        reading a gradient shard the reduce just wrote): that does not depart from the
+        order, so it neither counts nor moves the cursor."""
         if not self.active:
             return
         if self._entries[self.cursor] == (key, tier):
@@ -62,7 +71,8 @@ class Prefetcher:
             return
         pos = self._next_index(key)
         positions = self._positions.get(key)
-        if pos is None and positions and positions[0] < self.cursor:
+        if pos is None and ((positions and positions[0] < self.cursor)
+                            or key in self._overwritten):
             return
         self.mismatches += 1
         if pos is not None:

@@ -1,6 +1,8 @@
 """Child process of test_ckpt_init_nvme_memory: build a ~100M-parameter model under
 engine.Init with params and optimizer state on NVMe, initialize, train one step; report
-peak RSS growth per phase and whether the values equal a plain build, as JSON on stdout.
+peak RSS per phase (and the RSS after the imports, `imported_rss`, and after the first
+torch optimizer's own imports, `base_rss`) and whether the values equal a plain build, as
+JSON on stdout.
 
     python tests/ckpt_init_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET
 HOST_BUDGET, DEVICE_BUDGET: bytes, or "none" (not set: detected from the machine).
@@ -44,6 +46,12 @@ def main() -> None:
             budgets=BudgetsConfig(
                 host_bytes=None if host_budget == "none" else int(host_budget),
                 device_bytes=None if device_budget == "none" else int(device_budget))))
+    imported = rss().rss
+    # The first torch.optim.Optimizer a process builds imports torch._dynamo (and sympy):
+    # tens of MiB of modules (RESULTS.md), the same for any model, that a training script
+    # pays with any optimizer (the engine's too: eng.optimizer is a torch.optim.Optimizer).
+    # Paid before `base`, so the growth over it is what the engine holds.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     base = rss().rss
     torch.manual_seed(0)
     with PeakSampler() as init_peak, engine.Init(config=cfg) as ini:
@@ -68,7 +76,8 @@ def main() -> None:
     for (k, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         if not torch.equal(p.detach(), q.detach().to(p.dtype)):
             unequal.append(k)
-    json.dump({"n_params": n_params, "base_rss": base, "init_peak": init_peak.peak,
+    json.dump({"n_params": n_params, "imported_rss": imported, "base_rss": base,
+               "init_peak": init_peak.peak,
                "setup_peak": setup_peak.peak, "step_peak": step_peak.peak,
                "init_nvme_bytes": ini.nvme_bytes, "peak_live": ini.peak_live_bytes,
                "unequal": unequal, "loss": float(loss.detach()), "tiers": report["tiers"]},

@@ -7,14 +7,16 @@ Its param16 (bf16) + master + moments = 14 B/param = 1.41 GB, on NVMe; host budg
 (fp32 gradient shards, 403 MB, live in host memory; NVMe staging pool; the CPU Adam's
 pipeline buffers), device budget 64 MiB (the CPU stand-in tier).
 
-Bounds on peak RSS growth over the child's RSS before the build:
+Bounds on peak RSS growth over the child's RSS before the build, once the first torch
+optimizer's own imports are paid (torch._dynamo and sympy, the same whatever the model;
+`base_rss` in the child):
   * Init (construction): zero.init_live_bytes (32 MiB of live fp32 parameters) + the
     staging writes in flight (engine.init_staging.INFLIGHT_BYTES, 64 MiB) + 64 MiB of
     interpreter and allocator slack = 160 MiB. Keeping the fp32 slices in host memory, as
     Init did before, would be 384 MiB on its own. Measured: 93 MiB.
-  * initialize + one step: the budgets + 128 MiB overhead (as test_engine_offload_memory
-    states it: gathered units, activations, bounce blocks, thread stacks). Measured:
-    479 / 842 MiB.
+  * initialize + one step: the budgets + 64 MiB overhead (gathered units, activations,
+    bounce blocks, thread stacks; 128 MiB when it held the optimizer's imports too).
+    Measured: 436 / 514 MiB.
 
 MALLOC_MMAP_THRESHOLD_ = 1 MiB for the reason given in test_engine_offload_memory.
 """
@@ -29,7 +31,7 @@ from memory_child import MiB, run_memory_child
 HOST_BUDGET = 800 * MiB
 DEVICE_BUDGET = 64 * MiB
 INIT_BOUND = (32 + 64 + 64) * MiB
-OVERHEAD = 128 * MiB
+OVERHEAD = 64 * MiB
 BLOCKS, DIM = 24, 724
 
 
@@ -51,17 +53,25 @@ def test_init_onto_nvme_peak_rss(tmp_path: Path) -> None:
 
 
 # No budget set: the issue's bound is 0.12 of the 16 B/param state for a model built under
-# Init; measured 0.137 (211 MiB: NVMe pool 40 MB, CPU stand-in device tier 34 MB, Adam ring
-# and param16 assembly 57 MB, gathered units and their .grad, I/O threads). Asserted at 0.15
-# so an escaping allocation (a host gradient home alone is 0.25) fails; 0.12 is not met yet.
-INIT_NO_BUDGET_BOUND = 0.15
+# Init, over the RSS once the first torch optimizer's imports are paid (base_rss; the NVMe
+# pool, the CPU Adam's ring, the CPU stand-in device tier of [Note: CPU compute defaults],
+# the gathered unit and its gradients; RESULTS.md has the split). A host gradient home
+# alone would be 0.25.
+INIT_NO_BUDGET_BOUND = 0.12
+# the same run measured from the RSS after the imports, the optimizer's included
+INIT_NO_BUDGET_IMPORTED_BOUND = 0.15
 
 
 @pytest.mark.slow
 def test_init_onto_nvme_without_budgets(tmp_path: Path) -> None:
     r = run_memory_child("ckpt_init_memory_child.py", tmp_path, BLOCKS, DIM, "none", "none")
     n = r["n_params"]
-    grow = max(r[k] for k in ("init_peak", "setup_peak", "step_peak")) - r["base_rss"]
+    peak = max(r[k] for k in ("init_peak", "setup_peak", "step_peak"))
+    grow = peak - r["base_rss"]
     assert grow <= INIT_NO_BUDGET_BOUND * 16 * n, (grow / MiB, r["tiers"])
+    assert peak - r["imported_rss"] <= INIT_NO_BUDGET_IMPORTED_BOUND * 16 * n
+    # the CPU stand-in device tier's default budget: two param16 shards of a block (each
+    # 2 x 724 x 2896 weights + biases, bf16) ([Note: CPU compute defaults])
+    assert r["tiers"]["peak"]["device"] <= 2 * 2 * (2 * DIM * 4 * DIM + 5 * DIM) + 2 * 4096
     assert r["tiers"]["grad_home"] == "nvme"
     assert r["unequal"] == []

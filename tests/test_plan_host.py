@@ -10,14 +10,18 @@ comparison is benchmarks/scale_bench.py's (RESULTS.md).
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from memory_child import MiB, run_memory_child
 
+from tierzero.engine.config import load_config
+from tierzero.engine.plan.dry_run import dry_run
 from tierzero.engine.plan.host import SavedBytes, init_build_bytes, predict
 from tierzero.engine.plan.planner import predict_run
+from tierzero.engine.plan.shapes import model_shape
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
          "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -74,11 +78,21 @@ def test_predict_adds_the_phases() -> None:
     assert h.initialize == 100 * mb + 6 * mb  # model and homes overlap; one unit staged
     assert h.train == (50 + 10 + 20 + 5 + 6) * mb
     assert (h.peak, h.phase) == (106 * mb, "initialize")
+    # the gathered units are host memory on a CPU (root, kept units, the one gathered)
+    kept = predict(model=100 * mb, init_peak={"host": 40 * mb, "device": 0},
+                   peak={"host": 50 * mb, "device": 10 * mb}, pipeline=20 * mb, saved=5 * mb,
+                   largest_unit=mb, largest_group=mb, compute_bytes=2, device_is_host=True,
+                   gathered=30 * mb)
+    assert kept.train == h.train + 30 * mb and kept.parts["gathered_units"] == 30 * mb
     gpu = predict(model=100 * mb, init_peak={"host": 40 * mb}, peak={"host": 50 * mb,
                   "device": 10 * mb}, pipeline=20 * mb, saved=5 * mb, largest_unit=mb,
                   largest_group=mb // 2, compute_bytes=2, device_is_host=False,
                   init_build=0)
     assert (gpu.build, gpu.train) == (0, 70 * mb)  # device, activations, grads: on the GPU
+    assert predict(model=100 * mb, init_peak={"host": 40 * mb}, peak={"host": 50 * mb},
+                   pipeline=20 * mb, saved=5 * mb, largest_unit=mb, largest_group=mb,
+                   compute_bytes=2, device_is_host=False, init_build=0,
+                   gathered=30 * mb).train == 70 * mb  # gathered units too
     assert gpu.initialize == 40 * mb + 3 * mb  # the host homes, one group (0.5M x 6 B) staged
 
 
@@ -92,3 +106,20 @@ def test_init_build_holds_slices_and_the_live_bound() -> None:
                             params_on_nvme=True) == (64 + 32) * mb  # INFLIGHT_BYTES
     assert init_build_bytes(10 * mb, world_size=1, max_live=32 * mb,
                             params_on_nvme=True) == 20 * mb  # never more than the model
+
+
+def test_dry_run_counts_gathered_units_and_root_groups() -> None:
+    """The dry run reports the most parameter bytes gathered at once and, for the
+    gradients, a block unit's trainable elements or one root group's (the root's groups
+    are reduced one by one), not the whole root's."""
+    pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, config = _inputs(Path(tmp))
+        run = dry_run(model_shape(str(model)).fresh_module(), load_config(str(config)),
+                      seq_len=SEQ)
+    vocab, hidden = LLAMA["vocab_size"], LLAMA["hidden_size"]
+    assert isinstance(vocab, int) and isinstance(hidden, int)
+    vocab_rows = vocab * hidden  # the embedding's and the head's elements: 4.2M each
+    assert run.largest_unit == vocab_rows  # one root group, not embedding + head
+    # the root (bf16) and at least one block stay gathered together in forward
+    assert run.gathered_peak >= 2 * vocab_rows * 2

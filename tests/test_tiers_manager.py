@@ -373,3 +373,20 @@ def test_discard_fetch_reads_nothing_and_its_writes_persist(tmp_path: Path) -> N
             mgr.fetch("p1", "host", discard=True)
         mgr.audit()
         assert mgr.memory_report().pool_in_use <= 2
+
+
+def test_order_cursor_reuse_of_an_overwritten_unlisted_key() -> None:
+    """A fresh gradient is not in the order (the reduce overwrites it: nothing to read
+    ahead); the optimizer reading it right after is a re-use, not a mismatch. A new order
+    forgets what was overwritten under the old one."""
+    from tierzero.offload.prefetch import Prefetcher
+    from tierzero.offload.settings import PrefetchSettings
+    pf = Prefetcher(PrefetchSettings())
+    pf.set_order([("a", "host"), ("b", "host")])
+    pf.consume("a", "host")
+    pf.overwritten("g")  # the reduce's overwriting fetch
+    pf.consume("g", "host")  # the optimizer reads it
+    assert (pf.mismatches, pf.cursor) == (0, 1)
+    pf.set_order([("a", "host"), ("b", "host")])
+    pf.consume("g", "host")
+    assert (pf.mismatches, pf.cursor) == (1, 0)

@@ -140,10 +140,14 @@ class ZeroConfig:
         default=100_000_000,
         metadata=meta("look-ahead bound: parameter bytes fetched ahead of use", ge=0, unit="bytes"),
     )
-    max_live_bytes: int = field(
-        default=2_000_000_000,
+    # null: sized to the compute device ([Note: CPU compute defaults] in
+    # engine/host_defaults.py): 2 GB with CUDA; on a CPU, where gathered units are host
+    # memory, the root and persistent units plus the largest other unit.
+    max_live_bytes: int | None = field(
+        default=None,
         metadata=meta(
-            "gathered parameter bytes resident per device before release", ge=0, unit="bytes"
+            "gathered parameter bytes resident per device before release; null: 2 GB with "
+            "CUDA, on a CPU the always-gathered units + the largest unit", ge=0, unit="bytes"
         ),
     )
     # engine.Init's own bound (tierzero train builds every stage-3 model under it): HF
@@ -162,10 +166,11 @@ class ZeroConfig:
             "parameters smaller than this stay gathered (not partitioned)", ge=0, unit="bytes"
         ),
     )
-    max_reuse_distance_bytes: int = field(
-        default=2_000_000_000,
+    max_reuse_distance_bytes: int | None = field(
+        default=None,
         metadata=meta(
-            "a gathered unit is kept if it is reused within this many parameter bytes",
+            "a gathered unit is kept if it is reused within this many parameter bytes; "
+            "null: 2 GB with CUDA, on a CPU the largest unit's bytes",
             ge=0,
             unit="bytes",
         ),
@@ -297,7 +302,9 @@ class BudgetsConfig:
     """Per-tier byte budgets; null = detected at run time by offload."""
 
     device_bytes: int | None = field(
-        default=None, metadata=meta("accelerator memory budget", gt=0, unit="bytes")
+        default=None, metadata=meta(
+            "accelerator memory budget; null: free device memory with CUDA, on a CPU the "
+            "device-homed shards + two of the largest parameter shard", gt=0, unit="bytes")
     )
     host_bytes: int | None = field(
         default=None, metadata=meta("host memory budget (pinned and pageable)", gt=0, unit="bytes")

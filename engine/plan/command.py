@@ -156,7 +156,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                          f"{one:.2f} s" if one is not None else "n/a (run bench)"])
     out.append(_table(rows))
     rows = [["offload", "gradient home", "host peak", "at", "build", "initialize", "train",
-             "of which tier mgr", "Adam ring", "activations+grads"]]
+             "of which tier mgr", "Adam ring", "gathered+activations+grads"]]
     for p in plans:
         if not p.fits or p.host is None:
             continue
@@ -166,7 +166,8 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                      human_bytes(p.host.train),
                      human_bytes(h["tier_host"] + h["tier_device"]),
                      human_bytes(h["adam_pipeline"]),
-                     human_bytes(h["saved_activations"] + h["unit_gradients"])])
+                     human_bytes(h["gathered_units"] + h["saved_activations"]
+                                 + h["unit_gradients"])])
     if len(rows) > 1:
         out.append(_table(rows))
     rows = [["offload", "NVMe written/step", "written/1,000 steps", "predicted step"]]

@@ -43,6 +43,7 @@ from torch import nn
 
 from tierzero.engine.config import Config
 from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.host_defaults import GPU_GATHER_BYTES
 from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.optim import torch_adam_factory
 from tierzero.engine.plan.dry_comm import DryComm
@@ -90,8 +91,12 @@ class DryRun:
     init_outside: int = 0  # host buffers outside the tiers already taken at placement
     pipeline_bytes: int = 0  # host buffers outside the tiers (CPU Adam ring), peak
     saved_bytes: int = 0  # tensors autograd saved in one forward (largest micro-batch)
-    largest_unit: int = 0  # elements of the largest trainable unit (its gradients)
+    # elements of the most gradients held at once before their reduction: a block unit's
+    # trainable elements (reduced together), or one of the root's trainable groups (each
+    # reduced once its own gradients are complete: Scheduler._reduce_root_groups)
+    largest_unit: int = 0
     largest_group: int = 0  # elements of the largest flat group (placed one at a time)
+    gathered_peak: int = 0  # most gathered parameter bytes at once (root, kept units, one)
     model_bytes: int = 0  # every parameter and buffer of the module as built
     world_size: int = 1
 
@@ -158,30 +163,42 @@ def default_micro(eng: ZeroEngine, seq_len: int, batch: int = 1) -> torch.Tensor
     return logits.float().mean()
 
 
-def dry_config(config: Config) -> Config:
+def dry_config(config: Config, *, device_is_host: bool = True) -> Config:
     """The config a dry run can execute: clipping off, fp16 as bf16 (see the Note). Either
     keeps the real run's optimizer step after backward (they disable
-    offload.optimizer.overlap_step), so the dry run does not begin it early either."""
+    offload.optimizer.overlap_step), so the dry run does not begin it early either.
+    The engine on meta sizes unset bounds as on a CPU ([Note: CPU compute defaults] in
+    engine/host_defaults.py); planning a CUDA machine (`device_is_host` False) they get
+    the CUDA defaults."""
     precision = config.precision
     offload = config.offload
+    zero = config.zero
+    if not device_is_host:
+        z = zero
+        zero = dataclasses.replace(
+            z, max_live_bytes=GPU_GATHER_BYTES if z.max_live_bytes is None else z.max_live_bytes,
+            max_reuse_distance_bytes=(GPU_GATHER_BYTES if z.max_reuse_distance_bytes is None
+                                      else z.max_reuse_distance_bytes))
     if config.gradient_clipping > 0 or precision.dtype == "fp16":
         offload = dataclasses.replace(offload, optimizer=dataclasses.replace(
             offload.optimizer, overlap_step=False))
     if precision.dtype == "fp16":
         precision = dataclasses.replace(precision, dtype="bf16")
     return dataclasses.replace(config, gradient_clipping=0.0, precision=precision,
-                               offload=offload)
+                               offload=offload, zero=zero)
 
 
 def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: int = 2,
             seq_len: int = 8, micro_batch: int = 1,
-            micro: Callable[[ZeroEngine, int, int], torch.Tensor] = default_micro) -> DryRun:
+            micro: Callable[[ZeroEngine, int, int], torch.Tensor] = default_micro,
+            device_is_host: bool = True) -> DryRun:
     """Run `steps` optimizer steps of the engine on `module` (built on meta) and count.
 
+    `device_is_host`: the planned machine has no CUDA (its compute device is host memory).
     Raises offload.PlanError when the shards do not fit the config's budgets (the
     placement the engine runs at start), as a real run would.
     """
-    config = dry_config(config)
+    config = dry_config(config, device_is_host=device_is_host)
     opt = config.optimizer
     factory = torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay)
     accum = config.batch.gradient_accumulation_steps or 1
@@ -196,7 +213,9 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     store = eng.store if isinstance(eng.store, TieredShardStore) else None
     out = DryRun(store.manager.plan if store is not None and store.manager else None,
                  units=len(eng.units), model_bytes=built_bytes, world_size=world_size,
-                 largest_unit=max((sum(g.numel for g in u.groups if g.trainable)
+                 largest_unit=max((max((g.numel for g in u.groups if g.trainable), default=0)
+                                   if u.is_root else
+                                   sum(g.numel for g in u.groups if g.trainable)
                                    for u in eng.units), default=0),
                  largest_group=max((g.numel for u in eng.units for g in u.groups), default=0))
     if store is not None and store.manager is not None:
@@ -235,6 +254,7 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
                         store.manager.synchronize()  # write-backs issued by the step land
                     phases["optimizer"] += counters.delta(since(mark), grad_bytes)
                 out.steps.append(phases)
+        out.gathered_peak = eng.scheduler.gathered_peak_bytes
         if store is not None and store.manager is not None:
             report = store.manager.memory_report()
             out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}

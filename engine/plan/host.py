@@ -22,10 +22,17 @@ growth over the process's imports, on one rank:
               staging pool) + its device peak when the device tier is host memory (the
               CPU stand-in) + the CPU Adam stream's pipeline buffers (allocated by the
               engine outside the tier manager, counted against the same host budget)
+              + the gathered units at their most (the root, the persistent units, the
+              units kept for backward and the one being gathered: the scheduler's
+              gathered_peak_bytes in the dry run, [Note: reuse distance] in schedule.py)
               + the tensors autograd saves in one forward (counted on meta tensors by
               a saved-tensor hook; parameters excluded, they are the gathered copies
               above) + one unit's gradients in the compute dtype and their fp32 reduction
-              (autograd's output before the reduce path copies it to the shard).
+              (autograd's output before the reduce path copies it to the shard); for the
+              root, one of its groups' (each is reduced as soon as its gradients are
+              complete, the head's first in backward, the embedding's last). The
+              gathered units, the saved tensors and the gradients are host memory only
+              when the device tier is (no CUDA).
 
 The peak is the largest phase. What no phase counts (the allocator's free lists, thread
 stacks, torch's per-op scratch) is the residual the benchmark reports.
@@ -124,18 +131,21 @@ def init_build_bytes(model: int, *, world_size: int, max_live: int, params_on_nv
 def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, int],
             pipeline: int, init_outside: int = 0,
             saved: int, largest_unit: int, largest_group: int, compute_bytes: int,
-            device_is_host: bool, init_build: int | None = None) -> HostPeak:
+            device_is_host: bool, init_build: int | None = None, gathered: int = 0
+            ) -> HostPeak:
     """[Note: plan host peak] from a dry run's counts (dry_run.DryRun's fields).
 
     `init_peak`, `peak`: the tier manager's per-tier peaks after placement and over the
     steps; `pipeline`: the CPU Adam ring at its peak, `init_outside`: the part of it
     already allocated when placement ends; `saved`: bytes autograd saved in one forward;
-    `largest_unit`: elements of the largest trainable unit; `largest_group`: of the
+    `largest_unit`: elements of the most gradients held before their reduction (a block
+    unit's, or one root group's: DryRun.largest_unit); `largest_group`: of the
     largest flat group (a root is cut into several); `compute_bytes`: bytes per
     element of the compute dtype; `device_is_host`: the device tier is host memory (no
     CUDA), so its bytes, the saved tensors and the gradients count here too;
     `init_build`: the build's bytes under engine.Init (init_build_bytes), None when the
-    model is built whole (`model` bytes)."""
+    model is built whole (`model` bytes); `gathered`: the most gathered parameter bytes at
+    once (dry_run.DryRun.gathered_peak)."""
     device = peak.get("device", 0) if device_is_host else 0
     init_device = init_peak.get("device", 0) if device_is_host else 0
     built = model if init_build is None else init_build
@@ -148,6 +158,7 @@ def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, in
     on_host = device_is_host
     grads = largest_unit * (compute_bytes + 4) if on_host else 0
     parts = {"tier_host": peak.get("host", 0), "tier_device": device, "adam_pipeline": pipeline,
+             "gathered_units": gathered if on_host else 0,
              "saved_activations": saved if on_host else 0, "unit_gradients": grads}
     return HostPeak(build=built, initialize=initialize, train=sum(parts.values()),
                     parts={**parts, "model": built, "init_staging": staging})

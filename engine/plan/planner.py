@@ -174,7 +174,7 @@ def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
             if config.zero.stage == 3 else None)
     return predict(model=run.model_bytes, init_peak=run.init_peak, peak=run.peak,
                    pipeline=run.pipeline_bytes, init_outside=run.init_outside,
-                   saved=run.saved_bytes, init_build=init,
+                   saved=run.saved_bytes, init_build=init, gathered=run.gathered_peak,
                    largest_unit=run.largest_unit, largest_group=run.largest_group,
                    compute_bytes=torch.finfo(compute_dtype(config.precision.dtype)).bits // 8,
                    device_is_host=device_is_host)
@@ -186,8 +186,9 @@ def predict_run(model: str, config: Config | str, *, seq_len: int, micro_batch: 
     machine: the device tier is host memory when there is no CUDA)."""
     cfg = config if isinstance(config, Config) else load_config(config)
     shape = model_shape(model)
-    run = dry_run(shape.fresh_module(), cfg, seq_len=seq_len, micro_batch=micro_batch)
     host = device_is_host if device_is_host is not None else not torch.cuda.is_available()
+    run = dry_run(shape.fresh_module(), cfg, seq_len=seq_len, micro_batch=micro_batch,
+                  device_is_host=host)
     return host_peak(run, cfg, device_is_host=host).as_dict()
 
 
@@ -203,7 +204,7 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
                            unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
     try:
         run = dry_run(shape.fresh_module(), config, world_size=world_size, seq_len=seq_len,
-                      micro_batch=micro_batch)
+                      micro_batch=micro_batch, device_is_host=not machine.cuda)
     except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
         out.error = str(exc)
         return
