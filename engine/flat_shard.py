@@ -144,8 +144,8 @@ def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     Bit-identical to `dst.add_(src)` (which upcasts each element exactly, then adds in
     fp32), but on the CPU that mixed-dtype add runs a slow element-by-element cast loop
-    (measured at 1 thread: 20 ms for 8.4M bf16 elements, against 6 ms here); here each
-    piece is converted into a small fp32 scratch by the vectorised copy, then added."""
+    (benchmarks/RESULTS.md, "Measurements behind design choices"); here each piece is
+    converted into a small fp32 scratch by the vectorised copy, then added."""
     if dst.device.type != "cpu" or src.dtype == dst.dtype or dst.numel() <= _UPCAST_CHUNK:
         dst.add_(src)
         return
@@ -159,9 +159,9 @@ def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # [Note: gradients zeroed by the first reduction]
-# zero_grad() does not write zeros over every fp32 gradient shard (on the 2-core VM a 40M-
-# element memset is 23 ms of the step's critical path, which plain PyTorch's set-to-None
-# does not pay). It marks each group's gradient shard zero in the shard store, which owns
+# zero_grad() does not write zeros over every fp32 gradient shard (a memset of every
+# gradient would sit on the step's critical path, which plain PyTorch's set-to-None does
+# not pay). It marks each group's gradient shard zero in the shard store, which owns
 # the marks (ShardStore.mark_grads_zeroed); the group's next reduction takes the mark
 # (take_grad_zeroed) and writes its gradient (converted) where it would have added it,
 # and zeros only what no gradient covers. Anything that reads a gradient shard without

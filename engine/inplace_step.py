@@ -67,13 +67,11 @@ The split of the worker's time into hidden and exposed that `tierzero train` log
 comes from OverlapClock below: measured intervals, not the phase a job was queued in.
 
 State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
-it still runs after backward, on the training thread. Measured on the 2-core dev
-machine (benchmarks/RESULTS.md, issue 16 rows) overlapping the stream with compute
-does pay there: the unclipped stream during backward took 1.46 s a step against
-2.22 s after backward. Deferring it into the next forward could hide at most the
-forward's share of compute (about a third of forward + backward, ~0.3 s of the 2.3 s
-clipped step), and needs the stream moved to a worker with per-unit waits as above;
-not built yet.
+it still runs after backward, on the training thread. Overlapping the stream with
+compute does pay (the unclipped stream during backward against after it: RESULTS.md,
+issue 16 rows). Deferring it into the next forward could hide at most the forward's
+share of compute (about a third of forward + backward), and needs the stream moved to
+a worker with per-unit waits as above; not built yet.
 """
 
 from __future__ import annotations
@@ -102,8 +100,7 @@ def threads_during_backward(threads: int) -> int:
     Why: backward and the worker run at the same time; kernel threads beyond the cores
     backward leaves idle slow backward down by more than they speed the kernel up (both
     are memory-bound loops). Once backward is over (`finish()`) the kernel takes all of
-    `threads` again. Measured on the 2-core dev VM with torch at 1 thread (step_bench, hf
-    cpu): 1 kernel thread during backward beat 2 (see benchmarks/RESULTS.md)."""
+    `threads` again (benchmarks/RESULTS.md, "Measurements behind design choices")."""
     return max(1, min(threads, threads - torch.get_num_threads()))
 
 

@@ -36,7 +36,7 @@ import torch
 from tierzero import swap
 from tierzero.engine.config import Config
 from tierzero.engine.host_defaults import cpu_device_budget, device_is_host
-from tierzero.engine.shard_store import SHARD_KINDS, ShardKind, ShardStore
+from tierzero.engine.shard_store import ShardStore
 from tierzero.offload import (
     Budgets,
     PoolSettings,
@@ -45,14 +45,15 @@ from tierzero.offload import (
     TierManager,
     TierSettings,
 )
+from tierzero.offload.adam_stream import param16_assembly_bytes, piece_bytes
 from tierzero.offload.host_ring import page_up
-from tierzero.offload.settings import OffloadDevice, TensorClass, Tier
+from tierzero.offload.settings import TENSOR_CLASSES, OffloadDevice, TensorClass, Tier
 from tierzero.offload.state_codec import decode, encode, moment_nbytes
 
 log = logging.getLogger(__name__)
 
-_OPTIMIZER_KINDS: tuple[ShardKind, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
-_STATE_KINDS: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq")  # stored in pieces
+_OPTIMIZER_KINDS: tuple[TensorClass, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
+_STATE_KINDS: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq")  # stored in pieces
 
 
 def offload_wanted(config: Config) -> bool:
@@ -60,7 +61,7 @@ def offload_wanted(config: Config) -> bool:
     return (config.offload.params.device, config.offload.optimizer.device) != ("none", "none")
 
 
-def homes_from(config: Config) -> dict[ShardKind, OffloadDevice]:
+def homes_from(config: Config) -> dict[TensorClass, OffloadDevice]:
     params = config.offload.params.device
     opt = config.offload.optimizer.device
     if config.zero.stage < 3 and params != "none":
@@ -216,23 +217,16 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
 # param16 shards in declaration order: the blocks in forward order, then the root's
 # pieces. DeepSpeed keeps its first fp16 sub-groups (parameter order: the embedding first,
 # then the blocks) while their element count stays within max_in_cpu, as a prefix; here a
-# shard that does not fit is skipped and later smaller ones may still fit. Blocks before
-# the root, measured (benchmarks/step_bench.py, hf: 40M Llama, bf16, 80 MB of param16:
-# 8 blocks of 5.8 MB, root 34 MB in 6 pieces; all on NVMe; a 40 MB allowance; 2-core VM
-# shared with other jobs, medians of 3 interleaved rounds, NVMe MB per step read / written):
-#     no allowance                519 / 558   0.781 s
-#     blocks 0-5 (this order)     478 / 523   0.721 s   every param16 read gone
-#     root pieces, then block 0   496 / 519   0.856 s   18 MB of param16 still read
-#     blocks 7-2 (last first)     478 / 523   (same bytes; slower in its noisier run)
-# The root's pieces are the last shards the CPU Adam updates, so their new param16 is
-# already kept in pool buffers as host caches for the next forward ([Note: param16 kept
-# in host memory] in offload/adam_stream.py), and the root stays gathered from the first
-# forward to the end of backward: homing it in host memory saves its writes but few
-# reads. A block is read in forward and again in backward unless kept gathered, and the
-# first blocks are read while the step's last writes still hold the disk. Times are noisy
-# on that machine (plain PyTorch's step varied 0.47-0.69 s between the runs); the bytes
-# are exact. With the whole model within the allowance (DeepSpeed's default, 2e9 bytes)
-# the order does not matter: 478 / 478 MB, 0.675 s in the same run.
+# shard that does not fit is skipped and later smaller ones may still fit. Blocks come
+# before the root: with a partial allowance that order removes every param16 read, the
+# root first does not (benchmarks/RESULTS.md, "Measurements behind design choices"). The
+# root's pieces are the last shards the CPU Adam updates, so their new param16 is already
+# kept in pool buffers as host caches for the next forward ([Note: param16 kept in host
+# memory] in offload/adam_stream.py), and the root stays gathered from the first forward
+# to the end of backward: homing it in host memory saves its writes but few reads. A block
+# is read in forward and again in backward unless kept gathered, and the first blocks are
+# read while the step's last writes still hold the disk. With the whole
+# model within the allowance (DeepSpeed's default, 2e9 bytes) the order does not matter.
 
 
 @dataclass
@@ -256,8 +250,8 @@ class TieredShardStore(ShardStore):
         self.config = config
         self.homes = homes_from(config)
         self._added: set[str] = set()
-        self._kinds: dict[str, tuple[int, tuple[ShardKind, ...], torch.dtype]] = {}
-        self._views: dict[tuple[str, ShardKind], torch.Tensor] = {}  # pinned device views
+        self._kinds: dict[str, tuple[int, tuple[TensorClass, ...], torch.dtype]] = {}
+        self._views: dict[tuple[str, TensorClass], torch.Tensor] = {}  # pinned device views
         self.manager: TierManager | None = None
         self.swap: swap.SwapStore | swap.DrySwap | None = None
         # Elements per piece of streamed master and moments (0: whole shards): only where
@@ -298,7 +292,7 @@ class TieredShardStore(ShardStore):
             raise RuntimeError(f"declare({key!r}) after finalize(): the placement is planned")
         if key in self._kinds:
             raise ValueError(f"shard group {key!r} declared twice")
-        kinds: tuple[ShardKind, ...] = ("param16", *_OPTIMIZER_KINDS) if trainable else (
+        kinds: tuple[TensorClass, ...] = ("param16", *_OPTIMIZER_KINDS) if trainable else (
             "param16",)
         self._kinds[key] = (numel, kinds, compute_dtype)
 
@@ -347,7 +341,7 @@ class TieredShardStore(ShardStore):
             self.close()
             raise
 
-    def _spec(self, mkey: str, kind: ShardKind, numel: int, dtype: torch.dtype) -> ShardSpec:
+    def _spec(self, mkey: str, kind: TensorClass, numel: int, dtype: torch.dtype) -> ShardSpec:
         if kind == "param16":
             return ShardSpec(mkey, kind, numel, dtype)
         if self.compressed(kind):
@@ -362,7 +356,7 @@ class TieredShardStore(ShardStore):
         """Master and moments homed in host memory: the CPU Adam updates them in place."""
         return all(self.homes[k] == "cpu" for k in ("master", "exp_avg", "exp_avg_sq"))
 
-    def pieces(self, key: str, kind: ShardKind) -> list[tuple[str, int, int]]:
+    def pieces(self, key: str, kind: TensorClass) -> list[tuple[str, int, int]]:
         """(manager key, first element, end) of each piece of ``kind`` of group ``key``:
         master and moments of a shard above offload.optimizer.chunk_numel elements are
         stored in pieces of that size ([Note: optimizer state in chunks]); everything else
@@ -402,8 +396,7 @@ class TieredShardStore(ShardStore):
         n, _, dtype = self._kinds[key]
         low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
         whole = hi - lo == n  # one piece: its param16 is carved from the ring too
-        state = page_up(4 * (hi - lo)) + 2 * page_up(moment_nbytes(hi - lo, self.state_precision))
-        return state + (page_up(low * n) if low and whole else 0)
+        return piece_bytes(hi - lo, self.state_precision, low if whole else 0)
 
     def param16_ring_bytes(self) -> int:
         """Host bytes where the stream assembles the new param16 of shards in several
@@ -413,7 +406,7 @@ class TieredShardStore(ShardStore):
         whole = [page_up(n * (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 4))
                  for n, kinds, dtype in self._kinds.values()
                  if len(kinds) > 1 and n > self.chunk_numel]
-        return 2 * max(whole) if whole else 0
+        return param16_assembly_bytes(whole)
 
     def pipeline_bytes(self) -> int:
         """Host bytes the CPU Adam stream allocates outside the tier manager's pool: its
@@ -444,7 +437,7 @@ class TieredShardStore(ShardStore):
                                "is built once every shard group is added")
         return self.manager
 
-    def tier_for(self, key: str, kind: ShardKind, *, compute: bool = True) -> Tier:
+    def tier_for(self, key: str, kind: TensorClass, *, compute: bool = True) -> Tier:
         """Where `kind` is read or written: param16 for compute (gathers) on the device;
         otherwise on its home, host for anything below it.
 
@@ -458,7 +451,7 @@ class TieredShardStore(ShardStore):
             return "device"
         return "device" if home == "device" else "host"
 
-    def manager_key(self, key: str, kind: ShardKind) -> str:
+    def manager_key(self, key: str, kind: TensorClass) -> str:
         """The manager key of a kind stored in one piece (see pieces() for the others)."""
         self._check(key, kind)
         pieces = self.pieces(key, kind)
@@ -467,7 +460,7 @@ class TieredShardStore(ShardStore):
                            "use pieces()")
         return pieces[0][0]
 
-    def _check(self, key: str, kind: ShardKind) -> None:
+    def _check(self, key: str, kind: TensorClass) -> None:
         entry = self._kinds.get(key)
         if entry is None:
             raise KeyError(f"no shard group {key!r}; known: {sorted(self._kinds)[:10]}")
@@ -475,7 +468,7 @@ class TieredShardStore(ShardStore):
             raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
                            "keep only param16)")
 
-    def tensor(self, key: str, kind: ShardKind) -> torch.Tensor:
+    def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
         self._check(key, kind)
         view = self._views.get((key, kind))
         if view is None:
@@ -485,7 +478,7 @@ class TieredShardStore(ShardStore):
         return view
 
     @contextmanager
-    def use(self, key: str, kind: ShardKind, *, writable: bool = False,
+    def use(self, key: str, kind: TensorClass, *, writable: bool = False,
             compute: bool = True, overwrite: bool = False, raw: bool = False
             ) -> Iterator[torch.Tensor]:
         """`compute=False`: not for a gather, so param16 is reached on its home tier (host
@@ -545,7 +538,7 @@ class TieredShardStore(ShardStore):
             mgr.host_free(whole)
 
     @contextmanager
-    def _use_decoded(self, key: str, kind: ShardKind, pieces: list[tuple[str, int, int]], *,
+    def _use_decoded(self, key: str, kind: TensorClass, pieces: list[tuple[str, int, int]], *,
                      writable: bool, overwrite: bool) -> Iterator[torch.Tensor]:
         """A compressed moment as one fp32 host buffer: each piece read and decoded, and
         encoded and written back when ``writable`` (state_codec.decode / encode: exact
@@ -573,7 +566,7 @@ class TieredShardStore(ShardStore):
         finally:
             mgr.host_free(whole)
 
-    def has(self, key: str, kind: ShardKind) -> bool:
+    def has(self, key: str, kind: TensorClass) -> bool:
         entry = self._kinds.get(key)
         return entry is not None and kind in entry[1]
 
@@ -592,7 +585,7 @@ class TieredShardStore(ShardStore):
             p16.copy_(master)
 
     def nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = dict.fromkeys(SHARD_KINDS, 0)
+        out: dict[str, int] = dict.fromkeys(TENSOR_CLASSES, 0)
         for n, kinds, dtype in self._kinds.values():
             for kind in kinds:
                 if self.compressed(kind):
@@ -627,7 +620,7 @@ class TieredShardStore(ShardStore):
                 "misses": r.misses, "prefetches": r.prefetches, "evictions": r.evictions,
                 "writebacks": r.writebacks, "order_mismatches": r.order_mismatches}
 
-    def set_order(self, entries: list[tuple[str, ShardKind]]) -> None:
+    def set_order(self, entries: list[tuple[str, TensorClass]]) -> None:
         mgr = self._mgr()
         mgr.set_order([(mkey, self.tier_for(k, kind)) for k, kind in entries
                        for mkey, _, _ in self.pieces(k, kind)])

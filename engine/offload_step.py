@@ -29,8 +29,8 @@ import torch
 from tierzero.engine.inplace_step import InPlaceStep
 from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.precision import GradStat
-from tierzero.engine.shard_store import ShardKind
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
+from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import StepOrder
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
         # the master itself (written from it).
         self._shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
-        names: tuple[ShardKind, ...] = ("master", "exp_avg", "exp_avg_sq", "grad", "param16")
+        names: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq", "grad", "param16")
         manager = store.manager
         if manager is None:
             raise RuntimeError("OffloadedAdam needs a finalized TieredShardStore")

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from tierzero.engine.checkpoint_layout import CheckpointError
-from tierzero.engine.shard_store import ShardKind, ShardStore
+from tierzero.engine.shard_store import ShardStore
+from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import GroupState, StoreTensor, TensorSource
 
 # per-element optimizer state the shard store keeps for every trainable group
-MOMENT_KINDS: tuple[ShardKind, ...] = ("exp_avg", "exp_avg_sq")
+MOMENT_KINDS: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -40,7 +41,8 @@ def torch_adam_factory(
 
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         # One fused kernel per step on CUDA and on the CPU: the baseline users compare
-        # against, and ~4x faster than foreach on the CPU (benchmarks/step_bench.py).
+        # against, and faster than foreach on the CPU (benchmarks/RESULTS.md,
+        # "Measurements behind design choices").
         return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
 
     return make

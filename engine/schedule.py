@@ -43,7 +43,8 @@ from tierzero.engine.flat_shard import FlatGroup, gather_group, reduce_group_gra
 from tierzero.engine.hooks import register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
-from tierzero.engine.shard_store import ShardKind, ShardStore
+from tierzero.engine.shard_store import ShardStore
+from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace
 
@@ -244,7 +245,7 @@ class Scheduler:
             return
         by_index = {u.index: u for u in self.units}
         fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
-        entries: list[tuple[str, ShardKind]] = []
+        entries: list[tuple[str, TensorClass]] = []
         if not (root.gathered and not root.stale):
             entries += [(g.key, "param16") for g in root.groups]
         entries += [(g.key, "param16") for u in fwd for g in u.groups]

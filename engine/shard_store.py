@@ -23,18 +23,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 
-ShardKind = Literal["param16", "grad", "master", "exp_avg", "exp_avg_sq"]
-SHARD_KINDS: tuple[ShardKind, ...] = get_args(ShardKind)
+from tierzero.offload.settings import TENSOR_CLASSES, TensorClass
 
 
 @dataclass
 class _Record:
     numel: int
-    tensors: dict[ShardKind, torch.Tensor]  # 1D, `numel` elements each, on the store's device
+    tensors: dict[TensorClass, torch.Tensor]  # 1D, `numel` elements each, on the store's device
 
 
 class ShardStore:
@@ -59,7 +57,7 @@ class ShardStore:
             raise ValueError(f"shard group {key!r} registered twice")
         n = master_init.numel()
         param16 = master_init.to(device=self.device, dtype=compute_dtype, copy=True)
-        tensors: dict[ShardKind, torch.Tensor] = {"param16": param16}
+        tensors: dict[TensorClass, torch.Tensor] = {"param16": param16}
         if trainable:
             master = param16 if compute_dtype == torch.float32 else master_init.to(
                 device=self.device, dtype=torch.float32, copy=True)
@@ -68,7 +66,7 @@ class ShardStore:
                 tensors[kind] = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._records[key] = _Record(n, tensors)
 
-    def tensor(self, key: str, kind: ShardKind) -> torch.Tensor:
+    def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
         rec = self._records.get(key)
         if rec is None:
             raise KeyError(f"no shard group {key!r}; known: {sorted(self._records)[:10]}")
@@ -104,7 +102,7 @@ class ShardStore:
         return False
 
     @contextmanager
-    def use(self, key: str, kind: ShardKind, *, writable: bool = False,
+    def use(self, key: str, kind: TensorClass, *, writable: bool = False,
             compute: bool = True, overwrite: bool = False) -> Iterator[torch.Tensor]:
         """The shard tensor for the duration of the block (`writable`: it will be modified;
         `compute`: for a gather, so on the compute device; `overwrite`: every element will
@@ -145,7 +143,7 @@ class ShardStore:
     def finalize(self) -> None:
         """Every group is declared; nothing to plan for resident shards."""
 
-    def set_order(self, entries: list[tuple[str, ShardKind]]) -> None:
+    def set_order(self, entries: list[tuple[str, TensorClass]]) -> None:
         """The upcoming shard uses (prefetch order); nothing to prefetch here."""
         del entries
 
@@ -155,7 +153,7 @@ class ShardStore:
     def close(self) -> None:
         """Nothing to release: tensors are freed with the store."""
 
-    def has(self, key: str, kind: ShardKind) -> bool:
+    def has(self, key: str, kind: TensorClass) -> bool:
         rec = self._records.get(key)
         return rec is not None and kind in rec.tensors
 
@@ -171,7 +169,7 @@ class ShardStore:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per shard kind (aliased tensors counted once)."""
-        out: dict[str, int] = {kind: 0 for kind in SHARD_KINDS}
+        out: dict[str, int] = {kind: 0 for kind in TENSOR_CLASSES}
         for rec in self._records.values():
             seen: set[int] = set()
             for kind, t in rec.tensors.items():

@@ -95,6 +95,22 @@ class PipelineStats:
 log = logging.getLogger(__name__)
 
 
+# The ring's sizes, in one place: the stream allocates by them and the engine budgets and
+# plans host memory by them (engine/offload_bridge.py).
+def piece_bytes(numel: int, state: str, low_itemsize: int = 0) -> int:
+    """Ring bytes of one piece: its fp32 master and two moments in ``state`` precision,
+    each part page-aligned, and the shard's low-precision param16 (``low_itemsize`` bytes
+    per element; 0: none) when the shard is in one piece."""
+    low = page_up(numel * low_itemsize) if low_itemsize else 0
+    return page_up(numel * 4) + 2 * page_up(moment_nbytes(numel, state)) + low
+
+
+def param16_assembly_bytes(whole_bytes: Sequence[int]) -> int:
+    """Host bytes where the new param16 of shards in several pieces is assembled: room for
+    two of the largest (``whole_bytes``: each such shard's param16, page-aligned)."""
+    return 2 * max(whole_bytes) if whole_bytes else 0
+
+
 def _checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
                     chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None
                     ) -> list[list[Chunk]]:
@@ -197,8 +213,10 @@ class AdamStream:
         low = 4 if shadow is None else 2
         whole = [page_up(low * self._numels[i]) for i, cs in enumerate(self._chunks)
                  if len(cs) > 1 and "param16" in self._keys[i]]
-        self._p16_ring = (HostRing(2 * max(whole), lambda nbytes: manager.host_empty(
-            nbytes, torch.uint8, purpose="adam_param16")) if whole else None)
+        self._p16_ring = (HostRing(param16_assembly_bytes(whole), lambda nbytes:
+                                   manager.host_empty(nbytes, torch.uint8,
+                                                      purpose="adam_param16"))
+                          if whole else None)
         self._p16_writes: deque[tuple[int, TierTransfer]] = deque()  # oldest first
         self._seq: list[Chunk] = []  # every piece, in step order
         self._first: list[int] = []  # position in _seq of each order position's first piece
@@ -443,12 +461,11 @@ class AdamStream:
 
     def footprint(self, numel: int) -> int:
         """Ring bytes of one shard's buffers in one piece (each part page-aligned)."""
-        low = 0 if self._shadow is None else page_up(numel * 2)
-        return self._state_bytes(numel) + low if numel else 0
+        return piece_bytes(numel, self._state, 0 if self._shadow is None else 2) if numel else 0
 
     def _state_bytes(self, numel: int) -> int:
         """Ring bytes of a piece's master and moments (each part page-aligned)."""
-        return page_up(numel * 4) + 2 * page_up(moment_nbytes(numel, self._state))
+        return piece_bytes(numel, self._state)
 
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param16 when the shard is one piece."""

@@ -22,9 +22,9 @@ from tierzero.engine.config import checks
 from tierzero.engine.config.errors import ConfigError
 from tierzero.engine.config.fields import meta
 from tierzero.engine.config.train import TrainConfig
+from tierzero.offload.settings import OffloadDevice
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-Device = Literal["none", "cpu", "nvme", "auto"]
 GradDevice = Literal["auto", "cpu", "nvme"]
 OptimizerType = Literal["adamw", "adam"]
 SchedulerType = Literal["constant", "warmup_linear", "warmup_cosine"]
@@ -191,7 +191,7 @@ class ZeroConfig:
 class _TierHomeConfig:
     """Fields shared by both offloaded tensor classes."""
 
-    device: Device = field(
+    device: OffloadDevice = field(
         default="none",
         metadata=meta("none = accelerator memory, cpu, nvme, auto = planner decides"),
     )
