@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from machine import describe
 
 from tierzero import engine
-from tierzero.engine.checkpoint_io import fsync_dir  # fsyncs any path opened read-only
+from tierzero.engine.checkpoint.io import fsync_dir  # fsyncs any path opened read-only
 
 CONFIG: dict[str, object] = {"precision": "fp32", "zero": {"stage": 3, "units": ["Linear"]},
                              "optimizer": {"type": "adamw", "lr": 1e-4}}

@@ -164,7 +164,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
 
     from tierzero import engine
     from tierzero.engine.config import load_config
-    from tierzero.engine.offload_bridge import TieredShardStore
+    from tierzero.engine.shards.tiered import TieredShardStore
     from tierzero.engine.train.model_source import build_model
 
     torch.set_num_threads(args.threads)

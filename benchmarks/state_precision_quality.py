@@ -9,7 +9,7 @@ Two runs, each with every choice from the same initial weights on the same batch
             engine on the Python sources
 The engine runs with the optimizer state in host memory (offload cpu: the in-place CPU Adam;
 the NVMe stream runs the same kernel over the same blocks, bit-identical,
-tests/test_engine_state_precision.py), bf16 compute, AdamW betas (0.9, 0.999).
+tests/engine/step/test_engine_state_precision.py), bf16 compute, AdamW betas (0.9, 0.999).
 Final loss: the mean training loss of the last 25 steps (the batches are the same for every
 choice); the gap is relative to fp32.
 

@@ -9,13 +9,13 @@ from tierzero.engine.config import Config, ConfigError, load_config
 from tierzero.engine.access import GatheredParameters, ParameterNotGatheredError  # isort: skip
 from tierzero.engine.engine import ZeroEngine  # isort: skip
 from tierzero.engine.initialize import initialize  # isort: skip
-from tierzero.engine.init_context import Init  # isort: skip
-from tierzero.engine.checkpoint_files import PretrainedLoadError  # isort: skip
-from tierzero.engine.pretrained import LoadReport, load_pretrained  # isort: skip
-from tierzero.engine.checkpoint_layout import CheckpointError  # isort: skip
-from tierzero.engine.checkpoint_async import PendingSave  # isort: skip
-from tierzero.engine.consolidation import consolidate, consolidate_to_safetensors  # isort: skip
-from tierzero.engine.offload_step import OffloadedAdam  # isort: skip
+from tierzero.engine.init.context import Init  # isort: skip
+from tierzero.engine.hf.weights import PretrainedLoadError  # isort: skip
+from tierzero.engine.hf.pretrained import LoadReport, load_pretrained  # isort: skip
+from tierzero.engine.checkpoint.layout import CheckpointError  # isort: skip
+from tierzero.engine.checkpoint.background import PendingSave  # isort: skip
+from tierzero.engine.checkpoint.consolidate import consolidate, consolidate_to_safetensors  # isort: skip
+from tierzero.engine.step.offloaded_adam import OffloadedAdam  # isort: skip
 from tierzero.engine.late_grads import LateGradientError  # isort: skip
 from tierzero.engine.collectives import RanksDivergedError  # isort: skip
 

@@ -121,9 +121,9 @@ def add_consolidate(sub: Subparsers) -> None:
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
-    from tierzero.engine.checkpoint_layout import CheckpointError
+    from tierzero.engine.checkpoint.consolidate import OUT_DTYPES, consolidate_to_safetensors
+    from tierzero.engine.checkpoint.layout import CheckpointError
     from tierzero.engine.config.values import parse_bytes
-    from tierzero.engine.consolidation import OUT_DTYPES, consolidate_to_safetensors
 
     try:
         max_shard = parse_bytes(args.max_shard_size, "--max-shard-size", int, {"unit": "bytes"})

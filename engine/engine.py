@@ -19,30 +19,31 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from tierzero.engine import checkpoint, checkpoint_load
 from tierzero.engine.access import AccessGuard, register_owner, unregister_owner
 from tierzero.engine.activations import HostActivations, HostActivationStats
-from tierzero.engine.checkpoint_async import BackgroundSaver, PendingSave
-from tierzero.engine.checkpoint_layout import CheckpointError
+from tierzero.engine.checkpoint import load as checkpoint_load
+from tierzero.engine.checkpoint import save as checkpoint
+from tierzero.engine.checkpoint.background import BackgroundSaver, PendingSave
+from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config
-from tierzero.engine.flat_shard import (
+from tierzero.engine.hooks import HookSet
+from tierzero.engine.host_defaults import gather_bounds
+from tierzero.engine.host_heap import release_free_heap
+from tierzero.engine.schedule import Scheduler, Unit
+from tierzero.engine.shards.flat import (
     FlatGroup,
     build_group,
     release_group,
     shard_numel,
 )
-from tierzero.engine.hooks import HookSet
-from tierzero.engine.host_defaults import gather_bounds
-from tierzero.engine.host_heap import release_free_heap
-from tierzero.engine.lr_schedules import build_scheduler
-from tierzero.engine.offload_bridge import TieredShardStore, offload_wanted
-from tierzero.engine.offload_driver import OffloadedStep
-from tierzero.engine.offload_step import OffloadedAdam, threads_per_rank
-from tierzero.engine.optim import DeviceStep, OptimizerFactory, build_optimizer
-from tierzero.engine.precision import LossScaler, compute_dtype, grad_stat
-from tierzero.engine.schedule import Scheduler, Unit
-from tierzero.engine.shard_store import ShardStore
+from tierzero.engine.shards.store import ShardStore
+from tierzero.engine.shards.tiered import TieredShardStore, offload_wanted
+from tierzero.engine.step.device import DeviceStep, OptimizerFactory, build_optimizer
+from tierzero.engine.step.lr_schedules import build_scheduler
+from tierzero.engine.step.offloaded import OffloadedStep
+from tierzero.engine.step.offloaded_adam import OffloadedAdam, threads_per_rank
+from tierzero.engine.step.precision import LossScaler, compute_dtype, grad_stat
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
 from tierzero.engine.wall_clock import WallClock
 from tierzero.offload.step_seam import GradMeasure, StepDriver, StepOrder
@@ -107,7 +108,7 @@ class ZeroEngine:
                                if not s.is_root), default=0)
         # Plain device-resident shards, or the tier manager when anything is offloaded:
         # chosen once; afterwards the store says what callers may do ([Note: shard
-        # residency] in shard_store.py).
+        # residency] in shards/store.py).
         tiered = (TieredShardStore(self.device, self.config)
                   if offload_wanted(self.config) else None)
         self.store: ShardStore = ShardStore(self.device) if tiered is None else tiered
@@ -409,7 +410,7 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Gradients to zero: the fp32 shards are marked, not written ([Note: gradients
-        zeroed by the first reduction] in engine/flat_shard.py). A deferred update may go
+        zeroed by the first reduction] in engine/shards/flat.py). A deferred update may go
         on reading them: the mark changes no byte of a shard."""
         self._settle_optimizer(deferred=False)
         self.step_driver.gradients_zeroed()  # measured gradients are gone: step() measures zeros

@@ -15,7 +15,7 @@ from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config, load_config
 from tierzero.engine.config.load import ConfigSource
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.optim import factory_from_user, torch_adam_factory
+from tierzero.engine.step.device import factory_from_user, torch_adam_factory
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def _offloaded_optimizer_config(config: Config, optimizer: object) -> Config:
-    """With optimizer state offloaded the engine runs its CPU Adam (engine/offload_step.py),
+    """With optimizer state offloaded the engine runs its CPU Adam (engine/step/offloaded_adam.py),
     not a user optimizer: a torch Adam/AdamW passes its hyper-parameters, anything else is
     refused by name."""
     if optimizer is None or config.offload.optimizer.device == "none":

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tierzero.engine.flat_shard import FlatGroup
+from tierzero.engine.shards.flat import FlatGroup
 
 if TYPE_CHECKING:
     from tierzero.engine.schedule import Unit

@@ -39,11 +39,11 @@ import torch
 from torch import nn
 
 from tierzero.engine.collectives import Comm, PendingReduce
-from tierzero.engine.flat_shard import FlatGroup, gather_group, reduce_group_grads, release_group
 from tierzero.engine.hooks import register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
-from tierzero.engine.shard_store import ShardStore
+from tierzero.engine.shards.flat import FlatGroup, gather_group, reduce_group_grads, release_group
+from tierzero.engine.shards.store import ShardStore
 from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace

@@ -96,7 +96,7 @@ log = logging.getLogger(__name__)
 
 
 # The ring's sizes, in one place: the stream allocates by them and the engine budgets and
-# plans host memory by them (engine/offload_bridge.py).
+# plans host memory by them (engine/shards/tiered.py).
 def piece_bytes(numel: int, state: str, low_itemsize: int = 0) -> int:
     """Ring bytes of one piece: its fp32 master and two moments in ``state`` precision,
     each part page-aligned, and the shard's low-precision param16 (``low_itemsize`` bytes

@@ -25,7 +25,7 @@ is skipped, later smaller ones may still fit). Such a shard is an ordinary
 host-homed shard from then on (one authoritative copy, no NVMe file space):
 gathers read it from host memory, the optimizer writes it there. The engine
 passes param16 in forward order, blocks first and the root last
-([Note: which shards the host keeps] in engine/offload_bridge.py).
+([Note: which shards the host keeps] in engine/shards/tiered.py).
 """
 
 from __future__ import annotations

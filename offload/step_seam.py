@@ -5,10 +5,10 @@ The engine chooses one `StepDriver` when it is built and afterwards only calls i
 it never asks which driver it holds. Two implement it:
 
     device driver     a torch.optim.Optimizer over device-resident fp32 shards
-                      (engine/optim.py DeviceStep): nothing happens during
+                      (engine/step/device.py DeviceStep): nothing happens during
                       backward; `finish` scales the gradients and steps it.
     offloaded driver  the CPU Adam over shards in the tier manager
-                      (engine/offload_driver.py OffloadedStep): may begin during
+                      (engine/step/offloaded.py OffloadedStep): may begin during
                       backward, update each group as its gradient turns final,
                       measure gradients for clipping / fp16 beside backward and
                       defer the update into the next forward.
@@ -29,7 +29,7 @@ Checkpoints ask the driver for its state (`state_dict`) and hand it back
 the shard store holds (the moments: `StoreTensor`s, streamed through the store one
 shard at a time, so the state is never copied whole into host memory), the driver's
 own per-element tensors, and scalars ([Note: checkpoint layout] in
-engine/checkpoint.py says where each goes in the files).
+engine/checkpoint/save.py says where each goes in the files).
 
 Everything here speaks of group keys (the shard store's) and tensors: offload knows
 nothing of modules, units or ranks.

@@ -1,6 +1,6 @@
 """DeepSpeed `optimizer` and `scheduler` sections -> native optimizer and scheduler.
 
-DeepSpeed facts this relies on (deepspeed/runtime/engine.py, lr_schedules.py):
+DeepSpeed facts this relies on (deepspeed/runtime/engine.py, step/lr_schedules.py):
 - type names match without regard to case; "Adam" runs in AdamW mode unless
   `adam_w_mode: false` (DeepSpeed's default for adam_w_mode is true);
 - the schedulers set the learning rate themselves: WarmupLR and WarmupDecayLR

@@ -1,6 +1,6 @@
 """`export_hf`: a live engine's model as a Hugging Face directory `from_pretrained` loads.
 
-Streamed one flat group at a time ([Note: flat layout] in flat_shard.py): each
+Streamed one flat group at a time ([Note: flat layout] in shards/flat.py): each
 rank hands its shard (the fp32 `master` of trained groups, `param16` of frozen
 ones) to an all-gather, rank 0 cuts the group's parameters out of the full
 buffer, writes them and drops it. Extra memory: one group's full buffer and its
@@ -36,18 +36,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tierzero.engine.checkpoint import raise_if_any_failed, shard_use
-from tierzero.engine.checkpoint_io import (
+from tierzero.engine.checkpoint.consolidate import DEFAULT_MAX_SHARD_BYTES, _plan_shards
+from tierzero.engine.checkpoint.io import (
     SafetensorsWriter,
     TensorEntry,
     fsync_dir,
     write_bytes_durable,
 )
-from tierzero.engine.checkpoint_layout import CheckpointError
-from tierzero.engine.consolidation import DEFAULT_MAX_SHARD_BYTES, _plan_shards
+from tierzero.engine.checkpoint.layout import CheckpointError
+from tierzero.engine.checkpoint.save import raise_if_any_failed, shard_use
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.flat_shard import FlatGroup
 from tierzero.engine.hf.lora import adapter_parameters, base_name, is_peft_model
+from tierzero.engine.shards.flat import FlatGroup
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ tierzero checkpoints `output_dir/checkpoint-<step>` holding the trainer's
 position. Not supported: `save_total_limit` (warned), evaluation during
 training, hyper-parameter search.
 
-Tested with transformers 5.24 and peft 0.21 (tests/test_hf_trainer.py); it
+Tested with transformers 5.24 and peft 0.21 (tests/engine/hf/test_hf_trainer.py); it
 uses the Trainer's `_remove_unused_columns` / `_get_collator_with_removed_columns`.
 """
 
@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from tierzero.engine.checkpoint_layout import LATEST
+from tierzero.engine.checkpoint.layout import LATEST
 from tierzero.engine.config import Config, ConfigError, load_config
 from tierzero.engine.config.schema import SchedulerType
 from tierzero.engine.engine import ZeroEngine

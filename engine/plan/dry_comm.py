@@ -4,7 +4,7 @@
 not have. Shapes are checked exactly as Comm checks them; no data moves (meta
 tensors have none) and no process group is needed. Rank 0 stands for every
 rank: the ranks' shards differ by at most the last one's padding, which the
-engine's layout gives every rank ([Note: flat layout] in engine/flat_shard.py).
+engine's layout gives every rank ([Note: flat layout] in engine/shards/flat.py).
 """
 
 from __future__ import annotations

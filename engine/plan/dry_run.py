@@ -44,10 +44,10 @@ from torch import nn
 from tierzero.engine.config import Config
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.host_defaults import GPU_GATHER_BYTES
-from tierzero.engine.offload_bridge import TieredShardStore
-from tierzero.engine.optim import torch_adam_factory
 from tierzero.engine.plan.dry_comm import DryComm
 from tierzero.engine.plan.host import model_bytes, saved_bytes
+from tierzero.engine.shards.tiered import TieredShardStore
+from tierzero.engine.step.device import torch_adam_factory
 from tierzero.offload import Plan, TierManager
 from tierzero.offload.settings import TIERS, Tier
 from tierzero.swap import DrySwap, trace
@@ -260,7 +260,7 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
             out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}
             # what the stream really took through TierManager.host_empty, at its peak;
             # with coarse pieces its ring on meta is not a real run's ([Note: dry-run
-            # pieces] in engine/offload_bridge.py): pipeline_bytes() above is
+            # pieces] in engine/shards/tiered.py): pipeline_bytes() above is
             if not store.coarse:
                 out.pipeline_bytes = max(out.pipeline_bytes, report.outside_peak)
     finally:

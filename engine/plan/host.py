@@ -119,10 +119,10 @@ def saved_bytes() -> Iterator[SavedBytes]:
 def init_build_bytes(model: int, *, world_size: int, max_live: int, params_on_nvme: bool
                      ) -> int:
     """Host bytes a build under engine.Init holds at its peak ([Note: Init partitioning] in
-    engine/init_context.py): the rank's slices of `model` bytes of parameters (host
+    engine/init/context.py): the rank's slices of `model` bytes of parameters (host
     memory), or only the NVMe staging writes in flight, + `max_live` bytes of whole
     parameters (zero.init_live_bytes; never more than the model)."""
-    from tierzero.engine.init_staging import INFLIGHT_BYTES
+    from tierzero.engine.init.staging import INFLIGHT_BYTES
 
     slices = INFLIGHT_BYTES if params_on_nvme else -(-model // world_size)
     return min(slices, model) + min(max_live, model)

@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tierzero.engine.config import Config, load_config
-from tierzero.engine.flat_shard import shard_numel
-from tierzero.engine.offload_bridge import TieredShardStore
 from tierzero.engine.plan.dry_run import PHASES, DryRun, Traffic, dry_run
 from tierzero.engine.plan.host import HostPeak, init_build_bytes, predict
 from tierzero.engine.plan.shapes import ModelShape, model_shape
-from tierzero.engine.precision import compute_dtype
+from tierzero.engine.shards.flat import shard_numel
+from tierzero.engine.shards.tiered import TieredShardStore
+from tierzero.engine.step.precision import compute_dtype
 from tierzero.offload import PlanError
 from tierzero.offload.settings import TENSOR_CLASSES, TIERS, OffloadDevice, TensorClass, Tier
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierzero import engine
-from tierzero.engine.checkpoint_io import replace_durable, write_bytes_durable
-from tierzero.engine.checkpoint_layout import (
+from tierzero.engine.checkpoint.io import replace_durable, write_bytes_durable
+from tierzero.engine.checkpoint.layout import (
     CLIENT_STATE,
     HF_CONFIG,
     LATEST,
@@ -85,7 +85,7 @@ def newest_checkpoint(directory: str | Path) -> str | None:
 
     Not simply what `latest` names: a run killed after a checkpoint was published but
     before `latest` moved leaves `latest` one checkpoint behind ([Note: checkpoint layout]
-    in engine/checkpoint.py), and resuming from there would lose that step and then refuse
+    in engine/checkpoint/save.py), and resuming from there would lose that step and then refuse
     to save it again. A damaged newest checkpoint is skipped with a warning."""
     root = Path(directory)
     if not root.is_dir():
@@ -202,7 +202,7 @@ def resume(eng: engine.ZeroEngine, batches: Batches, source: ResumeFrom) -> int:
 
 def save(eng: engine.ZeroEngine, directory: str, step: int, batches: Batches) -> str:
     """Save `step<step>` in the background (offloaded state is streamed before returning;
-    engine/checkpoint.py); every later save and eng.close() waits for it. Returns the
+    engine/checkpoint/save.py); every later save and eng.close() waits for it. Returns the
     checkpoint's path."""
     eng.save_checkpoint(directory, tag=f"step{step}", background=True,
                         client_state={"train": {"step": step,

@@ -1,0 +1,396 @@
+"""`ZeroEngine.save_checkpoint`: every rank streams its shards to disk; rank 0 publishes.
+
+[Note: checkpoint layout]
+
+    <dir>/
+      latest                     text: the tag of the newest complete checkpoint; replaced
+                                 atomically, and only after that checkpoint is durable
+      .<tag>.partial/            a save in progress (or killed): never read, removed by the
+                                 next save of the same tag
+      <tag>/                     a complete checkpoint: the .partial directory, renamed
+        manifest.json            written last inside .partial, by rank 0: format, version,
+                                 tag, world size, compute dtype, every flat group's layout
+                                 (key, shard size, parameter names/shapes/offsets, stored
+                                 kinds), the model's parameter order, engine state, config,
+                                 each file's bytes + CRC-32, and "manifest_crc32": the
+                                 CRC-32 of all of that (checkpoint_layout.manifest_checksum)
+        rank00000.safetensors    rank r's shards, one tensor per (group, kind), named
+        rank00001.safetensors    "<group key>::<kind>" (1D, shard_numel elements):
+        ...                        trainable: master, exp_avg, exp_avg_sq (fp32), grad only
+                                   when saved mid-accumulation, optim.<name> for other
+                                   per-element optimizer state; frozen: param16.
+                                 "rng::torch" / "rng::cuda" (uint8 RNG states); rank 0 also
+                                 "buffer::<name>" (module buffers). Header metadata
+                                 "tierzero": JSON with this rank's optimizer scalars
+                                 (per group) and python/numpy RNG states.
+        client_state.pt          client_state of save_checkpoint, rank 0's (torch.save;
+                                 loaded with weights_only=True)
+        hf_config.json           the model's Hugging Face config when it has one (consolidate
+                                 writes it as config.json)
+
+Crash safety: files are written under .partial and fsynced; the manifest
+(holding every file's size and CRC-32) is written and fsynced after all ranks
+finished; the directory is renamed to <tag> and the parent fsynced; only then
+is `latest` replaced (temp file, fsync, rename, fsync). A kill at any point
+leaves `latest` naming the previous complete checkpoint. Load checks each
+file's size and CRC-32 before using it. One shared file system is assumed
+for all ranks (every rank writes into the same directory).
+
+[Note: compressed moments in checkpoints]
+With offload.optimizer.state_precision bf16 / int8 the moments are kept compressed
+(offload/state_codec.py). A checkpoint stores them as their decoded fp32 values (the
+store's use() decodes) and the manifest's "state_precision" says how they were kept.
+Decoding is exact and encoding a decoded value gives it back ([Note: 8-bit moment codes]),
+so a resume with the same precision continues bit for bit; the files keep the fp32
+layout, so resharding to another world size, loading into a run of another precision
+(logged: into fp32 it is exact, into a coarser format the moments are rounded once) and
+`consolidate` work unchanged. The checkpoint is therefore not smaller than an fp32 one.
+
+Parameter names and the flat layout follow [Note: flat layout] in
+engine/shards/flat.py; group keys are `FlatGroup.key`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tierzero.engine.checkpoint.io import (
+    SafetensorsWriter,
+    TensorEntry,
+    fsync_dir,
+    replace_durable,
+    write_bytes_durable,
+)
+from tierzero.engine.checkpoint.layout import (
+    BUFFER_PREFIX,
+    CLIENT_STATE,
+    FORMAT,
+    HF_CONFIG,
+    LATEST,
+    MANIFEST,
+    MANIFEST_CRC,
+    VERSION,
+    CheckpointError,
+    GroupLayout,
+    check_tag,
+    manifest_checksum,
+    rank_file,
+    shard_name,
+    temp_dir_name,
+)
+from tierzero.engine.checkpoint.state import OPTIM_PREFIX, engine_state, rng_state
+from tierzero.engine.config.native import as_dict
+from tierzero.engine.progress import progress_bar, progress_enabled
+from tierzero.engine.shards.store import ShardStore
+from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
+
+if TYPE_CHECKING:
+    from tierzero.engine.checkpoint.background import BackgroundSaver, PendingSave
+    from tierzero.engine.engine import ZeroEngine
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def shard_use(store: ShardStore, key: str, kind: str, *, writable: bool = False,
+              overwrite: bool = False) -> Iterator[torch.Tensor]:
+    """A shard tensor for the duration of the block, through the store's own access path
+    (a tiered store fetches and releases around the block, [Note: shard residency]), on
+    its home tier (host for NVMe), not gathered: `compute=False`. `overwrite=True`: the
+    block writes every element, so a tiered store need not read the old bytes from NVMe."""
+    with store.use(key, kind, writable=writable or overwrite,  # type: ignore[arg-type]
+                   compute=False, overwrite=overwrite) as t:
+        yield t
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A shard written straight from the store at write time (no copy): key, kind, layout."""
+
+    key: str
+    kind: str
+    dtype: torch.dtype
+    numel: int
+
+
+def gather_objects(eng: ZeroEngine, value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (a collective on the engine's group)."""
+    return _gather(eng.comm.group, eng.comm.world_size, value)
+
+
+def _gather(group: dist.ProcessGroup | None, world: int, value: Any) -> list[Any]:
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _raise_if_failed(group: dist.ProcessGroup | None, world: int, error: str | None,
+                     what: str) -> None:
+    errors = [(r, e) for r, e in enumerate(_gather(group, world, error)) if e is not None]
+    if errors:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise CheckpointError(f"{what} failed on {len(errors)} rank(s): {detail}")
+
+
+def raise_if_any_failed(eng: ZeroEngine, error: str | None, what: str) -> None:
+    """Collective: every rank raises when one rank failed, so no rank waits forever."""
+    _raise_if_failed(eng.comm.group, eng.comm.world_size, error, what)
+
+
+def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
+    """Every flat group's layout; a trainable group's kinds: its master, the moments the
+    step driver keeps in the store (its state_dict's shards), its gradient `with_grad`."""
+    optim = eng.step_driver.state_dict()["state"]
+    out = []
+    for unit in eng.units:
+        for g in unit.groups:
+            if g.trainable:
+                kinds = (["master"] if eng.store.has(g.key, "master") else []) + list(
+                    optim[g.key].shards) + (["grad"] if with_grad and eng.store.has(
+                        g.key, "grad") else [])
+            else:
+                kinds = ["param16"]
+            params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
+            out.append(GroupLayout(g.key, g.trainable, g.shard_numel, g.numel, params,
+                                   tuple(kinds)))
+    return out
+
+
+def _buffers(eng: ZeroEngine) -> dict[str, torch.Tensor]:
+    """Persistent module buffers (BatchNorm statistics, ...): replicated, saved by rank 0."""
+    persistent = set(eng.module.state_dict(keep_vars=True))
+    return {n: b for n, b in eng.module.named_buffers() if n in persistent}
+
+
+@dataclass
+class RankPayload:
+    """Everything one rank writes, captured at save time: after this, training may go on."""
+
+    tensors: list[tuple[str, torch.Tensor | ShardRef]]  # CPU copies when a snapshot
+    metadata: dict[str, str]
+    store: Any  # where ShardRefs are read (None in a snapshot: it holds copies only)
+    manifest: dict[str, Any]  # rank 0: the manifest without "files"
+    client_bytes: bytes | None
+    progress: bool = False  # a progress bar while writing (engine.progress rule)
+
+
+def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
+             snapshot: bool) -> RankPayload:
+    store = eng.store
+    optim = eng.step_driver.state_dict()["state"]  # the moments as StoreTensors: no copies
+    tensors: list[tuple[str, torch.Tensor | ShardRef]] = []
+    scalars: dict[str, Any] = {}
+    for lay in layouts:
+        for kind in lay.kinds:
+            dtype = eng.dtype if kind == "param16" else torch.float32
+            ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
+            if snapshot:  # a consistent copy the next step cannot change
+                with shard_use(store, lay.key, kind) as t:
+                    tensors.append((shard_name(lay.key, kind), t.detach().to("cpu", copy=True)))
+            else:
+                tensors.append((shard_name(lay.key, kind), ref))
+        if lay.trainable:
+            split = optim[lay.key]
+            tensors += [(shard_name(lay.key, OPTIM_PREFIX + n), t)
+                        for n, t in split.tensors.items()]
+            scalars[lay.key] = split.scalars
+    rng_js, rng_t = rng_state(eng.device)
+    tensors += list(rng_t.items())
+    if eng.comm.rank == 0:
+        tensors += [(BUFFER_PREFIX + n, b) for n, b in _buffers(eng).items()]
+    if snapshot:
+        tensors = [(n, t.detach().to("cpu", copy=True)) if isinstance(t, torch.Tensor) else
+                   (n, t) for n, t in tensors]
+    meta = {"tierzero": json.dumps({"rank": eng.comm.rank, "optimizer": scalars,
+                                    "rng": rng_js})}
+    manifest: dict[str, Any] = {}
+    if eng.comm.rank == 0:
+        manifest = {
+            "format": FORMAT, "version": VERSION,
+            "world_size": eng.comm.world_size, "compute_dtype": str(eng.dtype),
+            # how the run kept its Adam moments ([Note: compressed moments in checkpoints])
+            "state_precision": eng.config.offload.optimizer.state_precision,
+            "groups": [lay.as_json() for lay in layouts],
+            # model order (named_parameters, then persistent buffers) for consolidated output
+            "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),
+            "engine": engine_state(eng),
+            "config": as_dict(eng.config),
+            "hf_config": _hf_config_json(eng.module),
+        }
+    return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes,
+                       progress_enabled(eng.config.logging.progress, eng.comm.rank))
+
+
+def _write_rank_file(path: Path, payload: RankPayload, desc: str) -> dict[str, int]:
+    entries = [TensorEntry(n, t.dtype, tuple(t.shape) if isinstance(t, torch.Tensor)
+                           else (t.numel,)) for n, t in payload.tensors]
+    bar = progress_bar(payload.progress, total=sum(e.nbytes for e in entries), unit="B",
+                       unit_scale=True, desc=desc)
+    with bar, SafetensorsWriter(path, entries, payload.metadata) as w:
+        for (n, t), e in zip(payload.tensors, entries, strict=True):
+            if isinstance(t, torch.Tensor):
+                w.write(n, t)
+            else:  # streamed from the store, one shard at a time
+                with shard_use(payload.store, t.key, t.kind) as shard:
+                    w.write(n, shard)
+            bar.update(e.nbytes)
+    digest = w.close()
+    return {"bytes": digest.nbytes, "crc32": digest.crc32}
+
+
+def _client_state_bytes(client_state: Any) -> bytes:
+    """client_state pickled, refused now (not at resume time) unless it loads back with
+    torch.load(weights_only=True): dicts, lists, tensors and scalars."""
+    try:
+        buf = io.BytesIO()
+        torch.save(client_state, buf)
+        data = buf.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # pickling and the weights_only unpickler raise many types
+        raise CheckpointError(f"client_state cannot be saved and restored with torch.load("
+                              f"weights_only=True) ({exc}); keep it to dicts, lists, tensors "
+                              "and scalars") from exc
+    return data
+
+
+def _hf_config_json(module: torch.nn.Module) -> str | None:
+    cfg = getattr(module, "config", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    return str(to_json()) if callable(to_json) else None
+
+
+def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = None,
+                    client_state: Any = None, *,
+                    background: BackgroundSaver | None = None) -> Path | PendingSave:
+    """Write a complete checkpoint to `directory/tag` (default tag `global_step<N>`) and point
+    `directory/latest` at it. A collective: every rank calls it. Returns the checkpoint path;
+    with `background`, a PendingSave whose wait() returns it, while training goes on."""
+    tag = f"global_step{eng.global_steps}" if tag is None else str(tag)
+    check_tag(tag)
+    root = Path(directory)
+    final = root / tag
+    # Checks every rank makes alike, before the first collective (a lone error would hang).
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; pick another tag or remove it first "
+                              "(a checkpoint is never overwritten in place)")
+    client_bytes = _client_state_bytes(client_state) if client_state is not None else None
+    tags = gather_objects(eng, tag)
+    if any(t != tag for t in tags):
+        raise CheckpointError(f"ranks passed different tags {tags}; every rank must save the "
+                              "same tag")
+    temp = root / temp_dir_name(tag)
+    modes = output_modes(eng.config.outputs.permissions)
+    error: str | None = None
+    if eng.comm.rank == 0:
+        try:
+            make_output_dir(root, modes)
+            if temp.exists():  # left by a killed save of this tag: ours to remove
+                shutil.rmtree(temp)
+            temp.mkdir(mode=modes.dir)
+            os.chmod(temp, modes.dir)  # exactly, whatever the umask
+        except OSError as exc:
+            error = f"cannot create {temp} ({exc})"
+    raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
+    with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
+    if with_grad:
+        eng.zero_fresh_grads()  # shards zero_grad() marked hold old values until written
+    # [Note: background save of offloaded state] A background save snapshots every shard
+    # into host memory first. With shards in the tier manager that copy is the whole
+    # offloaded state (what did not fit in host memory to begin with), so the save streams
+    # from the store synchronously instead, one shard at a time; the caller still gets a
+    # PendingSave, already complete.
+    snapshot = background is not None and eng.store.snapshot_in_host
+    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
+    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
+    if background is not None and snapshot:
+        return background.submit(job)
+    if background is not None:
+        if not background.warned_sync:
+            log.info("save_checkpoint(background=True): shards live in the tier manager "
+                     "(offload cpu/nvme), so they are streamed to %s now, one at a time, "
+                     "instead of copied into host memory for a background write", root)
+            background.warned_sync = True
+        return background.completed(job, job.run(eng.comm.group))
+    return job.run(eng.comm.group)
+
+
+@dataclass
+class _SaveJob:
+    """Writing and publishing one checkpoint from a captured payload (no engine access)."""
+
+    rank: int
+    world: int
+    root: Path
+    tag: str
+    payload: RankPayload
+    modes: OutputModes  # permission bits of the files and the directory (outputs.permissions)
+
+    def run(self, group: dist.ProcessGroup | None) -> Path:
+        temp = self.root / temp_dir_name(self.tag)
+        try:
+            return self._write_and_publish(group, temp)
+        except BaseException:
+            if self.rank == 0:  # a failed save leaves nothing behind (the tag can be saved again)
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+    def _write_and_publish(self, group: dist.ProcessGroup | None, temp: Path) -> Path:
+        final = self.root / self.tag
+        what = f"save_checkpoint({str(self.root)!r}, tag={self.tag!r})"
+        digest: dict[str, int] | None = None
+        error: str | None = None
+        try:
+            digest = _write_rank_file(temp / rank_file(self.rank), self.payload,
+                                      desc=f"save {self.tag}")
+            os.chmod(temp / rank_file(self.rank), self.modes.file)  # created 0600
+        except (OSError, CheckpointError, ValueError) as exc:
+            error = f"writing {temp / rank_file(self.rank)}: {exc}"
+        _raise_if_failed(group, self.world, error, what)
+        digests = _gather(group, self.world, digest)
+        if self.rank == 0:
+            try:
+                _publish(self.root, temp, self.tag, self.payload, digests,
+                         mode=self.modes.file)
+            except (OSError, CheckpointError, ValueError) as exc:
+                error = f"publishing {final}: {exc}"
+        _raise_if_failed(group, self.world, error, what)
+        log.info("checkpoint %s saved (%d ranks)", final, self.world)
+        return final
+
+
+def _publish(root: Path, temp: Path, tag: str, payload: RankPayload,
+             digests: list[dict[str, int]], *, mode: int) -> None:
+    files = {rank_file(r): d for r, d in enumerate(digests)}
+    manifest = dict(payload.manifest)
+    hf = manifest.pop("hf_config", None)
+    if payload.client_bytes is not None:
+        d = write_bytes_durable(temp / CLIENT_STATE, payload.client_bytes, mode)
+        files[CLIENT_STATE] = {"bytes": d.nbytes, "crc32": d.crc32}
+    if hf is not None:
+        d = write_bytes_durable(temp / HF_CONFIG, hf.encode(), mode)
+        files[HF_CONFIG] = {"bytes": d.nbytes, "crc32": d.crc32}
+    manifest["tag"] = tag
+    manifest["files"] = files
+    manifest[MANIFEST_CRC] = manifest_checksum(manifest)  # covers every value above
+    write_bytes_durable(temp / MANIFEST, json.dumps(manifest, indent=1).encode(), mode)
+    fsync_dir(temp)
+    final = root / tag
+    temp.rename(final)
+    fsync_dir(root)
+    latest_tmp = root / f".{LATEST}.partial"
+    write_bytes_durable(latest_tmp, tag.encode(), mode)
+    replace_durable(latest_tmp, root / LATEST)

@@ -1,0 +1,227 @@
+"""A unit's parameters flattened per (dtype, trainable) into padded buffers, rank r owning slice r.
+
+[Note: flat layout] For a group of parameters p_0..p_k (module order):
+
+    full buffer  | p_0 | p_1 | ... | p_k | zero pad |     padded_numel elements
+    shards       | rank 0 | rank 1 | ... | rank W-1 |    shard_numel each
+
+`padded_numel` = W * shard_numel and `shard_numel` is a multiple of
+SHARD_ALIGN elements. Padding is zero in params and grads, so norms and the
+optimizer see zeros there. The full buffer exists only while the unit is
+gathered: its storage is resized to 0 on release, which also frees every view
+autograd saved of it, and resized back and refilled before backward uses them.
+With one rank and the `param16` shard already on the compute device, the shard
+*is* the full buffer: parameters view it directly, with no copy and no extra
+memory (`FlatGroup.base` says which tensor the views point into).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tierzero.engine.collectives import Comm, PendingReduce
+from tierzero.engine.init.context import forget, full_values
+from tierzero.engine.shards.store import ShardStore
+
+# Shards are whole multiples of 128 elements so vectorised Adam kernels and
+# aligned I/O never see a ragged tail.
+SHARD_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter sits in its group's full buffer."""
+
+    qname: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+@dataclass
+class FlatGroup:
+    """One flat buffer of a unit: layout, gathered buffer, and the bridge to the shard store."""
+
+    key: str  # "<unit name>/<dtype>/<trainable|frozen>", the shard store key
+    slots: tuple[ParamSlot, ...]
+    dtype: torch.dtype  # compute dtype of the gathered buffer
+    trainable: bool
+    shard_numel: int
+    world_size: int
+    full: torch.Tensor = field(repr=False)  # 1D compute dtype, device; storage 0 when released
+    base: torch.Tensor | None = field(default=None, repr=False)  # what params view; None: released
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def gathered(self) -> bool:
+        return self.base is not None
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank of a group of `numel` elements ([Note: flat layout])."""
+    chunk = SHARD_ALIGN * world_size
+    return max(chunk, -(-numel // chunk) * chunk) // world_size
+
+
+def build_group(
+    key: str, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype, trainable: bool,
+    comm: Comm, store: ShardStore, device: torch.device,
+) -> FlatGroup:
+    """Lay out `named`, create this rank's shards in `store`, and leave the group released."""
+    slots, offset = [], 0
+    for qname, p in named:
+        slots.append(ParamSlot(qname, p, p.shape, offset, p.numel()))
+        offset += p.numel()
+    n_shard = shard_numel(offset, comm.world_size)
+    padded = n_shard * comm.world_size
+    lo, hi = comm.rank * n_shard, (comm.rank + 1) * n_shard
+    with torch.no_grad():
+        host = "meta" if device.type == "meta" else "cpu"  # meta: a dry run (tierzero plan)
+        mine = torch.zeros(n_shard, dtype=torch.float32, device=host)  # fp32 initial values
+        for s in slots:
+            # A parameter built under engine.Init is gathered here, one at a time (a
+            # collective: every rank visits every slot in the same order).
+            values = full_values(s.param, comm)  # 1D, s.numel
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if b > a:
+                mine[a - lo:b - lo].copy_(values[a - s.offset:b - s.offset])
+            forget(s.param)
+        store.add(key, mine, dtype, trainable)
+    full = torch.empty(padded, dtype=dtype, device=device)
+    group = FlatGroup(key, tuple(slots), dtype, trainable, n_shard, comm.world_size, full)
+    release_group(group)
+    return group
+
+
+def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
+    """All-gather the shards into the full buffer and point each parameter at its view."""
+    with torch.no_grad(), store.use(group.key, "param16") as shard:
+        if comm.world_size == 1 and store.keeps_views and shard.device == group.full.device:
+            base = shard  # the shard is the whole buffer: view it, copy nothing
+        else:  # an offloaded shard's view is valid only inside use(): copy it out
+            base = group.full
+            storage = base.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(group.padded_numel * base.element_size())
+            comm.all_gather(base, shard, group.key)
+        for s in group.slots:
+            s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
+    group.base = base
+
+
+def release_group(group: FlatGroup) -> None:
+    """Point parameters at size-0 tensors and free the full buffer's storage."""
+    empty = _empty_like_param(group.dtype, group.full.device)
+    for s in group.slots:
+        s.param.data = empty
+    if group.full.untyped_storage().nbytes():
+        group.full.untyped_storage().resize_(0)
+    group.base = None
+
+
+# Elements per piece of add_upcast's fp32 scratch (512 KiB: stays in L2, and below the
+# 1 MiB at which glibc may serve an allocation by mmap, page faults on every call).
+_UPCAST_CHUNK = 1 << 17
+
+
+def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst += src, src in a narrower float dtype (a bf16/fp16 gradient into its fp32 shard).
+
+    Bit-identical to `dst.add_(src)` (which upcasts each element exactly, then adds in
+    fp32), but on the CPU that mixed-dtype add runs a slow element-by-element cast loop
+    (benchmarks/RESULTS.md, "Measurements behind design choices"); here each piece is
+    converted into a small fp32 scratch by the vectorised copy, then added."""
+    if dst.device.type != "cpu" or src.dtype == dst.dtype or dst.numel() <= _UPCAST_CHUNK:
+        dst.add_(src)
+        return
+    n = dst.numel()
+    scratch = torch.empty(_UPCAST_CHUNK, dtype=dst.dtype)
+    for lo in range(0, n, _UPCAST_CHUNK):
+        hi = min(n, lo + _UPCAST_CHUNK)
+        part = scratch[:hi - lo]
+        part.copy_(src[lo:hi])
+        dst[lo:hi].add_(part)
+
+
+# [Note: gradients zeroed by the first reduction]
+# zero_grad() does not write zeros over every fp32 gradient shard (a memset of every
+# gradient would sit on the step's critical path, which plain PyTorch's set-to-None does
+# not pay). It marks each group's gradient shard zero in the shard store, which owns
+# the marks (ShardStore.mark_grads_zeroed); the group's next reduction takes the mark
+# (take_grad_zeroed) and writes its gradient (converted) where it would have added it,
+# and zeros only what no gradient covers. Anything that reads a gradient shard without
+# reducing first (a step with no backward, a checkpoint saved mid-accumulation) has the
+# store write the marked zeros first (write_zeroed_grads); a checkpoint load writes every
+# gradient shard and takes the marks; the prefetch order skips a marked shard's read.
+
+
+def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
+    """Reduce-scatter the parameters' `.grad` (mean over ranks) into the fp32 shard accumulator.
+
+    Consumes and clears each parameter's `.grad` (a missing one counts as
+    zero). With one rank the gradients are added at once (None is returned);
+    with several this starts a collective and returns it in flight: the shard
+    holds the result only after `wait()`. Every rank must reduce the same
+    groups in the same order (see [Note: reduction order] in schedule.py).
+    A shard marked zero in the store is overwritten instead ([Note: gradients zeroed
+    by the first reduction]).
+    """
+    fresh = store.take_grad_zeroed(group.key)
+    with torch.no_grad():
+        if comm.world_size == 1:
+            # a fresh shard is overwritten whole: its old bytes are not read from NVMe
+            with store.use(group.key, "grad", writable=True,
+                           overwrite=fresh) as grad_shard:  # 1D fp32
+                for s in group.slots:  # back to back from offset 0 (build_group)
+                    dst = grad_shard[s.offset:s.offset + s.numel]
+                    g = s.param.grad
+                    if g is None:
+                        if fresh:
+                            dst.zero_()
+                    elif fresh:
+                        dst.copy_(g.reshape(-1))  # exact upcast, as add_upcast to 0
+                    else:
+                        add_upcast(dst, g.reshape(-1).to(grad_shard.device))
+                    s.param.grad = None
+                if fresh:
+                    grad_shard[group.numel:].zero_()  # padding
+            return None
+        full = torch.zeros(group.padded_numel, dtype=torch.float32, device=group.full.device)
+        for s in group.slots:
+            g = s.param.grad
+            if g is not None:
+                full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+                s.param.grad = None
+        mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
+        if store.keeps_views:
+            if fresh:  # the collective adds into the shard itself
+                store.tensor(group.key, "grad").zero_()
+            return comm.reduce_scatter_mean_async(
+                mine, full, accumulate_into=store.tensor(group.key, "grad"), what=group.key)
+        pending = comm.reduce_scatter_mean_async(mine, full, what=group.key)
+
+        def accumulate(out: torch.Tensor) -> None:
+            with torch.no_grad(), store.use(group.key, "grad", writable=True,
+                                            overwrite=fresh) as grad_shard:
+                if fresh:
+                    grad_shard.copy_(out)
+                else:
+                    grad_shard.add_(out.to(grad_shard.device))
+
+        pending.then = accumulate
+        return pending

@@ -1,0 +1,179 @@
+"""Where each flat shard's tensors live: the one object the tier manager will replace.
+
+[Note: shard residency] Every per-rank shard tensor (`param16`, `grad`,
+`master`, `exp_avg`, `exp_avg_sq`) is reached through `ShardStore.tensor()`;
+nothing else in the engine keeps a reference across a step. `ShardStore`
+keeps all of them in device memory (plain CPU memory without CUDA): the
+store used when nothing is offloaded. `engine.offload_bridge.TieredShardStore`
+is the same interface over offload's TierManager, which moves them between
+device, pinned host and NVMe. Code that may run with either reads a shard
+inside `with store.use(key, kind) as t:` (fetched and released around the
+block); `tensor()` is for shards that stay put (the plain store, or device-
+pinned optimizer state).
+
+Callers never test which store they hold: each store says what they may do
+(`keeps_views`, `prefetches`, `snapshot_in_host`, `optimizer_offloaded`) and owns
+the "gradient zeroed" marks ([Note: gradients zeroed by the first reduction] in
+engine/shards/flat.py: `mark_grads_zeroed`, `grad_zeroed`, `take_grad_zeroed`,
+`write_zeroed_grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.offload.settings import TENSOR_CLASSES, TensorClass
+
+
+@dataclass
+class _Record:
+    numel: int
+    tensors: dict[TensorClass, torch.Tensor]  # 1D, `numel` elements each, on the store's device
+
+
+class ShardStore:
+    """Owns every shard tensor of this rank, keyed by flat-group name."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._records: dict[str, _Record] = {}
+        # groups whose fp32 gradient shard is logically zero but not written ([Note:
+        # gradients zeroed by the first reduction])
+        self._zeroed: set[str] = set()
+
+    def add(
+        self, key: str, master_init: torch.Tensor, compute_dtype: torch.dtype, trainable: bool
+    ) -> None:
+        """Create the shard tensors of group `key` from its fp32 initial values (1D).
+
+        With fp32 compute the master copy *is* the compute copy (one tensor, no
+        duplicate); frozen groups keep only `param16`.
+        """
+        if key in self._records:
+            raise ValueError(f"shard group {key!r} registered twice")
+        n = master_init.numel()
+        param16 = master_init.to(device=self.device, dtype=compute_dtype, copy=True)
+        tensors: dict[TensorClass, torch.Tensor] = {"param16": param16}
+        if trainable:
+            master = param16 if compute_dtype == torch.float32 else master_init.to(
+                device=self.device, dtype=torch.float32, copy=True)
+            tensors["master"] = master
+            for kind in ("grad", "exp_avg", "exp_avg_sq"):
+                tensors[kind] = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self._records[key] = _Record(n, tensors)
+
+    def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
+        rec = self._records.get(key)
+        if rec is None:
+            raise KeyError(f"no shard group {key!r}; known: {sorted(self._records)[:10]}")
+        t = rec.tensors.get(kind)
+        if t is None:
+            raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
+                           "keep only param16)")
+        return t
+
+    # -- what callers may do with the shards ------------------------------------------
+    @property
+    def keeps_views(self) -> bool:
+        """A shard tensor stays where it is, authoritative, for the store's life: a caller
+        may keep a view of it past `use()` (a gather viewing the param16 shard, a
+        reduction accumulating into the gradient shard asynchronously)."""
+        return True
+
+    @property
+    def prefetches(self) -> bool:
+        """`set_order()` acts: the store reads ahead of the uses it is told of."""
+        return False
+
+    @property
+    def snapshot_in_host(self) -> bool:
+        """A copy of every shard may be taken into host memory (a background checkpoint's
+        snapshot): the shards live within the device's memory, not beyond the host's."""
+        return True
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        """Master and moments live off the device: the CPU Adam updates them (never a
+        torch optimizer over `tensor()` views)."""
+        return False
+
+    @contextmanager
+    def use(self, key: str, kind: TensorClass, *, writable: bool = False,
+            compute: bool = True, overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """The shard tensor for the duration of the block (`writable`: it will be modified;
+        `compute`: for a gather, so on the compute device; `overwrite`: every element will
+        be written, so a tiered store need not read it)."""
+        del writable, compute, overwrite  # every tensor here is the authoritative copy
+        yield self.tensor(key, kind)
+
+    # -- gradients zeroed by the first reduction ---------------------------------------
+    def mark_grads_zeroed(self, keys: Iterable[str]) -> None:
+        """zero_grad(): these gradient shards are zero from now on, without a byte written."""
+        self._zeroed.update(keys)
+
+    def grad_zeroed(self, key: str) -> bool:
+        """The gradient shard of `key` is marked zero (its bytes are stale)."""
+        return key in self._zeroed
+
+    def take_grad_zeroed(self, key: str) -> bool:
+        """The caller writes every element of the gradient shard now (a reduction, a
+        checkpoint load): returns whether it was marked zero, and clears the mark."""
+        if key in self._zeroed:
+            self._zeroed.discard(key)
+            return True
+        return False
+
+    def write_zeroed_grads(self) -> None:
+        """Write the zeros of every marked gradient shard and clear the marks (for whoever
+        reads them without a reduction first)."""
+        for key in [k for k in self.group_keys() if k in self._zeroed]:
+            with torch.no_grad(), self.use(key, "grad", overwrite=True) as grad:
+                grad.zero_()
+            self._zeroed.discard(key)
+
+    def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
+        """Group `key` will be added with `numel` elements; nothing to plan for resident
+        shards."""
+        del key, numel, compute_dtype, trainable
+
+    def finalize(self) -> None:
+        """Every group is declared; nothing to plan for resident shards."""
+
+    def set_order(self, entries: list[tuple[str, TensorClass]]) -> None:
+        """The upcoming shard uses (prefetch order); nothing to prefetch here."""
+        del entries
+
+    def tier_report(self) -> dict[str, object] | None:
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: tensors are freed with the store."""
+
+    def has(self, key: str, kind: TensorClass) -> bool:
+        rec = self._records.get(key)
+        return rec is not None and kind in rec.tensors
+
+    def group_keys(self) -> list[str]:
+        return list(self._records)
+
+    def write_param16_from_master(self, key: str) -> None:
+        """After the optimizer step: the compute copy follows the fp32 master."""
+        rec = self._records[key]
+        master, param16 = rec.tensors["master"], rec.tensors["param16"]
+        if master is not param16:
+            param16.copy_(master)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per shard kind (aliased tensors counted once)."""
+        out: dict[str, int] = {kind: 0 for kind in TENSOR_CLASSES}
+        for rec in self._records.values():
+            seen: set[int] = set()
+            for kind, t in rec.tensors.items():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out[kind] += t.numel() * t.element_size()
+        return out

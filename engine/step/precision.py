@@ -1,0 +1,96 @@
+"""Compute dtypes and the fp16 loss scaler (config `precision.*`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierzero.engine.config import LossScaleConfig
+
+if TYPE_CHECKING:
+    from tierzero.engine.shards.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    dtype = COMPUTE_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"precision.dtype {name!r} is not one of {sorted(COMPUTE_DTYPES)}")
+    return dtype
+
+
+class LossScaler:
+    """fp16 loss scaling. An overflow always skips the step. Dynamic (value == 0): after
+    `hysteresis` overflows the scale halves (never below min_scale); after
+    `growth_interval` clean steps it doubles. Static (value > 0): the scale stays."""
+
+    def __init__(self, cfg: LossScaleConfig) -> None:
+        self.cfg = cfg
+        self.dynamic = cfg.value == 0
+        self.scale = float(cfg.value) if not self.dynamic else float(2**cfg.initial_scale_power)
+        self._hysteresis = cfg.hysteresis
+        self._good_steps = 0
+        self.overflows = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.overflows += 1
+            self._good_steps = 0
+            if not self.dynamic:
+                log.warning("fp16 gradient overflow: step skipped, static loss scale %g",
+                            self.scale)
+                return
+            if self._hysteresis > 1:
+                self._hysteresis -= 1
+                log.warning("fp16 gradient overflow: step skipped, loss scale %g kept "
+                            "(hysteresis %d left)", self.scale, self._hysteresis)
+                return
+            old = self.scale
+            self.scale = max(self.scale / 2.0, self.cfg.min_scale)
+            log.warning("fp16 gradient overflow: step skipped, loss scale %g -> %g",
+                        old, self.scale)
+            return
+        if self.cfg.consecutive_hysteresis:
+            self._hysteresis = self.cfg.hysteresis
+        if not self.dynamic:
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.cfg.growth_interval:
+            self.scale *= 2.0
+            self._good_steps = 0
+            self._hysteresis = self.cfg.hysteresis
+
+
+@dataclass(frozen=True)
+class GradStat:
+    """What clipping and the fp16 overflow check need of one gradient shard."""
+
+    sq_norm: float  # squared fp32 L2 norm of the shard, as a float64
+    finite: bool  # no inf or NaN in it
+
+
+def grad_stat(store: ShardStore, key: str) -> GradStat:
+    """The shard's fp32 L2 norm squared in float64 (ZeroEngine._clip sums these in a fixed
+    order, whichever thread measured them) and whether every element is finite: a finite
+    norm proves it; a non-finite one is checked element by element (the sum of squares of
+    finite values can overflow fp32)."""
+    with store.use(key, "grad") as g:
+        norm = float(torch.linalg.vector_norm(g).double().cpu())
+        finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
+    return GradStat(norm * norm, finite)
+
+
+def has_overflow(grads: list[torch.Tensor]) -> bool:
+    """True when any gradient holds inf or NaN (local to this rank)."""
+    return any(not bool(torch.isfinite(g).all()) for g in grads)

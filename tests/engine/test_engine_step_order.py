@@ -1,0 +1,158 @@
+"""The streamed CPU Adam's group order follows the order gradients turn final in backward
+([Note: step order learned from backward] in engine/engine.py).
+
+A model whose root (embedding, final norm, head) is cut into pieces: the head's piece is
+final at the start of backward, the embedding's at the end. Before any step the order is
+the blocks last to first with the root last; after one step the head leads and the
+embedding closes it, and training is bitwise the same as with the order pinned (the Adam
+update of a group does not depend on when it runs), and within the usual parity
+tolerance of plain PyTorch AdamW (engine_helpers.PARAM_ATOL, LOSS_RTOL).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import (
+    SEQ,
+    TinyLM,
+    assert_match,
+    full_params,
+    make_config,
+    reference_train,
+    train_steps,
+)
+from test_engine_offload import offload_config
+
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.step.offloaded import OffloadedStep
+from tierzero.engine.step.offloaded_adam import OffloadedAdam
+
+BIG_VOCAB = 256  # embedding and head 8192 elements each: larger than a block (4256)
+
+
+def big_root_model(*, tied: bool = False) -> TinyLM:
+    torch.manual_seed(0)
+    model = TinyLM(3, vocab=BIG_VOCAB)
+    if tied:
+        model.head.weight = model.emb.weight
+    return model
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, BIG_VOCAB, (4, SEQ), generator=g)
+        out.append((ids, (ids * 7 + 3) % BIG_VOCAB))
+    return out
+
+
+def group_of(eng: engine.ZeroEngine, qname: str) -> str:
+    """The trainable group key holding parameter `qname` (a root piece)."""
+    for unit in eng.units:
+        for g in unit.groups:
+            if g.trainable and any(s.qname == qname for s in g.slots):
+                return g.key
+    raise AssertionError(f"no group holds {qname}")
+
+
+def nvme_config(tmp_path: Path, *, clip: float = 0.0) -> Config:
+    return offload_config(make_config(clip=clip), "nvme", tmp_path)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])  # early step during backward / after it
+def test_order_follows_backward_after_the_first_step(tmp_path: Path, clip: float) -> None:
+    model = big_root_model()
+    data = batches(6)
+    cfg = nvme_config(tmp_path, clip=clip)
+    ref = reference_train(model, cfg, [data], len(data))
+    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    try:
+        assert isinstance(opt, OffloadedAdam)
+        head, emb = group_of(eng, "head.weight"), group_of(eng, "emb.weight")
+        assert head != emb  # the root is cut into pieces
+        before = opt.step_order
+        assert before.index(head) > before.index(emb) > before.index(
+            group_of(eng, "blocks.0.up.weight"))  # root last, as constructed
+        losses = train_steps(eng, data[:1])
+        after = opt.step_order
+        blocks = [group_of(eng, f"blocks.{i}.up.weight") for i in (2, 1, 0)]
+        assert [k for k in after if k in blocks] == blocks  # last block first
+        # the head's pieces (weight, bias; the final norm's) before every block, the
+        # embedding last
+        assert max(after.index(group_of(eng, q)) for q in ("head.weight", "head.bias",
+                                                            "norm.weight")) < after.index(
+            blocks[0]), after
+        assert after[-1] == emb, after
+        assert after == eng.scheduler.final_order
+        losses += train_steps(eng, data[1:])
+        assert opt.step_order == after  # stable: no further change
+        got = full_params(eng, model)
+    finally:
+        eng.close()
+    assert_match(losses, got, ref.losses, ref.params, initial=big_root_model())
+
+
+def test_learned_order_changes_nothing_but_the_order(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bitwise the same parameters as with the construction order pinned."""
+    data = batches(5)
+    runs = []
+    for pinned in (False, True):
+        if pinned:
+            monkeypatch.setattr(OffloadedStep, "_follow_backward_order", lambda self: None)
+        model = big_root_model()
+        (tmp_path / str(pinned)).mkdir()
+        eng, opt, _, _ = engine.initialize(device="cpu", model=model,
+                                           config=nvme_config(tmp_path / str(pinned)))
+        try:
+            train_steps(eng, data)
+            runs.append((opt.step_order, full_params(eng, model)))
+        finally:
+            eng.close()
+    (learned, p_learned), (pinned_order, p_pinned) = runs
+    assert learned != pinned_order
+    assert all(torch.equal(p_learned[k], p_pinned[k]) for k in p_pinned)
+
+
+def test_tied_embedding_and_head_is_final_last(tmp_path: Path) -> None:
+    """A weight used by both the embedding and the head gets its gradient from both ends of
+    backward: its group is final last, after every block."""
+    model = big_root_model(tied=True)
+    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=nvme_config(tmp_path))
+    try:
+        train_steps(eng, batches(2))
+        assert isinstance(opt, OffloadedAdam)
+        assert opt.step_order[-1] == group_of(eng, "emb.weight")
+        assert opt.step_order[0] == group_of(eng, "head.bias")
+    finally:
+        eng.close()
+
+
+def test_a_new_order_is_taken_only_when_two_steps_agree(tmp_path: Path) -> None:
+    """The first order seen is taken at once; afterwards a different order seen once (a
+    step with other control flow) is not, the same new order seen twice in a row is."""
+    model = big_root_model()
+    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=nvme_config(tmp_path))
+    try:
+        assert isinstance(opt, OffloadedAdam)
+        train_steps(eng, batches(1))
+        learned = opt.step_order
+        other = list(reversed(learned))
+        eng.scheduler.final_order = other
+        eng.step_driver._follow_backward_order()
+        assert opt.step_order == learned  # seen once: kept
+        eng.scheduler.final_order = learned
+        eng.step_driver._follow_backward_order()
+        eng.scheduler.final_order = other
+        eng.step_driver._follow_backward_order()
+        assert opt.step_order == learned  # alternating: kept
+        eng.step_driver._follow_backward_order()
+        assert opt.step_order == other  # twice in a row: taken
+        train_steps(eng, batches(2))  # and the stream runs with it
+    finally:
+        eng.close()

@@ -1,0 +1,134 @@
+"""[Note: CPU compute defaults] (engine/host_defaults.py): on a CPU compute device the bounds
+sized for accelerator memory default to what the schedule needs and explicit values win.
+Results are bitwise the same either way (only residency changes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+import torch
+from engine_helpers import make_batches, make_config, make_model
+
+from tierzero import engine
+from tierzero.engine.config import Config, load_config
+from tierzero.engine.config.schema import (
+    OffloadConfig,
+    OptimizerOffloadConfig,
+    ParamOffloadConfig,
+)
+from tierzero.engine.host_defaults import GPU_GATHER_BYTES, gather_bounds
+from tierzero.engine.shards.tiered import tier_settings
+from tierzero.offload import ShardSpec
+
+CPU = torch.device("cpu")
+STEPS = 3
+
+
+def _nvme(cfg: Config, path: Path, **zero: int) -> Config:
+    where = str(path)
+    return dataclasses.replace(
+        cfg, zero=dataclasses.replace(cfg.zero, **zero),  # type: ignore[arg-type]
+        offload=OffloadConfig(params=ParamOffloadConfig(device="nvme", path=where),
+                              optimizer=OptimizerOffloadConfig(device="nvme", path=where)))
+
+
+def _train(cfg: Config) -> tuple[engine.ZeroEngine, dict[str, torch.Tensor], int]:
+    """The engine after STEPS steps, its parameters, and the most bytes it kept gathered
+    during them (before the parameters are gathered to be read)."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+    for ids, tg in make_batches(STEPS):
+        eng.backward(eng(ids, tg))
+        eng.step()
+    peak = eng.scheduler.gathered_peak_bytes
+    with engine.GatheredParameters(list(eng.module.parameters())):
+        params = {k: v.detach().clone() for k, v in eng.module.named_parameters()}
+    return eng, params, peak
+
+
+def _unit_bytes(eng: engine.ZeroEngine) -> tuple[int, int]:
+    """(bytes gathered through every forward: root and persistent units, largest other)."""
+    full = {u.index: sum(g.padded_numel * g.full.element_size() for g in u.groups)
+            for u in eng.units}
+    always = sum(full[u.index] for u in eng.units if u.is_root or u.persistent)
+    return always, max(full[u.index] for u in eng.units if not (u.is_root or u.persistent))
+
+
+def test_cpu_keeps_only_the_last_unit_gathered_for_backward(tmp_path: Path) -> None:
+    """Unset gather bounds on a CPU: one unit (the last of forward) stays gathered for its
+    backward, so the gathered bytes never exceed the root + the largest unit; the 2 GB
+    GPU default kept every unit. Explicit values still apply; the results are identical."""
+    (tmp_path / "a").mkdir(mode=0o700)
+    (tmp_path / "b").mkdir(mode=0o700)
+    eng, params, peak = _train(_nvme(make_config(), tmp_path / "a"))
+    always, largest = _unit_bytes(eng)
+    assert gather_bounds(eng.config, CPU, eng.units) == (always + largest, largest)
+    blocks = sum(1 for u in eng.units if not (u.is_root or u.persistent))
+    assert blocks > 1
+    # forwards after the first (the first records the trace): one unit kept in each
+    assert eng.scheduler.kept == STEPS - 1
+    assert peak <= always + largest
+    assert eng.memory_report()["tiers"]["order_mismatches"] == 0
+    eng.close()
+    wide, wide_params, wide_peak = _train(_nvme(make_config(), tmp_path / "b",
+                                     max_live_bytes=GPU_GATHER_BYTES,
+                                     max_reuse_distance_bytes=GPU_GATHER_BYTES))
+    assert wide.scheduler.kept == blocks * (STEPS - 1)
+    assert wide_peak > always + largest
+    wide.close()
+    assert all(torch.equal(params[k], wide_params[k]) for k in params)
+
+
+def test_cuda_defaults_stay_gpu_sized(tmp_path: Path) -> None:
+    """The same units planned for a CUDA device keep the 2 GB defaults; set values win."""
+    eng, _, _ = _train(_nvme(make_config(), tmp_path))
+    assert gather_bounds(eng.config, torch.device("cuda"), eng.units) == (
+        GPU_GATHER_BYTES, GPU_GATHER_BYTES)
+    for device in (CPU, torch.device("cuda")):
+        cfg = dataclasses.replace(eng.config, zero=dataclasses.replace(
+            eng.config.zero, max_live_bytes=123, max_reuse_distance_bytes=0))
+        assert gather_bounds(cfg, device, eng.units) == (123, 0)
+    eng.close()
+
+
+def test_cpu_device_tier_holds_two_param16_shards(tmp_path: Path) -> None:
+    """Params on NVMe, no device budget, a CPU compute device: the device tier (host memory
+    here) caches at most two of the largest param16 shard."""
+    eng, _, _ = _train(_nvme(make_config(), tmp_path))
+    tiers = eng.memory_report()["tiers"]
+    largest = max(g.shard_numel * g.full.element_size() for u in eng.units for g in u.groups)
+    eng.close()
+    assert tiers["moved"]["host_to_device"] > 0
+    assert 0 < tiers["peak"]["device"] <= tiers["budget"]["device"] == 2 * largest
+
+
+def _specs(n16: list[int]) -> list[ShardSpec]:
+    out = [ShardSpec(f"u{i}:param16", "param16", n, torch.bfloat16) for i, n in enumerate(n16)]
+    return out + [ShardSpec(f"u{i}:{kind}", kind, n, torch.float32)
+                  for i, n in enumerate(n16) for kind in ("master", "grad")]
+
+
+def _settings(offload: Mapping[str, object], specs: list[ShardSpec]) -> int:
+    config = load_config({"zero": {"stage": 3}, "offload": offload})
+    budget = tier_settings(config, CPU, specs=specs).budgets.device
+    assert budget is not None
+    return budget
+
+
+def test_cpu_device_tier_budget_is_what_the_schedule_needs() -> None:
+    """The CPU stand-in device tier's default budget: device homes + two of the largest
+    param16 shard, at least the placement's cache reserve (the largest param16 or gradient
+    shard homed below the device); with an auto home (the planner may fill it) the
+    available memory; an explicit budget wins."""
+    specs = _specs([1000, 3000, 2000])
+    nvme = {"device": "nvme", "path": "/tmp"}
+    # two bf16 param16 of 3000 elements = one fp32 gradient of 3000 (the reserve)
+    assert _settings(nvme, specs) == 2 * 3000 * 2
+    # param16 on the device (offload.params none): its homes + the largest gradient
+    both = {"params": {"device": "none"}, "optimizer": nvme}
+    assert _settings(both, specs) == 6000 * 2 + 3000 * 4
+    auto = {"device": "auto", "path": "/tmp"}
+    assert _settings(auto, specs) > psutil.virtual_memory().available // 2
+    assert _settings({**nvme, "budgets": {"device_bytes": 12345}}, specs) == 12345
