@@ -277,6 +277,6 @@ class RankFiles:
 
 
 def shard_numel_for(numel: int, world_size: int, align: int) -> int:
-    """The shard size flat_shard.build_group picks for `numel` elements over `world_size`."""
+    """The shard size shards.flat.build_group picks for `numel` elements over `world_size`."""
     chunk = align * world_size
     return max(chunk, math.ceil(numel / chunk) * chunk) // world_size

@@ -15,7 +15,7 @@ engine moves, and they follow any change to the engine's schedule.
 Counted per optimizer step and phase (forward, backward, optimizer): NVMe bytes
 read and written (DrySwap), host<->device bytes the tier manager moved (its
 moved counters), gradient bytes the reduce path sends to a host gradient shard
-(per "reduce" trace event: flat_shard.reduce_group_grads copies each
+(per "reduce" trace event: shards.flat.reduce_group_grads copies each
 parameter's gradient in the compute dtype with one rank, the reduced fp32
 shard with several, to the shard's device; a plain tensor copy, not a tier
 manager transfer), and CPU Adam elements (the "adam" trace events).

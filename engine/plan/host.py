@@ -149,7 +149,7 @@ def predict(*, model: int, init_peak: Mapping[Tier, int], peak: Mapping[Tier, in
     device = peak.get("device", 0) if device_is_host else 0
     init_device = init_peak.get("device", 0) if device_is_host else 0
     built = model if init_build is None else init_build
-    # initialize: flat groups are placed one by one (flat_shard.build_group): the group's
+    # initialize: flat groups are placed one by one (shards.flat.build_group): the group's
     # fp32 initial values and their compute-dtype copy are made, its host homes filled,
     # then the model's own tensors of that group forgotten; so the model and the homes
     # placed so far overlap by at most the larger of the two

@@ -6,7 +6,7 @@ For each choice (none, cpu, nvme, auto):
    machine's; each unit is declared as the engine declares it (this rank's
    shard of shard_numel(parameters, world size) elements; param16 in the
    compute dtype, grad, master and moments in fp32) and finalize() runs what a
-   run runs at start: the engine's homes per class (offload_bridge.homes_from:
+   run runs at start: the engine's homes per class (shards.tiered.homes_from:
    with optimizer state on NVMe the gradient stays in host memory), the
    budgets, pool and prefetch windows (tier_settings, the CPU Adam's pipeline
    buffers taken from the host budget) and offload.plan_placement. A

@@ -4,7 +4,7 @@
 `master`, `exp_avg`, `exp_avg_sq`) is reached through `ShardStore.tensor()`;
 nothing else in the engine keeps a reference across a step. `ShardStore`
 keeps all of them in device memory (plain CPU memory without CUDA): the
-store used when nothing is offloaded. `engine.offload_bridge.TieredShardStore`
+store used when nothing is offloaded. `engine.shards.tiered.TieredShardStore`
 is the same interface over offload's TierManager, which moves them between
 device, pinned host and NVMe. Code that may run with either reads a shard
 inside `with store.use(key, kind) as t:` (fetched and released around the

@@ -1,5 +1,5 @@
 """Per-unit overhead of the gather/reduce path. The gradient accumulation into the fp32
-shard (flat_shard.add_upcast) must give exactly the bits of PyTorch's mixed-dtype `add_`
+shard (shards.flat.add_upcast) must give exactly the bits of PyTorch's mixed-dtype `add_`
 (tolerance: none); a CPU-device gather of host-homed params copies nothing extra."""
 
 from __future__ import annotations
