@@ -51,7 +51,12 @@ CACHE = 40_000
 
 def _cfg(cfg: Config, path: Path, cache: int, optimizer: str = "nvme") -> Config:
     path.mkdir(parents=True, exist_ok=True)
-    return dataclasses.replace(cfg, offload=OffloadConfig(
+    # Every unit stays gathered from its forward to its backward (the accelerator-sized
+    # bounds, not the CPU defaults of [Note: CPU compute defaults]): backward then reads no
+    # param16, so the NVMe bytes compared below do not depend on how much of the pool the
+    # read-ahead holds when a unit is gathered again.
+    zero = dataclasses.replace(cfg.zero, max_live_bytes=2 << 30, max_reuse_distance_bytes=2 << 30)
+    return dataclasses.replace(cfg, zero=zero, offload=OffloadConfig(
         params=ParamOffloadConfig(device="nvme", path=str(path), max_in_cpu_bytes=cache),
         optimizer=OptimizerOffloadConfig(device=optimizer, path=str(path)),  # type: ignore[arg-type]
         budgets=BudgetsConfig(device_bytes=64 << 10)))
