@@ -226,7 +226,7 @@ class ResidencyCore:
             t = self._mover.copy(copy.data, self._need_data(dst), "device_to_host",
                                  key=rec.spec.key)
         copy.transfer = dst.transfer = t
-        self._acct.moved_bytes(t.direction, t.nbytes)
+        self._acct.moved_bytes(t.direction, rec.spec.cls, t.nbytes)
         self._acct.writebacks += 1
         self._busy.add(rec.spec.key)
         return t
@@ -298,7 +298,7 @@ class ResidencyCore:
             t = self._mover.copy(self._need_data(src), copy.data, "host_to_device", after=after,
                                  key=spec.key)
         copy.transfer = t
-        self._acct.moved_bytes(t.direction, t.nbytes)
+        self._acct.moved_bytes(t.direction, spec.cls, t.nbytes)
         self._busy.add(spec.key)
         return True
 

@@ -205,7 +205,7 @@ class TierManager(ResidencyCore):
             if rec.home == "nvme" and rec.copies["host"].state is State.ABSENT:
                 self._wait_settled(rec, "nvme")  # a write of the key lands first
                 t = self._mover.read(key, out.reshape(-1), background=background)
-                self._acct.moved_bytes(t.direction, t.nbytes)
+                self._acct.moved_bytes(t.direction, rec.spec.cls, t.nbytes)
                 return t
         tier: Tier = "device" if rec.home == "device" else "host"
         view = self.fetch(key, tier).wait()
@@ -252,7 +252,7 @@ class TierManager(ResidencyCore):
                 home = rec.copies["nvme"]
                 transition(rec, "nvme", Op.RECEIVE)
                 out = home.transfer = self._mover.write(key, src.reshape(-1))
-                self._acct.moved_bytes(out.direction, out.nbytes)
+                self._acct.moved_bytes(out.direction, rec.spec.cls, out.nbytes)
                 self._acct.writebacks += 1
                 self._busy.add(key)
                 return out

@@ -24,6 +24,7 @@ class MemoryReport:
     current_by_class: dict[Tier, dict[TensorClass, int]]  # shard bytes (pool excluded)
     peak_by_class: dict[Tier, dict[TensorClass, int]]
     moved: dict[Direction, int]  # bytes per direction since start
+    moved_by_class: dict[Direction, dict[TensorClass, int]]  # the same, split by class
     transfers: dict[Direction, int]  # number of transfers per direction
     stall_s: float  # seconds callers blocked in TierTransfer.wait() on fetches
     hits: int  # fetches that found their copy present or already in flight
@@ -69,6 +70,8 @@ class Accounting:
         default_factory=lambda: {t: _zero_classes() for t in TIERS})
     peak: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     moved: dict[Direction, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    moved_by_class: dict[Direction, dict[TensorClass, int]] = field(
+        default_factory=lambda: {d: _zero_classes() for d in DIRECTIONS})
     transfers: dict[Direction, int] = field(
         default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     stall_s: float = 0.0
@@ -97,9 +100,10 @@ class Accounting:
         self.outside[purpose] = self.outside.get(purpose, 0) + nbytes
         self.outside_peak = max(self.outside_peak, sum(self.outside.values()))
 
-    def moved_bytes(self, direction: Direction | None, nbytes: int) -> None:
+    def moved_bytes(self, direction: Direction | None, cls: TensorClass, nbytes: int) -> None:
         if direction is not None:
             self.moved[direction] += nbytes
+            self.moved_by_class[direction][cls] += nbytes
             self.transfers[direction] += 1
 
     def report(self, *, mismatches: int, pool: tuple[int, int, int, int]) -> MemoryReport:
@@ -110,6 +114,7 @@ class Accounting:
             current_by_class={t: dict(c) for t, c in self.by_class.items()},
             peak_by_class={t: dict(c) for t, c in self.peak_by_class.items()},
             moved=dict(self.moved),
+            moved_by_class={d: dict(c) for d, c in self.moved_by_class.items()},
             transfers=dict(self.transfers),
             stall_s=self.stall_s,
             hits=self.hits,

@@ -616,7 +616,9 @@ class TieredShardStore(ShardStore):
                 "budget": dict(r.budget), "current": dict(r.current), "peak": dict(r.peak),
                 # host buffers outside the budgeted tier (CPU Adam ring, ...) by purpose
                 "outside": dict(r.outside), "outside_peak": r.outside_peak,
-                "moved": dict(r.moved), "stall_s": r.stall_s, "hits": r.hits,
+                "moved": dict(r.moved),
+                "moved_by_class": {d: dict(c) for d, c in r.moved_by_class.items()},
+                "stall_s": r.stall_s, "hits": r.hits,
                 "misses": r.misses, "prefetches": r.prefetches, "evictions": r.evictions,
                 "writebacks": r.writebacks, "order_mismatches": r.order_mismatches}
 

@@ -97,12 +97,15 @@ def test_partial_cache_trains_like_all_nvme_bitwise(precision: str, optimizer: s
     assert 0 < kept <= CACHE and p16["host"] == kept and p16["nvme"] > 0  # a real mix
     assert "host" not in t0["homes"]["param16"] and t0["params_in_cpu"] == 0
     # the cached shards' param16 never goes to NVMe: not placed there, not written per step
-    saved = t0["moved"]["host_to_nvme"] - t1["moved"]["host_to_nvme"]
+    # Counted for the param16 class alone: a gradient shard spills to NVMe when the host
+    # pool is short at that moment, which depends on how far the read-ahead got.
+    m0, m1 = t0["moved_by_class"], t1["moved_by_class"]
+    saved = m0["host_to_nvme"]["param16"] - m1["host_to_nvme"]["param16"]
     if optimizer == "nvme":  # the stream writes every new param16 home at once
         assert saved == (STEPS + 1) * kept
     else:  # the in-place step updates param16 in host caches, written back on eviction
         assert saved >= kept
-    assert t1["moved"]["nvme_to_host"] < t0["moved"]["nvme_to_host"]
+    assert m1["nvme_to_host"]["param16"] < m0["nvme_to_host"]["param16"]
     assert t1["current"]["nvme"] == t0["current"]["nvme"] - kept
 
 

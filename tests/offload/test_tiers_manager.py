@@ -75,6 +75,8 @@ def test_round_trip_every_home_and_tier(tmp_path: Path) -> None:
         rep = mgr.memory_report()
         assert rep.peak["device"] <= rep.budget["device"]
         assert rep.moved["nvme_to_host"] >= 4 * 4 * N and rep.moved["host_to_nvme"] == 4 * 4 * N
+        for d, nbytes in rep.moved.items():  # the per-class split adds up to the total
+            assert sum(rep.moved_by_class[d].values()) == nbytes, d
 
 
 def test_dirty_cache_is_written_back_and_clean_one_is_not(tmp_path: Path) -> None:
@@ -88,6 +90,8 @@ def test_dirty_cache_is_written_back_and_clean_one_is_not(tmp_path: Path) -> Non
         mgr.synchronize()
         rep = mgr.memory_report()
         assert rep.moved["device_to_host"] == 4 * N and rep.moved["host_to_nvme"] == before + 4 * N
+        assert rep.moved_by_class["device_to_host"] == {**dict.fromkeys(rep.moved_by_class[
+            "device_to_host"], 0), "param16": 4 * N}  # counted under p0's class alone
         mgr.fetch("p1", "device").wait()
         mgr.release("p1")
         mgr.evict("p1")  # clean: no write-back at all
