@@ -66,7 +66,8 @@ precision, not the same absolute one). Choices, and why:
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -304,3 +305,97 @@ def decode(kind: str, raw: torch.Tensor, out: torch.Tensor, precision: str) -> N
         decode_m(raw, out)
     else:
         decode_v(raw, out)
+
+
+# [Note: stored moment layout]
+# One moment shard as the store keeps it and a checkpoint writes it ("stored form"): the
+# shard's ``numel`` elements in pieces of ``piece_numel`` (the last one shorter; the tiered
+# store's pieces, offload.optimizer.chunk_numel when streamed from NVMe), each piece
+# ``moment_nbytes(its numel)`` bytes, the pieces' bytes concatenated in element order:
+#   fp32  float32[numel]
+#   bf16  bf16[numel] as bytes (2 * numel)
+#   int8  per piece of n elements at byte b: codes uint8[n] at b, zero padding to a multiple
+#         of 4 bytes, then fp32 scales[ceil(n / block)] at b + 4 * ceil(n / 4); block k of a
+#         piece that starts at element lo covers elements lo + k * block .. + block - 1
+# fp32 and bf16 are element-wise, so pieces change nothing and their layout is one piece;
+# int8 blocks restart at every piece, so its bytes depend on where pieces (and shards) start.
+# The same layout (precision, numel, piece_numel) means the same bytes mean the same values.
+@dataclass(frozen=True)
+class StoredLayout:
+    """How a moment shard is stored ([Note: stored moment layout])."""
+
+    precision: str
+    numel: int
+    piece_numel: int  # numel for fp32 / bf16 (element-wise) and for a shard in one piece
+
+    @staticmethod
+    def of(precision: str, numel: int, piece_numel: int | None = None) -> StoredLayout:
+        check_precision(precision)
+        whole = precision != "int8" or not piece_numel or piece_numel >= numel
+        return StoredLayout(precision, numel, numel if whole else int(piece_numel or numel))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return moment_dtype(self.precision)
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements of the stored tensor (fp32 values, or bytes)."""
+        return self.numel if self.precision == "fp32" else self.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b - a for _, _, a, b in self.pieces())
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """(first element, end, first byte, end byte) of each piece."""
+        out, pos = [], 0
+        step = max(self.piece_numel, 1)
+        for lo in range(0, self.numel, step):
+            hi = min(self.numel, lo + step)
+            nb = moment_nbytes(hi - lo, self.precision)
+            out.append((lo, hi, pos, pos + nb))
+            pos += nb
+        return out
+
+    def decode(self, kind: str, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """The stored form of moment ``kind`` -> fp32 ``out`` (numel elements; exact)."""
+        if self.precision == "fp32":
+            out.copy_(stored)
+            return
+        for lo, hi, a, b in self.pieces():
+            decode(kind, stored[a:b], out[lo:hi], self.precision)
+
+    def encode(self, kind: str, value: torch.Tensor, out: torch.Tensor, *, seed: int = 0) -> None:
+        """fp32 ``value`` -> the stored form ``out`` (bf16 rounding bits of ``seed`` by each
+        element's index in the shard, as the store encodes)."""
+        if self.precision == "fp32":
+            out.copy_(value)
+            return
+        for lo, hi, a, b in self.pieces():
+            encode(kind, value[lo:hi], out[a:b], self.precision, seed=seed, offset=lo)
+
+    def describe(self) -> str:
+        if self.precision != "int8" or self.piece_numel == self.numel:
+            return self.precision
+        return f"{self.precision} in pieces of {self.piece_numel}"
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"precision": self.precision, "numel": self.numel,
+                               "piece_numel": self.piece_numel, "nbytes": self.nbytes}
+        if self.precision == "int8":
+            out["block"] = BLOCK
+        return out
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> StoredLayout:
+        """A saved layout, checked: a block size or byte count this codec does not produce
+        means bytes it cannot decode (ValueError naming both)."""
+        lay = StoredLayout.of(str(d["precision"]), int(d["numel"]), int(d["piece_numel"]))
+        if lay.precision == "int8" and int(d.get("block", BLOCK)) != BLOCK:
+            raise ValueError(f"int8 moments stored in blocks of {d['block']} elements; this "
+                             f"tierzero decodes blocks of {BLOCK}")
+        if int(d["nbytes"]) != lay.nbytes:
+            raise ValueError(f"{lay.describe()} moments of {lay.numel} elements take "
+                             f"{lay.nbytes} bytes; the layout says {d['nbytes']}")
+        return lay

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.offload.settings import TENSOR_CLASSES, TensorClass
+from tierzero.offload.state_codec import StoredLayout
 
 
 @dataclass
@@ -109,6 +110,20 @@ class ShardStore:
         be written, so a tiered store need not read it)."""
         del writable, compute, overwrite  # every tensor here is the authoritative copy
         yield self.tensor(key, kind)
+
+    def moment_layout(self, key: str, kind: TensorClass) -> StoredLayout:
+        """How moment `kind` of group `key` is stored ([Note: stored moment layout] in
+        offload/state_codec.py): fp32, one piece, here."""
+        return StoredLayout.of("fp32", self.tensor(key, kind).numel())
+
+    @contextmanager
+    def use_stored(self, key: str, kind: TensorClass, *,
+                   overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """Moment `kind` in its stored form (`moment_layout`), on its home tier, for the
+        block (checkpoints copy these bytes as they are); `overwrite`: the block writes
+        every byte."""
+        with self.use(key, kind, compute=False, writable=overwrite, overwrite=overwrite) as t:
+            yield t
 
     # -- gradients zeroed by the first reduction ---------------------------------------
     def mark_grads_zeroed(self, keys: Iterable[str]) -> None:

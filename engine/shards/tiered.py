@@ -48,7 +48,7 @@ from tierzero.offload import (
 from tierzero.offload.adam_stream import param16_assembly_bytes, piece_bytes
 from tierzero.offload.host_ring import page_up
 from tierzero.offload.settings import TENSOR_CLASSES, OffloadDevice, TensorClass, Tier
-from tierzero.offload.state_codec import decode, encode, moment_nbytes
+from tierzero.offload.state_codec import StoredLayout, decode, encode, moment_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -563,6 +563,44 @@ class TieredShardStore(ShardStore):
                     mgr.write_from(mkey, buf).wait()
                 finally:
                     mgr.host_free(buf)
+        finally:
+            mgr.host_free(whole)
+
+    def moment_layout(self, key: str, kind: TensorClass) -> StoredLayout:
+        """How moment `kind` of `key` is stored: state_precision, in this store's pieces
+        ([Note: stored moment layout] in offload/state_codec.py)."""
+        self._check(key, kind)
+        pieces = self.pieces(key, kind)
+        return StoredLayout.of(self.state_precision if self.compressed(kind) else "fp32",
+                               self.numel(key), pieces[0][2] - pieces[0][1])
+
+    @contextmanager
+    def use_stored(self, key: str, kind: TensorClass, *,
+                   overwrite: bool = False) -> Iterator[torch.Tensor]:
+        """A compressed moment's stored bytes, every piece's in order, in one host buffer
+        (read piece by piece; written back piece by piece when `overwrite`): what a
+        checkpoint holds, with no decoding. Other kinds: `use(compute=False)`."""
+        if not self.compressed(kind) or (key, kind) in self._views:
+            with self.use(key, kind, compute=False, writable=overwrite,
+                          overwrite=overwrite) as t:
+                yield t
+            return
+        mgr, byte_ranges, pos = self._mgr(), [], 0
+        for mkey, lo, hi in self.pieces(key, kind):  # each piece's bytes, in element order
+            nb = moment_nbytes(hi - lo, self.state_precision)
+            byte_ranges.append((mkey, pos, pos + nb))
+            pos += nb
+        whole = mgr.host_empty(pos, torch.uint8, purpose="shard_assembly")
+        try:
+            if not overwrite:
+                reads = [mgr.read_into(mkey, whole[a:b]) for mkey, a, b in byte_ranges]
+                for r in reads:
+                    r.wait()
+            yield whole
+            if overwrite:
+                writes = [mgr.write_from(mkey, whole[a:b]) for mkey, a, b in byte_ranges]
+                for w in writes:
+                    w.wait()
         finally:
             mgr.host_free(whole)
 
