@@ -40,9 +40,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+from .state_codec import StoredLayout
 
 
 class TrainingStateError(RuntimeError):
@@ -96,6 +98,20 @@ class TensorSource(Protocol):
     """Saved per-element state of one group, read on demand into a tensor of its size."""
 
     def read_into(self, out: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class StoredSource(Protocol):
+    """A saved moment that may also be read in its stored form ([Note: stored moment
+    layout] in offload/state_codec.py): `read_into` gives its fp32 values (decoded);
+    `stored_as()` is the layout in which its bytes can be copied as they are (None: only
+    decoded), and `read_stored_into` copies them."""
+
+    def read_into(self, out: torch.Tensor) -> None: ...
+
+    def stored_as(self) -> StoredLayout | None: ...
+
+    def read_stored_into(self, out: torch.Tensor) -> None: ...
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tierzero.engine.checkpoint.io import ST_DTYPES, crc32, file_digest
+from tierzero.offload.state_codec import StoredLayout
 
 FORMAT = "tierzero-checkpoint"
 VERSION = 1
@@ -89,19 +90,32 @@ class GroupLayout:
     numel: int  # unpadded
     params: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (name, shape, offset, numel)
     kinds: tuple[str, ...]  # the shard kinds stored for this group
+    # How each rank's exp_avg / exp_avg_sq tensor is stored ([Note: compressed moments in
+    # checkpoints]); None: no moments, or a checkpoint from before the field (fp32 then)
+    moments: StoredLayout | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"key": self.key, "trainable": self.trainable, "shard_numel": self.shard_numel,
-                "numel": self.numel, "kinds": list(self.kinds),
-                "params": [[n, list(s), o, c] for n, s, o, c in self.params]}
+        out = {"key": self.key, "trainable": self.trainable, "shard_numel": self.shard_numel,
+               "numel": self.numel, "kinds": list(self.kinds),
+               "params": [[n, list(s), o, c] for n, s, o, c in self.params]}
+        if self.moments is not None:
+            out["moments"] = self.moments.as_json()
+        return out
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> GroupLayout:
+        moments = d.get("moments")
         return GroupLayout(d["key"], bool(d["trainable"]), int(d["shard_numel"]),
                            int(d["numel"]),
                            tuple((str(n), tuple(int(x) for x in s), int(o), int(c))
                                  for n, s, o, c in d["params"]),
-                           tuple(d["kinds"]))
+                           tuple(d["kinds"]),
+                           StoredLayout.from_json(moments) if moments is not None else None)
+
+    def saved_moments(self) -> StoredLayout:
+        """How the moment tensors are laid out in the rank files (fp32 when the manifest
+        predates the field: older checkpoints held the moments decoded)."""
+        return self.moments or StoredLayout.of("fp32", self.shard_numel)
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -267,6 +281,40 @@ class RankFiles:
             dtype = pieces[0].dtype if pieces else torch.float32
             pieces.append(torch.zeros(stop - pos, dtype=dtype))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def read_moment_range(self, group: GroupLayout, kind: str, start: int,
+                          stop: int) -> torch.Tensor:
+        """Elements [start, stop) of moment `kind`'s full buffer decoded to fp32: each saved
+        piece that holds some of them is read whole and decoded ([Note: stored moment
+        layout] in offload/state_codec.py); past the saved padding, zeros."""
+        lay = group.saved_moments()
+        if lay.precision == "fp32":
+            return self.read_range(group, kind, start, stop)
+        s = group.shard_numel
+        out = torch.zeros(stop - start, dtype=torch.float32)
+        name = shard_name(group.key, kind)
+        for rank in range(start // s, min(self.world_size, -(-stop // s))):
+            base = rank * s
+            for lo, hi, a, b in lay.pieces():
+                lo_, hi_ = max(base + lo, start), min(base + hi, stop)
+                if lo_ >= hi_:
+                    continue
+                try:
+                    sl = self.handle(rank).get_slice(name)
+                    shape = list(sl.get_shape())
+                    if shape != [lay.stored_numel]:
+                        raise ValueError(f"shape {shape}, the manifest's layout "
+                                         f"{lay.describe()} needs [{lay.stored_numel}]")
+                    raw = sl[a:b]
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointError(f"{self.path / rank_file(rank)}: cannot read "
+                                          f"{name!r} bytes [{a}:{b}] ({exc})") from exc
+                piece = torch.empty(hi - lo, dtype=torch.float32)
+                StoredLayout.of(lay.precision, hi - lo).decode(kind, raw, piece)
+                out[lo_ - start:hi_ - start] = piece[lo_ - base - lo:hi_ - base - lo]
+        return out
 
     def close(self) -> None:
         self._open.clear()

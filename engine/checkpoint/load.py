@@ -6,7 +6,8 @@ bytes are used; the model layout is compared with the saved one first, so a
 mismatch changes nothing. At the saved world size each rank reads only its
 own file; at another world size each rank reads its new slice of every
 group's full buffer from the saved ranks that hold it (resharding is exact:
-every saved kind is element-wise).
+every saved kind is element-wise, except int8 moments, decoded and re-encoded at the new
+block boundaries: [Note: compressed moments in checkpoints] in save.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tierzero.engine.checkpoint.save import (
 from tierzero.engine.checkpoint.state import OPTIM_PREFIX, restore_engine_state, restore_rng
 from tierzero.engine.progress import progress_bar
 from tierzero.engine.step.device import MOMENT_KINDS
+from tierzero.offload.state_codec import StoredLayout
 from tierzero.offload.step_seam import GroupState
 
 if TYPE_CHECKING:
@@ -106,13 +108,9 @@ def load_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
                     world, saved_world)
     if CLIENT_STATE in manifest["files"]:
         names.append(CLIENT_STATE)
-    saved_prec = manifest.get("state_precision", "fp32")  # absent: saved before it existed
-    run_prec = eng.config.offload.optimizer.state_precision
-    if saved_prec != run_prec and rank == 0:
-        log.warning("%s kept its Adam moments as %s, this run keeps them as %s: they are "
-                    "converted on load (%s; [Note: compressed moments in checkpoints])", path,
-                    saved_prec, run_prec, "exact" if run_prec == "fp32" else
-                    f"rounded once to {run_prec}")
+    if rank == 0:
+        _log_moment_conversion(path, manifest, saved, group_layouts(eng, with_grad=False),
+                               same_world)
     error = None
     try:  # every rank's files are checked before any rank changes anything
         _check_files(path, manifest, names, verify)
@@ -139,6 +137,41 @@ def load_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     log.info("checkpoint %s loaded (saved by %d ranks, step %d)", path, saved_world,
              eng.global_steps)
     return path, client
+
+
+def _log_moment_conversion(path: Path, manifest: dict[str, Any], saved: list[GroupLayout],
+                            mine: list[GroupLayout], same_world: bool) -> None:
+    """One warning when the moments are not copied as they are: what they were saved as,
+    what this run keeps, and whether the conversion is exact ([Note: compressed moments in
+    checkpoints] in save.py)."""
+    pairs = [(s.saved_moments(), m.moments) for s, m in zip(saved, mine, strict=True)
+             if s.trainable and m.moments is not None]
+    changed = [(a, b) for a, b in pairs if not same_world or a != b]
+    if not changed:
+        return
+    a, b = changed[0]
+    if a.precision == b.precision != "int8":
+        return  # fp32 / bf16 resliced: element-wise, exact (the reshard warning says so)
+    kept = manifest.get("state_precision", "fp32")
+    old = kept != "fp32" and all(s.moments is None for s in saved if s.trainable)
+    if b.precision == "fp32":
+        how = "decoded, exact"
+    elif old and kept == b.precision:
+        how = ("the files hold them decoded to fp32 (written before compressed moments were "
+               f"saved as kept): encoded to {b.precision} again, exact where this run's "
+               "blocks start where the saving run's did")
+    elif a.precision == b.precision:
+        where = (f"saved by {manifest['world_size']} ranks" if not same_world else
+                 f"saved as {a.describe()}, kept as {b.describe()}")
+        how = (f"decoded and encoded again at this run's block boundaries ({where}): "
+               f"rounded once to {b.precision}")
+    else:
+        how = (f"{'decoded from ' + a.precision + ', ' if a.precision != 'fp32' else ''}"
+               f"rounded once to {b.precision}")
+    log.warning("%s kept its Adam moments as %s, this run keeps them as %s: they are "
+                "converted on load in %d of %d groups (%s; [Note: compressed moments in "
+                "checkpoints])", path, kept if old else a.precision, b.precision,
+                len(changed), len(pairs), how)
 
 
 def _check_files(path: Path, manifest: dict[str, Any], names: list[str], verify: bool) -> None:
@@ -210,8 +243,9 @@ def _optim_names(files: RankFiles, rank: int, key: str) -> list[str]:
 
 @dataclass(frozen=True)
 class _Saved:
-    """One saved shard of this rank's group, read on demand (offload.step_seam.TensorSource):
-    from this rank's file at the saved world size, else its new slice of the saved ranks'."""
+    """One saved shard of this rank's group, read on demand (offload.step_seam.TensorSource,
+    and StoredSource for the moments): from this rank's file at the saved world size, else
+    its new slice of the saved ranks'."""
 
     files: RankFiles
     lay: GroupLayout
@@ -221,11 +255,23 @@ class _Saved:
     numel: int  # this rank's shard
 
     def read_into(self, out: torch.Tensor) -> None:
-        if self.same_world:
+        """The values (a moment decoded to fp32)."""
+        moment = self.kind in MOMENT_KINDS
+        if self.same_world and (not moment or self.lay.saved_moments().precision == "fp32"):
             self.files.read_into(self.rank, shard_name(self.lay.key, self.kind), out)
+        elif moment:
+            lo = self.rank * self.numel
+            out.copy_(self.files.read_moment_range(self.lay, self.kind, lo, lo + self.numel))
         else:
             lo = self.rank * self.numel
             out.copy_(self.files.read_range(self.lay, self.kind, lo, lo + self.numel))
+
+    def stored_as(self) -> StoredLayout | None:
+        """A moment's saved layout when this rank's saved tensor is its whole shard."""
+        return self.lay.saved_moments() if self.same_world else None
+
+    def read_stored_into(self, out: torch.Tensor) -> None:
+        self.files.read_into(self.rank, shard_name(self.lay.key, self.kind), out)
 
 
 def _restore_buffers(eng: ZeroEngine, files: RankFiles) -> None:

@@ -11,12 +11,15 @@
         manifest.json            written last inside .partial, by rank 0: format, version,
                                  tag, world size, compute dtype, every flat group's layout
                                  (key, shard size, parameter names/shapes/offsets, stored
-                                 kinds), the model's parameter order, engine state, config,
+                                 kinds, the moments' stored layout), the model's parameter
+                                 order, engine state, config,
                                  each file's bytes + CRC-32, and "manifest_crc32": the
                                  CRC-32 of all of that (checkpoint_layout.manifest_checksum)
         rank00000.safetensors    rank r's shards, one tensor per (group, kind), named
         rank00001.safetensors    "<group key>::<kind>" (1D, shard_numel elements):
-        ...                        trainable: master, exp_avg, exp_avg_sq (fp32), grad only
+        ...                        trainable: master, exp_avg, exp_avg_sq (fp32, or their
+                                   stored bytes with state_precision bf16 / int8: [Note:
+                                   compressed moments in checkpoints]), grad only
                                    when saved mid-accumulation, optim.<name> for other
                                    per-element optimizer state; frozen: param16.
                                  "rng::torch" / "rng::cuda" (uint8 RNG states); rank 0 also
@@ -38,13 +41,21 @@ for all ranks (every rank writes into the same directory).
 
 [Note: compressed moments in checkpoints]
 With offload.optimizer.state_precision bf16 / int8 the moments are kept compressed
-(offload/state_codec.py). A checkpoint stores them as their decoded fp32 values (the
-store's use() decodes) and the manifest's "state_precision" says how they were kept.
-Decoding is exact and encoding a decoded value gives it back ([Note: 8-bit moment codes]),
-so a resume with the same precision continues bit for bit; the files keep the fp32
-layout, so resharding to another world size, loading into a run of another precision
-(logged: into fp32 it is exact, into a coarser format the moments are rounded once) and
-`consolidate` work unchanged. The checkpoint is therefore not smaller than an fp32 one.
+(offload/state_codec.py). A checkpoint stores them as they are kept: each rank's
+"<key>::exp_avg" / "::exp_avg_sq" is the store's bytes (uint8, the pieces' bytes in
+order, streamed one shard at a time through `ShardStore.use_stored`, no decoding), and the
+group's "moments" entry in the manifest gives the layout ([Note: stored moment layout] in
+offload/state_codec.py: precision, numel, piece_numel, block, nbytes), enough to decode
+without the run's config; the manifest's "state_precision" says how the run kept them.
+fp32 moments are written as before (float32, "moments" precision fp32).
+Load copies the bytes as they are when the layout is this run's and the world size is
+the saved one (bit-exact resume). Otherwise the moments are decoded (state_codec, exact)
+and the store encodes them in its own layout, logged once: into fp32 that is exact, bf16
+resliced to another world size is exact (element-wise), int8 at other block boundaries
+(another world size or piece size) and a coarser precision are rounded once.
+A checkpoint whose groups have no "moments" entry (written before this format) holds the
+moments decoded to fp32 whatever its "state_precision" says, and loads as fp32 ones do.
+`consolidate` reads master / param16 only: the moments' format does not concern it.
 
 Parameter names and the flat layout follow [Note: flat layout] in
 engine/shards/flat.py; group keys are `FlatGroup.key`.
@@ -58,7 +69,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,12 +128,19 @@ def shard_use(store: ShardStore, key: str, kind: str, *, writable: bool = False,
 
 @dataclass(frozen=True)
 class ShardRef:
-    """A shard written straight from the store at write time (no copy): key, kind, layout."""
+    """A shard written straight from the store at write time (no copy): key, kind, layout;
+    `stored`: a moment, written in its stored form (`ShardStore.use_stored`)."""
 
     key: str
     kind: str
     dtype: torch.dtype
     numel: int
+    stored: bool = False
+
+    def use(self, store: ShardStore) -> AbstractContextManager[torch.Tensor]:
+        if self.stored:
+            return store.use_stored(self.key, self.kind)  # type: ignore[arg-type]
+        return shard_use(store, self.key, self.kind)
 
 
 def gather_objects(eng: ZeroEngine, value: Any) -> list[Any]:
@@ -165,8 +183,10 @@ def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
             else:
                 kinds = ["param16"]
             params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
+            moments = next((eng.store.moment_layout(g.key, k)
+                            for k in kinds if k in ("exp_avg", "exp_avg_sq")), None)
             out.append(GroupLayout(g.key, g.trainable, g.shard_numel, g.numel, params,
-                                   tuple(kinds)))
+                                   tuple(kinds), moments))
     return out
 
 
@@ -198,8 +218,11 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
         for kind in lay.kinds:
             dtype = eng.dtype if kind == "param16" else torch.float32
             ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
+            if lay.moments is not None and kind in ("exp_avg", "exp_avg_sq"):
+                ref = ShardRef(lay.key, kind, lay.moments.dtype, lay.moments.stored_numel,
+                               stored=True)
             if snapshot:  # a consistent copy the next step cannot change
-                with shard_use(store, lay.key, kind) as t:
+                with ref.use(store) as t:
                     tensors.append((shard_name(lay.key, kind), t.detach().to("cpu", copy=True)))
             else:
                 tensors.append((shard_name(lay.key, kind), ref))
@@ -245,7 +268,7 @@ def _write_rank_file(path: Path, payload: RankPayload, desc: str) -> dict[str, i
             if isinstance(t, torch.Tensor):
                 w.write(n, t)
             else:  # streamed from the store, one shard at a time
-                with shard_use(payload.store, t.key, t.kind) as shard:
+                with t.use(payload.store) as shard:
                     w.write(n, shard)
             bar.update(e.nbytes)
     digest = w.close()

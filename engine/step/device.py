@@ -19,7 +19,7 @@ import torch
 from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload.settings import TensorClass
-from tierzero.offload.step_seam import GroupState, StoreTensor, TensorSource
+from tierzero.offload.step_seam import GroupState, StoredSource, StoreTensor, TensorSource
 
 # per-element optimizer state the shard store keeps for every trainable group
 MOMENT_KINDS: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
@@ -243,12 +243,19 @@ def store_moments(store: ShardStore, key: str) -> dict[str, Any]:
 
 def load_store_moments(store: ShardStore, key: str, group: GroupState) -> None:
     """Read the saved moments of group `key` into the store's shards, one at a time, on
-    their home tier (every element is replaced: an NVMe shard's old bytes are not read)."""
+    their home tier (every element is replaced: an NVMe shard's old bytes are not read):
+    as stored bytes when the source's layout is the store's, else as fp32 values that the
+    store encodes ([Note: compressed moments in checkpoints])."""
     for kind, source in group.shards.items():
         if kind not in MOMENT_KINDS or not store.has(key, kind):
             raise CheckpointError(f"checkpoint holds shard {kind!r} of group {key!r}, which "
                                   "the shard store does not keep as optimizer state")
-        with store.use(key, kind, overwrite=True, compute=False) as t:
+        stored = source.stored_as() if isinstance(source, StoredSource) else None
+        if stored is not None and stored == store.moment_layout(key, kind):
+            with store.use_stored(key, kind, overwrite=True) as t:  # the bytes as they are
+                source.read_stored_into(t)
+            continue
+        with store.use(key, kind, overwrite=True, compute=False) as t:  # fp32, encoded on exit
             read: TensorSource = source
             read.read_into(t)
 
