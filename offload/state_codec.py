@@ -45,8 +45,9 @@ precision, not the same absolute one). Choices, and why:
   (tables: code value / top value, so the top code decodes to the scale exactly). So
   (a) the C kernel and this module agree bit for bit, and (b) encoding decoded values
   gives back the same codes and scales (the maximum decodes exactly, every other value
-  to within two ulps of its code), which makes a checkpoint of decoded fp32 moments
-  resume bit-exactly. Stochastic rounding was tried for int8 too: it is unbiased, but
+  to within two ulps of its code), which makes decoded fp32 moments (a checkpoint from
+  before checkpoints held the stored bytes) resume bit-exactly at the same block
+  boundaries. Stochastic rounding was tried for int8 too: it is unbiased, but
   with beta2 = 0.999 its per-step noise (a code step) performs a random walk that the
   0.1 % pull of the average barely damps (v off by up to 146 % in the same test).
 - ``BLOCK`` = 256: the range a block needs is what the code's 15-16 binades give;

@@ -54,7 +54,9 @@ and the store encodes them in its own layout, logged once: into fp32 that is exa
 resliced to another world size is exact (element-wise), int8 at other block boundaries
 (another world size or piece size) and a coarser precision are rounded once.
 A checkpoint whose groups have no "moments" entry (written before this format) holds the
-moments decoded to fp32 whatever its "state_precision" says, and loads as fp32 ones do.
+moments decoded to fp32 whatever its "state_precision" says: they load as fp32 moments
+(encoded again by a compressing run: the same bytes where its blocks start where the
+saving run's did).
 `consolidate` reads master / param16 only: the moments' format does not concern it.
 
 Parameter names and the flat layout follow [Note: flat layout] in

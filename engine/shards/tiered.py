@@ -11,7 +11,8 @@ Homes per tensor class:
 Moments kept compressed (offload.optimizer.state_precision bf16 / int8, see
 offload/state_codec.py) are uint8 manager keys of state_codec.moment_nbytes(numel) bytes:
 the CPU Adam reads and writes them at that size; `use()` hands everyone else the decoded
-fp32 values (and encodes them back when writable), `use(raw=True)` the stored bytes.
+fp32 values (and encodes them back when writable), `use(raw=True)` the stored bytes of
+one piece, `use_stored()` every piece's (checkpoints).
 Manager keys are "<group key>:<class>"; master and moments streamed from NVMe in several
 pieces (offload.optimizer.chunk_numel, [Note: optimizer state in chunks] in
 offload/adam_stream.py) are "<group key>:<class>@<first element>" per piece.
