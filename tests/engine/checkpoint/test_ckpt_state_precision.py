@@ -309,3 +309,27 @@ def test_consolidate_does_not_need_the_moments(tmp_path: Path) -> None:
     sd = engine.consolidate(tmp_path / "ck")
     assert want.keys() <= sd.keys()
     assert all(torch.equal(sd[k].to(torch.bfloat16).float(), want[k]) for k in want)
+
+
+def test_stored_layout_pieces_and_manifest_checks() -> None:
+    """int8 keeps its pieces (blocks restart at each); fp32 / bf16 are one piece; a layout
+    this codec cannot have produced is refused, naming both values."""
+    lay = sc.StoredLayout.of("int8", 2500, CHUNK)
+    assert [p[:2] for p in lay.pieces()] == [(0, 1000), (1000, 2000), (2000, 2500)]
+    assert lay.nbytes == 2 * sc.moment_nbytes(1000, "int8") + sc.moment_nbytes(500, "int8")
+    assert sc.StoredLayout.of("bf16", 2500, CHUNK).pieces() == [(0, 2500, 0, 5000)]
+    assert sc.StoredLayout.from_json(lay.as_json()) == lay
+    with pytest.raises(ValueError, match="blocks of 128 elements; this tierzero decodes"):
+        sc.StoredLayout.from_json({**lay.as_json(), "block": 128})
+    with pytest.raises(ValueError, match=f"take {lay.nbytes} bytes; the layout says 7"):
+        sc.StoredLayout.from_json({**lay.as_json(), "nbytes": 7})
+    x = torch.randn(2500).abs()
+    raw = torch.empty(lay.nbytes, dtype=torch.uint8)
+    lay.encode("exp_avg_sq", x, raw)
+    back = torch.empty(2500)
+    lay.decode("exp_avg_sq", raw, back)
+    for lo, hi, a, b in lay.pieces():  # each piece is the codec's encoding of its elements
+        want = torch.empty(b - a, dtype=torch.uint8)
+        sc.encode("exp_avg_sq", x[lo:hi], want, "int8")
+        assert torch.equal(raw[a:b], want)
+    assert float(((back - x) / x).abs().max()) < 0.07
