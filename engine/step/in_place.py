@@ -12,8 +12,8 @@ step/offloaded.py):
     worker thread                          | adam 5 ...........| adam 4 ....
     step()                      wait for the worker, then the groups never handed over
 
-`begin()` takes the hyper-parameters; `submit(keys)` hands the groups of a unit whose
-gradient shards are final (OffloadedStep.groups_final) to one worker thread, which runs the
+`begin()` takes the hyper-parameters; `groups_final(keys)` hands the groups of a unit
+whose gradient shards are final (OffloadedStep.groups_final) to one worker thread, which runs the
 same kernel on them in submission order; `finish()` waits for the worker, raises its
 failure (naming the group), and updates on the caller's thread whatever was not handed
 over. The kernel is elementwise, so which thread updates a group, and when, changes no
@@ -176,7 +176,14 @@ class OverlapClock:
 
 
 class InPlaceStep:
-    """Adam in place over host-homed groups; see [Note: in-place early step]."""
+    """Adam in place over host-homed groups; see [Note: in-place early step]. A
+    `ShardUpdater` ([Note: shard updaters] in offload/step_seam.py) that measures and
+    defers, with no step order of its own."""
+
+    # capabilities ([Note: shard updaters])
+    measures = True
+    defers = True
+    has_order = False  # construction order after backward, handed-over order during it
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *,
                  shadow: torch.dtype | None, threads: AdamThreads) -> None:
@@ -208,6 +215,7 @@ class InPlaceStep:
 
     # -- the whole step after backward -------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
+        """Every group, in construction order, on the caller's thread."""
         t0 = time.perf_counter()
         compute = sum(self.update(k, hyper, step, grad_scale, self._threads)
                       for k in self._keys)
@@ -275,10 +283,10 @@ class InPlaceStep:
             self._close_during()
         return self._worker
 
-    def submit(self, keys: Sequence[str]) -> None:
+    def groups_final(self, keys: Sequence[str]) -> None:
         """These groups' gradients are final: the worker updates them, in this order."""
         if self._open is None or self._worker is None:
-            raise RuntimeError("InPlaceStep.submit() without begin()")
+            raise RuntimeError("InPlaceStep.groups_final() without begin()")
         fresh = [k for k in keys if k not in self._submitted]
         if not fresh:
             return
@@ -310,6 +318,22 @@ class InPlaceStep:
             with self._lock:
                 self._done.add(key)
         return compute
+
+    @property
+    def order(self) -> list[str]:
+        """Construction order: `run_all`'s (and `finish`'s for the groups not handed over)."""
+        return list(self._keys)
+
+    def set_order(self, keys: Sequence[str]) -> bool:
+        """No step order to change (`has_order` False): False."""
+        return False
+
+    def flush(self) -> None:
+        """Nothing to wait for: every update writes its shards before it returns."""
+
+    def worker_times(self) -> tuple[float, float]:
+        """The worker's cumulative (seconds, of which hidden under compute): OverlapClock."""
+        return self.clock.totals()
 
     def settle(self) -> None:
         """Wait until the worker has run every group handed to it so far."""

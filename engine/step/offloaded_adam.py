@@ -171,7 +171,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         """These groups' gradients are final for this step: update what can be updated
         (streamed: now, on this thread; in place: handed to the step's worker thread)."""
         if self._in_place is not None:
-            self._in_place.submit(keys)
+            self._in_place.groups_final(keys)
             return
         self._need_stream().mark_final([self._index[k] for k in keys])
 

@@ -1,0 +1,140 @@
+"""The CPU Adam step on optimizer state homed off the host: offload.AdamStream by group key.
+
+`StreamedStep` is the `ShardUpdater` ([Note: shard updaters] in offload/step_seam.py)
+that OffloadedAdam holds when the state is on NVMe (or placed by the planner): it builds
+the one `AdamStream` of the run from the store's keys and pieces and speaks of group keys
+where the stream speaks of shard positions. The stream updates on the caller's thread,
+in a step order; it neither measures gradients beside backward nor defers the update
+([Note: deferred step] in step/in_place.py says why not yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from tierzero.engine.shards.tiered import TieredShardStore
+from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
+from tierzero.offload.settings import TensorClass
+from tierzero.offload.step_seam import GradMeasure, unsupported
+
+_NAME = "the streamed optimizer step (optimizer state off the host)"
+_FIX = ("ask the capability first (OffloadedAdam.can_defer): with optimizer state off the "
+        "host, gradients are measured and the update runs in step(), after backward")
+
+
+def _zip_pieces(store: TieredShardStore, key: str
+                ) -> list[tuple[int, int, tuple[tuple[str, int, int], ...]]]:
+    """(lo, hi, the master / exp_avg / exp_avg_sq piece) for each piece of group ``key``."""
+    per = [store.pieces(key, kind) for kind in ("master", "exp_avg", "exp_avg_sq")]
+    return [(m[1], m[2], (m, a, v)) for m, a, v in zip(*per, strict=True)]
+
+
+class StreamedStep:
+    """One AdamStream over every trainable group; see [Note: streamed optimizer step]."""
+
+    # capabilities ([Note: shard updaters])
+    measures = False
+    defers = False
+    has_order = True
+
+    def __init__(self, store: TieredShardStore, keys: Sequence[str], *, order: Sequence[str],
+                 buffer_bytes: int, shadow: torch.dtype | None, threads: AdamThreads) -> None:
+        """order: the first step order (every key once); buffer_bytes: the host ring
+        (TieredShardStore.pipeline_bytes()); shadow, threads: as InPlaceStep's."""
+        manager = store.manager
+        if manager is None:
+            raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
+        self._keys = list(keys)
+        self._index = {k: i for i, k in enumerate(self._keys)}
+        names: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq")
+        # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
+        # state in chunks] in offload/adam_stream.py): one list of pieces per group
+        chunks = [[(lo, hi, {str(c): mkey for c, (mkey, _, _) in zip(
+                      names, pieces, strict=True)})
+                   for lo, hi, pieces in _zip_pieces(store, k)] for k in self._keys]
+        self.stream = AdamStream(
+            manager, [{n: store.manager_key(k, n) for n in ("grad", "param16")}
+                      for k in self._keys],
+            [store.numel(k) for k in self._keys], order=self._indices(order),
+            buffer_bytes=buffer_bytes,
+            chunks=chunks,
+            shadow=shadow, threads=threads,
+            # zero_grad() follows every step: a consumed gradient is never read again
+            # ([Note: gradient home] in engine/shards/tiered.py)
+            consume_grads=True, state=store.state_precision)
+
+    def _indices(self, keys: Sequence[str]) -> list[int]:
+        return [self._index[k] for k in keys]
+
+    # -- the step ---------------------------------------------------------------------------
+    def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
+        return self.stream.step(hyper, step, grad_scale)
+
+    @property
+    def is_open(self) -> bool:
+        return self.stream.is_open
+
+    def begin(self, hyper: AdamHyper, step: float) -> None:
+        self.stream.begin(hyper, step)
+
+    def groups_final(self, keys: Sequence[str]) -> None:
+        """Updated now, on this thread, in step order as far as the final groups reach."""
+        self.stream.mark_final(self._indices(keys))
+
+    def finish(self) -> PipelineStats:
+        return self.stream.finish()
+
+    def abort(self) -> int:
+        return self.stream.abort()
+
+    @property
+    def order(self) -> list[str]:
+        return [self._keys[i] for i in self.stream.order]
+
+    def set_order(self, keys: Sequence[str]) -> bool:
+        """A change drains the stream once (AdamStream.set_order)."""
+        return self.stream.set_order(self._indices(keys))
+
+    def settle(self) -> None:
+        """Nothing to wait for: the stream updates shards on the caller's thread."""
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    # -- no deferral, no measurement ([Note: shard updaters]) -------------------------------
+    def defer(self, hyper: AdamHyper, step: float, grad_scale: float,
+              order: Sequence[str]) -> None:
+        raise unsupported(_NAME, "defer()", "defers", _FIX)
+
+    @property
+    def deferred(self) -> bool:
+        return False
+
+    def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
+        """Nothing deferred: None at once."""
+        return None
+
+    def drain(self) -> PipelineStats | None:
+        """Nothing deferred: None at once."""
+        return None
+
+    def begin_measure(self) -> None:
+        raise unsupported(_NAME, "begin_measure()", "measures", _FIX)
+
+    def measure(self, keys: Sequence[str]) -> None:
+        raise unsupported(_NAME, "measure()", "measures", _FIX)
+
+    def forget_measured(self) -> None:
+        """Nothing measured: nothing to drop."""
+
+    def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure]:
+        raise unsupported(_NAME, "grad_stats()", "measures", _FIX)
+
+    def worker_times(self) -> tuple[float, float]:
+        """(0, 0): no worker thread; the kernel runs on the training thread."""
+        return 0.0, 0.0
+
+    def close(self) -> None:
+        self.stream.close()
