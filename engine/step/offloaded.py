@@ -25,8 +25,13 @@ from tierzero.engine.step.device import (
     store_moments,
 )
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
-from tierzero.engine.step.precision import GradStat
-from tierzero.offload.step_seam import STEP_TRANSITIONS, GroupState, StepState, transition
+from tierzero.offload.step_seam import (
+    STEP_TRANSITIONS,
+    GradMeasure,
+    GroupState,
+    StepState,
+    transition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +56,13 @@ class OffloadedStep:
                  fp16: bool) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
-        overlap = optimizer.can_begin_early and config.offload.optimizer.overlap_step
+        # both runners of the update can begin during backward ([Note: shard updaters])
+        overlap = config.offload.optimizer.overlap_step
         needs_every_grad = config.gradient_clipping > 0 or fp16
         self.enabled = overlap and not needs_every_grad
         # Clipping's norm or fp16's overflow check: measure during backward, update during
-        # the next forward ([Note: deferred step]); the streamed step updates after backward.
+        # the next forward ([Note: deferred step]) where the runner can (in place); the
+        # streamed step updates after backward.
         self.defers = overlap and needs_every_grad and optimizer.can_defer
         if self.defers:
             # nothing is updated during backward: a late gradient only makes its group's
@@ -104,7 +111,7 @@ class OffloadedStep:
         else:
             self.optimizer.groups_final(keys)
 
-    def grad_stats(self, redo: set[str]) -> dict[str, GradStat] | None:
+    def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure] | None:
         """The gradients measured during this boundary's backward (consumed), or None."""
         if self.state is not StepState.MEASURING:
             return None

@@ -14,24 +14,24 @@ first reads run, behind the next forward and backward. When the state is
 homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
 on it instead, group by group (no staging copies; engine/step/in_place.py). Either
 way the step can begin during backward (OffloadedStep in step/offloaded.py,
-offload.optimizer.overlap_step).
+offload.optimizer.overlap_step). The two are `ShardUpdater`s ([Note: shard updaters]
+in offload/step_seam.py): one is chosen in the constructor and every call goes to it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.in_place import InPlaceStep
-from tierzero.engine.step.precision import GradStat
+from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
-from tierzero.offload.settings import TensorClass
-from tierzero.offload.step_seam import StepOrder
+from tierzero.offload.step_seam import GradMeasure, ShardUpdater, StepOrder
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,6 @@ def threads_per_rank(world_size: int) -> int:
     default, all CPUs, oversubscribes the cores with several ranks per host)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
     return max(1, len(os.sched_getaffinity(0)) // max(1, local))
-
-
-def _zip_pieces(store: TieredShardStore, key: str
-                ) -> list[tuple[int, int, tuple[tuple[str, int, int], ...]]]:
-    """(lo, hi, the master / exp_avg / exp_avg_sq piece) for each piece of group ``key``."""
-    per = [store.pieces(key, kind) for kind in ("master", "exp_avg", "exp_avg_sq")]
-    return [(m[1], m[2], (m, a, v)) for m, a, v in zip(*per, strict=True)]
 
 
 class OffloadedAdam(torch.optim.Optimizer):
@@ -68,40 +61,25 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.last_stats: PipelineStats | None = None
         self._store = store
         self._keys = list(keys)
-        self._index = {k: i for i, k in enumerate(self._keys)}
         self.order = StepOrder(self._keys) if order is None else order
         dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
         # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
         # the master itself (written from it).
-        self._shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
-        names: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq", "grad", "param16")
-        manager = store.manager
-        if manager is None:
+        shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
+        if store.manager is None:
             raise RuntimeError("OffloadedAdam needs a finalized TieredShardStore")
         self._threads = AdamThreads(threads)
-        # Optimizer state homed in host memory is updated in place; on NVMe (or placed by
-        # the planner) it streams through the buffer sets, allocated once for the run.
-        self._in_place: InPlaceStep | None = None
-        self._stream: AdamStream | None = None
+        # The one runner of the update ([Note: shard updaters]): optimizer state homed in
+        # host memory is updated in place; on NVMe (or placed by the planner) it streams
+        # through the buffer sets, allocated once for the run.
+        self._runner: ShardUpdater
         if store.state_in_host():
-            self._in_place = InPlaceStep(store, self._keys, shadow=self._shadow,
-                                         threads=self._threads)
+            self._runner = InPlaceStep(store, self._keys, shadow=shadow,
+                                       threads=self._threads)
         else:
-            # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
-            # state in chunks] in offload/adam_stream.py): one list of pieces per group
-            chunks = [[(lo, hi, {str(c): mkey for c, (mkey, _, _) in zip(
-                          names[:3], pieces, strict=True)})
-                       for lo, hi, pieces in _zip_pieces(store, k)] for k in self._keys]
-            self._stream = AdamStream(
-                manager, [{n: store.manager_key(k, n) for n in ("grad", "param16")}
-                          for k in self._keys],
-                [store.numel(k) for k in self._keys], order=self.order.indices(),
-                buffer_bytes=buffer_bytes,
-                chunks=chunks,
-                shadow=self._shadow, threads=self._threads,
-                # zero_grad() follows every step: a consumed gradient is never read again
-                # ([Note: gradient home] in engine/shards/tiered.py)
-                consume_grads=True, state=store.state_precision)
+            self._runner = StreamedStep(store, self._keys, order=self.order.keys,
+                                        buffer_bytes=buffer_bytes, shadow=shadow,
+                                        threads=self._threads)
 
     @property
     def store(self) -> TieredShardStore:
@@ -120,143 +98,119 @@ class OffloadedAdam(torch.optim.Optimizer):
         A step begun during backward (begin_step) is finished here. `defer`: the worker
         runs the step group by group in this order while the caller goes on ([Note:
         deferred step]; `wait_groups` before a group is used, `drain` before anything
-        else touches shards)."""
+        else touches shards; only where `can_defer`)."""
         if closure is not None:
             raise ValueError("OffloadedAdam.step() takes no closure; the engine steps it")
         self.drain()  # a deferred update of the last step runs to the end first
         if defer is not None:
-            in_place = self._need_in_place()
-            hyper = self._hyper()
+            self._runner.defer(self._hyper(), float(self.steps + 1), grad_scale, defer)
             self.steps += 1
-            in_place.defer(hyper, float(self.steps), grad_scale, defer)
             return
         if self.step_open:
             if grad_scale != 1.0:
                 raise RuntimeError("OffloadedAdam: a step begun during backward cannot scale "
                                    "its gradients (clipping / fp16 disable begin_step)")
-            self.last_stats = (self._in_place.finish() if self._in_place is not None
-                               else self._need_stream().finish())
+            self.last_stats = self._runner.finish()
             return
         hyper = self._hyper()
         self.steps += 1
-        if self._in_place is not None:
-            self.last_stats = self._in_place.run_all(hyper, float(self.steps), grad_scale)
-            return
-        self.last_stats = self._need_stream().step(hyper, float(self.steps), grad_scale)
+        self.last_stats = self._runner.run_all(hyper, float(self.steps), grad_scale)
 
     # -- a step started while backward runs ([Note: streamed optimizer step],
     # [Note: in-place early step]) ----------------------------------------------------------
     @property
-    def can_begin_early(self) -> bool:
-        """Shards can be updated as they turn final (streamed, or in place on a worker)."""
-        return self._stream is not None or self._in_place is not None
-
-    @property
     def step_open(self) -> bool:
-        if self._in_place is not None:
-            return self._in_place.is_open
-        return self._stream is not None and self._stream.is_open
+        return self._runner.is_open
 
     def begin_step(self) -> None:
         """Start a step (unscaled gradients) with the current hyper-parameters; shards are
         updated as `groups_final` reports them, the rest by `step()`."""
-        hyper = self._hyper()
-        if self._in_place is not None:
-            self._in_place.begin(hyper, float(self.steps + 1))
-        else:
-            self._need_stream().begin(hyper, float(self.steps + 1))
+        self._runner.begin(self._hyper(), float(self.steps + 1))
         self.steps += 1
 
     def groups_final(self, keys: Sequence[str]) -> None:
         """These groups' gradients are final for this step: update what can be updated
         (streamed: now, on this thread; in place: handed to the step's worker thread)."""
-        if self._in_place is not None:
-            self._in_place.groups_final(keys)
-            return
-        self._need_stream().mark_final([self._index[k] for k in keys])
+        self._runner.groups_final(keys)
 
     def abort_step(self) -> int:
         """Abandon a step begun early (its backward failed): shards updated so far stay
         updated, each whole; returns their number."""
-        if self._in_place is not None:
-            return self._in_place.abort()
-        return 0 if self._stream is None else self._stream.abort()
+        return self._runner.abort()
 
     @property
     def step_order(self) -> list[str]:
-        """Group keys in the order the streamed step updates them (the construction
-        order for state updated in place, which has no order)."""
-        if self._stream is None:
-            return list(self._keys)
-        return [self._keys[i] for i in self._stream.order]
+        """Group keys in the order the step updates them (the construction order for
+        state updated in place, which has no order)."""
+        return self._runner.order
 
     def apply_step_order(self) -> bool:
         """The streamed step takes `order`'s current order from the next step on (state
-        updated in place has no order). Returns whether the stream's order changed."""
-        if self._stream is None:
-            return False
-        return self._stream.set_order(self.order.indices())
+        updated in place has no order). Returns whether the runner's order changed."""
+        return self._runner.set_order(self.order.keys)
 
     def settle(self, *, deferred: bool = True) -> None:
         """Wait until no optimizer thread is updating a shard (the in-place step's worker
         has run everything handed to it; with `deferred` False, an update deferred into the
         next forward may go on, each group waited for before its gather); a no-op for the
         stream, which updates shards on the caller's thread."""
-        if self._in_place is not None:
-            self._in_place.settle()
-            if deferred:
-                self.drain()
+        self._runner.settle()
+        if deferred:
+            self.drain()
 
     # -- clipping / fp16 with overlap_step: [Note: deferred step] ---------------------------
     @property
     def can_defer(self) -> bool:
-        """The update can run during the next forward (state updated in place)."""
-        return self._in_place is not None
+        """Gradients can be measured during backward and the update run during the next
+        forward (state updated in place)."""
+        return self._runner.measures and self._runner.defers
 
     def begin_measure(self) -> None:
         """Backward begins on a boundary: gradients turning final are measured beside it."""
-        self._need_in_place().begin_measure()
+        self._runner.begin_measure()
 
     def measure(self, keys: Sequence[str]) -> None:
-        self._need_in_place().measure(keys)
+        self._runner.measure(keys)
 
     def forget_measured(self) -> None:
-        if self._in_place is not None:
-            self._in_place.forget_measured()
+        self._runner.forget_measured()
 
-    def grad_stats(self, redo: set[str]) -> dict[str, GradStat]:
+    def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure]:
         """Every group's gradient norm and finiteness (see InPlaceStep.grad_stats)."""
-        return self._need_in_place().grad_stats(redo)
+        return self._runner.grad_stats(redo)
 
     @property
     def deferred(self) -> bool:
-        return self._in_place is not None and self._in_place.deferred
+        return self._runner.deferred
 
     def wait_groups(self, keys: Sequence[str]) -> None:
         """These groups' deferred updates have run (a failure is raised here)."""
-        if self._in_place is not None and self._in_place.deferred:
-            done = self._in_place.wait_groups(keys)
-            if done is not None:
-                self.last_stats = done
+        done = self._runner.wait_groups(keys)
+        if done is not None:
+            self.last_stats = done
 
     def drain(self) -> None:
         """Every deferred update has run (a failure is raised here)."""
-        if self._in_place is not None and self._in_place.deferred:
-            done = self._in_place.drain()
-            if done is not None:
-                self.last_stats = done
+        done = self._runner.drain()
+        if done is not None:
+            self.last_stats = done
 
     def worker_times(self) -> tuple[float, float]:
         """(seconds the optimizer's worker thread ran, of which hidden under compute),
         cumulative: measured as the worker's time outside every wait of the training
         thread on it (OverlapClock in engine/step/in_place.py). (0, 0) for the streamed
         step, which updates shards on the training thread."""
-        return (0.0, 0.0) if self._in_place is None else self._in_place.clock.totals()
+        return self._runner.worker_times()
 
-    def _need_in_place(self) -> InPlaceStep:
-        if self._in_place is None:
-            raise RuntimeError("OffloadedAdam: no in-place step (optimizer state streamed)")
-        return self._in_place
+    # The runner's own object, for tests and benchmarks that look inside it; the optimizer
+    # itself only calls `_runner`.
+    @property
+    def _in_place(self) -> InPlaceStep | None:
+        return self._runner if isinstance(self._runner, InPlaceStep) else None
+
+    @property
+    def _stream(self) -> AdamStream | None:
+        return self._runner.stream if isinstance(self._runner, StreamedStep) else None
 
     def _hyper(self) -> AdamHyper:
         group = self.param_groups[0]
@@ -264,16 +218,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                          beta2=float(group["betas"][1]), eps=float(group["eps"]),
                          weight_decay=float(group["weight_decay"]), adamw=self.adamw)
 
-    def _need_stream(self) -> AdamStream:
-        if self._stream is None:
-            raise RuntimeError("OffloadedAdam: no optimizer stream (state updated in place, "
-                               "or closed)")
-        return self._stream
-
     def flush(self) -> None:
         """Wait for the optimizer's writes still in flight (a failure is raised here)."""
-        if self._stream is not None:
-            self._stream.flush()
+        self._runner.flush()
 
     def stats(self) -> dict[str, Any] | None:
         s = self.last_stats
@@ -285,10 +232,6 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         try:
-            if self._in_place is not None:
-                self._in_place.close()
-            if self._stream is not None:
-                self._stream.close()
+            self._runner.close()
         finally:
-            self._stream = None
             self._threads.close()
