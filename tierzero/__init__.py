@@ -34,6 +34,7 @@ from tierzero.engine import (
 )
 from tierzero.engine.hf import export_hf
 from tierzero.offload import CPUAdam
+from tierzero.offload.step_seam import TrainingStateError
 from tierzero.swap import SwapError, SwapStore
 
 __version__ = "0.1.0"
@@ -65,6 +66,7 @@ __all__ = [
     "SwapError",
     "SwapStore",
     "TierZeroTrainer",
+    "TrainingStateError",
     "ZeroEngine",
     "consolidate",
     "consolidate_to_safetensors",
