@@ -13,10 +13,10 @@ step/offloaded.py):
     step()                      wait for the worker, then the groups never handed over
 
 `begin()` takes the hyper-parameters; `groups_final(keys)` hands the groups of a unit
-whose gradient shards are final (OffloadedStep.groups_final) to one worker thread, which runs the
-same kernel on them in submission order; `finish()` waits for the worker, raises its
-failure (naming the group), and updates on the caller's thread whatever was not handed
-over. The kernel is elementwise, so which thread updates a group, and when, changes no
+whose gradient shards are final (OffloadedStep.groups_final) to one worker thread, which
+runs the same kernel on them in submission order; `finish()` waits for the worker, raises
+its failure (naming the group), and updates on the caller's thread whatever was not
+handed over. The kernel is elementwise, so which thread updates a group, and when, changes no
 bit of the result.
 
 Who else touches a group between its reduce and `finish()`, and why it is safe:

@@ -52,8 +52,8 @@ def test_each_runner_has_every_member_of_the_protocol(runner: type) -> None:
 
 def _engine(tmp_path: Path, device: str) -> ZeroEngine:
     """Optimizer state offloaded to `device` (nvme: streamed; cpu: in place)."""
-    cfg = dataclasses.replace(make_config(), offload=OffloadConfig(
-        optimizer=OptimizerOffloadConfig(device=device, path=str(tmp_path))))  # type: ignore[arg-type]
+    optimizer = OptimizerOffloadConfig(device=device, path=str(tmp_path))  # type: ignore[arg-type]
+    cfg = dataclasses.replace(make_config(), offload=OffloadConfig(optimizer=optimizer))
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
     return eng
 
