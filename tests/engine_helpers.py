@@ -20,6 +20,9 @@ from tierzero.engine.config import (
     SchedulerConfig,
     ZeroConfig,
 )
+from tierzero.engine.step.in_place import InPlaceStep
+from tierzero.engine.step.streamed import StreamedStep
+from tierzero.offload.adam_stream import AdamStream
 
 VOCAB, DIM, SEQ = 64, 32, 8
 # fp32 parity tolerances; the reasons are in test_engine_parity.py's docstring.
@@ -243,3 +246,16 @@ def train_and_gather(model: nn.Module, cfg: Config, seed: int = 1) -> dict[str, 
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     eng.close()
     return {"losses": losses, "params": params}
+
+
+def in_place_of(opt: object) -> InPlaceStep | None:
+    """The in-place CPU Adam runner inside an OffloadedAdam, else None (for tests that look
+    inside it; the optimizer itself never asks which runner it holds)."""
+    runner = getattr(opt, "_runner", None)
+    return runner if isinstance(runner, InPlaceStep) else None
+
+
+def stream_of(opt: object) -> AdamStream | None:
+    """The AdamStream inside an OffloadedAdam's streamed runner, else None."""
+    runner = getattr(opt, "_runner", None)
+    return runner.stream if isinstance(runner, StreamedStep) else None

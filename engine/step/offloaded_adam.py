@@ -30,7 +30,7 @@ import torch
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.streamed import StreamedStep
-from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
+from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
 from tierzero.offload.step_seam import GradMeasure, ShardUpdater, StepOrder
 
 log = logging.getLogger(__name__)
@@ -201,16 +201,6 @@ class OffloadedAdam(torch.optim.Optimizer):
         thread on it (OverlapClock in engine/step/in_place.py). (0, 0) for the streamed
         step, which updates shards on the training thread."""
         return self._runner.worker_times()
-
-    # The runner's own object, for tests and benchmarks that look inside it; the optimizer
-    # itself only calls `_runner`.
-    @property
-    def _in_place(self) -> InPlaceStep | None:
-        return self._runner if isinstance(self._runner, InPlaceStep) else None
-
-    @property
-    def _stream(self) -> AdamStream | None:
-        return self._runner.stream if isinstance(self._runner, StreamedStep) else None
 
     def _hyper(self) -> AdamHyper:
         group = self.param_groups[0]

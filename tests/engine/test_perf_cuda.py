@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config
+from engine_helpers import make_batches, make_config, stream_of
 from test_engine_cuda import _engine, _reference
 
 from tierzero.engine.config.schema import (
@@ -49,8 +49,8 @@ def test_cuda_streamed_step_matches_pytorch(params: str, overlap: bool,
         for k, want in ref.items():
             torch.testing.assert_close(got[k], want, rtol=0, atol=1e-4, msg=k)
         opt = eng.optimizer
-        assert isinstance(opt, OffloadedAdam) and opt._stream is not None
-        assert opt._stream._ring.arena.is_pinned()  # CUDA: the ring is page-locked
+        assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
+        assert stream_of(opt)._ring.arena.is_pinned()  # CUDA: the ring is page-locked
         tiers = eng.memory_report()["tiers"]
         assert tiers["moved"]["nvme_to_host"] > 0 and tiers["moved"]["host_to_nvme"] > 0
         ids, tg = batches[0]

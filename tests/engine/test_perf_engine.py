@@ -26,6 +26,7 @@ from engine_helpers import (
     make_config,
     make_model,
     reference_train,
+    stream_of,
 )
 from tiers_util import DelayIO
 
@@ -52,8 +53,8 @@ def nvme_config(params: str, path: Path, precision: str = "bf16") -> Config:
 def nvme_moved(eng: ZeroEngine) -> tuple[int, int]:
     """(read, written) NVMe bytes so far, once the optimizer's transfers have landed."""
     opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam) and opt._stream is not None
-    opt._stream.wait_idle()  # the next step's read-ahead included: counts are exact
+    assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
+    stream_of(opt).wait_idle()  # the next step's read-ahead included: counts are exact
     tiers = eng.memory_report()["tiers"]
     assert isinstance(tiers, dict)
     moved = tiers["moved"]
@@ -76,9 +77,9 @@ def test_state_crosses_nvme_once_per_step(params: str, precision: str,
         state = shards["master"] + shards["exp_avg"] + shards["exp_avg_sq"]
         p16 = shards["param16"] if params == "nvme" else 0
         opt = eng.optimizer
-        assert isinstance(opt, OffloadedAdam) and opt._stream is not None
+        assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
         kept = sum(eng.store.numel(opt._keys[i]) * eng.store.param16_dtype(
-            opt._keys[i]).itemsize for i in opt._stream.kept)
+            opt._keys[i]).itemsize for i in stream_of(opt).kept)
         assert kept < p16 or params == "none"
         counts = []
         for ids, tg in make_batches(4):
@@ -110,12 +111,12 @@ def test_deferred_write_back_is_seen_by_the_next_gather(tmp_path: Path,
         losses, deferred = [], 0
         try:
             opt = eng.optimizer
-            assert isinstance(opt, OffloadedAdam) and opt._stream is not None
+            assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
             for ids, tg in batches:
                 loss = eng(ids, tg)
                 eng.backward(loss)
                 eng.step()
-                deferred += opt._stream.writes_in_flight
+                deferred += stream_of(opt).writes_in_flight
                 losses.append(float(loss.detach()))
             return losses, full_params(eng, model), deferred
         finally:
@@ -163,13 +164,13 @@ def test_units_are_updated_inside_backward(tmp_path: Path) -> None:
     eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(),
                                        config=overlap_config(tmp_path, gas=1, overlap=True))
     try:
-        assert isinstance(opt, OffloadedAdam) and opt._stream is not None
+        assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
         seen: list[int] = []
         real = opt.groups_final
 
         def spy(keys: list[str]) -> None:
             real(keys)
-            op = opt._stream._open if opt._stream is not None else None
+            op = stream_of(opt)._open if stream_of(opt) is not None else None
             seen.append(op.pos if op is not None else -1)
 
         opt.groups_final = spy  # type: ignore[method-assign]

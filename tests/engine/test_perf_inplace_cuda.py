@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config
+from engine_helpers import in_place_of, make_batches, make_config
 from test_engine_cuda import _engine, _reference
 
 from tierzero.engine.config import Config
@@ -34,7 +34,7 @@ def _config(params: str, overlap: bool, precision: str = "fp32", gas: int = 2) -
 
 def _record_threads(opt: OffloadedAdam) -> set[str]:
     """Names of the threads the in-place kernel runs on from now on."""
-    step = opt._in_place
+    step = in_place_of(opt)
     assert step is not None
     names: set[str] = set()
     real = step.update
@@ -57,7 +57,7 @@ def test_cuda_in_place_step_during_backward_is_exact(params: str) -> None:
         losses, got, eng = _engine(_config(params, overlap), batches)
         try:
             opt = eng.optimizer
-            assert isinstance(opt, OffloadedAdam) and opt._in_place is not None
+            assert isinstance(opt, OffloadedAdam) and in_place_of(opt) is not None
             if overlap:
                 names = _record_threads(opt)
                 ids, tg = batches[0]

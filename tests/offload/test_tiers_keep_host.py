@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import TinyLM, make_batches
+from engine_helpers import TinyLM, make_batches, stream_of
 from tiers_util import cpu_settings, data_for, store
 
 from tierzero import engine
@@ -137,7 +137,7 @@ def _run(tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch) -> dict[st
     torch.manual_seed(0)
     model = TinyLM(3, 128)
     eng, opt, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
-    kept = opt._stream.kept if opt._stream is not None else frozenset()
+    kept = stream_of(opt).kept if stream_of(opt) is not None else frozenset()
     losses, reads = [], []
     for ids, tg in make_batches(5):
         r0 = param16_read[0]

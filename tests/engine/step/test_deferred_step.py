@@ -28,6 +28,7 @@ from engine_helpers import (
     assert_match,
     engine_train,
     full_params,
+    in_place_of,
     make_batches,
     make_config,
     make_model,
@@ -65,8 +66,8 @@ def cpu_config(*, overlap: bool, clip: float = 0.0, gas: int = 1, precision: str
 
 def in_place(eng: ZeroEngine) -> InPlaceStep:
     opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam) and opt._in_place is not None
-    return opt._in_place
+    assert isinstance(opt, OffloadedAdam) and in_place_of(opt) is not None
+    return in_place_of(opt)
 
 
 @pytest.fixture

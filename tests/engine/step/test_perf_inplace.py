@@ -26,6 +26,7 @@ from engine_helpers import (
     TinyLM,
     assert_match,
     engine_train,
+    in_place_of,
     make_batches,
     make_config,
     make_model,
@@ -54,8 +55,8 @@ def cpu_config(*, overlap: bool, gas: int = 1, params: str = "cpu", precision: s
 
 def in_place(eng: ZeroEngine) -> InPlaceStep:
     opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam) and opt._in_place is not None
-    return opt._in_place
+    assert isinstance(opt, OffloadedAdam) and in_place_of(opt) is not None
+    return in_place_of(opt)
 
 
 @pytest.mark.parametrize(("gas", "params", "precision"),
