@@ -32,7 +32,8 @@ own per-element tensors, and scalars ([Note: checkpoint layout] in
 engine/checkpoint/save.py says where each goes in the files).
 
 Inside the offloaded driver, the CPU Adam update itself runs through one `ShardUpdater`
-([Note: shard updaters] below): in place on host memory, or streamed from NVMe.
+([Note: shard updaters] in offload/shard_updater.py): in place on host memory, or
+streamed from NVMe.
 
 Everything here speaks of group keys (the shard store's) and tensors: offload knows
 nothing of modules, units or ranks.
@@ -47,8 +48,6 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from .adam_math import AdamHyper
-from .adam_stream import PipelineStats
 from .state_codec import StoredLayout
 
 
@@ -231,150 +230,6 @@ class StepDriver(Protocol):
     def close(self) -> None:
         """Stop the driver's threads and buffers. Idempotent."""
         ...
-
-
-# [Note: shard updaters]
-# OffloadedAdam (engine/step/offloaded_adam.py) runs the CPU Adam update through one
-# `ShardUpdater`, chosen in its constructor from where the optimizer state lives, and
-# afterwards only calls it; it never asks which one it holds:
-#
-#     in place   state in host memory (engine/step/in_place.py InPlaceStep): the kernel
-#                runs where the state lives, on a worker thread while backward runs;
-#                measures gradients beside backward and defers the update into the next
-#                forward ([Note: deferred step]); no step order of its own.
-#     streamed   state off the host (engine/step/streamed.py StreamedStep over
-#                AdamStream): read ahead into a host ring, updated on the caller's
-#                thread, written behind ([Note: streamed optimizer step]), in a step order.
-#
-# What a runner cannot do it says through a capability (`measures`, `defers`,
-# `has_order`) that the caller asks before relying on it; the operation itself then
-# raises TrainingStateError naming the runner, the call and the capability. Operations
-# whose meaning holds without the capability are no-ops by definition: `settle` with no
-# worker, `wait_groups` / `drain` with nothing deferred, `forget_measured` with nothing
-# measured, `set_order` without an order (False: nothing changed), `worker_times` (0, 0)
-# without a worker, `flush` with no write in flight.
-class ShardUpdater(Protocol):
-    """The CPU Adam update over every trainable group; see [Note: shard updaters].
-
-    A step after backward is `run_all`; a step begun during backward is `begin`, then
-    `groups_final` as gradients turn final, then `finish` (or `abort`)."""
-
-    @property
-    def measures(self) -> bool:
-        """Gradients can be measured beside backward (`begin_measure`, `measure`,
-        `grad_stats`); False: those raise TrainingStateError."""
-        ...
-
-    @property
-    def defers(self) -> bool:
-        """The update can be handed on into the next forward (`defer`); False: `defer`
-        raises TrainingStateError and `deferred` is always False."""
-        ...
-
-    @property
-    def has_order(self) -> bool:
-        """The groups are updated in an order the caller sets (`set_order`); False: in
-        construction order (or as handed over), and `set_order` changes nothing."""
-        ...
-
-    # -- the step ---------------------------------------------------------------------------
-    def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
-        """One update of every group, gradients times `grad_scale`."""
-        ...
-
-    @property
-    def is_open(self) -> bool:
-        """A step is begun (`begin`) and neither finished nor aborted."""
-        ...
-
-    def begin(self, hyper: AdamHyper, step: float) -> None:
-        """Start a step (unscaled gradients); groups are updated as `groups_final` reports
-        them, the rest by `finish`."""
-        ...
-
-    def groups_final(self, keys: Sequence[str]) -> None:
-        """These groups' gradients are final for the open step: update what can be."""
-        ...
-
-    def finish(self) -> PipelineStats:
-        """Update the groups not updated yet and close the step (a failure is raised)."""
-        ...
-
-    def abort(self) -> int:
-        """Close an open step without updating the rest; returns how many groups it had
-        updated, each whole (0 when none is open)."""
-        ...
-
-    @property
-    def order(self) -> list[str]:
-        """Group keys in the order a step updates them."""
-        ...
-
-    def set_order(self, keys: Sequence[str]) -> bool:
-        """Update in this order from the next step on; returns whether the order changed."""
-        ...
-
-    def settle(self) -> None:
-        """No optimizer thread writes a shard after this, a deferred update aside."""
-        ...
-
-    def flush(self) -> None:
-        """Every write of the last step has landed (a failure is raised)."""
-        ...
-
-    # -- deferral into the next forward ([Note: deferred step]) -----------------------------
-    def defer(self, hyper: AdamHyper, step: float, grad_scale: float,
-              order: Sequence[str]) -> None:
-        """Hand every group's update on, in `order`, while the caller goes on."""
-        ...
-
-    @property
-    def deferred(self) -> bool:
-        """A deferred update is pending (or ran and was not yet waited for)."""
-        ...
-
-    def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
-        """These groups' deferred updates have run; the step's stats once every group's
-        has (None before, or when nothing was deferred)."""
-        ...
-
-    def drain(self) -> PipelineStats | None:
-        """Every deferred update has run; its stats (None when nothing was deferred)."""
-        ...
-
-    # -- gradient measurement beside backward (clipping, fp16) ------------------------------
-    def begin_measure(self) -> None:
-        """Backward begins on a boundary: gradients handed to `measure` are measured."""
-        ...
-
-    def measure(self, keys: Sequence[str]) -> None:
-        """These groups' gradients are final: measure them."""
-        ...
-
-    def forget_measured(self) -> None:
-        """Drop every measurement (the gradients changed since)."""
-        ...
-
-    def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure]:
-        """Every group's measure (`redo`: reduced again since, measured now); consumes
-        the measurements."""
-        ...
-
-    def worker_times(self) -> tuple[float, float]:
-        """(seconds the runner's worker thread ran, of which hidden under compute),
-        cumulative."""
-        ...
-
-    def close(self) -> None:
-        """Wait for the runner's work and stop its threads and buffers. Idempotent."""
-        ...
-
-
-def unsupported(runner: str, call: str, capability: str, fix: str) -> TrainingStateError:
-    """The error for `call` on a runner whose `capability` is False ([Note: shard
-    updaters]), naming both and the fix."""
-    return TrainingStateError(f"{runner}: {call} needs `{capability}`, which {runner} does "
-                              f"not have; {fix}")
 
 
 # [Note: step order learned from backward]

@@ -177,7 +177,7 @@ class OverlapClock:
 
 class InPlaceStep:
     """Adam in place over host-homed groups; see [Note: in-place early step]. A
-    `ShardUpdater` ([Note: shard updaters] in offload/step_seam.py) that measures and
+    `ShardUpdater` ([Note: shard updaters] in offload/shard_updater.py) that measures and
     defers, with no step order of its own."""
 
     # capabilities ([Note: shard updaters])

@@ -31,7 +31,8 @@ from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
-from tierzero.offload.step_seam import GradMeasure, ShardUpdater, StepOrder
+from tierzero.offload.shard_updater import ShardUpdater
+from tierzero.offload.step_seam import GradMeasure, StepOrder
 
 log = logging.getLogger(__name__)
 

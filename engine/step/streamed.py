@@ -1,6 +1,6 @@
 """The CPU Adam step on optimizer state homed off the host: offload.AdamStream by group key.
 
-`StreamedStep` is the `ShardUpdater` ([Note: shard updaters] in offload/step_seam.py)
+`StreamedStep` is the `ShardUpdater` ([Note: shard updaters] in offload/shard_updater.py)
 that OffloadedAdam holds when the state is on NVMe (or placed by the planner): it builds
 the one `AdamStream` of the run from the store's keys and pieces and speaks of group keys
 where the stream speaks of shard positions. The stream updates on the caller's thread,
@@ -17,7 +17,8 @@ import torch
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import TensorClass
-from tierzero.offload.step_seam import GradMeasure, unsupported
+from tierzero.offload.shard_updater import unsupported
+from tierzero.offload.step_seam import GradMeasure
 
 _NAME = "the streamed optimizer step (optimizer state off the host)"
 _FIX = ("ask the capability first (OffloadedAdam.can_defer): with optimizer state off the "

@@ -1,5 +1,5 @@
 """The CPU Adam's two update runners behind one ShardUpdater ([Note: shard updaters] in
-offload/step_seam.py): the same members, capabilities instead of type tests, a missing
+offload/shard_updater.py): the same members, capabilities instead of type tests, a missing
 capability refused by name."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
 from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload import AdamHyper, step_seam
-from tierzero.offload.step_seam import ShardUpdater, TrainingStateError
+from tierzero.offload.shard_updater import ShardUpdater
+from tierzero.offload.step_seam import TrainingStateError
 
 MEMBERS = sorted(n for n in vars(ShardUpdater) if not n.startswith("_"))
 CAPABILITIES = ("measures", "defers", "has_order")
