@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,8 +16,12 @@ from tierzero import engine
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config import (
     BatchConfig,
+    BudgetsConfig,
     Config,
+    OffloadConfig,
     OptimizerConfig,
+    OptimizerOffloadConfig,
+    ParamOffloadConfig,
     PrecisionConfig,
     SchedulerConfig,
     ZeroConfig,
@@ -259,3 +265,14 @@ def stream_of(opt: object) -> AdamStream | None:
     """The AdamStream inside an OffloadedAdam's streamed runner, else None."""
     runner = getattr(opt, "_runner", None)
     return runner.stream if isinstance(runner, StreamedStep) else None
+
+
+DEVICE_BUDGET = 64 << 10  # offload_config's device tier: a few shards
+
+
+def offload_config(cfg: Config, device: str, path: Path | None) -> Config:
+    where = str(path) if path is not None else None
+    return dataclasses.replace(cfg, offload=OffloadConfig(
+        params=ParamOffloadConfig(device=device, path=where),  # type: ignore[arg-type]
+        optimizer=OptimizerOffloadConfig(device=device, path=where),  # type: ignore[arg-type]
+        budgets=BudgetsConfig(device_bytes=DEVICE_BUDGET)))

@@ -19,17 +19,18 @@ import pytest
 import torch
 from engine_dist import run_two_ranks
 from engine_helpers import (
+    DEVICE_BUDGET,
     RefResult,
     assert_match,
     engine_train,
     make_batches,
     make_config,
     make_model,
+    offload_config,
     reference_train,
 )
 
 from tierzero import engine
-from tierzero.engine.config import Config
 from tierzero.engine.config.schema import (
     BudgetsConfig,
     OffloadConfig,
@@ -41,15 +42,6 @@ from tierzero.engine.step.offloaded_adam import OffloadedAdam
 STEPS = 20
 # Stand-in device tier budget: smaller than the model's param16 shards (~86 KB fp32),
 # so device caches are evicted and re-fetched during a step.
-DEVICE_BUDGET = 64 << 10
-
-
-def offload_config(cfg: Config, device: str, path: Path | None) -> Config:
-    where = str(path) if path is not None else None
-    return dataclasses.replace(cfg, offload=OffloadConfig(
-        params=ParamOffloadConfig(device=device, path=where),  # type: ignore[arg-type]
-        optimizer=OptimizerOffloadConfig(device=device, path=where),  # type: ignore[arg-type]
-        budgets=BudgetsConfig(device_bytes=DEVICE_BUDGET)))
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])

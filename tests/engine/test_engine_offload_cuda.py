@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config
+from engine_helpers import make_batches, make_config, offload_config
 from test_engine_cuda import _engine, _reference
-from test_engine_offload import offload_config
 
 pytestmark = pytest.mark.cuda
 STEPS = 10

@@ -21,10 +21,10 @@ from engine_helpers import (
     assert_match,
     full_params,
     make_config,
+    offload_config,
     reference_train,
     train_steps,
 )
-from test_engine_offload import offload_config
 
 from tierzero import engine
 from tierzero.engine.config import Config

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import full_params, make_batches, make_config, make_model
-from test_engine_offload import offload_config
+from engine_helpers import full_params, make_batches, make_config, make_model, offload_config
 
 from tierzero import engine
 from tierzero.engine.config import Config

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config, make_model
-from test_engine_offload import offload_config
+from engine_helpers import make_batches, make_config, make_model, offload_config
 
 from tierzero import engine
 from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig
