@@ -66,7 +66,9 @@ def _train(eng: Any, start: int, stop: int, seed: int = 1) -> list[float]:
 
 
 def _stored(eng: Any) -> dict[str, torch.Tensor]:
-    """Every moment's stored form (copies), by "<key>::<kind>"."""
+    """Every moment's stored form (copies), by "<key>::<kind>", once a deferred update
+    (offload cpu: the in-place step runs into the next forward) has landed."""
+    eng.step_driver.settle()  # deferred=True: drains the deferred update too
     out = {}
     for key in eng.store.group_keys():
         for kind in KINDS:
