@@ -44,7 +44,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -100,17 +100,12 @@ class StoreTensor:
 
 
 class TensorSource(Protocol):
-    """Saved per-element state of one group, read on demand into a tensor of its size."""
+    """Saved per-element state of one group, read on demand into a tensor of its size.
 
-    def read_into(self, out: torch.Tensor) -> None: ...
-
-
-@runtime_checkable
-class StoredSource(Protocol):
-    """A saved moment that may also be read in its stored form ([Note: stored moment
-    layout] in offload/state_codec.py): `read_into` gives its fp32 values (decoded);
-    `stored_as()` is the layout in which its bytes can be copied as they are (None: only
-    decoded), and `read_stored_into` copies them."""
+    `read_into` gives its values in fp32. A saved moment may also be kept in a stored
+    (compressed) form ([Note: stored moment layout] in offload/state_codec.py):
+    `stored_as()` is the layout in which its bytes can be copied as they are (None: no
+    such form; read_into only), and `read_stored_into` copies those bytes."""
 
     def read_into(self, out: torch.Tensor) -> None: ...
 

@@ -244,7 +244,7 @@ def _optim_names(files: RankFiles, rank: int, key: str) -> list[str]:
 @dataclass(frozen=True)
 class _Saved:
     """One saved shard of this rank's group, read on demand (offload.step_seam.TensorSource,
-    and StoredSource for the moments): from this rank's file at the saved world size, else
+    its stored form for the moments): from this rank's file at the saved world size, else
     its new slice of the saved ranks'."""
 
     files: RankFiles

@@ -19,7 +19,7 @@ import torch
 from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload.settings import TensorClass
-from tierzero.offload.step_seam import GroupState, StoredSource, StoreTensor, TensorSource
+from tierzero.offload.step_seam import GroupState, StoreTensor
 
 # per-element optimizer state the shard store keeps for every trainable group
 MOMENT_KINDS: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
@@ -250,14 +250,13 @@ def load_store_moments(store: ShardStore, key: str, group: GroupState) -> None:
         if kind not in MOMENT_KINDS or not store.has(key, kind):
             raise CheckpointError(f"checkpoint holds shard {kind!r} of group {key!r}, which "
                                   "the shard store does not keep as optimizer state")
-        stored = source.stored_as() if isinstance(source, StoredSource) else None
+        stored = source.stored_as()
         if stored is not None and stored == store.moment_layout(key, kind):
             with store.use_stored(key, kind, overwrite=True) as t:  # the bytes as they are
                 source.read_stored_into(t)
             continue
         with store.use(key, kind, overwrite=True, compute=False) as t:  # fp32, encoded on exit
-            read: TensorSource = source
-            read.read_into(t)
+            source.read_into(t)
 
 
 def hyper_params(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
