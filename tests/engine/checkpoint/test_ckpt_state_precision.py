@@ -194,8 +194,8 @@ def test_load_into_another_precision_is_the_codecs_conversion(
         eng.close()
 
 
-def _load_world2(rank: int, *, ckpt: str, swap: str) -> dict[str, Any]:
-    eng, model = _engine("int8", "nvme", Path(swap) / f"rank{rank}")
+def _load_world2(rank: int, *, prec: str, ckpt: str, swap: str) -> dict[str, Any]:
+    eng, model = _engine(prec, "nvme", Path(swap) / f"rank{rank}")
     try:
         eng.load_checkpoint(ckpt, tag="t")
         out = {"stored": _stored(eng), "numel": {k: eng.store.numel(k)
@@ -211,10 +211,12 @@ def _load_world2(rank: int, *, ckpt: str, swap: str) -> dict[str, Any]:
 
 
 @pytest.mark.multiproc
-def test_int8_checkpoint_loads_into_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prec", ["bf16", "int8"])
+def test_compressed_checkpoint_loads_into_two_ranks(prec: str, tmp_path: Path) -> None:
     """Saved by one rank, loaded by two: each rank's moments are the saved full buffer
-    decoded, resliced and encoded at its own block boundaries."""
-    path = _save_trained("int8", "nvme", tmp_path)
+    decoded, resliced and encoded at its own block boundaries (bf16: element-wise, so the
+    same bytes resliced)."""
+    path = _save_trained(prec, "nvme", tmp_path)
     layouts = _layouts(path)
     files = RankFiles(path, 1)
     try:
@@ -224,7 +226,7 @@ def test_int8_checkpoint_loads_into_two_ranks(tmp_path: Path) -> None:
         files.close()
     (tmp_path / "w2").mkdir()
     res = run_two_ranks(tmp_path / "w2", {"run": partial(
-        _load_world2, ckpt=str(tmp_path / "ck"), swap=str(tmp_path / "s2"))})
+        _load_world2, prec=prec, ckpt=str(tmp_path / "ck"), swap=str(tmp_path / "s2"))})
     for rank in range(2):
         r = res[rank]["run"]
         assert r["steps"] == 3
