@@ -75,7 +75,7 @@ typedef struct {
 } tz_adam_hp;
 
 /* Version of the argument layout above; adam_build.py checks it. */
-int tz_adam_abi_version(void) { return 3; }
+int tz_adam_abi_version(void) { return 4; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -225,6 +225,35 @@ static inline uint32_t rbits(int64_t i, uint32_t key) {
     return fmix32(((uint32_t)i * 0x9e3779b1u) ^ key);
 }
 
+/* [Note: int8 decode by arithmetic]
+ * The reference decodes code q through a table, (code value of q) / top in fp32
+ * (state_codec.M_TABLE / U_TABLE), times the block scale. gcc turns no table lookup into
+ * vector code, so the kernel computes the same fp32 values from q's bits instead:
+ *   code value: e = q >> mb, f = q & (2^mb - 1); the integer significand k = 2^mb + f
+ *     (e > 0) or f (e = 0, the linear range) times 2^(max(e, 1) - 15 - mb), a power of
+ *     two built from its bits: one exact float product. Only integer selects, so gcc
+ *     if-converts it (it does not speculate float operations under a branch).
+ *   / top: x * r with r = fl(1 / top), then one fused correction (Markstein:
+ *     fma(fma(-q0, top, x), r, q0)). The plain product is an ulp off for 3 of exp_avg's 8
+ *     and 4 of sqrt(v)'s 16 mantissas; the corrected one equals the correctly rounded
+ *     x / top for all of them (checked exactly), and the exponent only scales the result
+ *     (none is subnormal), so every one of the 128 + 256 values equals the table's. It is
+ *     cheaper than a division: the update already keeps the divider busy twice per
+ *     element. tests/offload/test_offload_state_codec.py decodes all codes of both
+ *     moments through the kernel and compares them with the tables. */
+static inline float dec_mag(uint32_t q, const int mb) {
+    const float top = mb == 3 ? 1.875f : 1.9375f;
+    const float r = mb == 3 ? 1.0f / 1.875f : 1.0f / 1.9375f; /* fl(1 / top) */
+    uint32_t e = q >> mb, f = q & ((1u << mb) - 1u);
+    uint32_t k = e ? f + (1u << mb) : f;
+    uint32_t pb = ((e ? e : 1u) + 112u - (uint32_t)mb) << 23; /* 2^(max(e,1) - 15 - mb) */
+    float pow2;
+    memcpy(&pow2, &pb, sizeof pow2);
+    float x = (float)(int32_t)k * pow2;
+    float q0 = x * r;
+    return fmaf(fmaf(-q0, top, x), r, q0);
+}
+
 /* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. */
 static inline uint32_t enc_mag(float y, const int mb) {
     uint32_t bits;
@@ -258,7 +287,7 @@ static inline void block_scale(float absmax, float top, float *scale, float *inv
 static inline __attribute__((always_inline)) void adam_q_range(
     float *restrict p, void *restrict mraw, float *restrict ms, void *restrict vraw,
     float *restrict vs, const void *restrict gptr, void *restrict optr, int64_t lo, int64_t hi,
-    const tz_adam_hp *hp, const float *restrict tm, const float *restrict tv, const int64_t base,
+    const tz_adam_hp *hp, const int64_t base,
     const uint32_t key_m, const uint32_t key_v, const int skind,
     const int gkind, const int okind, const int decoupled, const int apply_decay,
     const int apply_scale, const int w_small) {
@@ -295,10 +324,10 @@ static inline __attribute__((always_inline)) void adam_q_range(
                 mi = bf16_to_f32(m16[i]);
                 vi = bf16_to_f32(v16[i]);
             } else {
-                uint32_t c = mq[i];
-                float mag = tm[c & 0x7fu] * sm;
+                uint32_t c = mq[i]; /* see [Note: int8 decode by arithmetic] */
+                float mag = dec_mag(c & 0x7fu, 3) * sm;
                 mi = (c & 0x80u) ? -mag : mag;
-                float u = tv[vq[i]] * sv;
+                float u = dec_mag(vq[i], 4) * sv;
                 vi = u * u;
             }
             mi = fmaf(wc, g - mi, w_small ? mi : g);
@@ -353,20 +382,20 @@ static inline __attribute__((always_inline)) void adam_q_range(
 #define TZ_QFLAGS(S, G, O)                                                                    \
     static void adamq_##S##_##G##_##O(float *p, void *m, float *ms, void *v, float *vs,       \
                                       const void *g, void *o, int64_t lo, int64_t hi,         \
-                                      const tz_adam_hp *hp, const float *tm, const float *tv, \
-                                      int64_t base, uint32_t km, uint32_t kv) {               \
+                                      const tz_adam_hp *hp, int64_t base, uint32_t km,         \
+                                      uint32_t kv) {                                          \
         int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
         int s = hp->apply_scale, ws = hp->w_small;                                            \
         if (mode == 0 && !s && ws)                                                            \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 0, 0, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 0, 0, 0, 1);             \
         else if (mode == 2 && !s && ws)                                                       \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 1, 1, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 1, 1, 0, 1);             \
         else if (mode == 0 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 0, 0, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 0, 0, 1, 1);             \
         else if (mode == 2 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, 1, 1, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 1, 1, 1, 1);             \
         else                                                                                  \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, tm, tv, base, km, kv, S, G, O, mode == 2, mode != 0, s, \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, mode == 2, mode != 0, s, \
                          ws);                                                                 \
     }
 #define TZ_QROW(S, G) TZ_QFLAGS(S, G, 0) TZ_QFLAGS(S, G, 1) TZ_QFLAGS(S, G, 2)
@@ -378,8 +407,7 @@ TZ_QROW(2, 1)
 TZ_QROW(2, 2)
 
 typedef void (*tz_adamq_fn)(float *, void *, float *, void *, float *, const void *, void *,
-                            int64_t, int64_t, const tz_adam_hp *, const float *, const float *,
-                            int64_t, uint32_t, uint32_t);
+                            int64_t, int64_t, const tz_adam_hp *, int64_t, uint32_t, uint32_t);
 
 static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
     {{adamq_1_0_0, adamq_1_0_1, adamq_1_0_2},
@@ -392,25 +420,22 @@ static const tz_adamq_fn TZ_QTABLE[2][3][3] = {
 
 /* Update elements [lo, hi) of a shard whose moments are stored compressed. m / v: the
  * moments' bf16 data (skind 1) or int8 codes (skind 2, with their per-block scales ms / vs,
- * indexed from element 0 of the shard, and `tables`: the 128 exp_avg magnitudes then the
- * 256 sqrt(exp_avg_sq) values of the codes, relative to the block scale:
- * state_codec.kernel_tables()). seed, base: bf16 moments are rounded stochastically with
- * random bits of (seed, base + element index), so a step is reproducible and a shard
- * stored in pieces (base: the piece's first element) rounds as one; int8 rounds to nearest. For skind 2, lo must be a multiple of TZ_BLOCK
- * and hi a multiple of it or the shard's end. Returns 0, or -1 for a bad kind / range. */
+ * indexed from element 0 of the shard; codes decode as [Note: int8 decode by arithmetic]
+ * says). seed, base: bf16 moments are rounded stochastically with random bits of
+ * (seed, base + element index), so a step is reproducible and a shard stored in pieces
+ * (base: the piece's first element) rounds as one; int8 rounds to nearest. For skind 2, lo
+ * must be a multiple of TZ_BLOCK and hi a multiple of it or the shard's end. Returns 0, or
+ * -1 for a bad kind / range. */
 int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void *g, int gkind,
                    void *out, int okind, int skind, int64_t lo, int64_t hi,
-                   const tz_adam_hp *hp, const float *tables, uint32_t seed, int64_t base) {
+                   const tz_adam_hp *hp, uint32_t seed, int64_t base) {
     if (gkind < 0 || gkind > 2 || okind < 0 || okind > 2 || (okind != 0 && out == 0)) return -1;
-    if (skind < 1 || skind > 2 ||
-        (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0 || tables == 0)))
+    if (skind < 1 || skind > 2 || (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0)))
         return -1;
     unsigned mxcsr = tz_enter(); /* see [Note: subnormals] */
     /* the moments' keys for this call's stochastic rounding (state_codec.moment_keys) */
     uint32_t km = fmix32(seed * 2u + 1u), kv = fmix32(seed * 2u + 2u);
-    const float *tm = tables, *tv = tables == 0 ? 0 : tables + 128;
-    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, tm, tv, base, km,
-                                       kv);
+    TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, base, km, kv);
     tz_leave(mxcsr);
     return 0;
 }

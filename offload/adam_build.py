@@ -58,7 +58,7 @@ from .state_codec import BLOCK as STATE_BLOCK
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_adam_kernel.c")
-ABI_VERSION = 3
+ABI_VERSION = 4
 # -ffp-contract=off: see [Note: Adam operation order] in _adam_kernel.c.
 # -fno-math-errno lets sqrtf vectorise; it does not change any result.
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
@@ -96,9 +96,8 @@ class CompiledKernel:
     path: Path  # the cached .so
     step: Callable[..., int]  # tz_adam_step(p, m, v, g, gkind, out, okind, lo, hi, hp*)
     to_16: Callable[..., int]  # tz_f32_to_16(src, dst, okind, lo, hi)
-    # tz_adam_step_q(p, m, ms, v, vs, g, gkind, out, okind, skind, lo, hi, hp*, tables,
-    # seed, base): compressed
-    # moments (offload/state_codec.py)
+    # tz_adam_step_q(p, m, ms, v, vs, g, gkind, out, okind, skind, lo, hi, hp*, seed, base):
+    # compressed moments (offload/state_codec.py)
     step_q: Callable[..., int]
 
 
@@ -286,8 +285,8 @@ def _load(path: Path, fd: int) -> CompiledKernel:
     step_q.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(HyperParams), ctypes.c_void_p,
-        ctypes.c_uint32, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(HyperParams), ctypes.c_uint32,
+        ctypes.c_int64,
     ]
     if lib.tz_state_block() != STATE_BLOCK:
         raise OSError(f"{path} has state block {lib.tz_state_block()}, expected {STATE_BLOCK}")

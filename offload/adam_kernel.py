@@ -30,7 +30,6 @@ from .state_codec import (
     check_precision,
     decode,
     encode,
-    kernel_tables,
     split_int8,
     step_seed,
 )
@@ -217,7 +216,6 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
     hp_ref = ctypes.byref(prepared.struct)
     skind = SKIND[state]
     seed = step_seed(prepared.step)
-    tables = kernel_tables().data_ptr()
     mp, vp = exp_avg.data_ptr(), exp_avg_sq.data_ptr()
     ms = vs = None
     if state == "int8":
@@ -233,8 +231,8 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
 
     def part(lo: int, hi: int) -> None:
         lo, hi = lo * unit, min(n, hi * unit)
-        rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref,
-                    tables, seed, offset)
+        rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref, seed,
+                    offset)
         if rc != 0:
             raise RuntimeError(f"tz_adam_step_q rejected its arguments (rc={rc}, kinds "
                                f"{gkind}/{okind}/{skind}, range {lo}:{hi})")

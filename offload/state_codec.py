@@ -42,7 +42,9 @@ precision, not the same absolute one). Choices, and why:
   after 50 steps in the kernel test's setting, 64 % with the fp32 scale).
 - Codes round to the nearest, ties to even, by integer arithmetic on the fp32 bits
   (vectorisable in C, identical in PyTorch); decoding is a table lookup times the scale
-  (tables: code value / top value, so the top code decodes to the scale exactly). So
+  (tables: code value / top value, so the top code decodes to the scale exactly; the C
+  kernel computes the same values from the code's bits, [Note: int8 decode by arithmetic]
+  in _adam_kernel.c, because gcc vectorises that and not a lookup). So
   (a) the C kernel and this module agree bit for bit, and (b) encoding decoded values
   gives back the same codes and scales (the maximum decodes exactly, every other value
   to within two ulps of its code), which makes decoded fp32 moments (a checkpoint from
@@ -147,15 +149,10 @@ def _code_values(mant_bits: int) -> torch.Tensor:
 
 
 # Decoded values relative to the block scale: code value / top code value (fp32 division),
-# so the top code decodes to the block's maximum exactly. The kernel gets the same tables.
+# so the top code decodes to the block's maximum exactly. The kernel computes the same
+# values ([Note: int8 decode by arithmetic]; tests/offload/test_offload_state_kernel_codes.py).
 M_TABLE = _code_values(_M_MANT) / M_TOP  # 128 exp_avg magnitudes
 U_TABLE = _code_values(_U_MANT) / U_TOP  # 256 sqrt(exp_avg_sq) values
-_TABLES = torch.cat([M_TABLE, U_TABLE]).contiguous()
-
-
-def kernel_tables() -> torch.Tensor:
-    """The 384 fp32 values tz_adam_step_q decodes with (M_TABLE then U_TABLE)."""
-    return _TABLES
 
 
 def _block_scale(absmax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
