@@ -254,14 +254,22 @@ static inline float dec_mag(uint32_t q, const int mb) {
     return fmaf(fmaf(-q0, top, x), r, q0);
 }
 
-/* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. */
+/* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. The linear
+ * range (y < 2^-14) rounds y * 2^(14 + mb) to an integer, ties to even, by one float add:
+ * fl(y + 2^(9 - mb)) has ulp 2^-(14 + mb), so its bits minus those of 2^(9 - mb) are that
+ * integer (cheaper than a multiply, a round and a conversion; same result). */
 static inline uint32_t enc_mag(float y, const int mb) {
     uint32_t bits;
     memcpy(&bits, &y, sizeof bits);
     const int sh = 23 - mb;
     int32_t normal = (int32_t)((bits + ((1u << (sh - 1)) - 1u) + ((bits >> sh) & 1u)) >> sh)
                      - (112 << mb);
-    int32_t sub = (int32_t)rintf(y * (mb == 3 ? 0x1p17f : 0x1p18f));
+    const float c = mb == 3 ? 64.0f : 32.0f; /* 2^(9 - mb) */
+    float yc = y + c;
+    uint32_t ycb, cb;
+    memcpy(&ycb, &yc, sizeof ycb);
+    memcpy(&cb, &c, sizeof cb);
+    int32_t sub = (int32_t)(ycb - cb);
     int32_t q = y < 0x1p-14f ? sub : normal;
     const int32_t top = (1 << (4 + mb)) - 1;
     return (uint32_t)(q < 0 ? 0 : (q > top ? top : q));
