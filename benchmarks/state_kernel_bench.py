@@ -2,7 +2,9 @@
 
 One shard of --numel elements, bf16 gradient in, bf16 param16 out (the offloaded step's
 operands), moments fp32 / bf16 / int8; the choices interleaved, median of --repeats.
-Bytes per element touched: fp32 28, bf16 20, int8 ~16.
+Bytes per element touched: fp32 28, bf16 20, int8 ~16. With one thread the kernel runs on
+the calling thread, so its thread CPU time is reported too ("cpu"): on a shared, loaded
+machine wall time mostly measures waiting for a core, CPU time what the kernel costs.
 
     python benchmarks/state_kernel_bench.py --numel 16777216 --threads 1,2
 """
@@ -40,21 +42,26 @@ def main() -> None:
     for t in (int(x) for x in args.threads.split(",")):
         pool = AdamThreads(t) if t > 1 else None
         times: dict[str, list[float]] = {prec: [] for prec in state}
+        cpu: dict[str, list[float]] = {prec: [] for prec in state}
         for r in range(args.repeats + 1):
             for prec, (m, v) in state.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 adam_update(p, m, v, g, hyper=hyper, step=r + 1, shadow=shadow, threads=pool,
                             state=prec)
                 if r:  # the first round warms up
                     times[prec].append(time.perf_counter() - t0)
+                    cpu[prec].append(time.thread_time() - c0)
         if pool is not None:
             pool.close()
         for prec, ts in times.items():
             s = statistics.median(ts)
-            out["rows"].append({"threads": t, "state": prec, "median_s": s,
-                                "gparams_per_s": n / s / 1e9})
-            print(f"threads {t} {prec:5s} {s * 1e3:8.1f} ms  {n / s / 1e9:.3f} G params/s",
-                  flush=True)
+            row = {"threads": t, "state": prec, "median_s": s, "gparams_per_s": n / s / 1e9}
+            line = f"threads {t} {prec:5s} {s * 1e3:8.1f} ms  {n / s / 1e9:.3f} G params/s"
+            if pool is None:  # one thread: the kernel ran on this thread
+                row["cpu_median_s"] = statistics.median(cpu[prec])
+                line += f"  cpu {row['cpu_median_s'] * 1e3:.1f} ms"
+            out["rows"].append(row)
+            print(line, flush=True)
     print(json.dumps(out))
 
 
