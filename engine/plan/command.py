@@ -25,10 +25,11 @@ from tierzero.engine.config import ConfigError
 from tierzero.engine.config.values import parse_bytes
 from tierzero.engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend, step_time
 from tierzero.engine.plan.shapes import ModelShape, model_shape
-from tierzero.engine.plan.state_precision import precision_rows
+from tierzero.engine.plan.state_precision import precision_placements, precision_rows
 from tierzero.engine.train.metrics import human_bytes
 from tierzero.engine.train.model_source import ModelError
 from tierzero.offload.settings import TENSOR_CLASSES, TIERS
+from tierzero.offload.state_codec import STATE_PRECISIONS
 from tierzero.swap.safe_files import write_atomic
 
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -48,6 +49,11 @@ def add_plan(sub: Subparsers) -> None:
                       help="blocks a parameter count is split into (default 32)")
     plan.add_argument("--precision", choices=sorted(DTYPES), default="bf16")
     plan.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    plan.add_argument("--state-precision", choices=STATE_PRECISIONS, default="fp32",
+                      help="offload.optimizer.state_precision of the run (default fp32): the "
+                      "plan places and counts the step with its moment bytes, and recommends "
+                      "it; bf16/int8 change the numbers a run computes, so they are only "
+                      "recommended when set here (the table shows what each would need)")
     for name, what in (("device-mem", "accelerator memory per rank (default: free CUDA memory)"),
                        ("host-mem", "host memory for tierzero per rank (default: available RAM)"),
                        ("nvme-size", "swap space per rank (default: free space at --nvme-path)")):
@@ -118,10 +124,12 @@ def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, float
 
 
 def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: argparse.Namespace,
-           notes: list[str]) -> str:
+           notes: list[str], *,
+           placements: dict[tuple[str, str], ChoicePlan] | None = None) -> str:
+    """The report; `placements`: the other state precisions' (precision_placements)."""
     out = [f"model: {shape.name}: {shape.parameters / 1e9:.2f}B parameters, "
            f"{len(shape.units)} units; {args.precision}, world size {args.world_size} "
-           "(bytes per rank)",
+           f"(bytes per rank); optimizer state_precision {args.state_precision}",
            f"machine: device {human_bytes(machine.device_bytes)}, host "
            f"{human_bytes(machine.host_bytes)}, nvme {human_bytes(machine.nvme_bytes)}"]
     out += [f"  {n}" for n in notes]
@@ -175,7 +183,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
               f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
              for p in plans if p.fits]
     out.append(_table(rows))
-    out += _precision_table(plans)
+    out += _precision_table(plans, placements or {}, args.state_precision)
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
     out += [f"{p.choice}: the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) "
             f"is above the host's {human_bytes(machine.host_bytes)}"
@@ -195,20 +203,28 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     return "\n".join(out)
 
 
-def _precision_table(plans: list[ChoicePlan]) -> list[str]:
+def _precision_table(plans: list[ChoicePlan], placements: dict[tuple[str, str], ChoicePlan],
+                     chosen: str) -> list[str]:
     """Bytes and SSD writes of each offload.optimizer.state_precision (engine/plan/
-    state_precision.py); none is recommended, the user allows one by setting it."""
-    rows = [["offload", "state_precision", "moments B/param", "moments", "on",
+    state_precision.py); only the run's own (--state-precision) is recommended."""
+    def opt(n: int | None) -> str:
+        return "-" if n is None else human_bytes(n)
+
+    rows = [["offload", "state_precision", "moments B/param", "fits", "moments", "on",
              "NVMe read/step", "NVMe written/step", "written/1,000 steps"]]
-    rows += [[r.choice, r.precision, f"{r.bytes_per_param:.2f}", human_bytes(r.moments),
-              r.moments_tier, human_bytes(r.nvme_read), human_bytes(r.nvme_written),
-              human_bytes(r.written_per_1000)] for r in precision_rows(plans)]
+    rows += [[r.choice, r.precision + (" (run)" if r.precision == chosen else ""),
+              f"{r.bytes_per_param:.2f}", "yes" if r.fits else "no",
+              human_bytes(r.moments) if r.fits else "-", r.moments_tier, opt(r.nvme_read),
+              opt(r.nvme_written), opt(r.written_per_1000)]
+             for r in precision_rows(plans, placements, chosen)]
     if len(rows) == 1:
         return []
     return [_table(rows), "state_precision: how the CPU Adam keeps exp_avg/exp_avg_sq "
             "(offload.optimizer.state_precision; fp32 is exact, bf16/int8 change the "
-            "numbers: set it to use one); rows scale the counted fp32 step by the moments' "
-            "bytes"]
+            "numbers: to use one, plan with --state-precision and set it). Each row is "
+            "placed with its own moment bytes; the run's step is counted, another row's NVMe "
+            "bytes are that count with the moments' NVMe bytes exchanged ('-' where other "
+            "tensors would move too)"]
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -226,6 +242,8 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, 
     cache = _bytes("--max-in-cpu", args.max_in_cpu) or 0
     if best.choice == "nvme" and cache:
         offload["max_in_cpu_bytes"] = cache
+    if best.choice != "none" and args.state_precision != "fp32":  # the user's own choice
+        offload["optimizer"] = {"state_precision": args.state_precision}
     return {"precision": args.precision, "zero": {"stage": 3}, "offload": offload}
 
 
@@ -243,14 +261,18 @@ def run_plan(args: argparse.Namespace) -> int:
                                   "not allowed; allowed: an integer >= 1")
         shape = model_shape(args.model, layers=args.layers)
         machine, notes = detect_machine(args)
+        cache = _bytes("--max-in-cpu", args.max_in_cpu) or 0
         plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision,
-                         nvme_path=args.nvme_path,
-                         max_in_cpu_bytes=_bytes("--max-in-cpu", args.max_in_cpu) or 0,
-                         seq_len=args.seq_len, micro_batch=args.micro_batch)
+                         nvme_path=args.nvme_path, max_in_cpu_bytes=cache,
+                         seq_len=args.seq_len, micro_batch=args.micro_batch,
+                         state_precision=args.state_precision)
+        placements = precision_placements(shape, machine, plans, world_size=args.world_size,
+                                          precision=args.precision, nvme_path=args.nvme_path,
+                                          max_in_cpu_bytes=cache, chosen=args.state_precision)
     except (ConfigError, ModelError) as exc:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1
-    text = render(shape, plans, machine, args, notes)
+    text = render(shape, plans, machine, args, notes, placements=placements)
     best = recommend(plans)
     if best is None:
         sys.stdout.write(text + "\n")

@@ -115,15 +115,20 @@ class ChoicePlan:
 
 def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
                   nvme_path: str | None, unit_classes: tuple[str, ...] = (),
-                  max_in_cpu_bytes: int = 0) -> Config:
+                  max_in_cpu_bytes: int = 0, state_precision: str = "fp32") -> Config:
     """The config a run with this choice would use, budgets set to the machine's.
     `max_in_cpu_bytes`: offload.params.max_in_cpu_bytes of the nvme choice (parameter
-    shards homed in host memory instead of NVMe; the other choices do not use it)."""
+    shards homed in host memory instead of NVMe; the other choices do not use it).
+    `state_precision`: offload.optimizer.state_precision of the choices that run the CPU
+    Adam (the shard store sizes the moments by it, so placement uses their real bytes);
+    offload none keeps fp32 moments on the device whatever it says."""
     offload: dict[str, object] = {"device": choice, "budgets": {
         "device_bytes": machine.device_bytes, "host_bytes": machine.host_bytes,
         "nvme_bytes": machine.nvme_bytes}}
     if choice == "nvme" and max_in_cpu_bytes:
         offload["max_in_cpu_bytes"] = max_in_cpu_bytes
+    if choice != "none" and state_precision != "fp32":
+        offload["optimizer"] = {"state_precision": state_precision}
     if choice in ("nvme", "auto"):  # the dry run writes nothing there (DrySwap)
         offload["path"] = nvme_path or tempfile.gettempdir()
     zero: dict[str, object] = {"stage": 3}
@@ -134,10 +139,12 @@ def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
 
 def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
                 world_size: int, precision: str, nvme_path: str | None = None,
-                max_in_cpu_bytes: int = 0) -> ChoicePlan:
-    """Placement only (step 1 of the module docstring)."""
+                max_in_cpu_bytes: int = 0, state_precision: str = "fp32") -> ChoicePlan:
+    """Placement only (step 1 of the module docstring), moments sized for
+    `state_precision`."""
     config = engine_config(choice, machine, precision=precision, nvme_path=nvme_path,
-                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
+                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes,
+                           state_precision=state_precision)
     dtype = compute_dtype(config.precision.dtype)
     store = TieredShardStore(torch.device("meta"), config)
     quiet = logging.getLogger("tierzero.offload")
@@ -194,14 +201,15 @@ def predict_run(model: str, config: Config | str, *, seq_len: int, micro_batch: 
 
 def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
                 precision: str, nvme_path: str | None, max_in_cpu_bytes: int = 0,
-                seq_len: int = 8, micro_batch: int = 1) -> None:
+                seq_len: int = 8, micro_batch: int = 1, state_precision: str = "fp32") -> None:
     """Steps 2 and 3: run the engine dry and time its counted traffic."""
     if out.choice == "none" or not out.fits:
         out.phases = dict.fromkeys(PHASES, Traffic())
         out.step_s = 0.0 if out.fits else None
         return
     config = engine_config(out.choice, machine, precision=precision, nvme_path=nvme_path,
-                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes)
+                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes,
+                           state_precision=state_precision)
     try:
         run = dry_run(shape.fresh_module(), config, world_size=world_size, seq_len=seq_len,
                       micro_batch=micro_batch, device_is_host=not machine.cuda)
@@ -243,18 +251,22 @@ def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
 def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision: str,
              nvme_path: str | None = None, traffic: bool = True,
              max_in_cpu_bytes: int = 0, seq_len: int = 8,
-             micro_batch: int = 1) -> list[ChoicePlan]:
+             micro_batch: int = 1, state_precision: str = "fp32") -> list[ChoicePlan]:
     """Every choice; `traffic=False` stops after placement (no dry run).
     `max_in_cpu_bytes`: the nvme choice's offload.params.max_in_cpu_bytes; `seq_len`,
-    `micro_batch`: the dry run's batch (what its saved activations are counted for)."""
+    `micro_batch`: the dry run's batch (what its saved activations are counted for);
+    `state_precision`: the run's offload.optimizer.state_precision (placement and the dry
+    run use its moment bytes)."""
     plans = [plan_choice(shape, choice, machine, world_size=world_size, precision=precision,
-                         nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes)
+                         nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
+                         state_precision=state_precision)
              for choice in CHOICES]
     if traffic:
         for p in plans:
             add_traffic(p, shape, machine, world_size=world_size, precision=precision,
                         nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
-                        seq_len=seq_len, micro_batch=micro_batch)
+                        seq_len=seq_len, micro_batch=micro_batch,
+                        state_precision=state_precision)
     return plans
 
 

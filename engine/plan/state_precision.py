@@ -1,20 +1,30 @@
 """`tierzero plan`'s table of offload.optimizer.state_precision choices.
 
-The dry run counts the step with fp32 moments (the default). Every compressed choice
-changes exactly one thing ([Note: 8-bit moment codes] in offload/state_codec.py): the
-bytes of exp_avg and exp_avg_sq on their home tier, and so, where that home is NVMe,
-the bytes the step reads and writes for them (each moment is read once and written once
-per step by the CPU Adam stream). The rows scale the counted fp32 numbers by that;
-nothing else moves differently. No choice is recommended: compressed moments change
-the numbers a run computes, so they are the user's to allow (set the key).
+A compressed choice changes one thing ([Note: 8-bit moment codes] in
+offload/state_codec.py): the bytes of exp_avg and exp_avg_sq on their home tier, and so,
+where that home is NVMe, the bytes the step reads and writes for them (each moment is read
+once and written once per step by the CPU Adam stream). Its bytes can also change where
+things go: moments that only fit in host memory compressed are placed there.
+
+So each row has its own placement, by the engine's placement code with that precision's
+moment sizes (state_codec.moment_nbytes, as the shard store declares them). The run's own
+precision (`tierzero plan --state-precision`, default fp32) is the one whose step the dry
+run counts; another precision's NVMe bytes are that count with the moments' NVMe bytes
+exchanged, which holds when every other class sits where it sits in the counted plan
+(otherwise the row leaves them out). No compressed choice is recommended unless the user
+set it: compressed moments change the numbers a run computes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierzero.engine.plan.planner import ChoicePlan
+from tierzero.engine.plan.planner import ChoicePlan, Machine, plan_choice
+from tierzero.engine.plan.shapes import ModelShape
+from tierzero.offload.settings import TENSOR_CLASSES, TIERS, TensorClass
 from tierzero.offload.state_codec import STATE_PRECISIONS, bytes_per_param
+
+MOMENTS: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -22,31 +32,61 @@ class PrecisionRow:
     choice: str  # the offload choice (cpu, nvme, auto)
     precision: str  # fp32, bf16, int8
     bytes_per_param: float  # both moments, on their home tier
-    moments: int  # bytes of both moments (this rank)
-    moments_tier: str  # where they live: "host", "nvme" or "host+nvme"
-    nvme_read: int  # per step
-    nvme_written: int  # per step
+    fits: bool  # this precision's placement fits the machine
+    moments: int  # bytes of both moments (this rank); 0 when it does not fit
+    moments_tier: str  # where they live: "host", "nvme", "host+nvme"; "-" when it does not fit
+    nvme_read: int | None  # per step; None: not counted (see the module docstring)
+    nvme_written: int | None  # per step
 
     @property
-    def written_per_1000(self) -> int:
-        return 1000 * self.nvme_written
+    def written_per_1000(self) -> int | None:
+        return None if self.nvme_written is None else 1000 * self.nvme_written
 
 
-def precision_rows(plans: list[ChoicePlan]) -> list[PrecisionRow]:
-    """One row per (fitting choice that runs the CPU Adam, state precision)."""
+def _moments_on(p: ChoicePlan) -> dict[str, int]:
+    return {t: sum(p.by_tier.get(t, {}).get(c, 0) for c in MOMENTS) for t in ("host", "nvme")}
+
+
+def _same_homes_but_moments(a: ChoicePlan, b: ChoicePlan) -> bool:
+    return all(a.by_tier.get(t, {}).get(c, 0) == b.by_tier.get(t, {}).get(c, 0)
+               for t in TIERS for c in TENSOR_CLASSES if c not in MOMENTS)
+
+
+def precision_placements(shape: ModelShape, machine: Machine, plans: list[ChoicePlan], *,
+                         world_size: int, precision: str, nvme_path: str | None,
+                         max_in_cpu_bytes: int, chosen: str) -> dict[tuple[str, str], ChoicePlan]:
+    """The placement of every (choice that runs the CPU Adam, precision other than
+    `chosen`): `plans` hold `chosen`'s."""
+    return {(p.choice, prec): plan_choice(shape, p.choice, machine, world_size=world_size,
+                                          precision=precision, nvme_path=nvme_path,
+                                          max_in_cpu_bytes=max_in_cpu_bytes,
+                                          state_precision=prec)
+            for p in plans if p.choice != "none" for prec in STATE_PRECISIONS if prec != chosen}
+
+
+def precision_rows(plans: list[ChoicePlan], placements: dict[tuple[str, str], ChoicePlan],
+                   chosen: str) -> list[PrecisionRow]:
+    """One row per (choice that runs the CPU Adam, state precision); `plans` are the
+    counted plans of precision `chosen`, `placements` the others' (precision_placements)."""
     rows: list[PrecisionRow] = []
     for p in plans:
-        if not p.fits or p.choice == "none" or p.traffic_error or not p.phases:
+        if p.choice == "none":
             continue
-        tiers = {t: p.by_tier.get(t, {}).get("exp_avg", 0) + p.by_tier.get(t, {}).get(
-            "exp_avg_sq", 0) for t in ("host", "nvme")}
-        fp32 = sum(tiers.values())
-        if not fp32:
-            continue
-        where = "+".join(t for t in ("host", "nvme") if tiers[t])
+        counted = p.fits and not p.traffic_error and bool(p.phases)
         for prec in STATE_PRECISIONS:
-            ratio = bytes_per_param(prec) / bytes_per_param("fp32")
-            saved = int(tiers["nvme"] * (1 - ratio))  # read once and written once per step
-            rows.append(PrecisionRow(p.choice, prec, bytes_per_param(prec), int(fp32 * ratio),
-                                     where, p.nvme_read - saved, p.nvme_written - saved))
+            q = p if prec == chosen else placements.get((p.choice, prec))
+            if q is None:
+                continue
+            if not q.fits:
+                rows.append(PrecisionRow(p.choice, prec, bytes_per_param(prec), False, 0, "-",
+                                         None, None))
+                continue
+            tiers = _moments_on(q)
+            where = "+".join(t for t in ("host", "nvme") if tiers[t]) or "-"
+            read = written = None
+            if counted and (q is p or _same_homes_but_moments(p, q)):
+                delta = tiers["nvme"] - _moments_on(p)["nvme"]  # read once, written once
+                read, written = p.nvme_read + delta, p.nvme_written + delta
+            rows.append(PrecisionRow(p.choice, prec, bytes_per_param(prec), True,
+                                     sum(tiers.values()), where, read, written))
     return rows
