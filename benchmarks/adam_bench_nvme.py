@@ -4,13 +4,13 @@ a TierManager whose optimizer state lives in swap files.
 Three methods, interleaved, on the same shards:
   adam_only   the Adam kernel over every shard, state already in host tensors;
   disk_only   the same bytes with no compute: each shard's state read from its swap
-              files into host buffers and written back with a param16, a few shards in
+              files into host buffers and written back with a param, a few shards in
               flight;
   streamed    AdamStream.step + its writes drained (wait_idle): read, update, write
               overlapped, as the engine's step runs when nothing else is going on.
 Target: streamed <= 1.15 x max(adam_only, disk_only).
 Per parameter the disk moves 12 B in (fp32 master, m, v; the fp32 gradient is in host
-memory) and 14 B out (the same + the new bf16 param16).
+memory) and 14 B out (the same + the new bf16 param).
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from tierzero.swap import SwapStore, aligned_empty
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
 DTYPES = {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
-          "grad": torch.float32, "param16": torch.bfloat16}
+          "grad": torch.float32, "param": torch.bfloat16}
 HOMES = {"master": "nvme", "exp_avg": "nvme", "exp_avg_sq": "nvme", "grad": "cpu",
-         "param16": "nvme"}
+         "param": "nvme"}
 DISK_BYTES_PER_PARAM = 12 + 14
 
 
 def _disk_only(mgr: TierManager, keys: list[dict[str, str]], numels: tuple[int, ...],
                bufs: list[dict[str, torch.Tensor]]) -> None:
     """Read every shard's state into one of the buffer sets and write it back with a
-    param16, up to len(bufs) - 1 shards ahead of the write in progress."""
+    param, up to len(bufs) - 1 shards ahead of the write in progress."""
     pending: deque[tuple[int, list[TierTransfer]]] = deque()
     writes: deque[list[TierTransfer]] = deque()
     for i, n in enumerate(numels):
@@ -62,7 +62,7 @@ def _disk_only(mgr: TierManager, keys: list[dict[str, str]], numels: tuple[int, 
             r.wait()
         src = bufs[j % len(bufs)]
         writes.append([mgr.write_from(keys[j][c], src[c][:numels[j]])
-                       for c in (*STATE, "param16")])
+                       for c in (*STATE, "param")])
     for ws in writes:
         for w in ws:
             w.wait()
@@ -88,11 +88,11 @@ def nvme_section(directory: Path, *, n: int, shards: int, threads: int, repeats:
         for i, m in enumerate(numels):
             h = {"master": torch.randn(m) * 0.1, "exp_avg": torch.zeros(m),
                  "exp_avg_sq": torch.zeros(m), "grad": torch.randn(m) * 1e-3,
-                 "param16": torch.zeros(m, dtype=torch.bfloat16)}
+                 "param": torch.zeros(m, dtype=torch.bfloat16)}
             for c in DTYPES:
                 mgr.place(keys[i][c], h[c]).wait()
             host.append(h)
-        bufs = [{c: aligned_empty(big, DTYPES[c]) for c in (*STATE, "param16")}
+        bufs = [{c: aligned_empty(big, DTYPES[c]) for c in (*STATE, "param")}
                 for _ in range(3)]
         stream = AdamStream(mgr, keys, numels, buffer_bytes=3 * 12 * big,
                             shadow=torch.bfloat16, threads=pool)
@@ -102,7 +102,7 @@ def nvme_section(directory: Path, *, n: int, shards: int, threads: int, repeats:
             step[0] += 1
             for h in host:
                 adam_update(h["master"], h["exp_avg"], h["exp_avg_sq"], h["grad"],
-                            hyper=hyper, step=step[0], shadow=h["param16"], threads=pool)
+                            hyper=hyper, step=step[0], shadow=h["param"], threads=pool)
 
         def disk_only() -> None:
             stream.wait_idle()

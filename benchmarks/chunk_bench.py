@@ -3,7 +3,7 @@ whole shards (before issue 15) and in pieces of offload.optimizer.chunk_numel (a
 run, same swap directory, interleaved rounds, medians.
 
 Per step every shard's master and moments (12 B/param) are read from NVMe and written back
-with the new bf16 param16 (14 B/param); the gradient lives in host memory. Reported per
+with the new bf16 param (14 B/param); the gradient lives in host memory. Reported per
 setting: median step seconds, its ratio to the whole-shard step, the host ring (what the
 chunking is for), and the disk's own read+write time for the same bytes measured in the run
 (a SwapStore write then read of the same total, no compute).
@@ -40,15 +40,15 @@ def pieces(n: int, chunk: int) -> list[tuple[int, int]]:
 
 def run_setting(swap_dir: str, shards: int, numel: int, chunk: int, steps: int
                 ) -> tuple[list[float], int]:
-    whole = [{"grad": f"g{i}", "param16": f"p{i}"} for i in range(shards)]
+    whole = [{"grad": f"g{i}", "param": f"p{i}"} for i in range(shards)]
     chunks = [[(lo, hi, {c: f"{c}{i}@{lo}" for c in STATE}) for lo, hi in pieces(numel, chunk)]
               for i in range(shards)]
     specs = [ShardSpec(f"g{i}", "grad", numel, torch.float32) for i in range(shards)]
-    specs += [ShardSpec(f"p{i}", "param16", numel, torch.bfloat16) for i in range(shards)]
+    specs += [ShardSpec(f"p{i}", "param", numel, torch.bfloat16) for i in range(shards)]
     specs += [ShardSpec(k[c], c, hi - lo, torch.float32)  # type: ignore[arg-type]
               for cs in chunks for lo, hi, k in cs for c in STATE]
     homes = {"master": "nvme", "exp_avg": "nvme", "exp_avg_sq": "nvme", "grad": "cpu",
-             "param16": "nvme"}
+             "param": "nvme"}
     settings = TierSettings(homes=homes,  # type: ignore[arg-type]
                             budgets=Budgets(device=1 << 30, host=8 << 30, nvme=1 << 40),
                             pool=PoolSettings(buffer_count=2), prefetch=PrefetchSettings(),
@@ -85,7 +85,7 @@ def run_setting(swap_dir: str, shards: int, numel: int, chunk: int, steps: int
 
 
 def disk_only(swap_dir: str, shards: int, numel: int) -> float:
-    """Write then read the step's bytes (state + param16 out, state in) with no compute."""
+    """Write then read the step's bytes (state + param out, state in) with no compute."""
     out = [aligned_empty((3 * numel,), torch.float32).normal_() for _ in range(shards)]
     p16 = [aligned_empty((numel,), torch.bfloat16).normal_() for _ in range(shards)]
     with tempfile.TemporaryDirectory(dir=swap_dir) as d, SwapStore(d) as swap:

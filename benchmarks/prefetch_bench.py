@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", json.dumps(info))
     print(f"streaming {n} shards x {args.shard_mib} MiB = {n * shard_bytes / 2**30:.2f} GiB, "
           f"device tier {device}")
-    specs = [ShardSpec(f"s{i}", "param16", numel, torch.float32) for i in range(n)]
+    specs = [ShardSpec(f"s{i}", "param", numel, torch.float32) for i in range(n)]
     settings = TierSettings(
-        homes={"param16": "nvme"}, device="cuda" if cuda else "cpu",
+        homes={"param": "nvme"}, device="cuda" if cuda else "cpu",
         budgets=Budgets(device=(args.device_ahead_shards + 4) * shard_bytes,
                         host=(args.nvme_ahead_shards + args.device_ahead_shards + 6) * shard_bytes,
                         nvme=None, nvme_reserve=0),

@@ -1,6 +1,6 @@
 """CPU Adam kernel throughput per offload.optimizer.state_precision (offload/_adam_kernel.c).
 
-One shard of --numel elements, bf16 gradient in, bf16 param16 out (the offloaded step's
+One shard of --numel elements, bf16 gradient in, bf16 param out (the offloaded step's
 operands), moments fp32 / bf16 / int8; the choices interleaved, median of --repeats.
 Bytes per element touched: fp32 28, bf16 20, int8 ~16. With one thread the kernel runs on
 the calling thread, so its thread CPU time is reported too ("cpu"): on a shared, loaded

@@ -22,10 +22,10 @@ schedule needs instead:
                                 Every other unit is read again in backward: its NVMe bytes
                                 once more per step, read ahead by the prefetch window.
   offload.budgets.device_bytes  the device-homed shards (offload.*.device none) + two of
-                                the largest shard fetched to the device (param16, to be
+                                the largest shard fetched to the device (param, to be
                                 gathered): the one being gathered and the next one,
                                 fetched ahead; at least the cache room placement reserves
-                                (one of the largest param16 or gradient shard homed
+                                (one of the largest param or gradient shard homed
                                 below). A device cache on a CPU only copies a host cache.
                                 With an `auto` home the planner fills the device tier from
                                 its budget, so there it stays the available memory.

@@ -24,7 +24,7 @@ then the groups that had late gradients, in the same fixed order.
 is recorded; every later forward is checked against it and, on a change
 (dynamic control flow), logged and re-recorded. Correctness never depends
 on the trace; the prefetch queue (offload/) is driven by it: each forward
-hands the tier manager the order of the coming param16 fetches.
+hands the tier manager the order of the coming param fetches.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class Scheduler:
         self.state = new  # a failed gather above leaves the scheduler idle
 
     def _prefetch_from_trace(self, root: Unit) -> None:
-        """Hand the shard store this step's param16 uses, in order, from the recorded trace:
+        """Hand the shard store this step's param uses, in order, from the recorded trace:
         root, each non-persistent unit's forward, then the same units in reverse for
         backward. The tier manager starts NVMe reads and host->device copies within its
         byte windows (zero.prefetch_bytes) ahead of each use ([Note: unit order trace])."""
@@ -247,12 +247,12 @@ class Scheduler:
         fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
         entries: list[tuple[str, TensorClass]] = []
         if not (root.gathered and not root.stale):
-            entries += [(g.key, "param16") for g in root.groups]
-        entries += [(g.key, "param16") for u in fwd for g in u.groups]
+            entries += [(g.key, "param") for g in root.groups]
+        entries += [(g.key, "param") for u in fwd for g in u.groups]
         kept = self._predict_kept(root, fwd)
         for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
             if u.index not in kept:
-                entries += [(g.key, "param16") for g in u.groups]
+                entries += [(g.key, "param") for g in u.groups]
             if not (u.has_frozen or u.dynamic):  # those reduce at the end of backward
                 # a fresh gradient shard is overwritten by its reduction, never read
                 # ([Note: gradients zeroed by the first reduction]): no read-ahead for it
@@ -458,20 +458,20 @@ class Scheduler:
                     raise RuntimeError(f"write_back: unit {unit.label!r} is not gathered")
                 self.comm.broadcast(g.base, src, g.key)
                 lo = self.comm.rank * g.shard_numel
-                mine = g.base[lo:lo + g.shard_numel]  # may alias param16 (one rank)
-                with self.store.use(g.key, "param16", writable=True) as param16:
+                mine = g.base[lo:lo + g.shard_numel]  # may alias param (one rank)
+                with self.store.use(g.key, "param", writable=True) as param:
                     if g.trainable:
                         with self.store.use(g.key, "master", writable=True) as master:
-                            if master.data_ptr() != param16.data_ptr():
-                                # Only edited elements replace the fp32 master (param16 is
+                            if master.data_ptr() != param.data_ptr():
+                                # Only edited elements replace the fp32 master (param is
                                 # always master rounded, so a difference is an edit); the
                                 # rest keep full precision instead of a round trip through
                                 # the compute dtype.
                                 m = mine.to(master.device)
                                 changed = m != master.to(m.dtype)
                                 master.copy_(torch.where(changed, m.float(), master))
-                    if mine.data_ptr() != param16.data_ptr():
-                        param16.copy_(mine)
+                    if mine.data_ptr() != param.data_ptr():
+                        param.copy_(mine)
 
     # -- step ------------------------------------------------------------------
     # [Note: persistent units after the step]

@@ -4,7 +4,7 @@ Knows tensors, bytes and tiers; nothing of modules or ranks.
 
 Tier manager API (offload/manager.py has the walk-through)::
 
-    settings = TierSettings(homes={"param16": "none", "master": "nvme", ...},
+    settings = TierSettings(homes={"param": "none", "master": "nvme", ...},
                             budgets=Budgets(device=..., host=..., nvme=...))
     mgr = TierManager([ShardSpec(key, cls, numel, dtype), ...], settings, swap=store)
     mgr.place(key, tensor).wait()

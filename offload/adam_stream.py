@@ -15,7 +15,7 @@ and lets the traffic spill into the time around the step:
 Each shard's state (master, exp_avg, exp_avg_sq) is read once and written once
 per step, straight between its buffer set and its home (TierManager.read_into /
 write_from: for NVMe no pool buffer and no staging copy); the gradient is used
-where it lives (a view of its host home, no copy). The new param16 (the
+where it lives (a view of its host home, no copy). The new param (the
 kernel's low-precision shadow, or the fp32 master itself with fp32 compute) is
 written in the same pass.
 
@@ -29,7 +29,7 @@ Ordering, so no one ever sees stale data:
 - a read-ahead into ring room starts only after the writes that held the room
   have landed (one background thread waits for it, so ``step()`` does not);
 - reads and writes of one key are ordered by the manager (the home copy is in
-  flight until the write lands: a gather of param16 waits for it) and by the
+  flight until the write lands: a gather of param waits for it) and by the
   swap store (a read waits for earlier writes of its key);
 - a read-ahead whose key changed after it was issued (``TierManager.version``,
   e.g. a checkpoint load wrote the state) is read again before use.
@@ -42,10 +42,10 @@ writes one piece at a time through the ring, so the ring is sized by the piece, 
 the largest shard: a 700M-parameter layer needs no 10 GB of buffers. Each piece is one
 pass of the same kernel over its elements (Adam is elementwise, so the result is
 bitwise the same as one pass over the shard). The gradient is held once per shard (a
-view of its home or host cache, sliced per piece); the new param16 of a shard in
-several pieces is assembled in a second, smaller ring (two shards' param16) and written
-whole once its last piece is updated, since param16 is gathered whole. A shard of one
-piece keeps its param16 in the ring with its state, as before.
+view of its home or host cache, sliced per piece); the new param of a shard in
+several pieces is assembled in a second, smaller ring (two shards' param) and written
+whole once its last piece is updated, since param is gathered whole. A shard of one
+piece keeps its param in the ring with its state, as before.
 
 Failures: an exception inside ``step()`` waits for every transfer still using
 the buffers, drops the read-ahead and re-raises; every shard is then either
@@ -99,15 +99,15 @@ log = logging.getLogger(__name__)
 # plans host memory by them (engine/shards/tiered.py).
 def piece_bytes(numel: int, state: str, low_itemsize: int = 0) -> int:
     """Ring bytes of one piece: its fp32 master and two moments in ``state`` precision,
-    each part page-aligned, and the shard's low-precision param16 (``low_itemsize`` bytes
+    each part page-aligned, and the shard's low-precision param (``low_itemsize`` bytes
     per element; 0: none) when the shard is in one piece."""
     low = page_up(numel * low_itemsize) if low_itemsize else 0
     return page_up(numel * 4) + 2 * page_up(moment_nbytes(numel, state)) + low
 
 
-def param16_assembly_bytes(whole_bytes: Sequence[int]) -> int:
-    """Host bytes where the new param16 of shards in several pieces is assembled: room for
-    two of the largest (``whole_bytes``: each such shard's param16, page-aligned)."""
+def param_assembly_bytes(whole_bytes: Sequence[int]) -> int:
+    """Host bytes where the new param of shards in several pieces is assembled: room for
+    two of the largest (``whole_bytes``: each such shard's param, page-aligned)."""
     return 2 * max(whole_bytes) if whole_bytes else 0
 
 
@@ -148,24 +148,24 @@ def _checked_order(order: Sequence[int], n: int) -> list[int]:
 class AdamStream:
     """Adam over every shard of ``keys`` (class -> manager key per shard), streamed.
 
-    keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param16" of shard i
-    (param16 optional: without it only the fp32 state is updated).
+    keys[i] names "master", "exp_avg", "exp_avg_sq", "grad" and "param" of shard i
+    (param optional: without it only the fp32 state is updated).
     order: the shard order of every step; ``set_order`` changes it between steps. The
         engine starts from backward's unit order (blocks last to first, the root last),
         then follows the order gradients turned final in its backward.
-    buffer_bytes: the host ring the shards' master + moments (+ param16) are carved
+    buffer_bytes: the host ring the shards' master + moments (+ param) are carved
         from (at least the largest shard's): the host memory of the step, and how far
         reads run ahead and writes behind. A shard's region is taken when its read is
         issued and returned when its write has landed, in order (offload/host_ring.py).
-    keep_host_buffers: pool buffers the new param16 of the last shards in the
+    keep_host_buffers: pool buffers the new param of the last shards in the
         construction ``order`` may take as host caches (TierManager.write_from keep_host;
         None: all but one). That order's reverse is forward's gather order (the root,
-        then the blocks): those shards find their param16 in host memory instead of
-        waiting for its write to land and reading it back (see [Note: param16 kept in
+        then the blocks): those shards find their param in host memory instead of
+        waiting for its write to land and reading it back (see [Note: param kept in
         host memory]). Chosen once; ``set_order`` does not change it.
     chunks: per shard, its pieces (lo, hi, {"master"|"exp_avg"|"exp_avg_sq": key}) tiling
         [0, numel) ([Note: optimizer state in chunks]); keys[i] then needs only "grad" and
-        "param16". None: every shard is one piece under its own keys.
+        "param". None: every shard is one piece under its own keys.
     consume_grads: a gradient is dead once its shard is updated (the caller overwrites it
         before reading it again): its caches are dropped unwritten (TierManager.discard), so
         an NVMe-homed gradient cached in the pool is not written down after the step.
@@ -208,14 +208,14 @@ class AdamStream:
         capacity = max([buffer_bytes, *(self._item_bytes(c) for cs in self._chunks for c in cs)])
         self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(
             nbytes, torch.uint8, purpose="adam_ring"))
-        # param16 of shards in several pieces, assembled whole: room for two shards, so one
+        # param of shards in several pieces, assembled whole: room for two shards, so one
         # is written while the next is assembled ([Note: optimizer state in chunks])
         low = 4 if shadow is None else 2
         whole = [page_up(low * self._numels[i]) for i, cs in enumerate(self._chunks)
-                 if len(cs) > 1 and "param16" in self._keys[i]]
-        self._p16_ring = (HostRing(param16_assembly_bytes(whole), lambda nbytes:
+                 if len(cs) > 1 and "param" in self._keys[i]]
+        self._p16_ring = (HostRing(param_assembly_bytes(whole), lambda nbytes:
                                    manager.host_empty(nbytes, torch.uint8,
-                                                      purpose="adam_param16"))
+                                                      purpose="adam_param"))
                           if whole else None)
         self._p16_writes: deque[tuple[int, TierTransfer]] = deque()  # oldest first
         self._seq: list[Chunk] = []  # every piece, in step order
@@ -344,7 +344,7 @@ class AdamStream:
             for j, piece in enumerate(pieces):
                 rd = self._next_read(op, self._first[pos] + j)
                 op.compute += self._update(rd.bufs, piece, grad, whole, op)
-                self._write(rd.bufs, piece, param16=whole is None)
+                self._write(rd.bufs, piece, param=whole is None)
             if taken is not None:
                 self._p16_write(index, *taken)
         finally:
@@ -371,30 +371,30 @@ class AdamStream:
 
     def _update(self, bufs: StreamSet, piece: Chunk, grad: torch.Tensor,
                 whole: torch.Tensor | None, op: OpenStep) -> float:
-        """One kernel pass over the piece; its new param16 goes to the ring (a shard in one
-        piece) or into the shard's assembled param16 ``whole``."""
+        """One kernel pass over the piece; its new param goes to the ring (a shard in one
+        piece) or into the shard's assembled param ``whole``."""
         n = piece.numel
         master = bufs.part("master", n)
         if whole is not None:
             shadow = None if self._shadow is None else whole[piece.lo:piece.hi]
         else:
-            shadow = None if bufs.param16 is None else bufs.param16[:n]
+            shadow = None if bufs.param is None else bufs.param[:n]
         t = time.perf_counter()
         with trace.span("adam", piece.keys["master"], numel=n):
             adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
                         grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
                         grad_scale=op.grad_scale, shadow=shadow, threads=self._threads,
                         backend=self._backend, state=self._state, offset=piece.lo)
-        if whole is not None and self._shadow is None:  # fp32 compute: param16 is the master
+        if whole is not None and self._shadow is None:  # fp32 compute: param is the master
             whole[piece.lo:piece.hi].copy_(master)
         return time.perf_counter() - t
 
-    def _write(self, bufs: StreamSet, piece: Chunk, *, param16: bool) -> None:
+    def _write(self, bufs: StreamSet, piece: Chunk, *, param: bool) -> None:
         n = piece.numel
         writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n)) for c in STATE]
-        p16 = self._keys[piece.shard].get("param16")
-        if param16 and p16 is not None:  # fp32 compute: param16 is the master itself
-            src = bufs.part("master", n) if bufs.param16 is None else bufs.param16[:n]
+        p16 = self._keys[piece.shard].get("param")
+        if param and p16 is not None:  # fp32 compute: param is the master itself
+            src = bufs.part("master", n) if bufs.param is None else bufs.param[:n]
             writes.append(self._mgr.write_from(p16, src, keep_host=piece.shard in self._keep))
         self._writes.append((bufs, writes))
         while self._writes and all(t.done() for t in self._writes[0][1]):
@@ -403,10 +403,10 @@ class AdamStream:
             self._ring.give_back(done.start)
 
     def _p16_take(self, index: int) -> tuple[int, torch.Tensor] | None:
-        """Room for shard ``index``'s whole new param16 (None: it has no param16 key),
-        waiting for the oldest param16 write when both regions are in use."""
+        """Room for shard ``index``'s whole new param (None: it has no param key),
+        waiting for the oldest param write when both regions are in use."""
         ring = self._p16_ring
-        if ring is None or "param16" not in self._keys[index]:
+        if ring is None or "param" not in self._keys[index]:
             return None
         dtype = torch.float32 if self._shadow is None else self._shadow
         n = self._numels[index]
@@ -414,7 +414,7 @@ class AdamStream:
         start = ring.take(nbytes)
         while start is None:
             if not self._p16_writes:
-                raise OffloadError("internal: the param16 ring is full with no write in flight")
+                raise OffloadError("internal: the param ring is full with no write in flight")
             first, t = self._p16_writes.popleft()
             t.wait()
             ring.give_back(first)
@@ -424,8 +424,8 @@ class AdamStream:
     def _p16_write(self, index: int, start: int, whole: torch.Tensor) -> None:
         ring = self._p16_ring
         if ring is None:
-            raise OffloadError("internal: no param16 ring")
-        t = self._mgr.write_from(self._keys[index]["param16"], whole,
+            raise OffloadError("internal: no param ring")
+        t = self._mgr.write_from(self._keys[index]["param"], whole,
                                  keep_host=index in self._keep)
         self._p16_writes.append((start, t))
         while self._p16_writes and self._p16_writes[0][1].done():
@@ -433,10 +433,10 @@ class AdamStream:
             done.wait()
             ring.give_back(first)
 
-    # [Note: param16 kept in host memory]
-    # The last shards of a step are the first the next forward gathers, and their param16
+    # [Note: param kept in host memory]
+    # The last shards of a step are the first the next forward gathers, and their param
     # writes are the ones still in flight when it starts: a gather would wait for the
-    # write to land and then read the same bytes back from NVMe. Their new param16 is
+    # write to land and then read the same bytes back from NVMe. Their new param is
     # instead copied into pool buffers as host caches, written down from there (the home
     # stays authoritative, the cache is clean once the write lands, evictable as any).
     def _kept_shards(self, buffers: int | None) -> frozenset[int]:
@@ -444,7 +444,7 @@ class AdamStream:
         room = max(0, plan.pool_count - 1) if buffers is None else buffers
         kept: set[int] = set()
         for index in reversed(self._order):
-            key = self._keys[index].get("param16")
+            key = self._keys[index].get("param")
             if key is None or not self._numels[index] or plan.homes.get(key) != "nvme":
                 continue
             need = -(-plan.specs[key].nbytes // max(1, plan.pool_buffer_bytes))
@@ -456,7 +456,7 @@ class AdamStream:
 
     @property
     def kept(self) -> frozenset[int]:
-        """Shards whose new param16 is offered to the manager as a host cache."""
+        """Shards whose new param is offered to the manager as a host cache."""
         return self._keep
 
     def footprint(self, numel: int) -> int:
@@ -468,7 +468,7 @@ class AdamStream:
         return piece_bytes(numel, self._state)
 
     def _item_bytes(self, piece: Chunk) -> int:
-        """Ring bytes of a piece: its state, and its param16 when the shard is one piece."""
+        """Ring bytes of a piece: its state, and its param when the shard is one piece."""
         if len(self._chunks[piece.shard]) == 1:
             return self.footprint(piece.numel)
         return self._state_bytes(piece.numel)
@@ -496,13 +496,13 @@ class AdamStream:
                 return
             after, self._carry = self._carry, []
             bufs = self._carve(start, piece.numel,
-                               param16=len(self._chunks[piece.shard]) == 1)
+                               param=len(self._chunks[piece.shard]) == 1)
             job = self._reader.submit(self._issue_read, piece, bufs, after, background)
             self._ahead.append(StreamRead(self._issued % n_seq, bufs, after, job,
                                           shard=piece.shard))
             self._issued += 1
 
-    def _carve(self, start: int, numel: int, *, param16: bool = True) -> StreamSet:
+    def _carve(self, start: int, numel: int, *, param: bool = True) -> StreamSet:
         if start < 0:
             empty = torch.empty(0)
             return StreamSet(start, empty, empty, empty, None, self._state)
@@ -516,7 +516,7 @@ class AdamStream:
             moments = [self._ring.view(start + size + i * each, moment_nbytes(
                 numel, self._state), torch.uint8) for i in (0, 1)]
             end = start + size + 2 * each
-        p16 = (None if self._shadow is None or not param16
+        p16 = (None if self._shadow is None or not param
                else self._ring.view(end, numel, self._shadow))
         return StreamSet(start, master, moments[0], moments[1], p16, self._state)
 

@@ -7,15 +7,15 @@ Fixed classes (``none`` -> device, ``cpu`` -> host, ``nvme`` -> nvme) are
 placed first. ``auto`` shards are then visited small-first for those at most
 ``persist_bytes`` (small shards stay resident: each costs a transfer but few
 bytes), then by class in order of bytes moved per step when not resident:
-``param16`` (read in forward and backward) before ``grad`` (written every
+``param`` (read in forward and backward) before ``grad`` (written every
 micro-step) before ``master``, ``exp_avg``, ``exp_avg_sq`` (touched once per
 step by the CPU optimizer). Each goes to the fastest tier with room, so
-optimizer state spills to NVMe before parameters do. Only ``param16`` may be
+optimizer state spills to NVMe before parameters do. Only ``param`` may be
 homed on the device: the optimizer runs on the CPU, so the other classes are
 only ever consumed on the host.
 
 [Note: host allowance]
-``TierSettings.host_allowance[cls]`` (the engine fills it for param16 from
+``TierSettings.host_allowance[cls]`` (the engine fills it for param from
 ``offload.params.max_in_cpu_bytes``, DeepSpeed's ``max_in_cpu``) lets a class
 fixed on ``nvme`` keep some shards homed in host memory: they are visited in
 the order ``plan_placement`` is given them and each goes to host while the
@@ -24,7 +24,7 @@ after fixed homes and the full NVMe staging pool (first fit: a shard too large
 is skipped, later smaller ones may still fit). Such a shard is an ordinary
 host-homed shard from then on (one authoritative copy, no NVMe file space):
 gathers read it from host memory, the optimizer writes it there. The engine
-passes param16 in forward order, blocks first and the root last
+passes param in forward order, blocks first and the root last
 ([Note: which shards the host keeps] in engine/shards/tiered.py).
 """
 
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 AUTO_TIERS: dict[TensorClass, tuple[Tier, ...]] = {
-    "param16": ("device", "host", "nvme"),
+    "param": ("device", "host", "nvme"),
     "grad": ("host", "nvme"),
     "master": ("host", "nvme"),
     "exp_avg": ("host", "nvme"),
@@ -119,9 +119,9 @@ def plan_placement(
     order = sorted(auto, key=lambda s: (s.nbytes > settings.persist_bytes,
                                         TENSOR_CLASSES.index(s.cls), s.nbytes))
     # room for one cache of the largest shard the engine gathers to the device
-    # (param16 in forward/backward, grad on its way down); optimizer state is
+    # (param in forward/backward, grad on its way down); optimizer state is
     # consumed on the host and never needs device room.
-    device_reserve = max((s.nbytes for s in specs if s.cls in ("param16", "grad")
+    device_reserve = max((s.nbytes for s in specs if s.cls in ("param", "grad")
                           and fixed.get(s.key) != "device"), default=0)
     pin = device.type == "cuda" and settings.pool.pin_memory
     pool_reserved = 0
@@ -291,7 +291,7 @@ def _explain(plan: Plan, settings: TierSettings) -> None:
             f"{t} {len(ks)} ({sum(plan.specs[k].nbytes for k in ks)} B)"
             for t, ks in split.items() if ks
         )
-        how = ("auto: fastest tier with room, small shards and param16 first, optimizer "
+        how = ("auto: fastest tier with room, small shards and param first, optimizer "
                "state spills first" if settings.homes[cls] == "auto"
                else f"fixed: offload device {settings.homes[cls]!r}")
         allowance = settings.host_allowance.get(cls, 0)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-TensorClass = Literal["param16", "grad", "master", "exp_avg", "exp_avg_sq"]
+TensorClass = Literal["param", "grad", "master", "exp_avg", "exp_avg_sq"]
 Tier = Literal["device", "host", "nvme"]
 OffloadDevice = Literal["none", "cpu", "nvme", "auto"]
 DeviceKind = Literal["auto", "cuda", "cpu", "meta"]  # meta: a dry run (plan)
@@ -90,7 +90,7 @@ class PoolSettings:
     # The others reach the pool only on rare paths (initial placement, checkpoints)
     # and then take a span of adjacent buffers; e.g. the engine streams optimizer
     # state into its own buffers (TierManager.read_into / write_from), so it lists
-    # only param16 and grad and the pool is not sized by fp32 master shards.
+    # only param and grad and the pool is not sized by fp32 master shards.
     staged: tuple[TensorClass, ...] = TENSOR_CLASSES
     pin_memory: bool = True  # page-lock the pool and host homes when CUDA exists
     numa_local: bool = True  # allocate on the GPU's NUMA node when there are several

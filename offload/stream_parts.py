@@ -44,7 +44,7 @@ class StreamSet:
     master: torch.Tensor  # fp32
     exp_avg: torch.Tensor  # fp32
     exp_avg_sq: torch.Tensor  # fp32
-    param16: torch.Tensor | None  # the compute dtype when it is bf16/fp16, else None
+    param: torch.Tensor | None  # the compute dtype when it is bf16/fp16, else None
     # how the moments are stored (offload/state_codec.py): fp32 tensors, or else uint8
     # tensors of state_codec.moment_nbytes(numel) bytes
     state: str = "fp32"

@@ -17,15 +17,15 @@ from tierzero.offload import AdamHyper, adam_update
 class HostShards:
     """Per shard: fp32 master and moments, a gradient, and an optional low-precision copy."""
 
-    def __init__(self, numels: Sequence[int], *, param16_dtype: torch.dtype | None = None,
+    def __init__(self, numels: Sequence[int], *, param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype = torch.float32) -> None:
         self.numels = tuple(numels)
         self.tensors: list[dict[str, torch.Tensor]] = []
         for n in self.numels:
             shard = {name: torch.zeros(n) for name in ("master", "exp_avg", "exp_avg_sq")}
             shard["grad"] = torch.zeros(n, dtype=grad_dtype)
-            if param16_dtype is not None:
-                shard["param16"] = torch.zeros(n, dtype=param16_dtype)
+            if param_dtype is not None:
+                shard["param"] = torch.zeros(n, dtype=param_dtype)
             self.tensors.append(shard)
 
     def step(self, *, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> None:
@@ -35,4 +35,4 @@ class HostShards:
             if t["master"].numel():
                 adam_update(t["master"], t["exp_avg"], t["exp_avg_sq"], t["grad"],
                             hyper=hyper, step=step, grad_scale=grad_scale,
-                            shadow=t.get("param16"))
+                            shadow=t.get("param"))

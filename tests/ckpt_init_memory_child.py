@@ -60,7 +60,7 @@ def main() -> None:
     with PeakSampler() as setup_peak:
         eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
     # lr 0 for this one step: it runs every part of the step (NVMe reads and writes, CPU
-    # Adam, param16 refresh) but leaves the values as built, for the exactness check below
+    # Adam, param refresh) but leaves the values as built, for the exactness check below
     eng.optimizer.param_groups[0]["lr"] = 0.0
     with PeakSampler() as step_peak:
         loss = eng(torch.randn(8, int(dim)))
@@ -68,7 +68,7 @@ def main() -> None:
         eng.step()
     report = eng.memory_report()
     # Exactness, after the measurement: every gathered bf16 parameter against a plain fp32
-    # build with the same seed, rounded to bf16 (what param16 holds).
+    # build with the same seed, rounded to bf16 (what param holds).
     torch.manual_seed(0)
     plain = MLP(int(blocks), int(dim))
     unequal = []

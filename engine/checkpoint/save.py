@@ -21,7 +21,7 @@
                                    stored bytes with state_precision bf16 / int8: [Note:
                                    compressed moments in checkpoints]), grad only
                                    when saved mid-accumulation, optim.<name> for other
-                                   per-element optimizer state; frozen: param16.
+                                   per-element optimizer state; frozen: param.
                                  "rng::torch" / "rng::cuda" (uint8 RNG states); rank 0 also
                                  "buffer::<name>" (module buffers). Header metadata
                                  "tierzero": JSON with this rank's optimizer scalars
@@ -57,7 +57,7 @@ A checkpoint whose groups have no "moments" entry (written before this format) h
 moments decoded to fp32 whatever its "state_precision" says: they load as fp32 moments
 (encoded again by a compressing run: the same bytes where its blocks start where the
 saving run's did).
-`consolidate` reads master / param16 only: the moments' format does not concern it.
+`consolidate` reads master / param only: the moments' format does not concern it.
 
 Parameter names and the flat layout follow [Note: flat layout] in
 engine/shards/flat.py; group keys are `FlatGroup.key`.
@@ -183,7 +183,7 @@ def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
                     optim[g.key].shards) + (["grad"] if with_grad and eng.store.has(
                         g.key, "grad") else [])
             else:
-                kinds = ["param16"]
+                kinds = ["param"]
             params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
             moments = next((eng.store.moment_layout(g.key, k)
                             for k in kinds if k in ("exp_avg", "exp_avg_sq")), None)
@@ -218,7 +218,7 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
     scalars: dict[str, Any] = {}
     for lay in layouts:
         for kind in lay.kinds:
-            dtype = eng.dtype if kind == "param16" else torch.float32
+            dtype = eng.dtype if kind == "param" else torch.float32
             ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
             if lay.moments is not None and kind in ("exp_avg", "exp_avg_sq"):
                 ref = ShardRef(lay.key, kind, lay.moments.dtype, lay.moments.stored_numel,

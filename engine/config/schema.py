@@ -246,7 +246,7 @@ class OptimizerOffloadConfig(_TierHomeConfig):
         default=None,
         metadata=meta(
             "bytes per CPU Adam buffer; null = the mean unit shard's master, moments and "
-            "param16 (the buffers together hold at least the largest shard)",
+            "param (the buffers together hold at least the largest shard)",
             gt=0,
             unit="bytes",
         ),

@@ -1,7 +1,7 @@
 """`export_hf`: a live engine's model as a Hugging Face directory `from_pretrained` loads.
 
 Streamed one flat group at a time ([Note: flat layout] in shards/flat.py): each
-rank hands its shard (the fp32 `master` of trained groups, `param16` of frozen
+rank hands its shard (the fp32 `master` of trained groups, `param` of frozen
 ones) to an all-gather, rank 0 cuts the group's parameters out of the full
 buffer, writes them and drops it. Extra memory: one group's full buffer and its
 parameters' copies (a unit's parameters of one dtype; fp32 for trained groups),
@@ -166,8 +166,8 @@ def _config_json(model: nn.Module, dtype: torch.dtype) -> bytes:
 
 
 def _gather_group(eng: ZeroEngine, group: FlatGroup) -> torch.Tensor:
-    """The group's full flat buffer (padded_numel elements, CPU): master or param16."""
-    kind = "master" if group.trainable and eng.store.has(group.key, "master") else "param16"
+    """The group's full flat buffer (padded_numel elements, CPU): master or param."""
+    kind = "master" if group.trainable and eng.store.has(group.key, "master") else "param"
     dev = eng.device if eng.comm.backend == "nccl" else torch.device("cpu")
     with shard_use(eng.store, group.key, kind) as shard:
         full = torch.empty(group.padded_numel, dtype=shard.dtype, device=dev)

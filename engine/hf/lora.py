@@ -4,7 +4,7 @@ peft wraps each targeted Linear as `<name>.base_layer` (the frozen original)
 next to `<name>.lora_A.<adapter>` / `lora_B.<adapter>`; a `PeftModel` adds
 `base_model.model.` in front of every name. The engine partitions the wrapped
 model like any other: the base weights land in frozen flat groups (only
-`param16`, no optimizer state), the adapters in trainable ones.
+`param`, no optimizer state), the adapters in trainable ones.
 `peft_aliases` maps the wrapped names back to the original checkpoint's, so
 `load_pretrained` fills the frozen base from an unwrapped Hugging Face
 checkpoint and leaves the adapters as peft initialised them.

@@ -2,7 +2,7 @@
 
 Each parameter is written where its values live now, this rank's part only:
 - partitioned by an engine: this rank's slice of the unit's flat buffer
-  ([Note: flat layout] in shards/flat.py), into `param16` and the fp32 master;
+  ([Note: flat layout] in shards/flat.py), into `param` and the fp32 master;
 - partitioned by `engine.Init`: this rank's slice of the parameter
   ([Note: Init partitioning] in init/context.py);
 - not partitioned: the whole parameter (module buffers likewise).
@@ -187,10 +187,10 @@ def _write_engine_slot(reader: SliceReader, entry: TensorEntry, eng_group: FlatG
     values = reader.read(entry, a - slot.offset, b - slot.offset)
     # Through store.use: a shard homed in the tier manager (offloaded to host or NVMe) is
     # fetched, written and released (written back) like any other update.
-    with store.use(eng_group.key, "param16", writable=True) as param16:
-        param16[a - lo:b - lo].copy_(values)
+    with store.use(eng_group.key, "param", writable=True) as param:
+        param[a - lo:b - lo].copy_(values)
     if eng_group.trainable:
-        # exact: the file's values, not param16's (an fp32 master aliasing param16 gets
+        # exact: the file's values, not param's (an fp32 master aliasing param gets
         # the same values twice)
         with store.use(eng_group.key, "master", writable=True) as master:
             master[a - lo:b - lo].copy_(values)

@@ -4,7 +4,7 @@ For each choice (none, cpu, nvme, auto):
 1. Placement: the engine's shard store (TieredShardStore, on the meta device)
    is given the config a run with this choice would use, budgets set to the
    machine's; each unit is declared as the engine declares it (this rank's
-   shard of shard_numel(parameters, world size) elements; param16 in the
+   shard of shard_numel(parameters, world size) elements; param in the
    compute dtype, grad, master and moments in fp32) and finalize() runs what a
    run runs at start: the engine's homes per class (shards.tiered.homes_from:
    with optimizer state on NVMe the gradient stays in host memory), the

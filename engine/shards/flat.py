@@ -10,7 +10,7 @@ SHARD_ALIGN elements. Padding is zero in params and grads, so norms and the
 optimizer see zeros there. The full buffer exists only while the unit is
 gathered: its storage is resized to 0 on release, which also frees every view
 autograd saved of it, and resized back and refilled before backward uses them.
-With one rank and the `param16` shard already on the compute device, the shard
+With one rank and the `param` shard already on the compute device, the shard
 *is* the full buffer: parameters view it directly, with no copy and no extra
 memory (`FlatGroup.base` says which tensor the views point into).
 """
@@ -110,7 +110,7 @@ def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
     """All-gather the shards into the full buffer and point each parameter at its view."""
-    with torch.no_grad(), store.use(group.key, "param16") as shard:
+    with torch.no_grad(), store.use(group.key, "param") as shard:
         if comm.world_size == 1 and store.keeps_views and shard.device == group.full.device:
             base = shard  # the shard is the whole buffer: view it, copy nothing
         else:  # an offloaded shard's view is valid only inside use(): copy it out

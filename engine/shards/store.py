@@ -1,7 +1,9 @@
 """Where each flat shard's tensors live: the one object the tier manager will replace.
 
-[Note: shard residency] Every per-rank shard tensor (`param16`, `grad`,
+[Note: shard residency] Every per-rank shard tensor (`param`, `grad`,
 `master`, `exp_avg`, `exp_avg_sq`) is reached through `ShardStore.tensor()`;
+`param` is the shard in the compute dtype (bf16/fp16; with fp32 compute it is the
+fp32 master itself, one tensor), what gathers read and the step writes;
 nothing else in the engine keeps a reference across a step. `ShardStore`
 keeps all of them in device memory (plain CPU memory without CUDA): the
 store used when nothing is offloaded. `engine.shards.tiered.TieredShardStore`
@@ -52,15 +54,15 @@ class ShardStore:
         """Create the shard tensors of group `key` from its fp32 initial values (1D).
 
         With fp32 compute the master copy *is* the compute copy (one tensor, no
-        duplicate); frozen groups keep only `param16`.
+        duplicate); frozen groups keep only `param`.
         """
         if key in self._records:
             raise ValueError(f"shard group {key!r} registered twice")
         n = master_init.numel()
-        param16 = master_init.to(device=self.device, dtype=compute_dtype, copy=True)
-        tensors: dict[TensorClass, torch.Tensor] = {"param16": param16}
+        param = master_init.to(device=self.device, dtype=compute_dtype, copy=True)
+        tensors: dict[TensorClass, torch.Tensor] = {"param": param}
         if trainable:
-            master = param16 if compute_dtype == torch.float32 else master_init.to(
+            master = param if compute_dtype == torch.float32 else master_init.to(
                 device=self.device, dtype=torch.float32, copy=True)
             tensors["master"] = master
             for kind in ("grad", "exp_avg", "exp_avg_sq"):
@@ -74,14 +76,14 @@ class ShardStore:
         t = rec.tensors.get(kind)
         if t is None:
             raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
-                           "keep only param16)")
+                           "keep only param)")
         return t
 
     # -- what callers may do with the shards ------------------------------------------
     @property
     def keeps_views(self) -> bool:
         """A shard tensor stays where it is, authoritative, for the store's life: a caller
-        may keep a view of it past `use()` (a gather viewing the param16 shard, a
+        may keep a view of it past `use()` (a gather viewing the param shard, a
         reduction accumulating into the gradient shard asynchronously)."""
         return True
 
@@ -175,12 +177,12 @@ class ShardStore:
     def group_keys(self) -> list[str]:
         return list(self._records)
 
-    def write_param16_from_master(self, key: str) -> None:
+    def write_param_from_master(self, key: str) -> None:
         """After the optimizer step: the compute copy follows the fp32 master."""
         rec = self._records[key]
-        master, param16 = rec.tensors["master"], rec.tensors["param16"]
-        if master is not param16:
-            param16.copy_(master)
+        master, param = rec.tensors["master"], rec.tensors["param"]
+        if master is not param:
+            param.copy_(master)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per shard kind (aliased tensors counted once)."""

@@ -5,7 +5,7 @@ offload/ cannot import engine/, so this file turns `engine.Config` into
 wherever the tier manager puts them ([Note: shard residency] in shards/store.py).
 
 Homes per tensor class:
-    param16                      offload.params.device  (none -> device, cpu -> host, ...)
+    param                      offload.params.device  (none -> device, cpu -> host, ...)
     master, exp_avg, exp_avg_sq  offload.optimizer.device
     grad                         offload.optimizer.grad_device ([Note: gradient home])
 Moments kept compressed (offload.optimizer.state_precision bf16 / int8, see
@@ -18,7 +18,7 @@ pieces (offload.optimizer.chunk_numel, [Note: optimizer state in chunks] in
 offload/adam_stream.py) are "<group key>:<class>@<first element>" per piece.
 
 Access: `use(key, kind)` fetches the shard to the tier where the engine
-consumes it (param16 -> device, where it is gathered; the others -> host when
+consumes it (param -> device, where it is gathered; the others -> host when
 homed off the device) and releases it on exit. When the optimizer state stays
 on the device (device Adam), master, grad and the moments are pinned on the
 device once and `tensor()` hands out those views, which stay valid.
@@ -46,7 +46,7 @@ from tierzero.offload import (
     TierManager,
     TierSettings,
 )
-from tierzero.offload.adam_stream import param16_assembly_bytes, piece_bytes
+from tierzero.offload.adam_stream import param_assembly_bytes, piece_bytes
 from tierzero.offload.host_ring import page_up
 from tierzero.offload.settings import TENSOR_CLASSES, OffloadDevice, TensorClass, Tier
 from tierzero.offload.state_codec import StoredLayout, decode, encode, moment_nbytes
@@ -70,7 +70,7 @@ def homes_from(config: Config) -> dict[TensorClass, OffloadDevice]:
                     "parameters gathered on the device); parameter shards stay on the device",
                     params, config.zero.stage)
         params = "none"
-    return {"param16": params, "master": opt, "grad": grad_home(config), "exp_avg": opt,
+    return {"param": params, "master": opt, "grad": grad_home(config), "exp_avg": opt,
             "exp_avg_sq": opt}
 
 
@@ -84,7 +84,7 @@ def homes_from(config: Config) -> dict[TensorClass, OffloadDevice]:
 # the state pieces are read into the stream's ring, never into the manager's pool, and the
 # dry swap counts logical bytes), a shard is in several pieces exactly when it would be in
 # a real run, and the host memory it reports for the stream's buffers (ring_bytes,
-# param16_ring_bytes, the tier budget's host_outside) is computed from the real pieces.
+# param_ring_bytes, the tier budget's host_outside) is computed from the real pieces.
 # Two things differ from a real run: the stream's own ring on meta is larger (it must hold
 # a coarse piece; the dry run reports pipeline_bytes() instead of what that ring took), and
 # its read-ahead during forward covers whole coarse pieces, so some state reads count in
@@ -161,8 +161,8 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
             below = [s for s in specs if homes[s.cls] != "none"]
             dev_budget = cpu_device_budget(
                 homed=sum(s.nbytes for s in specs if homes[s.cls] == "none"),
-                fetched=[s.nbytes for s in below if s.cls == "param16"],
-                reserve=max((s.nbytes for s in below if s.cls in ("param16", "grad")),
+                fetched=[s.nbytes for s in below if s.cls == "param"],
+                reserve=max((s.nbytes for s in below if s.cls in ("param", "grad")),
                             default=0))
     reserve = {} if b.host_reserve_bytes is None else {"host_reserve": b.host_reserve_bytes}
     host = b.host_bytes
@@ -183,27 +183,27 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     # writes its state straight into its own ring (offload.optimizer.buffer_count x
     # buffer_bytes, outside the pool, see pipeline_bytes); what else touches NVMe-homed
     # state (initial placement, checkpoints, one shard at a time) needs one buffer, plus
-    # one for a write-back. So only param16 and grad are staged every step: the buffers
+    # one for a write-back. So only param and grad are staged every step: the buffers
     # are sized for them, and a larger optimizer shard on those rare paths takes a span
-    # of adjacent buffers ([Note: pool spans] in offload/pool.py). With param16 on NVMe the
-    # buffers are sized for it and an fp32 gradient on NVMe (twice a bf16 param16) takes a
-    # span: buffers sized for gradients would double the pool for every gathered param16.
-    params_nvme = homes["param16"] in ("nvme", "auto")
+    # of adjacent buffers ([Note: pool spans] in offload/pool.py). With param on NVMe the
+    # buffers are sized for it and an fp32 gradient on NVMe (twice a bf16 param) takes a
+    # span: buffers sized for gradients would double the pool for every gathered param.
+    params_nvme = homes["param"] in ("nvme", "auto")
     nvme_buffers = [c.buffer_count if c is p else 2
-                    for c, d in ((p, homes["param16"]), (o, homes["master"]))
+                    for c, d in ((p, homes["param"]), (o, homes["master"]))
                     if d in ("nvme", "auto")]
     pool = PoolSettings(buffer_count=max(nvme_buffers) if nvme_buffers else None,
                         buffer_bytes=p.buffer_bytes if params_nvme else None,
                         pin_memory=p.pin_memory and o.pin_memory,
-                        staged=("param16",) if params_nvme else ("param16", "grad"))
+                        staged=("param",) if params_nvme else ("param", "grad"))
     # Device window: the gather look-ahead (zero.prefetch_bytes); NVMe reads, slower than
     # host->device copies, run 4x as far ahead (independent of max_in_cpu_bytes).
     ahead = config.zero.prefetch_bytes
     prefetch = PrefetchSettings(nvme_bytes=4 * ahead, device_bytes=ahead)
-    # offload.params.max_in_cpu_bytes: param16 shards homed in host memory instead of NVMe
+    # offload.params.max_in_cpu_bytes: param shards homed in host memory instead of NVMe
     # ([Note: host allowance] in offload/placement.py).
-    allowance: dict[TensorClass, int] = ({"param16": p.max_in_cpu_bytes}
-                 if homes["param16"] == "nvme" and p.max_in_cpu_bytes else {})
+    allowance: dict[TensorClass, int] = ({"param": p.max_in_cpu_bytes}
+                 if homes["param"] == "nvme" and p.max_in_cpu_bytes else {})
     if grad_host_allowance(config):  # [Note: gradient home]
         allowance["grad"] = grad_host_allowance(config)
     return TierSettings(
@@ -215,14 +215,14 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
 
 # [Note: which shards the host keeps]
 # offload.params.max_in_cpu_bytes ([Note: host allowance] in offload/placement.py) takes
-# param16 shards in declaration order: the blocks in forward order, then the root's
+# param shards in declaration order: the blocks in forward order, then the root's
 # pieces. DeepSpeed keeps its first fp16 sub-groups (parameter order: the embedding first,
 # then the blocks) while their element count stays within max_in_cpu, as a prefix; here a
 # shard that does not fit is skipped and later smaller ones may still fit. Blocks come
-# before the root: with a partial allowance that order removes every param16 read, the
+# before the root: with a partial allowance that order removes every param read, the
 # root first does not (benchmarks/RESULTS.md, "Measurements behind design choices"). The
-# root's pieces are the last shards the CPU Adam updates, so their new param16 is already
-# kept in pool buffers as host caches for the next forward ([Note: param16 kept in host
+# root's pieces are the last shards the CPU Adam updates, so their new param is already
+# kept in pool buffers as host caches for the next forward ([Note: param kept in host
 # memory] in offload/adam_stream.py), and the root stays gathered from the first forward
 # to the end of backward: homing it in host memory saves its writes but few reads. A block
 # is read in forward and again in backward unless kept gathered, and the first blocks are
@@ -293,8 +293,8 @@ class TieredShardStore(ShardStore):
             raise RuntimeError(f"declare({key!r}) after finalize(): the placement is planned")
         if key in self._kinds:
             raise ValueError(f"shard group {key!r} declared twice")
-        kinds: tuple[TensorClass, ...] = ("param16", *_OPTIMIZER_KINDS) if trainable else (
-            "param16",)
+        kinds: tuple[TensorClass, ...] = ("param", *_OPTIMIZER_KINDS) if trainable else (
+            "param",)
         self._kinds[key] = (numel, kinds, compute_dtype)
 
     def add(self, key: str, master_init: torch.Tensor, compute_dtype: torch.dtype,
@@ -318,7 +318,7 @@ class TieredShardStore(ShardStore):
                  for key, (n, kinds, dtype) in self._kinds.items() for kind in kinds
                  for mkey, lo, hi in self.pieces(key, kind)]
         # declaration order: blocks in forward order, the root last, which is the order
-        # the host allowance takes param16 in ([Note: which shards the host keeps])
+        # the host allowance takes param in ([Note: which shards the host keeps])
         nvme = self.config.nvme
         path = swap_dir(self.config)
         needs_swap = any(d in ("nvme", "auto") for d in self.homes.values())
@@ -343,7 +343,7 @@ class TieredShardStore(ShardStore):
             raise
 
     def _spec(self, mkey: str, kind: TensorClass, numel: int, dtype: torch.dtype) -> ShardSpec:
-        if kind == "param16":
+        if kind == "param":
             return ShardSpec(mkey, kind, numel, dtype)
         if self.compressed(kind):
             return ShardSpec(mkey, kind, moment_nbytes(numel, self.state_precision), torch.uint8)
@@ -380,7 +380,7 @@ class TieredShardStore(ShardStore):
     def ring_bytes(self) -> int:
         """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]):
         offload.optimizer.buffer_count buffers of offload.optimizer.buffer_bytes each
-        (null: the mean piece's master and moments, with the bf16/fp16 param16 of a shard
+        (null: the mean piece's master and moments, with the bf16/fp16 param of a shard
         in one piece), and at least the largest piece's. Pieces of very different sizes
         share it, so the largest does not set the size of every buffer."""
         if self.optimizer_on_device or self.state_in_host():
@@ -396,27 +396,27 @@ class TieredShardStore(ShardStore):
     def _piece_bytes(self, key: str, lo: int, hi: int) -> int:
         n, _, dtype = self._kinds[key]
         low = torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0
-        whole = hi - lo == n  # one piece: its param16 is carved from the ring too
+        whole = hi - lo == n  # one piece: its param is carved from the ring too
         return piece_bytes(hi - lo, self.state_precision, low if whole else 0)
 
-    def param16_ring_bytes(self) -> int:
-        """Host bytes where the stream assembles the new param16 of shards in several
+    def param_ring_bytes(self) -> int:
+        """Host bytes where the stream assembles the new param of shards in several
         pieces: two of the largest such shard ([Note: optimizer state in chunks])."""
         if not self.chunk_numel or self.optimizer_on_device or self.state_in_host():
             return 0
         whole = [page_up(n * (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 4))
                  for n, kinds, dtype in self._kinds.values()
                  if len(kinds) > 1 and n > self.chunk_numel]
-        return param16_assembly_bytes(whole)
+        return param_assembly_bytes(whole)
 
     def pipeline_bytes(self) -> int:
         """Host bytes the CPU Adam stream allocates outside the tier manager's pool: its
-        ring and its param16 assembly room."""
-        return self.ring_bytes() + self.param16_ring_bytes()
+        ring and its param assembly room."""
+        return self.ring_bytes() + self.param_ring_bytes()
 
     def _place(self, key: str, pend: _Pending) -> None:
         mgr = self._mgr()
-        mgr.place(f"{key}:param16", pend.init.to(pend.compute_dtype)).wait()
+        mgr.place(f"{key}:param", pend.init.to(pend.compute_dtype)).wait()
         if not pend.trainable:
             return
         zeros = torch.zeros_like(pend.init)
@@ -439,15 +439,15 @@ class TieredShardStore(ShardStore):
         return self.manager
 
     def tier_for(self, key: str, kind: TensorClass, *, compute: bool = True) -> Tier:
-        """Where `kind` is read or written: param16 for compute (gathers) on the device;
+        """Where `kind` is read or written: param for compute (gathers) on the device;
         otherwise on its home, host for anything below it.
 
-        With the CPU as the compute device, a param16 homed in host memory is gathered
+        With the CPU as the compute device, a param homed in host memory is gathered
         straight from its home: the "device" tier is host memory too, and a copy into it
         would only add an allocation and a copy per gather (the gather copies the shard
         into the unit's full buffer anyway)."""
         home = self._mgr().home_of(self.pieces(key, kind)[0][0])
-        if kind == "param16" and compute and not (self.device.type == "cpu"
+        if kind == "param" and compute and not (self.device.type == "cpu"
                                                   and home == "host"):
             return "device"
         return "device" if home == "device" else "host"
@@ -467,7 +467,7 @@ class TieredShardStore(ShardStore):
             raise KeyError(f"no shard group {key!r}; known: {sorted(self._kinds)[:10]}")
         if kind not in entry[1]:
             raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
-                           "keep only param16)")
+                           "keep only param)")
 
     def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
         self._check(key, kind)
@@ -482,7 +482,7 @@ class TieredShardStore(ShardStore):
     def use(self, key: str, kind: TensorClass, *, writable: bool = False,
             compute: bool = True, overwrite: bool = False, raw: bool = False
             ) -> Iterator[torch.Tensor]:
-        """`compute=False`: not for a gather, so param16 is reached on its home tier (host
+        """`compute=False`: not for a gather, so param is reached on its home tier (host
         for NVMe) instead of being copied to the device first. `overwrite=True` (implies
         writable): the caller writes every element, so old data need not be read
         (TierManager.fetch discard); the view's contents are undefined until then.
@@ -521,7 +521,7 @@ class TieredShardStore(ShardStore):
                     overwrite: bool) -> Iterator[torch.Tensor]:
         """A whole fp32 shard kept in pieces, assembled in one host buffer (read piece by
         piece; written back piece by piece when ``writable``). For whole-shard access off the
-        step (checkpoints, param16 from master): one shard at a time, counted as the
+        step (checkpoints, param from master): one shard at a time, counted as the
         manager's (TierManager.host_empty)."""
         mgr = self._mgr()
         whole = mgr.host_empty(self.numel(key), torch.float32, purpose="shard_assembly")
@@ -615,12 +615,12 @@ class TieredShardStore(ShardStore):
     def numel(self, key: str) -> int:
         return self._kinds[key][0]
 
-    def param16_dtype(self, key: str) -> torch.dtype:
+    def param_dtype(self, key: str) -> torch.dtype:
         return self._kinds[key][2]
 
-    def write_param16_from_master(self, key: str) -> None:
+    def write_param_from_master(self, key: str) -> None:
         with self.use(key, "master") as master, self.use(
-                key, "param16", compute=False, overwrite=True) as p16:
+                key, "param", compute=False, overwrite=True) as p16:
             p16.copy_(master)
 
     def nbytes(self) -> dict[str, int]:
@@ -630,7 +630,7 @@ class TieredShardStore(ShardStore):
                 if self.compressed(kind):
                     out[kind] += moment_nbytes(n, self.state_precision)
                     continue
-                size = torch.finfo(dtype).bits // 8 if kind == "param16" else 4
+                size = torch.finfo(dtype).bits // 8 if kind == "param" else 4
                 out[kind] += n * size
         return out
 
@@ -649,9 +649,9 @@ class TieredShardStore(ShardStore):
                 # or "host+nvme" when the host budget kept only some in host memory
                 "grad_home": "+".join(t for t in ("device", "host", "nvme") if grads.get(t))
                              or None,
-                # offload.params.max_in_cpu_bytes: param16 bytes homed in host, not NVMe
+                # offload.params.max_in_cpu_bytes: param bytes homed in host, not NVMe
                 "params_in_cpu": sum(plan.specs[k].nbytes for k in plan.host_kept
-                                     if plan.specs[k].cls == "param16"),
+                                     if plan.specs[k].cls == "param"),
                 "budget": dict(r.budget), "current": dict(r.current), "peak": dict(r.peak),
                 # host buffers outside the budgeted tier (CPU Adam ring, ...) by purpose
                 "outside": dict(r.outside), "outside_peak": r.outside_peak,

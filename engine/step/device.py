@@ -100,7 +100,7 @@ def build_optimizer(
 def run_step(
     opt: torch.optim.Optimizer, store: ShardStore, keys: Sequence[str]
 ) -> None:
-    """One optimizer step over the masters, then param16 <- master."""
+    """One optimizer step over the masters, then param <- master."""
     masters = [store.tensor(k, "master") for k in keys]
     for k, m in zip(keys, masters, strict=True):
         m.grad = store.tensor(k, "grad")
@@ -110,7 +110,7 @@ def run_step(
         for m in masters:
             m.grad = None
     for k in keys:
-        store.write_param16_from_master(k)
+        store.write_param_from_master(k)
 
 
 class DeviceStep:

@@ -3,7 +3,7 @@
 [Note: in-place early step]
 With master, moments and gradient shards in host memory (offload.optimizer.device
 = cpu) the kernel updates each group where it lives ("master", "exp_avg",
-"exp_avg_sq" and the compute-dtype "param16" written in the same pass), group by
+"exp_avg_sq" and the compute-dtype "param" written in the same pass), group by
 group. `run_all()` does that for every group after backward. The step can also
 begin while backward runs (offload.optimizer.overlap_step, see OffloadedStep in
 step/offloaded.py):
@@ -22,7 +22,7 @@ bit of the result.
 Who else touches a group between its reduce and `finish()`, and why it is safe:
 - backward itself: a unit's gradient shard is final once reduced and handed over (a
   group that may get late gradients, reduced again at the end of backward, is never
-  handed over: [Note: late gradients]) and its param16 is not gathered again this
+  handed over: [Note: late gradients]) and its param is not gathered again this
   pass; a persistent
   unit's gathered copy is its own buffer (the tiered store always copies out of the
   shard), gathered again by Scheduler.after_step once the step is done and the worker
@@ -187,7 +187,7 @@ class InPlaceStep:
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *,
                  shadow: torch.dtype | None, threads: AdamThreads) -> None:
-        """shadow: the compute dtype when it is bf16/fp16 (param16 is written as the kernel's
+        """shadow: the compute dtype when it is bf16/fp16 (param is written as the kernel's
         low-precision shadow), else None; threads: the rank's kernel threads."""
         self._store = store
         self._keys = list(keys)
@@ -223,7 +223,7 @@ class InPlaceStep:
 
     def update(self, key: str, hyper: AdamHyper, step: float, grad_scale: float,
                threads: AdamThreads | None) -> float:
-        """One group in place: master and moments where they live; param16 in host memory
+        """One group in place: master and moments where they live; param in host memory
         written as the kernel's shadow, on the device copied from the master after.
         Returns the kernel's seconds."""
         store = self._store
@@ -236,7 +236,7 @@ class InPlaceStep:
                 held.enter_context(store.use(key, kind, writable=True, raw=True))
                 for kind in ("exp_avg", "exp_avg_sq"))
             grad = held.enter_context(store.use(key, "grad"))
-            p16 = held.enter_context(store.use(key, "param16", writable=True, compute=False))
+            p16 = held.enter_context(store.use(key, "param", writable=True, compute=False))
             shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
             t = time.perf_counter()
             with trace.span("adam", key, numel=master.numel()):

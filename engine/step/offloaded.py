@@ -132,7 +132,7 @@ class OffloadedStep:
 
     def abandon(self) -> None:
         """Backward failed with a step begun early: groups updated so far keep their update
-        (each whole: master, moments and param16 together); the step of this boundary is
+        (each whole: master, moments and param together); the step of this boundary is
         skipped, never applied twice. Measurements (deferred mode) are dropped: nothing
         was updated, and step() measures what the gradients hold then."""
         if self.state is StepState.MEASURING:

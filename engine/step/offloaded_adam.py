@@ -8,7 +8,7 @@ live in the tier manager, not in tensors it could hold. When the state is
 homed off the host (NVMe, or placed by the planner) `step()` runs an
 `offload.AdamStream` over every group ([Note: streamed optimizer step]): each
 shard's state is read once into a host ring (offload.optimizer.buffer_count x
-buffer_bytes), updated, and written once, with the new compute-dtype `param16` written
+buffer_bytes), updated, and written once, with the new compute-dtype `param` written
 in the same pass to its home tier; the last writes drain, and the next step's
 first reads run, behind the next forward and backward. When the state is
 homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
@@ -63,8 +63,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._store = store
         self._keys = list(keys)
         self.order = StepOrder(self._keys) if order is None else order
-        dtype = store.param16_dtype(self._keys[0]) if self._keys else torch.float32
-        # With fp32 compute the kernel's low-precision shadow does not apply: param16 is
+        dtype = store.param_dtype(self._keys[0]) if self._keys else torch.float32
+        # With fp32 compute the kernel's low-precision shadow does not apply: param is
         # the master itself (written from it).
         shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
         if store.manager is None:

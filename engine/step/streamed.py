@@ -56,7 +56,7 @@ class StreamedStep:
                       names, pieces, strict=True)})
                    for lo, hi, pieces in _zip_pieces(store, k)] for k in self._keys]
         self.stream = AdamStream(
-            manager, [{n: store.manager_key(k, n) for n in ("grad", "param16")}
+            manager, [{n: store.manager_key(k, n) for n in ("grad", "param")}
                       for k in self._keys],
             [store.numel(k) for k in self._keys], order=self._indices(order),
             buffer_bytes=buffer_bytes,

@@ -61,7 +61,7 @@ def test_cuda_fp32_matches_pytorch_on_gpu() -> None:
     for k, want in ref.items():
         torch.testing.assert_close(got[k], want, rtol=0, atol=1e-4, msg=k)
     for key in eng.store.group_keys():
-        assert eng.store.tensor(key, "param16").device.type == "cuda"
+        assert eng.store.tensor(key, "param").device.type == "cuda"
         assert eng.store.tensor(key, "exp_avg").device.type == "cuda"
     assert all(p.numel() == 0 and p.device.type == "cuda" for p in eng.module.parameters())
     eng.close()
@@ -73,6 +73,6 @@ def test_cuda_bf16_tracks_fp32() -> None:
     losses, _, eng = _engine(make_config(precision="bf16", clip=0.5), batches)
     diff = (torch.tensor(losses) - torch.tensor(ref_losses)).abs().max()
     assert float(diff) < 0.03  # same bound as the CPU bf16 test
-    assert eng.memory_report()["shard_bytes"]["param16"] * 2 == (
+    assert eng.memory_report()["shard_bytes"]["param"] * 2 == (
         eng.memory_report()["shard_bytes"]["master"])
     eng.close()

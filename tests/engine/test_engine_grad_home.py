@@ -4,7 +4,7 @@ where bytes live, never the numbers: with params and optimizer state on NVMe, ev
 home and piece size trains to bitwise the same losses and parameters as the unchunked step
 with gradients in host memory. Both the step begun during backward (no clipping: each
 gradient is consumed as it turns final) and gradients that outlive backward (accumulation
-over 2 micro-steps and clipping's global norm) are covered, in bf16 (param16 assembled from
+over 2 micro-steps and clipping's global norm) are covered, in bf16 (param assembled from
 the kernel's shadow) and fp32.
 
 TinyLM's shards hold 4224-4352 elements, so pieces of 1000 / 4096 / 777 elements cut every
@@ -82,7 +82,7 @@ def test_every_grad_home_and_chunk_size_matches_the_unchunked_step(
         assert tiers["grad_home"] == home, (grad, tiers["homes"])
         if chunk < WHOLE:  # the ring holds pieces: smaller than the unchunked one
             assert tiers["outside"]["adam_ring"] < ref_tiers["outside"]["adam_ring"]
-            assert tiers["outside"]["adam_param16"] > 0  # param16 assembled whole
+            assert tiers["outside"]["adam_param"] > 0  # param assembled whole
 
 
 def test_auto_grad_home_follows_the_host_budget(tmp_path: Path) -> None:

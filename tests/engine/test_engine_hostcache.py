@@ -1,13 +1,13 @@
 """offload.params.max_in_cpu_bytes: with params on NVMe, the first parameter shards (blocks
 in forward order) within it are homed in host memory, the rest on NVMe. Everything that
-touches param16 must work with the mix: training (gathers, the NVMe Adam stream writing
-each shard's new param16 to its own home), 1 and 2 ranks, checkpoints across different
+touches param must work with the mix: training (gathers, the NVMe Adam stream writing
+each shard's new param to its own home), 1 and 2 ranks, checkpoints across different
 splits, engine.Init onto NVMe, GatheredParameters write-back and the dry run.
 
 Tolerances: against plain PyTorch AdamW as tests/engine/test_engine_offload.py (PARAM_ATOL 1e-5,
 LOSS_RTOL 1e-6, reasons there; bf16: loss within 0.03 of the fp32 reference as
 test_engine_parity). Against the all-NVMe run: bitwise (torch.equal), because the math is
-the same: the same kernels see the same bytes, only the tier each param16 lives on differs.
+the same: the same kernels see the same bytes, only the tier each param lives on differs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tierzero.engine.plan import dry_run, engine_config, model_shape
 from tierzero.engine.plan.planner import plan_choice
 
 STEPS = 10
-# TinyLM(4 blocks) at world size 1: each block's param16 shard is 17,408 B in fp32 (8,704 B
+# TinyLM(4 blocks) at world size 1: each block's param shard is 17,408 B in fp32 (8,704 B
 # bf16), the root's 16,896 B. 40,000 B keeps blocks 0-1 in fp32 and 0-3 in bf16 (the root,
 # declared last, does not fit either): a real mix of host and NVMe homes.
 CACHE = 40_000
@@ -53,7 +53,7 @@ def _cfg(cfg: Config, path: Path, cache: int, optimizer: str = "nvme") -> Config
     path.mkdir(parents=True, exist_ok=True)
     # Every unit stays gathered from its forward to its backward (the accelerator-sized
     # bounds, not the CPU defaults of [Note: CPU compute defaults]): backward then reads no
-    # param16, so the NVMe bytes compared below do not depend on how much of the pool the
+    # param, so the NVMe bytes compared below do not depend on how much of the pool the
     # read-ahead holds when a unit is gathered again.
     zero = dataclasses.replace(cfg.zero, max_live_bytes=2 << 30, max_reuse_distance_bytes=2 << 30)
     return dataclasses.replace(cfg, zero=zero, offload=OffloadConfig(
@@ -78,7 +78,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def test_partial_cache_trains_like_all_nvme_bitwise(precision: str, optimizer: str,
                                                     tmp_path: Path) -> None:
     """optimizer nvme: the streamed CPU Adam (offload/adam_stream.py); cpu: the in-place
-    CPU Adam over host-homed state (engine/step/in_place.py). Both write param16 home."""
+    CPU Adam over host-homed state (engine/step/in_place.py). Both write param home."""
     batches = make_batches(STEPS)
     base = make_config(precision=precision, clip=0.5)
     nvme = engine_train(_cfg(base, tmp_path / "a", 0, optimizer), batches, STEPS)
@@ -92,20 +92,20 @@ def test_partial_cache_trains_like_all_nvme_bitwise(precision: str, optimizer: s
         diff = (torch.tensor(cached.losses) - torch.tensor(ref.losses)).abs().max()
         assert float(diff) < 0.03, (cached.losses, ref.losses)
     t0, t1 = _tiers(nvme.report), _tiers(cached.report)
-    p16 = t1["homes"]["param16"]
+    p16 = t1["homes"]["param"]
     kept = t1["params_in_cpu"]
     assert 0 < kept <= CACHE and p16["host"] == kept and p16["nvme"] > 0  # a real mix
-    assert "host" not in t0["homes"]["param16"] and t0["params_in_cpu"] == 0
-    # the cached shards' param16 never goes to NVMe: not placed there, not written per step
-    # Counted for the param16 class alone: a gradient shard spills to NVMe when the host
+    assert "host" not in t0["homes"]["param"] and t0["params_in_cpu"] == 0
+    # the cached shards' param never goes to NVMe: not placed there, not written per step
+    # Counted for the param class alone: a gradient shard spills to NVMe when the host
     # pool is short at that moment, which depends on how far the read-ahead got.
     m0, m1 = t0["moved_by_class"], t1["moved_by_class"]
-    saved = m0["host_to_nvme"]["param16"] - m1["host_to_nvme"]["param16"]
-    if optimizer == "nvme":  # the stream writes every new param16 home at once
+    saved = m0["host_to_nvme"]["param"] - m1["host_to_nvme"]["param"]
+    if optimizer == "nvme":  # the stream writes every new param home at once
         assert saved == (STEPS + 1) * kept
-    else:  # the in-place step updates param16 in host caches, written back on eviction
+    else:  # the in-place step updates param in host caches, written back on eviction
         assert saved >= kept
-    assert m1["nvme_to_host"]["param16"] < m0["nvme_to_host"]["param16"]
+    assert m1["nvme_to_host"]["param"] < m0["nvme_to_host"]["param"]
     assert t1["current"]["nvme"] == t0["current"]["nvme"] - kept
 
 
@@ -143,7 +143,7 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(("save_cache", "load_cache"), [(CACHE, 0), (0, CACHE)])
 def test_checkpoint_across_different_splits(save_cache: int, load_cache: int,
                                             tmp_path: Path) -> None:
-    """Saved with one host/NVMe split of param16, loaded into another: continued training
+    """Saved with one host/NVMe split of param, loaded into another: continued training
     equals the uninterrupted run bitwise (the checkpoint holds values, not homes)."""
     base = make_config(clip=0.5)
     batches = make_batches(8)
@@ -192,8 +192,8 @@ def test_gathered_parameters_write_back_to_both_homes(tmp_path: Path) -> None:
     eng, *_ = engine.initialize(device="cpu", model=model,
                                 config=_cfg(make_config(), tmp_path, CACHE))
     homes = eng.store.manager.plan.homes  # type: ignore[attr-defined]
-    assert homes["blocks.0/float32/trainable:param16"] == "host"
-    assert homes["blocks.3/float32/trainable:param16"] == "nvme"
+    assert homes["blocks.0/float32/trainable:param"] == "host"
+    assert homes["blocks.3/float32/trainable:param"] == "nvme"
     train_steps(eng, make_batches(2))
     targets = {"blocks.0.up.weight": 0.25, "blocks.3.down.bias": -0.5}
     params = dict(model.named_parameters())
@@ -214,26 +214,26 @@ def test_gathered_parameters_write_back_to_both_homes(tmp_path: Path) -> None:
 
 def test_dry_run_counts_the_cache(tmp_path: Path) -> None:
     """The plan's table and the dry run (meta tensors, DrySwap) both see the split: the
-    cached param16 bytes are on host, and the step writes that much less to NVMe."""
+    cached param bytes are on host, and the step writes that much less to NVMe."""
     shape = model_shape("builtin:tiny")
     nocache = engine_config("nvme", _big(), precision="bf16", nvme_path=str(tmp_path))
-    cache_bytes = 100_000  # of the tiny model's ~250 KB of param16
+    cache_bytes = 100_000  # of the tiny model's ~250 KB of param
     cached = engine_config("nvme", _big(), precision="bf16", nvme_path=str(tmp_path),
                            max_in_cpu_bytes=cache_bytes)
     assert cached.offload.params.max_in_cpu_bytes == cache_bytes
     table = plan_choice(shape, "nvme", _big(), world_size=1, precision="bf16",
                         nvme_path=str(tmp_path), max_in_cpu_bytes=cache_bytes)
-    kept = table.by_tier["host"]["param16"]
-    assert 0 < kept <= cache_bytes and table.by_tier["nvme"]["param16"] > 0
+    kept = table.by_tier["host"]["param"]
+    assert 0 < kept <= cache_bytes and table.by_tier["nvme"]["param"] > 0
     runs = [dry_run(shape.fresh_module(), c, steps=2) for c in (nocache, cached)]
     plan = runs[1].placement
     assert plan is not None
     # host_kept also holds the gradient shards the host budget keeps (grad_device auto)
     assert sum(plan.specs[k].nbytes for k in plan.host_kept
-               if plan.specs[k].cls == "param16") == kept
+               if plan.specs[k].cls == "param") == kept
     step0, step1 = runs[0].steps[-1], runs[1].steps[-1]
     written = [sum(t.nvme_written for t in s.values()) for s in (step0, step1)]
-    # one param16 write per shard per step. (Reads are not compared: which step the CPU
+    # one param write per shard per step. (Reads are not compared: which step the CPU
     # Adam's read-ahead of optimizer state lands in depends on thread timing, +-0.3 MB.)
     assert written[0] - written[1] == kept
 
@@ -244,7 +244,7 @@ def _big() -> Any:
 
 
 def test_plan_cli_max_in_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """`tierzero plan --max-in-cpu` puts that much param16 of the nvme choice in the host
+    """`tierzero plan --max-in-cpu` puts that much param of the nvme choice in the host
     row and writes the key into the recommended config when nvme is chosen."""
     from cli_helpers import MACHINE, plan_cli
     args = ["--model", "builtin:tiny", *MACHINE, "--nvme-path", str(tmp_path)]
@@ -258,5 +258,5 @@ def test_plan_cli_max_in_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path)
         start = next(i for i, ln in enumerate(lines) if ln.startswith("nvme "))
         return lines[start + 1].split()  # the nvme choice's host row: tier, classes...
 
-    assert nvme_host_row(plain)[1] in ("0", "0 B")  # no param16 on host without it
+    assert nvme_host_row(plain)[1] in ("0", "0 B")  # no param on host without it
     assert nvme_host_row(cached)[1] not in ("0", "0 B")

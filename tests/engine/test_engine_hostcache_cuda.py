@@ -1,4 +1,4 @@
-"""offload.params.max_in_cpu_bytes on a CUDA device: host-homed param16 shards (pinned when
+"""offload.params.max_in_cpu_bytes on a CUDA device: host-homed param shards (pinned when
 the pool is) are copied host->device for each gather like NVMe-homed ones after their read,
 and training matches the all-NVMe run and plain PyTorch on the same GPU.
 
@@ -47,7 +47,7 @@ def test_cuda_partial_cache_matches_all_nvme_and_pytorch(tmp_path: Path) -> None
     eng.close()
     base_losses, base, eng0 = _engine(nvme_cfg, batches)  # type: ignore[arg-type]
     eng0.close()
-    assert tiers["params_in_cpu"] > 0 and tiers["homes"]["param16"]["nvme"] > 0
+    assert tiers["params_in_cpu"] > 0 and tiers["homes"]["param"]["nvme"] > 0
     assert tiers["moved"]["host_to_device"] > 0
     for want_losses, want in ((ref_losses, ref), (base_losses, base)):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),

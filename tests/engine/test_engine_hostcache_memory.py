@@ -1,5 +1,5 @@
 """Memory: with params on NVMe, offload.params.max_in_cpu_bytes costs about the parameter
-bytes it keeps in host memory and no more. The same ~50M-parameter model (bf16 param16
+bytes it keeps in host memory and no more. The same ~50M-parameter model (bf16 param
 ~100 MB) trains twice in fresh child processes (tests/engine_memory_child.py), without and
 with a 64 MiB cache; the peak RSS growth of the cached run exceeds the uncached one's by the
 bytes homed in host memory (eng.memory_report()["tiers"]["params_in_cpu"]: the first 7

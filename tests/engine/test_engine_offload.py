@@ -40,7 +40,7 @@ from tierzero.engine.config.schema import (
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
 
 STEPS = 20
-# Stand-in device tier budget: smaller than the model's param16 shards (~86 KB fp32),
+# Stand-in device tier budget: smaller than the model's param shards (~86 KB fp32),
 # so device caches are evicted and re-fetched during a step.
 
 
@@ -69,7 +69,7 @@ def test_offload_world1_matches_pytorch(device: str, gas: int, tmp_path: Path) -
 
 
 def test_offload_bf16_tracks_fp32(tmp_path: Path) -> None:
-    """bf16 compute with the CPU Adam writing bf16 param16 in the same pass (shadow)."""
+    """bf16 compute with the CPU Adam writing bf16 param in the same pass (shadow)."""
     batches = make_batches(STEPS)
     ref = reference_train(make_model(), make_config(clip=0.5), [batches], STEPS)
     cfg = offload_config(make_config(precision="bf16", clip=0.5), "nvme", tmp_path)
@@ -79,7 +79,7 @@ def test_offload_bf16_tracks_fp32(tmp_path: Path) -> None:
 
 
 def test_optimizer_offloaded_params_on_device(tmp_path: Path) -> None:
-    """Mixed homes: param16 on the device, optimizer state on NVMe (and the reverse, params
+    """Mixed homes: param on the device, optimizer state on NVMe (and the reverse, params
     offloaded with a device Adam over pinned state)."""
     batches = make_batches(STEPS)
     base = make_config(clip=0.5)
@@ -148,7 +148,7 @@ def test_offload_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
 
 
 def test_prefetch_follows_trace_and_reuse_distance_bounds_live(tmp_path: Path) -> None:
-    """From the second step the tier manager gets the param16 order from the unit trace:
+    """From the second step the tier manager gets the param order from the unit trace:
     every fetch follows it (no mismatch) and NVMe reads are issued ahead. Units reused soon
     stay gathered between forward and backward unless zero.max_live_bytes forbids it; the
     result is bitwise the same either way."""

@@ -1,4 +1,4 @@
-"""Offload with a CUDA device: param16 shards homed on host / NVMe are copied host->device
+"""Offload with a CUDA device: param shards homed on host / NVMe are copied host->device
 by the tier manager for each gather, the CPU Adam updates state in (pinned) host memory or
 NVMe, and the result matches plain PyTorch AdamW on the same GPU.
 

@@ -2,9 +2,9 @@
 and device budgets well below its model state, and the process's peak RSS growth stays
 under those budgets plus a stated overhead.
 
-Model state: 100.7M params x (2 bf16 param16 + 4 master + 4 grad + 8 moments) = 1.81 GB.
+Model state: 100.7M params x (2 bf16 param + 4 master + 4 grad + 8 moments) = 1.81 GB.
 Budgets: host 800 MiB (fp32 grad shards 403 MB, NVMe staging pool, the CPU Adam's three
-pipeline buffer sets), device 64 MiB (the CPU stand-in tier's param16 caches).
+pipeline buffer sets), device 64 MiB (the CPU stand-in tier's param caches).
 
 Overhead allowed beyond the budgets: 128 MiB for what the tier manager does not own —
 gathered units (bf16 full buffers, 8.4 MB each, two or three live) and their `.grad`,
@@ -55,10 +55,10 @@ def test_nvme_offload_peak_rss_within_budgets(tmp_path: Path) -> None:
 # With no budget set (the shortest config a user writes) host memory must not follow the
 # model: the gradient shards go to NVMe ([Note: gradient home]), the CPU Adam streams state in
 # pieces of offload.optimizer.chunk_numel ([Note: optimizer state in chunks]) and the pool
-# holds a few param16 shards. Bound (issue 15): peak RSS growth at most 0.35 of the 16 B/param
+# holds a few param shards. Bound (issue 15): peak RSS growth at most 0.35 of the 16 B/param
 # state when the model is built normally (its fp32 parameters, 0.25 of it, are freed once
 # partitioned). Measured here: 0.20 (313 MiB: pool 40 MB, CPU stand-in device tier 34 MB,
-# Adam ring + param16 assembly 57 MB, the rest gathered units and their .grad, activations,
+# Adam ring + param assembly 57 MB, the rest gathered units and their .grad, activations,
 # I/O threads); 0.50 before (host gradients 403 MB, a ring of 4 whole shards 226 MB).
 NO_BUDGET_BOUND = 0.35
 

@@ -116,7 +116,7 @@ def test_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
     for rank in range(2):
         rep = results[rank]["fp32-gas1"].report
         assert rep["world_size"] == 2 and rep["rank"] == rank
-        assert rep["shard_bytes"]["param16"] == 4 * sum(padded) // 2  # fp32: master aliases
+        assert rep["shard_bytes"]["param"] == 4 * sum(padded) // 2  # fp32: master aliases
         assert rep["shard_bytes"]["exp_avg"] == 4 * sum(padded) // 2
     peaks = {name: results[0][name].report["reductions_in_flight_peak"]
              for name in ("fp32-gas1", "fp32-gas2-tight", "fp32-gas2-sync")}

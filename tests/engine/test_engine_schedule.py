@@ -135,7 +135,7 @@ def test_memory_report_is_element_arithmetic() -> None:
                 for i in range(4)]
     per_unit.append(sum(n for k, n in sizes.items() if not k.startswith("blocks.")))
     padded = [-(-n // SHARD_ALIGN) * SHARD_ALIGN for n in per_unit]  # world size 1
-    assert rep["shard_bytes"]["param16"] == 2 * sum(padded)
+    assert rep["shard_bytes"]["param"] == 2 * sum(padded)
     for kind in ("master", "grad", "exp_avg", "exp_avg_sq"):
         assert rep["shard_bytes"][kind] == 4 * sum(padded)
     assert rep["full_model_param_bytes"] == 2 * sum(per_unit)

@@ -159,7 +159,7 @@ def test_initialize_takes_native_and_deepspeed_config_mappings() -> None:
     ids, tg = make_batches(1)[0]
     eng.backward(eng(ids, tg))
     eng.step()
-    # offload_param cpu is acted on: param16 shards are homed in host memory
+    # offload_param cpu is acted on: param shards are homed in host memory
     tiers = eng.memory_report()["tiers"]
     assert tiers is not None and tiers["current"]["host"] > 0
     eng.close()

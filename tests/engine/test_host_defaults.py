@@ -93,9 +93,9 @@ def test_cuda_defaults_stay_gpu_sized(tmp_path: Path) -> None:
     eng.close()
 
 
-def test_cpu_device_tier_holds_two_param16_shards(tmp_path: Path) -> None:
+def test_cpu_device_tier_holds_two_param_shards(tmp_path: Path) -> None:
     """Params on NVMe, no device budget, a CPU compute device: the device tier (host memory
-    here) caches at most two of the largest param16 shard."""
+    here) caches at most two of the largest param shard."""
     eng, _, _ = _train(_nvme(make_config(), tmp_path))
     tiers = eng.memory_report()["tiers"]
     largest = max(g.shard_numel * g.full.element_size() for u in eng.units for g in u.groups)
@@ -105,7 +105,7 @@ def test_cpu_device_tier_holds_two_param16_shards(tmp_path: Path) -> None:
 
 
 def _specs(n16: list[int]) -> list[ShardSpec]:
-    out = [ShardSpec(f"u{i}:param16", "param16", n, torch.bfloat16) for i, n in enumerate(n16)]
+    out = [ShardSpec(f"u{i}:param", "param", n, torch.bfloat16) for i, n in enumerate(n16)]
     return out + [ShardSpec(f"u{i}:{kind}", kind, n, torch.float32)
                   for i, n in enumerate(n16) for kind in ("master", "grad")]
 
@@ -119,14 +119,14 @@ def _settings(offload: Mapping[str, object], specs: list[ShardSpec]) -> int:
 
 def test_cpu_device_tier_budget_is_what_the_schedule_needs() -> None:
     """The CPU stand-in device tier's default budget: device homes + two of the largest
-    param16 shard, at least the placement's cache reserve (the largest param16 or gradient
+    param shard, at least the placement's cache reserve (the largest param or gradient
     shard homed below the device); with an auto home (the planner may fill it) the
     available memory; an explicit budget wins."""
     specs = _specs([1000, 3000, 2000])
     nvme = {"device": "nvme", "path": "/tmp"}
-    # two bf16 param16 of 3000 elements = one fp32 gradient of 3000 (the reserve)
+    # two bf16 param of 3000 elements = one fp32 gradient of 3000 (the reserve)
     assert _settings(nvme, specs) == 2 * 3000 * 2
-    # param16 on the device (offload.params none): its homes + the largest gradient
+    # param on the device (offload.params none): its homes + the largest gradient
     both = {"params": {"device": "none"}, "optimizer": nvme}
     assert _settings(both, specs) == 6000 * 2 + 3000 * 4
     auto = {"device": "auto", "path": "/tmp"}

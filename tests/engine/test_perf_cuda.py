@@ -1,5 +1,5 @@
 """The streamed CPU Adam with a CUDA device ([Note: streamed optimizer step]): state on
-NVMe streamed through a pinned host ring, the new param16 written to the GPU (params on
+NVMe streamed through a pinned host ring, the new param written to the GPU (params on
 the device) or to NVMe, the step begun during backward (overlap_step), against plain
 PyTorch AdamW on the same GPU.
 

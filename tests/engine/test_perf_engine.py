@@ -65,9 +65,9 @@ def nvme_moved(eng: ZeroEngine) -> tuple[int, int]:
                          [("none", "bf16"), ("nvme", "bf16"), ("nvme", "fp32")])
 def test_state_crosses_nvme_once_per_step(params: str, precision: str,
                                           tmp_path: Path) -> None:
-    """Each step reads master + moments once and writes them once (+ the new param16 when
-    it is homed on NVMe); param16 is read by the gathers at most twice (forward, backward),
-    and at least once except the param16 the stream kept in host memory ([Note: param16
+    """Each step reads master + moments once and writes them once (+ the new param when
+    it is homed on NVMe); param is read by the gathers at most twice (forward, backward),
+    and at least once except the param the stream kept in host memory ([Note: param
     kept in host memory]). The staged pipeline this replaced read the state about twice
     per step."""
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
@@ -75,10 +75,10 @@ def test_state_crosses_nvme_once_per_step(params: str, precision: str,
     try:
         shards = eng.store.nbytes()
         state = shards["master"] + shards["exp_avg"] + shards["exp_avg_sq"]
-        p16 = shards["param16"] if params == "nvme" else 0
+        p16 = shards["param"] if params == "nvme" else 0
         opt = eng.optimizer
         assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
-        kept = sum(eng.store.numel(opt._keys[i]) * eng.store.param16_dtype(
+        kept = sum(eng.store.numel(opt._keys[i]) * eng.store.param_dtype(
             opt._keys[i]).itemsize for i in stream_of(opt).kept)
         assert kept < p16 or params == "none"
         counts = []
@@ -189,7 +189,7 @@ def test_units_are_updated_inside_backward(tmp_path: Path) -> None:
 def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
         home: str, tmp_path: Path) -> None:
     """A backward that raises after some units were updated: those keep their update (each
-    whole: master, moments and param16 together), the others are untouched, the step of
+    whole: master, moments and param together), the others are untouched, the step of
     that boundary is skipped (never applied twice), and training goes on. Optimizer state
     on NVMe (the stream) and in host memory (the in-place step on its worker thread)."""
     model = make_model()

@@ -1,6 +1,6 @@
 """The in-place CPU Adam begun during backward with a CUDA device ([Note: in-place early
 step]): backward runs on the GPU while the worker thread updates each final unit's host
-state, then writes its param16 to the GPU (params "none") or to host memory (params
+state, then writes its param to the GPU (params "none") or to host memory (params
 "cpu"); overlap on must be bit-identical to off, and match plain PyTorch AdamW on the
 same GPU.
 

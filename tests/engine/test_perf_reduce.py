@@ -37,7 +37,7 @@ def test_add_upcast_into_a_view_leaves_the_rest_alone() -> None:
     assert base[3 + src.numel():].eq(0).all()
 
 
-def test_cpu_device_gathers_host_param16_from_its_home() -> None:
+def test_cpu_device_gathers_host_param_from_its_home() -> None:
     """Params homed in host memory with the CPU as compute device: a gather reads the
     shard where it lives (no copy into the "device" tier, which is host memory too);
     bit-identical results are checked by the offload parity tests."""

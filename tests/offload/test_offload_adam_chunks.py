@@ -45,18 +45,18 @@ class ChunkRig:
     def __init__(self, tmp_path: Path, chunk: int, grad_home: str,
                  p16: torch.dtype | None) -> None:
         self.chunk, self.p16 = chunk, p16
-        self.whole = [{c: f"{c}/{i}" for c in ("grad", "param16")} for i in range(len(NUMELS))]
+        self.whole = [{c: f"{c}/{i}" for c in ("grad", "param")} for i in range(len(NUMELS))]
         self.chunks = [[(lo, hi, {c: f"{c}/{i}@{lo}" for c in STATE})
                         for lo, hi in pieces(n, chunk)] for i, n in enumerate(NUMELS)]
         low = torch.float32 if p16 is None else p16
         specs = [ShardSpec(self.whole[i][c], c, n, torch.float32 if c == "grad" else low)
-                 for i, n in enumerate(NUMELS) if n for c in ("grad", "param16")]  # type: ignore[arg-type]
+                 for i, n in enumerate(NUMELS) if n for c in ("grad", "param")]  # type: ignore[arg-type]
         specs += [ShardSpec(k[c], c, hi - lo, torch.float32)  # type: ignore[arg-type]
                   for i, n in enumerate(NUMELS) if n for lo, hi, k in self.chunks[i]
                   for c in STATE]
         homes = {"master": "nvme", "exp_avg": "nvme", "exp_avg_sq": "nvme",
-                 "grad": grad_home, "param16": "nvme"}
-        self.ref = HostShards(NUMELS, param16_dtype=p16)
+                 "grad": grad_home, "param": "nvme"}
+        self.ref = HostShards(NUMELS, param_dtype=p16)
         self.swap = SwapStore(tmp_path, block_size=1 << 16)
         self.mgr = TierManager(specs, cpu_settings(homes, device=1 << 20, host=16 << 20),
                                swap=self.swap)
@@ -66,7 +66,7 @@ class ChunkRig:
                 continue
             ref = self.ref.tensors[i]
             ref["master"].copy_(torch.randn(n, generator=self.gen))
-            for c in ("grad", "param16"):
+            for c in ("grad", "param"):
                 dtype = torch.float32 if c == "grad" else low
                 self.mgr.place(self.whole[i][c], ref["master"].to(dtype)).wait()
             for lo, hi, k in self.chunks[i]:
@@ -99,8 +99,8 @@ class ChunkRig:
             for lo, hi, k in self.chunks[i]:
                 for c in STATE:
                     assert torch.equal(self.read(k[c]), ref[c][lo:hi]), (i, c, lo)
-            want = ref["master"] if self.p16 is None else ref["param16"]
-            assert torch.equal(self.read(self.whole[i]["param16"]), want), (i, "param16")
+            want = ref["master"] if self.p16 is None else ref["param"]
+            assert torch.equal(self.read(self.whole[i]["param"]), want), (i, "param")
 
     def nvme(self) -> tuple[int, int]:
         moved = self.mgr.memory_report().moved
@@ -115,7 +115,7 @@ class ChunkRig:
     (1 << 20, "cpu", torch.bfloat16),  # every shard one piece: the unchunked stream
     (1000, "cpu", torch.bfloat16),  # a piece exactly a shard, and pieces of 4097 / 7000
     (333, "nvme", torch.bfloat16),  # many pieces, a short last one; gradient on NVMe
-    (4096, "nvme", None),  # fp32 compute: param16 assembled from the master pieces
+    (4096, "nvme", None),  # fp32 compute: param assembled from the master pieces
     (97, "cpu", None),  # fp32 with a gradient in host memory; pieces smaller than a page
 ])
 def test_chunked_stream_matches_the_unchunked_step(tmp_path: Path, chunk: int, grad_home: str,
@@ -131,7 +131,7 @@ def test_chunked_stream_matches_the_unchunked_step(tmp_path: Path, chunk: int, g
             stream.step(HYPER, step, grad_scale=0.5)
             stream.wait_idle()
             counts.append(rig.nvme())
-        # state read once and written once per step, param16 written once; a gradient on
+        # state read once and written once per step, param written once; a gradient on
         # NVMe is never written (filled in host memory, consumed, dropped) nor read
         state = 3 * 4 * sum(NUMELS)
         for (r0, w0), (r1, w1) in itertools.pairwise(counts):
@@ -148,7 +148,7 @@ def test_chunked_stream_matches_the_unchunked_step(tmp_path: Path, chunk: int, g
 def test_ring_is_sized_by_the_piece(tmp_path: Path) -> None:
     """With pieces of 512 elements the ring holds the largest piece's buffers, whatever the
     largest shard (7000 elements): 4 pages (the 33-element shard, one piece, with its
-    param16 page), not 3 x 28 kB + its param16; param16 of a shard in pieces is assembled in
+    param page), not 3 x 28 kB + its param; param of a shard in pieces is assembled in
     room for two of the largest such shard."""
     rig = ChunkRig(tmp_path, 512, "cpu", torch.bfloat16)
     try:

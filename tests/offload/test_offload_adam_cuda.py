@@ -30,7 +30,7 @@ def test_offloaded_step_round_trip_matches_gpu_adamw() -> None:
     v = torch.zeros(n).pin_memory()
     grad_host = torch.empty(n, dtype=torch.bfloat16).pin_memory()
     shadow_host = torch.empty(n, dtype=torch.bfloat16).pin_memory()
-    param16 = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    param = torch.empty(n, dtype=torch.bfloat16, device=dev)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     copy_stream = torch.cuda.Stream()  # the D2H/H2D copies, as the engine's copy stream
     with AdamThreads() as threads:
@@ -45,7 +45,7 @@ def test_offloaded_step_round_trip_matches_gpu_adamw() -> None:
             adam_update(master, m, v, grad_host, hyper=hyper, step=step, shadow=shadow_host,
                         threads=threads)
             with torch.cuda.stream(copy_stream):
-                param16.copy_(shadow_host, non_blocking=True)
+                param.copy_(shadow_host, non_blocking=True)
             copy_stream.synchronize()
     torch.cuda.synchronize()
     want = ref.detach()
@@ -56,7 +56,7 @@ def test_offloaded_step_round_trip_matches_gpu_adamw() -> None:
         d = (got.to(dev) - st[name]).abs().max().item()
         assert d <= 1e-6 * st[name].abs().max().item(), (name, d)
     want16 = master.to(dev).to(torch.bfloat16)
-    assert torch.equal(param16.view(torch.int16), want16.view(torch.int16))
+    assert torch.equal(param.view(torch.int16), want16.view(torch.int16))
 
 
 def test_cpuadam_pinned_shadow_feeds_gpu_copy() -> None:

@@ -33,9 +33,9 @@ NUMELS = (1000, 0, 4097, 33, 7000, 5)
 ORDER = [4, 0, 2, 1, 5, 3]
 HYPER = AdamHyper(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)
 HOMES = {"master": "nvme", "exp_avg": "nvme", "exp_avg_sq": "nvme", "grad": "cpu",
-         "param16": "nvme"}
+         "param": "nvme"}
 DTYPES = {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
-          "grad": torch.float32, "param16": torch.bfloat16}
+          "grad": torch.float32, "param": torch.bfloat16}
 STATE_BYTES = 3 * 4 * sum(NUMELS)  # master + two moments, fp32
 P16_BYTES = 2 * sum(NUMELS)
 
@@ -58,7 +58,7 @@ class Rig:
         self.keys = [{c: f"{c}/{i}" for c in DTYPES} if n else {} for i, n in enumerate(NUMELS)]
         specs = [ShardSpec(k[c], c, n, DTYPES[c])  # type: ignore[arg-type]
                  for k, n in zip(self.keys, NUMELS, strict=True) if n for c in DTYPES]
-        self.ref = HostShards(NUMELS, param16_dtype=torch.bfloat16)
+        self.ref = HostShards(NUMELS, param_dtype=torch.bfloat16)
         self.swap = SwapStore(tmp_path, block_size=1 << 16, fileio=fileio)
         self.mgr = TierManager(specs, cpu_settings(HOMES, device=1 << 20, host=16 << 20),
                                swap=self.swap)
@@ -92,7 +92,7 @@ class Rig:
 
     def assert_equal(self, shards: list[int] | None = None) -> None:
         for i in range(len(NUMELS)) if shards is None else shards:
-            for c in ("master", "exp_avg", "exp_avg_sq", "param16") if NUMELS[i] else ():
+            for c in ("master", "exp_avg", "exp_avg_sq", "param") if NUMELS[i] else ():
                 assert torch.equal(self.read(i, c), self.ref.tensors[i][c]), f"shard {i} {c}"
 
     def nvme(self) -> tuple[int, int]:
@@ -122,14 +122,14 @@ def test_stream_matches_the_reference_step_and_moves_each_byte_once(tmp_path: Pa
             counts.append(rig.nvme())
         # Regression of the staged pipeline (state evicted from a too-small pool and read
         # again before its write): from the second step on, the bytes read between two
-        # idle points are exactly one step's state, and the writes state + param16.
+        # idle points are exactly one step's state, and the writes state + param.
         for (r0, w0), (r1, w1) in itertools.pairwise(counts):
             assert (r1 - r0, w1 - w0) == (STATE_BYTES, STATE_BYTES + P16_BYTES)
         stream.flush()
         rig.mgr.synchronize()
         rig.mgr.audit()
-        # what is left in the pool: the new param16 kept as host caches, one buffer each
-        # ([Note: param16 kept in host memory]); the pool has room for every shard here
+        # what is left in the pool: the new param kept as host caches, one buffer each
+        # ([Note: param kept in host memory]); the pool has room for every shard here
         assert stream.kept == {i for i, n in enumerate(NUMELS) if n}
         assert rig.mgr.memory_report().pool_in_use == len(stream.kept)
         rig.assert_equal()
@@ -139,7 +139,7 @@ def test_stream_matches_the_reference_step_and_moves_each_byte_once(tmp_path: Pa
 
 
 def test_deferred_writes_are_seen_by_the_next_reader(tmp_path: Path) -> None:
-    """Slow writes are still in flight when step() returns; a gather-like fetch of param16
+    """Slow writes are still in flight when step() returns; a gather-like fetch of param
     and a read of the state right after see the new values (the manager orders them)."""
     rig = Rig(tmp_path, DelayIO(write_delay=0.01))
     stream = rig.stream(150_000)
@@ -149,7 +149,7 @@ def test_deferred_writes_are_seen_by_the_next_reader(tmp_path: Path) -> None:
         stream.step(HYPER, 1)
         assert stream.writes_in_flight > 0
         last = ORDER[-1]  # written last: its writes are surely still queued
-        assert torch.equal(rig.read(last, "param16"), rig.ref.tensors[last]["param16"])
+        assert torch.equal(rig.read(last, "param"), rig.ref.tensors[last]["param"])
         assert torch.equal(rig.read(last, "master"), rig.ref.tensors[last]["master"])
         rig.assert_equal()
     finally:
@@ -207,7 +207,7 @@ def test_failure_mid_step_leaves_each_shard_whole(tmp_path: Path,
         done = [i for i in ORDER if NUMELS[i]][:2]
         rig.assert_equal(done)
         for i in (i for i in ORDER if NUMELS[i] and i not in done):
-            for c in ("master", "exp_avg", "exp_avg_sq", "param16"):
+            for c in ("master", "exp_avg", "exp_avg_sq", "param"):
                 assert torch.equal(rig.read(i, c), initial[i][c]), f"shard {i} {c} changed"
         rig.mgr.synchronize()
         rig.mgr.audit()

@@ -28,9 +28,9 @@ SPIN = 200_000_000  # cycles for torch.cuda._sleep: ~0.1 s at ~2 GHz
 
 
 def _manager(tmp_path: Path, store: SwapStore, n: int = 6) -> tuple[TierManager, list[ShardSpec]]:
-    specs = [ShardSpec(f"p{i}", "param16", NUMEL, torch.float32) for i in range(n)]
+    specs = [ShardSpec(f"p{i}", "param", NUMEL, torch.float32) for i in range(n)]
     settings = TierSettings(
-        homes={"param16": "nvme"}, device="cuda",
+        homes={"param": "nvme"}, device="cuda",
         budgets=Budgets(device=8 * NUMEL * 4, host=256 << 20, nvme=1 << 30),
         pool=PoolSettings(buffer_count=6),
         prefetch=PrefetchSettings(nvme_bytes=4 * NUMEL * 4, device_bytes=2 * NUMEL * 4))

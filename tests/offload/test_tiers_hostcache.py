@@ -1,7 +1,7 @@
 """Host allowance of a class homed on NVMe ([Note: host allowance] in offload/placement.py):
 which shards stay in host memory, how the host budget and the staging pool bound it, the
 settings checks, the engine's translation of offload.params.max_in_cpu_bytes, and a
-tier manager moving data through a plan with both kinds of param16 home."""
+tier manager moving data through a plan with both kinds of param home."""
 
 from __future__ import annotations
 
@@ -28,16 +28,16 @@ from tierzero.swap import SwapStore
 CPU = torch.device("cpu")
 MiB = 1 << 20
 PAGE = 4096
-# 6 param16 shards of 4 pages each (bf16: 8192 elements = 16 KiB), plus fp32 masters
-P16 = [ShardSpec(f"u{i}:param16", "param16", 8192, torch.bfloat16) for i in range(6)]
+# 6 param shards of 4 pages each (bf16: 8192 elements = 16 KiB), plus fp32 masters
+P16 = [ShardSpec(f"u{i}:param", "param", 8192, torch.bfloat16) for i in range(6)]
 MASTER = [ShardSpec(f"u{i}:master", "master", 8192, torch.float32) for i in range(6)]
-NVME_ALL = TierSettings(homes={"param16": "nvme", "master": "nvme"},
-                        pool=PoolSettings(buffer_count=2, staged=("param16",)))
+NVME_ALL = TierSettings(homes={"param": "nvme", "master": "nvme"},
+                        pool=PoolSettings(buffer_count=2, staged=("param",)))
 
 
 def _plan(allowance: int, host: int = 64 * MiB, specs: list[ShardSpec] | None = None,
           ) -> tuple[dict[str, str], frozenset[str], int]:
-    settings = dataclasses.replace(NVME_ALL, host_allowance={"param16": allowance})
+    settings = dataclasses.replace(NVME_ALL, host_allowance={"param": allowance})
     plan = plan_placement(specs or P16 + MASTER, settings,
                           TierBudgets(device=1 << 40, host=host, nvme=1 << 40), CPU)
     return dict(plan.homes), plan.host_kept, plan.pool_bytes
@@ -45,7 +45,7 @@ def _plan(allowance: int, host: int = 64 * MiB, specs: list[ShardSpec] | None = 
 
 def test_allowance_keeps_the_first_shards_in_order_and_nothing_else() -> None:
     homes, kept, _ = _plan(3 * 16384 + 100)  # room for three shards, not four
-    assert kept == {"u0:param16", "u1:param16", "u2:param16"}
+    assert kept == {"u0:param", "u1:param", "u2:param"}
     assert [homes[s.key] for s in P16] == ["host"] * 3 + ["nvme"] * 3
     assert all(homes[s.key] == "nvme" for s in MASTER)  # another class: untouched
     none_homes, none_kept, _ = _plan(0)
@@ -53,13 +53,13 @@ def test_allowance_keeps_the_first_shards_in_order_and_nothing_else() -> None:
 
 
 def test_first_fit_skips_a_shard_too_large_and_takes_later_smaller_ones() -> None:
-    big = ShardSpec("root:param16", "param16", 4 * 8192, torch.bfloat16)  # 64 KiB
+    big = ShardSpec("root:param", "param", 4 * 8192, torch.bfloat16)  # 64 KiB
     specs = [P16[0], big, P16[1]]
     _, kept, _ = _plan(2 * 16384, specs=specs)
-    assert kept == {"u0:param16", "u1:param16"}
+    assert kept == {"u0:param", "u1:param"}
 
 
-def test_whole_class_in_host_needs_no_param16_pool() -> None:
+def test_whole_class_in_host_needs_no_param_pool() -> None:
     homes, kept, pool = _plan(1 << 30, specs=list(P16))
     assert kept == {s.key for s in P16} and set(homes.values()) == {"host"}
     assert pool == 0  # nothing left on NVMe: no staging buffers
@@ -70,7 +70,7 @@ def test_host_budget_bounds_the_allowance_and_says_so(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger="tierzero.offload.placement"):
         _, kept, pool = _plan(1 << 30, host=2 * 16384 + 2 * 16384 + 100)
     assert pool == 2 * 16384
-    assert len(kept) == 2 and kept == {"u0:param16", "u1:param16"}
+    assert len(kept) == 2 and kept == {"u0:param", "u1:param"}
     text = caplog.text
     assert "host allowance 1073741824 B keeps 2 shards (32768 B) in host memory" in text
     assert "leaves room for only 2 of the shards" in text  # a warning, not a PlanError
@@ -78,8 +78,8 @@ def test_host_budget_bounds_the_allowance_and_says_so(caplog: pytest.LogCaptureF
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"host_allowance": {"params": 5}}, "unknown tensor class 'params'"),
-    ({"host_allowance": {"param16": -1}}, "host_allowance['param16'] = -1"),
-    ({"host_allowance": {"param16": 1 << 20}, "homes": {"param16": "cpu"}},
+    ({"host_allowance": {"param": -1}}, "host_allowance['param'] = -1"),
+    ({"host_allowance": {"param": 1 << 20}, "homes": {"param": "cpu"}},
      "applies to classes homed on nvme"),
 ])
 def test_bad_allowance_names_the_field(kwargs: dict[str, object], needle: str) -> None:
@@ -102,7 +102,7 @@ def test_engine_maps_max_in_cpu_bytes_and_keeps_the_prefetch_window() -> None:
     # gradient (grad_device auto) may use it ([Note: gradient home]).
     assert default.host_allowance == {"grad": 4 << 30}
     cached = _cfg(max_in_cpu_bytes=123 * MiB)
-    assert cached.host_allowance == {"param16": 123 * MiB, "grad": 4 << 30}
+    assert cached.host_allowance == {"param": 123 * MiB, "grad": 4 << 30}
     # the NVMe window is 4 x zero.prefetch_bytes whatever max_in_cpu_bytes says
     for s in (default, cached, _cfg(max_in_cpu_bytes=1 * MiB)):
         assert s.prefetch.nvme_bytes == 40 * MiB and s.prefetch.device_bytes == 10 * MiB
@@ -125,8 +125,8 @@ def test_deepspeed_max_in_cpu_maps_and_its_absence_is_zero(
 def test_manager_serves_and_updates_both_homes(tmp_path: object) -> None:
     """Place, fetch to the device tier, write new data through write_from (as the CPU Adam
     does): the host-homed shards never touch the swap file, the others round-trip it."""
-    settings = dataclasses.replace(NVME_ALL, homes={"param16": "nvme"},
-                                   host_allowance={"param16": 2 * 16384},
+    settings = dataclasses.replace(NVME_ALL, homes={"param": "nvme"},
+                                   host_allowance={"param": 2 * 16384},
                                    budgets=Budgets(device=1 << 30, host=64 * MiB, nvme=1 << 30),
                                    device="cpu")
     with SwapStore(str(tmp_path)) as store, TierManager(P16, settings, swap=store) as mgr:

@@ -1,4 +1,4 @@
-"""param16 kept in host memory after the Adam writes it ([Note: param16 kept in host
+"""param kept in host memory after the Adam writes it ([Note: param kept in host
 memory] in offload/adam_stream.py, TierManager.write_from(keep_host=True)): the residency
 moves of the kept cache, its fallback when the pool is full, and training that stays bit
 for bit the same while the next forward's first gathers stop reading NVMe."""
@@ -22,8 +22,8 @@ N = 4096  # bf16 elements: 8 KiB, two pages
 
 
 def _manager(tmp_path: Path, pool: int) -> TierManager:
-    specs = [ShardSpec(f"p{i}", "param16", N, torch.bfloat16) for i in range(3)]
-    mgr = TierManager(specs, cpu_settings({"param16": "nvme"}, device=1 << 20, host=1 << 20,
+    specs = [ShardSpec(f"p{i}", "param", N, torch.bfloat16) for i in range(3)]
+    mgr = TierManager(specs, cpu_settings({"param": "nvme"}, device=1 << 20, host=1 << 20,
                                           buffer_count=pool), swap=store(tmp_path))
     for i, s in enumerate(specs):
         mgr.place(s.key, data_for(s, i)).wait()
@@ -83,8 +83,8 @@ def test_kept_write_falls_back_to_a_direct_write_when_the_pool_is_full(tmp_path:
 @pytest.mark.cuda
 def test_kept_cache_feeds_a_cuda_device_copy(tmp_path: Path) -> None:
     """On CUDA the kept cache is in the pinned pool and the gather's H2D copy reads it."""
-    specs = [ShardSpec(f"p{i}", "param16", 1 << 20, torch.bfloat16) for i in range(2)]
-    settings = cpu_settings({"param16": "nvme"}, device=64 << 20, host=64 << 20,
+    specs = [ShardSpec(f"p{i}", "param", 1 << 20, torch.bfloat16) for i in range(2)]
+    settings = cpu_settings({"param": "nvme"}, device=64 << 20, host=64 << 20,
                             buffer_count=2)
     settings = dataclasses.replace(settings, device="cuda")
     with TierManager(specs, settings, swap=store(tmp_path)) as mgr:
@@ -104,23 +104,23 @@ def test_kept_cache_feeds_a_cuda_device_copy(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- engine: bit for bit
 def _run(tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    if not keep:  # the same engine with the kept-param16 caches switched off
+    if not keep:  # the same engine with the kept-param caches switched off
         real = AdamStream.__init__
 
         def no_keep(self: AdamStream, *a: Any, **kw: Any) -> None:
             real(self, *a, **{**kw, "keep_host_buffers": 0})
 
         monkeypatch.setattr(AdamStream, "__init__", no_keep)
-    # param16 bytes read from NVMe, counted where the manager issues each read: the total
+    # param bytes read from NVMe, counted where the manager issues each read: the total
     # of all reads also holds optimizer-state read-ahead, which a busy machine drops and
-    # reissues at its own pace ([Note: param16 kept in host memory] is about param16 only).
-    param16_read = [0]
+    # reissues at its own pace ([Note: param kept in host memory] is about param only).
+    param_read = [0]
     real_read = Mover.read
 
     def counting_read(self: Mover, key: str, out: torch.Tensor, *, background: bool = False
                       ) -> Any:
-        if key.endswith(":param16"):
-            param16_read[0] += out.numel() * out.element_size()
+        if key.endswith(":param"):
+            param_read[0] += out.numel() * out.element_size()
         return real_read(self, key, out, background=background)
 
     monkeypatch.setattr(Mover, "read", counting_read)
@@ -140,12 +140,12 @@ def _run(tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch) -> dict[st
     kept = stream_of(opt).kept if stream_of(opt) is not None else frozenset()
     losses, reads = [], []
     for ids, tg in make_batches(5):
-        r0 = param16_read[0]
+        r0 = param_read[0]
         loss = eng(ids, tg)
         eng.backward(loss)
         eng.step()
         losses.append(float(loss.detach()))
-        reads.append(param16_read[0] - r0)
+        reads.append(param_read[0] - r0)
     with engine.GatheredParameters(list(model.parameters())):
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     eng.close()
@@ -160,5 +160,5 @@ def test_training_is_bit_identical_and_reads_less(tmp_path: Path,
     assert keep["kept"] and not plain["kept"]
     assert keep["losses"] == plain["losses"]
     assert all(torch.equal(keep["params"][k], plain["params"][k]) for k in plain["params"])
-    # from the second step on, the kept param16 is not read back from NVMe
+    # from the second step on, the kept param is not read back from NVMe
     assert sum(keep["reads"][1:]) < sum(plain["reads"][1:])

@@ -27,11 +27,11 @@ from tierzero.offload.residency import transition
 from tierzero.swap import FileIO, trace
 
 N = 1024  # elements per shard: 4 KiB in fp32
-HOMES = {"param16": "nvme", "grad": "cpu", "master": "none"}
+HOMES = {"param": "nvme", "grad": "cpu", "master": "none"}
 
 
 def specs(n: int = 4) -> list[ShardSpec]:
-    return ([ShardSpec(f"p{i}", "param16", N, torch.float32) for i in range(n)]
+    return ([ShardSpec(f"p{i}", "param", N, torch.float32) for i in range(n)]
             + [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(n)]
             + [ShardSpec("m0", "master", N, torch.float32)])
 
@@ -91,7 +91,7 @@ def test_dirty_cache_is_written_back_and_clean_one_is_not(tmp_path: Path) -> Non
         rep = mgr.memory_report()
         assert rep.moved["device_to_host"] == 4 * N and rep.moved["host_to_nvme"] == before + 4 * N
         assert rep.moved_by_class["device_to_host"] == {**dict.fromkeys(rep.moved_by_class[
-            "device_to_host"], 0), "param16": 4 * N}  # counted under p0's class alone
+            "device_to_host"], 0), "param": 4 * N}  # counted under p0's class alone
         mgr.fetch("p1", "device").wait()
         mgr.release("p1")
         mgr.evict("p1")  # clean: no write-back at all
@@ -205,9 +205,9 @@ def test_pinned_and_held_shards_are_never_pressed_out(tmp_path: Path) -> None:
 
 
 def test_request_larger_than_the_tier_fails_at_once(tmp_path: Path) -> None:
-    sp = [ShardSpec("big", "param16", 4 * N, torch.float32),
-          ShardSpec("small", "param16", N, torch.float32)]
-    settings = cpu_settings({"param16": "cpu"}, device=4 * N * 4, host=1 << 20)
+    sp = [ShardSpec("big", "param", 4 * N, torch.float32),
+          ShardSpec("small", "param", N, torch.float32)]
+    settings = cpu_settings({"param": "cpu"}, device=4 * N * 4, host=1 << 20)
     with TierManager(sp, settings) as mgr:
         mgr.place("big", torch.ones(4 * N)).wait()
         mgr.place("small", torch.ones(N)).wait()

@@ -66,7 +66,7 @@ def test_detected_budgets_subtract_reserves(tmp_path: object) -> None:
 
 
 def test_auto_spills_optimizer_state_before_params(caplog: pytest.LogCaptureFixture) -> None:
-    specs = specs_of({"param16": (4, MiB // 4), "grad": (4, MiB // 4), "master": (4, MiB // 4),
+    specs = specs_of({"param": (4, MiB // 4), "grad": (4, MiB // 4), "master": (4, MiB // 4),
                       "exp_avg": (4, MiB // 4), "exp_avg_sq": (4, MiB // 4)})  # 1 MiB each
     # device: 2 params + one cache reserve; host: params, grads, master + pool
     settings = TierSettings(device="cpu", persist_bytes=0,
@@ -76,8 +76,8 @@ def test_auto_spills_optimizer_state_before_params(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.INFO, logger="tierzero.offload.placement"):
         plan = plan_placement(specs, settings, budgets, CPU)
     where = {cls: sorted(plan.homes[s.key] for s in specs if s.cls == cls)
-             for cls in ("param16", "grad", "master", "exp_avg", "exp_avg_sq")}
-    assert where["param16"] == ["device", "device", "host", "host"]
+             for cls in ("param", "grad", "master", "exp_avg", "exp_avg_sq")}
+    assert where["param"] == ["device", "device", "host", "host"]
     assert where["grad"] == ["host"] * 4 and where["master"] == ["host"] * 4
     # host room 16 - 2 (pool) = 14 MiB: 2 params + 4 grads + 4 master + 4 exp_avg; exp_avg_sq spills
     assert where["exp_avg"] == ["host"] * 4 and where["exp_avg_sq"] == ["nvme"] * 4
@@ -97,8 +97,8 @@ def test_auto_keeps_small_shards_resident() -> None:
 
 
 def test_plan_that_cannot_fit_names_tier_and_shortfall() -> None:
-    specs = specs_of({"param16": (2, MiB // 4), "master": (2, MiB // 4)})
-    settings = TierSettings(device="cpu", homes={"param16": "none", "master": "cpu"})
+    specs = specs_of({"param": (2, MiB // 4), "master": (2, MiB // 4)})
+    settings = TierSettings(device="cpu", homes={"param": "none", "master": "cpu"})
     with pytest.raises(PlanError) as err:
         plan_placement(specs, settings, TierBudgets(device=2 * MiB, host=MiB, nvme=0), CPU)
     msg = str(err.value)

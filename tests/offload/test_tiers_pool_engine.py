@@ -1,4 +1,4 @@
-"""The engine's NVMe staging pool is sized for parameter gathers only (bf16 param16),
+"""The engine's NVMe staging pool is sized for parameter gathers only (bf16 param),
 so every fp32 optimizer shard is larger than one pool buffer: initial placement, Init
 onto NVMe and checkpoint save/load of NVMe state stage those shards over a span of
 buffers ([Note: pool spans]). Results are compared bit for bit (torch.equal): the same
@@ -15,7 +15,7 @@ from engine_helpers import TinyLM, make_batches, train_steps
 from tierzero import engine
 from tierzero.offload import BufferPool, PoolBuffer
 
-N_BLOCKS, DIM = 2, 128  # blocks of ~66K params: fp32 master 264 KB, bf16 param16 132 KB
+N_BLOCKS, DIM = 2, 128  # blocks of ~66K params: fp32 master 264 KB, bf16 param 132 KB
 
 
 def _model() -> TinyLM:
@@ -42,7 +42,7 @@ def _pool_smaller_than_masters(eng: engine.ZeroEngine) -> None:
     plan = mgr.plan
     masters = [s.nbytes for k, s in plan.specs.items() if s.cls == "master"
                and plan.homes[k] == "nvme"]
-    p16 = [s.nbytes for k, s in plan.specs.items() if s.cls == "param16"]
+    p16 = [s.nbytes for k, s in plan.specs.items() if s.cls == "param"]
     assert plan.pool_buffer_bytes < max(masters), "the test must exercise pool spans"
     assert plan.pool_buffer_bytes >= max(p16)  # a gather fits one buffer
     mgr.audit()

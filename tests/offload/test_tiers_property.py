@@ -18,15 +18,15 @@ from tierzero.offload import ShardSpec, TierManager
 from tierzero.swap import SwapStore
 
 SPECS = [
-    ShardSpec("p0", "param16", 256, torch.float16),
-    ShardSpec("p1", "param16", 512, torch.float32),
-    ShardSpec("p2", "param16", 96, torch.float32),
+    ShardSpec("p0", "param", 256, torch.float16),
+    ShardSpec("p1", "param", 512, torch.float32),
+    ShardSpec("p2", "param", 96, torch.float32),
     ShardSpec("g0", "grad", 300, torch.float32),
     ShardSpec("g1", "grad", 128, torch.float16),
     ShardSpec("m0", "master", 200, torch.float32),
     ShardSpec("e0", "exp_avg", 64, torch.float32),
 ]
-HOMES = {"param16": "nvme", "grad": "cpu", "master": "none", "exp_avg": "nvme"}
+HOMES = {"param": "nvme", "grad": "cpu", "master": "none", "exp_avg": "nvme"}
 BIG = max(s.nbytes for s in SPECS)
 DEVICE_HOMES = sum(s.nbytes for s in SPECS if HOMES[s.cls] == "none")
 KEYS = [s.key for s in SPECS]

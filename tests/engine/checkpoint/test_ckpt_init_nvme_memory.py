@@ -3,7 +3,7 @@ its parameter slices in host memory, and the whole build + initialize + one step
 under host and device budgets well below its state. Values equal a plain build (bitwise).
 
 Model: 100.7M parameters (tests/engine_memory_child.py's MLP, 24 blocks of width 724).
-Its param16 (bf16) + master + moments = 14 B/param = 1.41 GB, on NVMe; host budget 800 MiB
+Its param (bf16) + master + moments = 14 B/param = 1.41 GB, on NVMe; host budget 800 MiB
 (fp32 gradient shards, 403 MB, live in host memory; NVMe staging pool; the CPU Adam's
 pipeline buffers), device budget 64 MiB (the CPU stand-in tier).
 
@@ -41,7 +41,7 @@ def test_init_onto_nvme_peak_rss(tmp_path: Path) -> None:
                          DEVICE_BUDGET)
     n = r["n_params"]
     assert 95e6 < n < 105e6
-    state = n * (2 + 4 + 8)  # param16 + master + moments
+    state = n * (2 + 4 + 8)  # param + master + moments
     assert state > 1.5 * (HOST_BUDGET + DEVICE_BUDGET)
     assert r["init_nvme_bytes"] >= 4 * n  # every fp32 slice went to NVMe
     grow = {k: r[k] - r["base_rss"] for k in ("init_peak", "setup_peak", "step_peak")}
@@ -70,7 +70,7 @@ def test_init_onto_nvme_without_budgets(tmp_path: Path) -> None:
     grow = peak - r["base_rss"]
     assert grow <= INIT_NO_BUDGET_BOUND * 16 * n, (grow / MiB, r["tiers"])
     assert peak - r["imported_rss"] <= INIT_NO_BUDGET_IMPORTED_BOUND * 16 * n
-    # the CPU stand-in device tier's default budget: two param16 shards of a block (each
+    # the CPU stand-in device tier's default budget: two param shards of a block (each
     # 2 x 724 x 2896 weights + biases, bf16) ([Note: CPU compute defaults])
     assert r["tiers"]["peak"]["device"] <= 2 * 2 * (2 * DIM * 4 * DIM + 5 * DIM) + 2 * 4096
     assert r["tiers"]["grad_home"] == "nvme"

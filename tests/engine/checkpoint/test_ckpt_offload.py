@@ -187,7 +187,7 @@ def test_damaged_rank_file_is_named_and_nothing_changes(fault: str, tmp_path: Pa
 
 
 def test_load_into_a_running_engine_drops_its_caches(tmp_path: Path) -> None:
-    """Loading into an NVMe engine that kept training (device caches of param16, a recorded
+    """Loading into an NVMe engine that kept training (device caches of param, a recorded
     prefetch order, dirty host caches) continues exactly like a fresh engine loading it."""
     eng, model = _engine("nvme", tmp_path / "sa")
     fresh, fresh_model = _engine("nvme", tmp_path / "sb")
@@ -201,11 +201,11 @@ def test_load_into_a_running_engine_drops_its_caches(tmp_path: Path) -> None:
         eng.load_checkpoint(tmp_path / "ck", tag="t")
         # Every shard is replaced from the checkpoint, so its old bytes are not read from
         # NVMe (TierManager.fetch discard). What is read is master shards the small pool
-        # evicted before param16 is rounded from them; reading the old state too would be
-        # at least every NVMe-homed byte (param16, master, exp_avg, exp_avg_sq).
+        # evicted before param is rounded from them; reading the old state too would be
+        # at least every NVMe-homed byte (param, master, exp_avg, exp_avg_sq).
         read = eng.memory_report()["tiers"]["moved"]["nvme_to_host"] - read0
         nb = eng.store.nbytes()
-        on_nvme = sum(nb[k] for k in ("param16", "master", "exp_avg", "exp_avg_sq"))
+        on_nvme = sum(nb[k] for k in ("param", "master", "exp_avg", "exp_avg_sq"))
         assert read < on_nvme // 4, (read, on_nvme)
         fresh.load_checkpoint(tmp_path / "ck", tag="t")
         _train(eng, 3, 6)

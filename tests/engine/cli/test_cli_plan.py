@@ -30,8 +30,8 @@ def test_llama_bytes_per_tier(name: str, tmp_path: Path) -> None:
                                            traffic=False)}
     cpu = plans["cpu"]
     assert cpu.fits
-    # Offload cpu: every class homed on the host; bf16 param16 = 2 bytes, the rest fp32.
-    assert cpu.by_tier["host"] == {"param16": 2 * params, "grad": 4 * params,
+    # Offload cpu: every class homed on the host; bf16 param = 2 bytes, the rest fp32.
+    assert cpu.by_tier["host"] == {"param": 2 * params, "grad": 4 * params,
                                    "master": 4 * params, "exp_avg": 4 * params,
                                    "exp_avg_sq": 4 * params}
     assert sum(cpu.by_tier["device"].values()) == sum(cpu.by_tier["nvme"].values()) == 0
@@ -40,7 +40,7 @@ def test_llama_bytes_per_tier(name: str, tmp_path: Path) -> None:
     # Offload nvme, as the engine homes it: parameters and optimizer state on NVMe, the
     # fp32 gradient accumulator in host memory (written every micro-step).
     nvme = plans["nvme"]
-    assert nvme.fits and nvme.by_tier["nvme"] == {"param16": 2 * params, "grad": 0,
+    assert nvme.fits and nvme.by_tier["nvme"] == {"param": 2 * params, "grad": 0,
                                                   "master": 4 * params, "exp_avg": 4 * params,
                                                   "exp_avg_sq": 4 * params}
     assert nvme.by_tier["host"]["grad"] == 4 * params
@@ -55,24 +55,24 @@ def test_llama_7b_traffic_counted_by_the_engine(tmp_path: Path) -> None:
     plans = {x.choice: x for x in plan_all(shape, BIG, world_size=1, precision="bf16",
                                            nvme_path=str(tmp_path))}
     cpu = plans["cpu"].traffic
-    # 80 GB of device memory holds every param16 cache from forward through backward:
-    # one host->device copy per step (the optimizer rewrites param16 on the host, which
+    # 80 GB of device memory holds every param cache from forward through backward:
+    # one host->device copy per step (the optimizer rewrites param on the host, which
     # drops the device copy); each bf16 gradient goes to its host shard once.
     assert (cpu.host_to_device, cpu.device_to_host, cpu.grads_to_host) == (2 * p, 0, 2 * p)
     assert (cpu.nvme_read, cpu.nvme_written) == (0, 0) and cpu.adam_params == p
     assert plans["cpu"].peak["device"] == 2 * p  # those caches, at once
     nvme = plans["nvme"].traffic
-    # Every NVMe-homed byte is rewritten once per step: param16 (2) + master, moments (12).
+    # Every NVMe-homed byte is rewritten once per step: param (2) + master, moments (12).
     assert nvme.nvme_written == 14 * p
-    # Each is read at least once: the states by the CPU Adam, param16 for the forward.
+    # Each is read at least once: the states by the CPU Adam, param for the forward.
     assert nvme.nvme_read >= 14 * p and nvme.adam_params == p
     # The step runs during backward (offload.optimizer.overlap_step; the dry run has no
     # clipping): each unit's Adam and its writes happen as its gradient turns final.
     backward = plans["nvme"].phases["backward"]
     assert backward.nvme_written == 14 * p and backward.adam_params == p
-    # the first unit may already be prefetched, and the CPU Adam keeps the new param16 of
+    # the first unit may already be prefetched, and the CPU Adam keeps the new param of
     # the step's last shards (the next forward's first) in up to offload.params.buffer_count
-    # - 1 = 4 pool buffers of the largest param16 ([Note: param16 kept in host memory])
+    # - 1 = 4 pool buffers of the largest param ([Note: param kept in host memory])
     assert plans["nvme"].phases["forward"].nvme_read >= 2 * p - (1 + 4) * 2 * max(
         n for _, n in shape.units)
     assert not plans["none"].fits and plans["none"].step_s is None  # 126 GB > 80 GB
@@ -87,7 +87,7 @@ def test_parameter_count_world_size_two() -> None:
     per_unit = math.ceil(7 * GB / 32 / 2 / 128) * 128
     assert per_unit == shard_numel(7 * GB // 32, 2) == 109_375_104
     assert plans["cpu"].by_tier["host"]["master"] == 32 * per_unit * 4
-    assert plans["cpu"].by_tier["host"]["param16"] == 32 * per_unit * 2
+    assert plans["cpu"].by_tier["host"]["param"] == 32 * per_unit * 2
     # Offload none: 18 bytes per element on the device, 3.5B elements per rank = 63 GB < 80 GB.
     assert plans["none"].fits and plans["none"].total("device") == 18 * 32 * per_unit
     one_rank = {p.choice: p for p in plan_all(shape, BIG, world_size=1, precision="bf16",
@@ -98,8 +98,8 @@ def test_parameter_count_world_size_two() -> None:
     assert f"tier device is short by {short} bytes" in (one_rank["none"].error or "")
     fp32 = {p.choice: p for p in plan_all(shape, BIG, world_size=2, precision="fp32",
                                           traffic=False)}
-    # fp32 compute: the engine still keeps a param16 shard (in fp32) beside the master
-    assert fp32["cpu"].by_tier["host"]["param16"] == 32 * per_unit * 4
+    # fp32 compute: the engine still keeps a param shard (in fp32) beside the master
+    assert fp32["cpu"].by_tier["host"]["param"] == 32 * per_unit * 4
     assert recommend(list(plans.values())) is not None
 
 
@@ -109,7 +109,7 @@ def test_predicted_time_and_recommendation() -> None:
     assert plans["none"].fits and plans["none"].step_s == 0.0  # nothing moves
     assert recommend(list(plans.values())) is plans["none"]
     cpu = plans["cpu"]
-    # [Note: plan step time]: forward copies param16 in (2 bytes each), backward sends the
+    # [Note: plan step time]: forward copies param in (2 bytes each), backward sends the
     # bf16 gradients out (2 bytes each) while the CPU Adam updates each unit whose gradient
     # is final ([Note: in-place early step]; the dry run has no clipping), over 1e9 params;
     # phases in sequence, at 25 GB/s and 2e9 params/s. Shards are padded to 128 elements;

@@ -128,7 +128,7 @@ def test_dry_run_in_coarse_pieces_counts_a_chunked_real_run(tmp_path: Path) -> N
     """State kept in many small pieces (chunk_numel 2048: every block's shard is cut):
     the dry run cuts each shard into at most DRY_PIECES pieces instead ([Note: dry-run
     pieces]), and still counts the real run's bytes, and reports the real run's CPU Adam
-    buffers (ring and param16 assembly), not its own coarser ring's."""
+    buffers (ring and param assembly), not its own coarser ring's."""
     config = nvme_config(tmp_path, buffer_count=64, chunk_numel=2048)
     with torch.device("meta"):
         module = TinyLM(SIZES["tiny"])

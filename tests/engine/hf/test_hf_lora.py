@@ -34,7 +34,7 @@ def test_lora_frozen_base_offloaded_adapter_and_merged_exports(tmp_path: Path) -
     report = tierzero.load_pretrained(eng, base)  # unwrapped names -> base_layer names
     assert report.tensors == sum(1 for n, _ in model.named_parameters() if "lora_" not in n)
 
-    # Only the adapters get optimizer state; the frozen base keeps param16 alone.
+    # Only the adapters get optimizer state; the frozen base keeps param alone.
     groups = [g for u in eng.units for g in u.groups]
     trained = [g for g in groups if g.trainable]
     assert sum(g.numel for g in trained) == sum(adapters.values())

@@ -38,7 +38,7 @@ def test_rows_scale_the_counted_step(tmp_path: Path) -> None:
         assert r.nvme_written == nvme.nvme_written - saved
         assert r.nvme_read == nvme.nvme_read - saved
         assert r.written_per_1000 == 1000 * r.nvme_written
-    # 14 B/param written with fp32 moments (param16 2 + master 4 + moments 8) -> 10 / ~8.03
+    # 14 B/param written with fp32 moments (param 2 + master 4 + moments 8) -> 10 / ~8.03
     assert nvme.nvme_written == 14 * p
     assert rows[("nvme", "bf16")].nvme_written == 10 * p
     assert rows[("nvme", "int8")].nvme_written == pytest.approx(8.03 * p, rel=1e-3)
