@@ -41,6 +41,11 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
+# Shard kinds saved under another name by earlier versions: the compute-precision
+# parameter shard was called "param16" (also under fp32 compute) until it became "param".
+LEGACY_KINDS = {"param16": "param"}
+
+
 def shard_name(key: str, kind: str) -> str:
     """Tensor name of a flat group's shard in a rank file (group keys hold '/')."""
     return f"{key}::{kind}"
@@ -89,18 +94,25 @@ class GroupLayout:
     shard_numel: int
     numel: int  # unpadded
     params: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (name, shape, offset, numel)
-    kinds: tuple[str, ...]  # the shard kinds stored for this group
+    kinds: tuple[str, ...]  # the shard kinds stored for this group (today's names)
     # How each rank's exp_avg / exp_avg_sq tensor is stored ([Note: compressed moments in
     # checkpoints]); None: no moments, or a checkpoint from before the field (fp32 then)
     moments: StoredLayout | None = None
+    # kinds stored under an earlier name: (kind, name in the rank files)
+    saved_as: tuple[tuple[str, str], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
+        saved = dict(self.saved_as)
         out = {"key": self.key, "trainable": self.trainable, "shard_numel": self.shard_numel,
-               "numel": self.numel, "kinds": list(self.kinds),
+               "numel": self.numel, "kinds": [saved.get(k, k) for k in self.kinds],
                "params": [[n, list(s), o, c] for n, s, o, c in self.params]}
         if self.moments is not None:
             out["moments"] = self.moments.as_json()
         return out
+
+    def tensor_name(self, kind: str) -> str:
+        """The rank files' name of this group's `kind` shard (as it was saved)."""
+        return shard_name(self.key, dict(self.saved_as).get(kind, kind))
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> GroupLayout:
@@ -109,8 +121,9 @@ class GroupLayout:
                            int(d["numel"]),
                            tuple((str(n), tuple(int(x) for x in s), int(o), int(c))
                                  for n, s, o, c in d["params"]),
-                           tuple(d["kinds"]),
-                           StoredLayout.from_json(moments) if moments is not None else None)
+                           tuple(LEGACY_KINDS.get(k, k) for k in d["kinds"]),
+                           StoredLayout.from_json(moments) if moments is not None else None,
+                           tuple((LEGACY_KINDS[k], k) for k in d["kinds"] if k in LEGACY_KINDS))
 
     def saved_moments(self) -> StoredLayout:
         """How the moment tensors are laid out in the rank files (fp32 when the manifest
@@ -266,7 +279,7 @@ class RankFiles:
         while pos < min(stop, saved_end):
             rank = pos // s
             hi = min(stop, (rank + 1) * s)
-            name = shard_name(group.key, kind)
+            name = group.tensor_name(kind)
             try:
                 sl = self.handle(rank).get_slice(name)
                 pieces.append(sl[pos - rank * s:hi - rank * s])
@@ -292,7 +305,7 @@ class RankFiles:
             return self.read_range(group, kind, start, stop)
         s = group.shard_numel
         out = torch.zeros(stop - start, dtype=torch.float32)
-        name = shard_name(group.key, kind)
+        name = group.tensor_name(kind)
         for rank in range(start // s, min(self.world_size, -(-stop // s))):
             base = rank * s
             for lo, hi, a, b in lay.pieces():

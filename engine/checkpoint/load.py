@@ -258,7 +258,7 @@ class _Saved:
         """The values (a moment decoded to fp32)."""
         moment = self.kind in MOMENT_KINDS
         if self.same_world and (not moment or self.lay.saved_moments().precision == "fp32"):
-            self.files.read_into(self.rank, shard_name(self.lay.key, self.kind), out)
+            self.files.read_into(self.rank, self.lay.tensor_name(self.kind), out)
         elif moment:
             lo = self.rank * self.numel
             out.copy_(self.files.read_moment_range(self.lay, self.kind, lo, lo + self.numel))
@@ -271,7 +271,7 @@ class _Saved:
         return self.lay.saved_moments() if self.same_world else None
 
     def read_stored_into(self, out: torch.Tensor) -> None:
-        self.files.read_into(self.rank, shard_name(self.lay.key, self.kind), out)
+        self.files.read_into(self.rank, self.lay.tensor_name(self.kind), out)
 
 
 def _restore_buffers(eng: ZeroEngine, files: RankFiles) -> None:
