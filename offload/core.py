@@ -351,6 +351,13 @@ class ResidencyCore:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise BudgetError(self._full_message(tier, rec))
+            # A copy in flight on this tier is no victim until its transfer lands, and a
+            # transfer landing notifies nobody (its completion is settled by the next
+            # manager call): wait for one directly, else for a release (notified).
+            pending = self._in_flight(tier)
+            if pending is not None:
+                self._wait_transfer(pending)
+                continue
             self._cond.wait(left)
 
     def _victim(self, tier: Tier, rec: ShardRecord, *, demand: bool) -> ShardRecord | None:
@@ -392,6 +399,16 @@ class ResidencyCore:
             below = rec.copies[rec.below(tier)]
             if below.transfer is not None:
                 return below.transfer
+        return None
+
+    def _in_flight(self, tier: Tier) -> TierTransfer | None:
+        """A transfer in flight into or out of a cache copy on ``tier``: once it lands the
+        copy may be evicted (a write-back done, a read-ahead arrived)."""
+        for key in sorted(self._busy):
+            copy = self._records[key].copies[tier]
+            if (copy.role is not Role.HOME and copy.state in TRANSIENT
+                    and copy.transfer is not None):
+                return copy.transfer
         return None
 
     def _full_message(self, tier: Tier, rec: ShardRecord) -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from tiers_util import cpu_settings, data_for, store
+from tiers_util import DelayIO, cpu_settings, data_for, store
 
 from tierzero.offload import (
     TRANSITIONS,
@@ -394,3 +395,36 @@ def test_order_cursor_reuse_of_an_overwritten_unlisted_key() -> None:
     pf.set_order([("a", "host"), ("b", "host")])
     pf.consume("g", "host")
     assert (pf.mismatches, pf.cursor) == (1, 0)
+
+
+def test_demand_fetch_wakes_when_a_write_back_lands(tmp_path: Path) -> None:
+    """Every pool buffer holds a cache whose write-back is in flight: none is a victim
+    until its write lands, and a landing transfer notifies nobody. A demand fetch waits
+    for one of those writes, then evicts that copy; it must not sleep until the wait
+    timeout (an hour here: the thread below would still be waiting when joined)."""
+    mgr, _ = make(tmp_path, pool=3, timeout=3600.0, fileio=DelayIO(write_delay=0.2))
+    with mgr:
+        for key in ("p0", "p1", "p2"):  # three dirty host caches, written down at once
+            mgr.write_from(key, torch.full((N,), 7.0), keep_host=True)
+        assert mgr.memory_report().pool_in_use == 3
+        got: list[torch.Tensor] = []
+        errors: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                got.append(mgr.fetch("p3", "host").wait().clone())
+                mgr.release("p3")
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=fetch, daemon=True)
+        worker.start()
+        worker.join(120.0)  # far beyond the 0.2 s writes, far below the hour's timeout
+        assert not worker.is_alive(), "the fetch is still waiting for host room"
+        assert not errors, errors
+        mgr.synchronize()
+        for key in ("p0", "p1", "p2"):
+            got_key = mgr.fetch(key, "host").wait()
+            assert torch.equal(got_key, torch.full((N,), 7.0)), key
+            mgr.release(key)
+        mgr.audit()
