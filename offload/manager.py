@@ -14,8 +14,10 @@ Residency follows [Note: residency model] in offload/residency.py.
 Budgets are enforced when room is taken. A demand fetch evicts the unused,
 unpinned cache whose next use (in the order given to set_order) is furthest
 away, least recently used first among ties; a dirty victim is written down
-first. If nothing is evictable it waits for in-flight write-backs, then for
-other threads to release, and raises BudgetError after ``wait_timeout_s``
+first. If nothing is evictable it waits for in-flight write-backs and for any cache
+copy's transfer in flight on the tier (a transfer that lands notifies nobody, so it
+is waited for directly), then for other threads to release, and raises BudgetError
+after ``wait_timeout_s``
 naming the holders. A single shard larger than a tier fails at once. Prefetch
 never waits: it takes free room or evicts clean caches used later than its own
 shard, and stops issuing for a tier at the first shard that does not fit.
