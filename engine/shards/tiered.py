@@ -523,17 +523,26 @@ class TieredShardStore(ShardStore):
         piece; written back piece by piece when ``writable``). For whole-shard access off the
         step (checkpoints, param from master): one shard at a time, counted as the
         manager's (TierManager.host_empty)."""
+        with self._assembled(self.numel(key), torch.float32, pieces, read=not overwrite,
+                             write=writable) as whole:
+            yield whole
+
+    @contextmanager
+    def _assembled(self, numel: int, dtype: torch.dtype, ranges: list[tuple[str, int, int]],
+                   *, read: bool, write: bool) -> Iterator[torch.Tensor]:
+        """One host buffer over several stored pieces (`ranges`: the manager's key and
+        where its elements sit in the buffer), read piece by piece first when `read` and
+        written back piece by piece on a normal exit when `write`; counted as the
+        manager's (TierManager.host_empty)."""
         mgr = self._mgr()
-        whole = mgr.host_empty(self.numel(key), torch.float32, purpose="shard_assembly")
+        whole = mgr.host_empty(numel, dtype, purpose="shard_assembly")
         try:
-            if not overwrite:
-                reads = [mgr.read_into(mkey, whole[lo:hi]) for mkey, lo, hi in pieces]
-                for t in reads:
+            if read:
+                for t in [mgr.read_into(mkey, whole[a:b]) for mkey, a, b in ranges]:
                     t.wait()
             yield whole
-            if writable:
-                writes = [mgr.write_from(mkey, whole[lo:hi]) for mkey, lo, hi in pieces]
-                for t in writes:
+            if write:
+                for t in [mgr.write_from(mkey, whole[a:b]) for mkey, a, b in ranges]:
                     t.wait()
         finally:
             mgr.host_free(whole)
@@ -586,24 +595,14 @@ class TieredShardStore(ShardStore):
                           overwrite=overwrite) as t:
                 yield t
             return
-        mgr, byte_ranges, pos = self._mgr(), [], 0
+        byte_ranges, pos = [], 0
         for mkey, lo, hi in self.pieces(key, kind):  # each piece's bytes, in element order
             nb = moment_nbytes(hi - lo, self.state_precision)
             byte_ranges.append((mkey, pos, pos + nb))
             pos += nb
-        whole = mgr.host_empty(pos, torch.uint8, purpose="shard_assembly")
-        try:
-            if not overwrite:
-                reads = [mgr.read_into(mkey, whole[a:b]) for mkey, a, b in byte_ranges]
-                for r in reads:
-                    r.wait()
+        with self._assembled(pos, torch.uint8, byte_ranges, read=not overwrite,
+                             write=overwrite) as whole:
             yield whole
-            if overwrite:
-                writes = [mgr.write_from(mkey, whole[a:b]) for mkey, a, b in byte_ranges]
-                for w in writes:
-                    w.wait()
-        finally:
-            mgr.host_free(whole)
 
     def has(self, key: str, kind: TensorClass) -> bool:
         entry = self._kinds.get(key)
