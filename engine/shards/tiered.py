@@ -5,7 +5,7 @@ offload/ cannot import engine/, so this file turns `engine.Config` into
 wherever the tier manager puts them ([Note: shard residency] in shards/store.py).
 
 Homes per tensor class:
-    param                      offload.params.device  (none -> device, cpu -> host, ...)
+    param                        offload.params.device  (none -> device, cpu -> host, ...)
     master, exp_avg, exp_avg_sq  offload.optimizer.device
     grad                         offload.optimizer.grad_device ([Note: gradient home])
 Moments kept compressed (offload.optimizer.state_precision bf16 / int8, see
