@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 from tierzero.engine.plan.planner import ChoicePlan, Machine, plan_choice
 from tierzero.engine.plan.shapes import ModelShape
-from tierzero.offload.settings import TENSOR_CLASSES, TIERS, TensorClass
+from tierzero.engine.step.device import MOMENT_KINDS as MOMENTS
+from tierzero.offload.settings import TENSOR_CLASSES, TIERS
 from tierzero.offload.state_codec import STATE_PRECISIONS, bytes_per_param
-
-MOMENTS: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
