@@ -38,6 +38,7 @@ from tierzero.engine.checkpoint.layout import (
     RankFiles,
     load_manifest,
     resolve,
+    saved_layouts,
     verify_files,
 )
 from tierzero.swap.safe_files import make_output_dir
@@ -67,7 +68,7 @@ class _Source:
             verify_files(self.path, self.manifest)
         self.files = RankFiles(self.path, int(self.manifest["world_size"]))
         self.items: list[_Item] = []
-        for g in (GroupLayout.from_json(d) for d in self.manifest["groups"]):
+        for g in saved_layouts(self.path, self.manifest):
             self.items += [_Item(n, s, g, o, c) for n, s, o, c in g.params]
         h = self.files.handle(0)
         for key in self.files.names(0):

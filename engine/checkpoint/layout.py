@@ -131,6 +131,19 @@ class GroupLayout:
         return self.moments or StoredLayout.of("fp32", self.shard_numel)
 
 
+def saved_layouts(path: Path, manifest: dict[str, Any]) -> list[GroupLayout]:
+    """Every group's layout in checkpoint `path`'s manifest; one the codec cannot read (a
+    moment block size or byte count it does not produce) is a CheckpointError naming the
+    manifest and the group."""
+    out = []
+    for d in manifest["groups"]:
+        try:
+            out.append(GroupLayout.from_json(d))
+        except ValueError as exc:
+            raise CheckpointError(f"{path / MANIFEST}: group {d.get('key')!r}: {exc}") from exc
+    return out
+
+
 def manifest_checksum(manifest: dict[str, Any]) -> str:
     """CRC-32 (8 hex digits) of the manifest's canonical JSON without its own checksum key.
 

@@ -31,6 +31,7 @@ from tierzero.engine.checkpoint.layout import (
     load_manifest,
     rank_file,
     resolve,
+    saved_layouts,
     shard_name,
     verify_files,
 )
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 def _check_layout(eng: ZeroEngine, path: Path, manifest: dict[str, Any]) -> list[GroupLayout]:
-    saved = [GroupLayout.from_json(g) for g in manifest["groups"]]
+    saved = saved_layouts(path, manifest)
     mine = group_layouts(eng, with_grad=False)
     if manifest["compute_dtype"] != str(eng.dtype):
         raise CheckpointError(f"{path} was saved with compute dtype {manifest['compute_dtype']}"

@@ -315,6 +315,27 @@ def test_consolidate_does_not_need_the_moments(tmp_path: Path) -> None:
     assert all(torch.equal(sd[k].to(torch.bfloat16).float(), want[k]) for k in want)
 
 
+def test_manifest_with_an_unreadable_moment_layout_names_file_and_group(
+        tmp_path: Path) -> None:
+    """A moments entry the codec cannot decode (here a byte count off by one) is refused
+    before anything is read, naming the manifest and the group, by load and consolidate."""
+    path = _save_trained("int8", "cpu", tmp_path, n=1)
+    manifest = json.loads((path / MANIFEST).read_text())
+    group = next(g for g in manifest["groups"] if g.get("moments"))
+    group["moments"]["nbytes"] += 1
+    manifest[MANIFEST_CRC] = manifest_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    want = rf"{MANIFEST}: group {group['key']!r}: .*the layout says"
+    with pytest.raises(engine.CheckpointError, match=want):
+        engine.consolidate(tmp_path / "ck", tag=path.name)
+    eng, _ = _engine("int8", "cpu", tmp_path / "swap_load")
+    try:
+        with pytest.raises(engine.CheckpointError, match=want):
+            eng.load_checkpoint(tmp_path / "ck", tag=path.name)
+    finally:
+        eng.close()
+
+
 def test_stored_layout_pieces_and_manifest_checks() -> None:
     """int8 keeps its pieces (blocks restart at each); fp32 / bf16 are one piece; a layout
     this codec cannot have produced is refused, naming both values."""
