@@ -2,7 +2,7 @@
 
 What a new user does with a model whose 16 B/param training state (33 GB here) is larger
 than the machine's RAM: write a Hugging Face `config.json`, set `offload: {device: nvme}`
-and gradient clipping 1.0, train a few steps. Per run, in a fresh child process:
+and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh child process:
 
 - peak RSS growth over the process's RSS after its imports (VmHWM, reset per phase with
   /proc/self/clear_refs, and the parent's wait4 ru_maxrss for the whole child), per phase:
@@ -20,6 +20,13 @@ and gradient clipping 1.0, train a few steps. Per run, in a fresh child process:
 - whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
   so a working optimizer lowers it).
 
+`--state-precisions fp32,bf16,int8` runs the tierzero child once per
+`offload.optimizer.state_precision` (Adam moments kept as fp32, bf16 or blockwise int8),
+one after another in the same run, and adds a table of each choice's NVMe bytes and step
+time against fp32's. Every row after the first measures the disk again right before it (a
+virtual disk drifts between minutes) and reports against its own measurement; each step's
+bytes per direction and tensor class (the tier manager's `moved_by_class`) are in the row.
+
 DeepSpeed ZeRO-Infinity on the same config.json (`offload_param` and `offload_optimizer` on
 NVMe, `stage3_prefetch_bucket_size: 0`, clipping 1.0, bf16, AdamW) runs the same child
 in DeepSpeed's own virtualenv when --deepspeed-python is given
@@ -31,6 +38,7 @@ someone else's process. A killed row says so and is not a measurement.
 
     .venv/bin/python benchmarks/scale_bench.py --swap /var/tmp --steps 3
     .venv/bin/python benchmarks/scale_bench.py --quick            # a 30M model, ~1 minute
+    .venv/bin/python benchmarks/scale_bench.py --engines tierzero --state-precisions fp32,bf16,int8
 
 Everything is written inside one directory this script creates under --swap (0700) and
 removed at the end.
@@ -193,7 +201,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
                 "pipeline_bytes": (store.pipeline_bytes()
                                    if isinstance(store, TieredShardStore) else 0),
                 "gathered_peak_bytes": eng.scheduler.gathered_peak_bytes,
-                "moved": tiers.get("moved")}
+                "moved": tiers.get("moved"), "moved_by_class": tiers.get("moved_by_class")}
 
     ph.end("initialize", t, **split())
     ids, labels = _batch(args.vocab, args.batch, args.seq)
@@ -255,7 +263,7 @@ def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
            "bf16": {"enabled": True}, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-           "gradient_clipping": 1.0, "steps_per_print": 1 << 30}
+           "gradient_clipping": args.clip, "steps_per_print": 1 << 30}
     eng, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                         model_parameters=model.parameters())
     ph.end("initialize", t)
@@ -278,22 +286,29 @@ def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- the parent -----------------------------------------------------------------------------
 def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
+    """The model's config.json and one tierzero config per state precision (`config` is
+    the first precision's, `config:<precision>` each one's)."""
     model_dir = os.path.join(run_dir, "model")
     os.mkdir(model_dir, 0o700)
     with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(LLAMA_QUICK if args.quick else LLAMA_2B, f, indent=1)
     config = {"zero": {"stage": 3}, "precision": "bf16",
               "optimizer": {"type": "adamw", "lr": 1.0e-4},
-              "gradient_clipping": 1.0,
+              "gradient_clipping": args.clip,
               "offload": {"device": "nvme", "path": os.path.join(run_dir, "swap-tierzero")}}
     if args.host_bytes:  # default: the engine's own host budget (from available memory)
         config["offload"]["budgets"] = {"host_bytes": args.host_bytes}
     for name in ("swap-tierzero", "swap-deepspeed"):
         os.mkdir(os.path.join(run_dir, name), 0o700)
-    config_path = os.path.join(run_dir, "tierzero.yaml")
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=1)  # JSON is YAML
-    return {"model": model_dir, "config": config_path}
+    paths = {"model": model_dir}
+    for prec in args.state_precisions:
+        config["offload"]["optimizer"] = {"state_precision": prec}
+        config_path = os.path.join(run_dir, f"tierzero-{prec}.yaml")
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=1)  # JSON is YAML
+        paths[f"config:{prec}"] = config_path
+    paths["config"] = paths[f"config:{args.state_precisions[0]}"]
+    return paths
 
 
 def plan_prediction(model_dir: str, config_path: str, seq: int, batch: int) -> dict[str, Any]:
@@ -310,9 +325,10 @@ def plan_prediction(model_dir: str, config_path: str, seq: int, batch: int) -> d
 
 
 def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
-              args: argparse.Namespace) -> dict[str, Any]:
+              args: argparse.Namespace, *, config: str | None = None) -> dict[str, Any]:
     cmd = [python, str(Path(__file__).resolve()), "--child", which, "--model", paths["model"],
-           "--config", paths["config"], "--swap-dir", swap_dir, "--steps", str(args.steps),
+           "--config", config or paths["config"],
+           "--swap-dir", swap_dir, "--steps", str(args.steps),
            "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(args.threads),
            "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
     t0 = time.perf_counter()
@@ -396,6 +412,13 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
         mid = sorted(steady, key=lambda p: p["s"])[len(steady) // 2]
         io_s = mid["nvme_read"] / (bw["read_gbps"] * 1e9) + \
             mid["nvme_written"] / (bw["write_gbps"] * 1e9)
+        before = phases[phases.index(mid) - 1]
+        if mid.get("moved_by_class") and before.get("moved_by_class"):
+            # the tier manager's bytes of this step per direction and tensor class
+            out["moved_by_class_per_step"] = {
+                d: {c: n - before["moved_by_class"].get(d, {}).get(c, 0)
+                    for c, n in by.items()}
+                for d, by in mid["moved_by_class"].items()}
         out.update(step_s=mid["s"], nvme_read_per_step=mid["nvme_read"],
                    nvme_written_per_step=mid["nvme_written"], io_bound_s=io_s,
                    io_bound_share=io_s / mid["s"],
@@ -407,6 +430,36 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
         out["split_at_peak"] = {"tier_host_peak": host, "tier_device_peak": device,
                                 "adam_pipeline": pipe,
                                 "rest": peak["peak_growth"] - host - device - pipe}
+    return out
+
+
+# training state per parameter with the Adam moments kept as each choice keeps them: bf16
+# param and gradient (2 + 2), fp32 master (4), the two moments (fp32 8, bf16 4, int8 two
+# 1-byte codes plus one fp32 scale per 256 elements each: 2 + 8 / 256)
+STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 12.0, "int8": 8.0 + 2.0 + 8.0 / 256}
+
+
+def precision_table(rows: dict[str, Any]) -> list[str]:
+    """Markdown rows: each tierzero state precision's NVMe bytes and step against fp32's."""
+    base = (rows.get("tierzero") or {}).get("summary") or {}
+    out = ["| state_precision | NVMe read / step | written / step | bytes vs fp32 | step | "
+           "vs fp32 | io_bound_s | disk w/r GB/s |", "| --- |" + " ---: |" * 7]
+    for name, row in rows.items():
+        s = row.get("summary") or {}
+        if not name.startswith("tierzero") or "step_s" not in s:
+            continue
+        moved = s["nvme_read_per_step"] + s["nvme_written_per_step"]
+        vs = ""
+        if "step_s" in base and name != "tierzero":
+            b_moved = base["nvme_read_per_step"] + base["nvme_written_per_step"]
+            vs = f"{100 * (moved / b_moved - 1):+.1f} %"
+        vs_step = (f"{100 * (s['step_s'] / base['step_s'] - 1):+.1f} %"
+                   if "step_s" in base and name != "tierzero" else "")
+        out.append(f"| {row.get('state_precision', 'fp32')} | "
+                   f"{s['nvme_read_per_step'] / 1e9:.2f} GB | "
+                   f"{s['nvme_written_per_step'] / 1e9:.2f} GB | {vs} | {s['step_s']:.1f} s | "
+                   f"{vs_step} | {s['io_bound_s']:.1f} s | "
+                   f"{row['disk']['write_gbps']:.2f} / {row['disk']['read_gbps']:.2f} |")
     return out
 
 
@@ -432,7 +485,12 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=0,
                     help="kill a child after this many seconds (0: never); its finished "
                     "phases are kept as `partial`")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="gradient_clipping of both engines (default 1.0; 0: off)")
     ap.add_argument("--engines", default="tierzero,deepspeed")
+    ap.add_argument("--state-precisions", default="fp32",
+                    help="tierzero rows, one per offload.optimizer.state_precision, in this "
+                    "order (fp32,bf16,int8; default fp32)")
     ap.add_argument("--deepspeed-python", help="python of the DeepSpeed virtualenv")
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
@@ -444,6 +502,8 @@ def main() -> None:
         fn = child_tierzero if args.child == "tierzero" else child_deepspeed
         sys.stdout.write(json.dumps(fn(args)) + "\n")
         return
+    if args.clip < 0:
+        ap.error(f"--clip {args.clip}: allowed: a norm > 0, or 0 for no clipping")
     for flag in ("steps", "seq", "batch", "threads"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} {getattr(args, flag)}: allowed: an integer >= 1")
@@ -452,6 +512,9 @@ def main() -> None:
     engines = args.engines.split(",")
     if bad := set(engines) - {"tierzero", "deepspeed"}:
         ap.error(f"--engines: unknown {sorted(bad)}; allowed: tierzero, deepspeed")
+    args.state_precisions = args.state_precisions.split(",")
+    if unknown := [p for p in args.state_precisions if p not in STATE_BYTES_PER_PARAM]:
+        ap.error(f"--state-precisions: unknown {unknown}; allowed: fp32, bf16, int8")
     if args.quick:
         args.bw_bytes = min(args.bw_bytes, 512 << 20)
 
@@ -477,24 +540,39 @@ def main() -> None:
         if "tierzero" in engines:
             result["plan"] = plan_prediction(paths["model"], paths["config"], args.seq,
                                              args.batch)
-        for which in engines:
+        runs = [("tierzero", p) for p in args.state_precisions if "tierzero" in engines]
+        runs += [("deepspeed", "fp32")] if "deepspeed" in engines else []
+        for n, (which, prec) in enumerate(runs):
+            name = which if prec == "fp32" else f"{which}:{prec}"
             if which == "deepspeed" and not args.deepspeed_python:
                 result["rows"]["deepspeed"] = {"skipped": "no --deepspeed-python"}
                 continue
             python = sys.executable if which == "tierzero" else args.deepspeed_python
             swap_dir = os.path.join(run_dir, f"swap-{which}")
-            sys.stderr.write(f"{which}: running\n")
-            row = run_child(python, which, paths, swap_dir, args)
+            os.makedirs(swap_dir, 0o700, exist_ok=True)  # removed after the previous row
+            if n:  # a virtual disk drifts between minutes: each row against its own measure
+                bw = disk_bandwidth(run_dir, args.bw_bytes)
+            sys.stderr.write(f"{name}: running (disk: write {bw['write_gbps']:.2f}, read "
+                             f"{bw['read_gbps']:.2f} GB/s)\n")
+            row = run_child(python, which, paths, swap_dir, args,
+                            config=paths.get(f"config:{prec}"))
+            row["state_precision"], row["disk"] = prec, bw
             params = int(row.get("params", 0))
-            row["summary"] = summarize(row, bw, 16 * params) if params else {}
-            if which == "tierzero" and "host_peak" in result.get("plan", {}):
+            row["summary"] = (summarize(row, bw, int(STATE_BYTES_PER_PARAM[prec] * params))
+                              if params else {})
+            plan = (plan_prediction(paths["model"], paths[f"config:{prec}"], args.seq,
+                                    args.batch) if prec != args.state_precisions[0]
+                    else result.get("plan", {})) if which == "tierzero" else {}
+            if "peak" in plan and row["summary"]:  # predict_run's host peak (bytes)
                 s = row["summary"]
-                if s:
-                    s["plan_host_peak"] = result["plan"]["host_peak"]
-                    s["plan_over_measured"] = result["plan"]["host_peak"] / s["peak_growth"]
-            result["rows"][which] = row
+                s["plan_host_peak"] = plan["peak"]
+                s["plan_over_measured"] = plan["peak"] / s["peak_growth"]
+            result["rows"][name] = row
             shutil.rmtree(swap_dir, ignore_errors=True)  # ours: made by write_inputs
-            sys.stderr.write(f"{which}: {json.dumps(row.get('summary') or row)[:1500]}\n")
+            sys.stderr.write(f"{name}: {json.dumps(row.get('summary') or row)[:1500]}\n")
+        result["state_precision_table"] = precision_table(result["rows"])
+        for line in result["state_precision_table"]:
+            sys.stderr.write(line + "\n")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     result["parent_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
