@@ -11,7 +11,16 @@ The engine runs with the optimizer state in host memory (offload cpu: the in-pla
 the NVMe stream runs the same kernel over the same blocks, bit-identical,
 tests/engine/step/test_engine_state_precision.py), bf16 compute, AdamW betas (0.9, 0.999).
 Final loss: the mean training loss of the last 25 steps (the batches are the same for every
-choice); the gap is relative to fp32.
+choice); the gap is relative to fp32. With `--eval-batches N` the scratch run also holds the
+corpus's last tenth out of training and reports the mean loss over N fixed batches of it
+after the last step (`eval_loss`, gap `eval_gap_vs_fp32`), the usual final-loss measure,
+free of which training batches the last steps happened to see. `--schedule cosine` warms
+the learning rate up over `--warmup` steps and decays it by a half cosine to a tenth at the
+last step (the engine's `scheduler: warmup_cosine`), as from-scratch runs are trained;
+`--dim/--layers/--heads/--seq` size the scratch model. `--noise-floor` adds a fourth scratch
+run, `fp32_jitter`: fp32 again from the initial weights with their last bits perturbed (each
+multiplied by 1 +- 2^-20, below what the bf16 compute copy resolves), which shows how far
+the final loss moves from fp32's for reasons that have nothing to do with the moments.
 
     python benchmarks/state_precision_quality.py --out bench_out/state_quality.json \\
         --plot docs/state_precision_loss.png
@@ -53,14 +62,19 @@ def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> list
     return out
 
 
-def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], lr: float,
-                  hf: bool) -> list[float]:
+def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], lr: float, *,
+                  hf: bool, schedule: dict[str, Any] | None = None,
+                  held_out: list[torch.Tensor] | None = None) -> tuple[list[float], float | None]:
+    """Training losses of each step and, with `held_out`, the mean loss over those batches
+    after the last step (no gradients; the same batches for every choice)."""
     cfg = engine.load_config({
         "zero": {"stage": 3}, "precision": "bf16",
         "optimizer": {"type": "adamw", "lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.01},
+        "scheduler": schedule or {"type": "constant"},
         "offload": {"device": "cpu", "optimizer": {"state_precision": prec}}})
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     losses = []
+    eval_loss = None
     try:
         for row in rows:
             if hf:
@@ -73,25 +87,60 @@ def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], l
             if len(losses) % 50 == 0:
                 print(f"  {prec} step {len(losses)}: {statistics.mean(losses[-50:]):.4f}",
                       flush=True)
+        if held_out:
+            eng.eval()
+            with torch.no_grad():
+                eval_loss = statistics.mean(
+                    float(eng(row[:, :-1], row[:, 1:]).loss) for row in held_out)
+            eng.train()
     finally:
         eng.close()
-    return losses
+    return losses, eval_loss
+
+
+def jitter(model: torch.nn.Module) -> None:
+    """Multiply every weight by 1 +- 2^-20 (fixed random signs): fp32's noise floor."""
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in model.parameters():
+            sign = torch.randint(0, 2, p.shape, generator=gen) * 2 - 1
+            p.mul_(1 + 2.0 ** -20 * sign)
 
 
 def scratch(args: argparse.Namespace) -> dict[str, Any]:
     data = corpus(("docs/*.md", "engine/*.py", "offload/*.py"))
+    held_out = None
+    if args.eval_batches:  # the last tenth is never trained on
+        cut = data.numel() * 9 // 10
+        data, rest = data[:cut], data[cut:]
+        held_out = batches(rest, args.eval_batches, args.batch, args.seq, seed=7)
     rows = batches(data, args.steps, args.batch, args.seq, seed=1 + 100 * args.seed)
-    cfg = TinyLMConfig(dim=128, layers=4, heads=4, max_seq_len=args.seq)
+    cfg = TinyLMConfig(dim=args.dim, layers=args.layers, heads=args.heads,
+                       max_seq_len=args.seq)
+    schedule = None
+    if args.schedule == "cosine":
+        schedule = {"type": "warmup_cosine", "warmup_steps": args.warmup,
+                    "total_steps": args.steps, "min_lr": args.lr / 10}
     torch.manual_seed(args.seed)
     init = TinyLM(cfg).state_dict()
-    out: dict[str, Any] = {"params": sum(v.numel() for v in init.values()), "curves": {}}
-    for prec in PRECISIONS:
+    out: dict[str, Any] = {"params": sum(v.numel() for v in init.values()), "curves": {},
+                           "eval_loss": {}}
+    for name in PRECISIONS + (("fp32_jitter",) if args.noise_floor else ()):
+        prec = name.removesuffix("_jitter")
         model = TinyLM(cfg)
         model.load_state_dict(init)
+        if name != prec:
+            jitter(model)
         t = time.perf_counter()
-        out["curves"][prec] = engine_losses(model, prec, rows, args.lr, hf=False)
-        print(f"scratch {prec}: final {statistics.mean(out['curves'][prec][-25:]):.4f} "
-              f"({time.perf_counter() - t:.0f} s)", flush=True)
+        out["curves"][name], ev = engine_losses(model, prec, rows, args.lr, hf=False,
+                                                schedule=schedule, held_out=held_out)
+        if ev is not None:
+            out["eval_loss"][name] = ev
+        print(f"scratch {name}: final {statistics.mean(out['curves'][name][-25:]):.4f}"
+              + (f", held-out {ev:.4f}" if ev is not None else "")
+              + f" ({time.perf_counter() - t:.0f} s)", flush=True)
+    if not out["eval_loss"]:
+        del out["eval_loss"]
     return out
 
 
@@ -121,7 +170,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         for prec in PRECISIONS:
             tuned = transformers.LlamaForCausalLM.from_pretrained(tmp)
             t = time.perf_counter()
-            out["curves"][prec] = engine_losses(tuned, prec, rows, args.ft_lr, hf=True)
+            out["curves"][prec], _ = engine_losses(tuned, prec, rows, args.ft_lr, hf=True)
             print(f"finetune {prec}: final {statistics.mean(out['curves'][prec][-25:]):.4f} "
                   f"({time.perf_counter() - t:.0f} s)", flush=True)
     return out
@@ -131,6 +180,8 @@ def summarise(run: dict[str, Any]) -> None:
     final = {p: statistics.mean(c[-25:]) for p, c in run["curves"].items()}
     run["final_loss"] = final
     run["gap_vs_fp32"] = {p: (final[p] - final["fp32"]) / final["fp32"] for p in final}
+    if ev := run.get("eval_loss"):
+        run["eval_gap_vs_fp32"] = {p: (ev[p] - ev["fp32"]) / ev["fp32"] for p in ev}
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -146,8 +197,12 @@ def plot(result: dict[str, Any], path: str) -> None:
         for prec, curve in run["curves"].items():
             k = 10  # moving average over 10 steps
             smooth = [statistics.mean(curve[max(0, i - k + 1):i + 1]) for i in range(len(curve))]
-            ax.plot(smooth, label=f"{prec} (final {run['final_loss'][prec]:.3f}, "
-                    f"{100 * run['gap_vs_fp32'][prec]:+.2f}%)")
+            label = (f"{prec} (final {run['final_loss'][prec]:.3f}, "
+                     f"{100 * run['gap_vs_fp32'][prec]:+.2f}%")
+            if "eval_loss" in run:
+                label += (f"; held-out {run['eval_loss'][prec]:.3f}, "
+                          f"{100 * run['eval_gap_vs_fp32'][prec]:+.2f}%")
+            ax.plot(smooth, label=label + ")")
         ax.set_title(f"{name} ({run['params'] / 1e6:.2f}M params)")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (10-step mean)")
@@ -170,6 +225,18 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="scratch: initial weights and batches")
+    ap.add_argument("--dim", type=int, default=128, help="scratch model width")
+    ap.add_argument("--layers", type=int, default=4, help="scratch model blocks")
+    ap.add_argument("--heads", type=int, default=4, help="scratch model attention heads")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                    help="scratch: constant lr, or warm-up then half cosine to lr/10")
+    ap.add_argument("--warmup", type=int, default=30, help="scratch: warm-up steps (cosine)")
+    ap.add_argument("--eval-batches", type=int, default=0,
+                    help="scratch: held-out batches scored after the last step (0: none)")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="scratch: also fp32 from initial weights perturbed by 2^-20")
+    ap.add_argument("--tag", default=None,
+                    help="scratch: result key (default scratch, or scratch_seed<N>)")
     ap.add_argument("--merge", default=None,
                     help="a,b: only merge these result files (runs made separately, e.g. in "
                          "parallel) into --out and plot them")
@@ -186,9 +253,12 @@ def main() -> None:
     result: dict[str, Any] = {"args": vars(args)}
     for name in args.runs.split(","):
         key = f"{name}_seed{args.seed}" if name == "scratch" and args.seed else name
+        if name == "scratch" and args.tag:
+            key = args.tag
         result[key] = {"scratch": scratch, "finetune": finetune}[name](args)
         summarise(result[key])
-        print(key, json.dumps(result[key]["gap_vs_fp32"]), flush=True)
+        print(key, json.dumps(result[key]["gap_vs_fp32"]),
+              json.dumps(result[key].get("eval_gap_vs_fp32")), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if args.plot and {"scratch", "finetune"} <= set(result):
