@@ -67,7 +67,9 @@ The split of the worker's time into hidden and exposed that `tierzero train` log
 comes from OverlapClock below: measured intervals, not the phase a job was queued in.
 
 State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
-it still runs after backward, on the training thread. Overlapping the stream with
+its gradients are measured during backward as here ([Note: gradients measured where they
+are reduced] in step/streamed.py), and the update runs after backward, on the training
+thread. Overlapping the stream with
 compute does pay (the unclipped stream during backward against after it: RESULTS.md,
 issue 16 rows). Deferring it into the next forward could hide at most the forward's
 share of compute (about a third of forward + backward), and needs the stream moved to

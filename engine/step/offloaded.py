@@ -48,8 +48,9 @@ class OffloadedStep:
     from NVMe on the compute thread ([Note: streamed optimizer step]), state in host memory
     in place on one worker thread ([Note: in-place early step]). `finish()` does the rest.
     `lr` and the other hyper-parameters are taken when backward starts. With clipping or
-    fp16, state updated in place is measured during backward and updated during the next
-    forward ([Note: deferred step]).
+    fp16 the gradients are measured during backward; state updated in place is then
+    updated during the next forward ([Note: deferred step]), streamed state in step(),
+    after backward ([Note: gradients measured where they are reduced] in step/streamed.py).
     """
 
     def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
@@ -62,9 +63,10 @@ class OffloadedStep:
         self.enabled = overlap and not needs_every_grad
         # Clipping's norm or fp16's overflow check: measure during backward, update during
         # the next forward ([Note: deferred step]) where the runner can (in place); the
-        # streamed step updates after backward.
-        self.defers = overlap and needs_every_grad and optimizer.can_defer
-        if self.defers:
+        # streamed step updates in step(), after backward.
+        self.measures = overlap and needs_every_grad and optimizer.can_measure
+        self.defers = self.measures and optimizer.can_defer
+        if self.measures:
             # nothing is updated during backward: a late gradient only makes its group's
             # measurement stale (measured again in step(), Scheduler.reissued)
             scheduler.late.strict = False
@@ -91,7 +93,7 @@ class OffloadedStep:
         return self.optimizer.step_order
 
     def begin(self, *, boundary: bool) -> None:
-        if self.defers:
+        if self.measures:
             if boundary:
                 self._to(StepState.MEASURING, "backward() on an accumulation boundary")
                 self.optimizer.begin_measure()
@@ -133,7 +135,7 @@ class OffloadedStep:
     def abandon(self) -> None:
         """Backward failed with a step begun early: groups updated so far keep their update
         (each whole: master, moments and param together); the step of this boundary is
-        skipped, never applied twice. Measurements (deferred mode) are dropped: nothing
+        skipped, never applied twice. Measurements (clipping / fp16) are dropped: nothing
         was updated, and step() measures what the gradients hold then."""
         if self.state is StepState.MEASURING:
             self._to(StepState.IDLE, "abandon()")

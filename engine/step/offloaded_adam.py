@@ -161,6 +161,12 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     # -- clipping / fp16 with overlap_step: [Note: deferred step] ---------------------------
     @property
+    def can_measure(self) -> bool:
+        """Gradients can be measured during backward, as each turns final (the update then
+        runs in step() unless `can_defer`)."""
+        return self._runner.measures
+
+    @property
     def can_defer(self) -> bool:
         """Gradients can be measured during backward and the update run during the next
         forward (state updated in place)."""

@@ -4,8 +4,9 @@
 that OffloadedAdam holds when the state is on NVMe (or placed by the planner): it builds
 the one `AdamStream` of the run from the store's keys and pieces and speaks of group keys
 where the stream speaks of shard positions. The stream updates on the caller's thread,
-in a step order; it neither measures gradients beside backward nor defers the update
-([Note: deferred step] in step/in_place.py says why not yet).
+in a step order. It does not defer the update into the next forward ([Note: deferred
+step] in step/in_place.py says why not yet), but it measures gradients beside backward
+([Note: gradients measured where they are reduced]).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
+from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import TensorClass
 from tierzero.offload.shard_updater import unsupported
@@ -22,7 +24,7 @@ from tierzero.offload.step_seam import GradMeasure
 
 _NAME = "the streamed optimizer step (optimizer state off the host)"
 _FIX = ("ask the capability first (OffloadedAdam.can_defer): with optimizer state off the "
-        "host, gradients are measured and the update runs in step(), after backward")
+        "host, the update runs in step(), after backward")
 
 
 def _zip_pieces(store: TieredShardStore, key: str
@@ -32,11 +34,24 @@ def _zip_pieces(store: TieredShardStore, key: str
     return [(m[1], m[2], (m, a, v)) for m, a, v in zip(*per, strict=True)]
 
 
+# [Note: gradients measured where they are reduced]
+# Clipping's global norm and fp16's overflow check need every gradient before the first
+# update, so with state on NVMe the update runs after backward. Each group's GradStat is
+# taken when its gradient shard turns final during backward (`measure`, called from the
+# scheduler right after the reduction), on the training thread: the shard is then in
+# host memory (its home, or the cache the reduction just filled in the staging pool), so
+# measuring it reads nothing from the disk. Measured in step() instead, a gradient homed
+# on NVMe that was written down under pool pressure meanwhile is read back for the norm
+# and again by the update (benchmarks/RESULTS.md, the 2.07B clipped rows: about 7.5
+# B/param of gradient reads per step instead of 4). The measurement is the same function
+# on the same final bytes, summed in the same order by ZeroEngine._clip, so the norm and
+# every update are bit for bit those of the measurement in step(); a group reduced again
+# after its measurement (a late gradient) is measured again in `grad_stats`.
 class StreamedStep:
     """One AdamStream over every trainable group; see [Note: streamed optimizer step]."""
 
     # capabilities ([Note: shard updaters])
-    measures = False
+    measures = True
     defers = False
     has_order = True
 
@@ -47,6 +62,8 @@ class StreamedStep:
         manager = store.manager
         if manager is None:
             raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
+        self._store = store
+        self._measured: dict[str, GradStat] = {}
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
         names: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq")
@@ -104,7 +121,7 @@ class StreamedStep:
     def flush(self) -> None:
         self.stream.flush()
 
-    # -- no deferral, no measurement ([Note: shard updaters]) -------------------------------
+    # -- no deferral ([Note: shard updaters]) ------------------------------------------------
     def defer(self, hyper: AdamHyper, step: float, grad_scale: float,
               order: Sequence[str]) -> None:
         raise unsupported(_NAME, "defer()", "defers", _FIX)
@@ -121,17 +138,30 @@ class StreamedStep:
         """Nothing deferred: None at once."""
         return None
 
+    # -- clipping / fp16: [Note: gradients measured where they are reduced] ----------------
     def begin_measure(self) -> None:
-        raise unsupported(_NAME, "begin_measure()", "measures", _FIX)
+        """Backward begins on a boundary whose step needs every gradient first."""
+        self.forget_measured()
 
     def measure(self, keys: Sequence[str]) -> None:
-        raise unsupported(_NAME, "measure()", "measures", _FIX)
+        """These groups' gradient shards are final: measured now, on this thread."""
+        for key in keys:
+            if key not in self._measured:
+                self._measured[key] = grad_stat(self._store, key)
 
     def forget_measured(self) -> None:
-        """Nothing measured: nothing to drop."""
+        """Drop every measurement (the gradients changed since)."""
+        self._measured.clear()
 
     def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure]:
-        raise unsupported(_NAME, "grad_stats()", "measures", _FIX)
+        """Every group's GradStat, in group order: the one taken during backward, else
+        (never final during backward, or in `redo`: reduced again since) measured here.
+        Consumes the measurements."""
+        try:
+            return {key: (self._measured[key] if key in self._measured and key not in redo
+                          else grad_stat(self._store, key)) for key in self._keys}
+        finally:
+            self.forget_measured()
 
     def worker_times(self) -> tuple[float, float]:
         """(0, 0): no worker thread; the kernel runs on the training thread."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,29 +82,28 @@ def _runner(eng: ZeroEngine) -> ShardUpdater:
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
 
 
-def test_the_stream_refuses_measurement_and_deferral_by_name(streamed: ZeroEngine) -> None:
+def test_the_stream_measures_and_refuses_deferral_by_name(streamed: ZeroEngine) -> None:
     runner = _runner(streamed)
     assert isinstance(runner, StreamedStep)
-    assert (runner.measures, runner.defers, runner.has_order) == (False, False, True)
+    assert (runner.measures, runner.defers, runner.has_order) == (True, False, True)
+    opt = streamed.optimizer
+    assert isinstance(opt, OffloadedAdam) and opt.can_measure and not opt.can_defer
     keys = streamed._train_keys
-    calls: dict[str, tuple[str, Callable[[], object]]] = {
-        "begin_measure()": ("measures", runner.begin_measure),
-        "measure()": ("measures", lambda: runner.measure(keys)),
-        "grad_stats()": ("measures", lambda: runner.grad_stats(set())),
-        "defer()": ("defers", lambda: runner.defer(HYPER, 1.0, 1.0, keys)),
-    }
-    for call, (capability, fn) in calls.items():
-        with pytest.raises(TrainingStateError) as err:
-            fn()
-        msg = str(err.value)
-        for part in ("streamed optimizer step", call, f"`{capability}`", "can_defer"):
-            assert part in msg, (part, msg)
-    # what holds without the capability is a no-op: nothing measured, deferred, or on a worker
-    runner.forget_measured()
+    with pytest.raises(TrainingStateError) as err:
+        runner.defer(HYPER, 1.0, 1.0, keys)
+    msg = str(err.value)
+    for part in ("streamed optimizer step", "defer()", "`defers`", "can_defer"):
+        assert part in msg, (part, msg)
+    # what holds without the capability is a no-op: nothing deferred, or on a worker
     runner.settle()
     assert not runner.deferred
     assert runner.wait_groups(keys) is None and runner.drain() is None
     assert runner.worker_times() == (0.0, 0.0)
+    # measuring: what is measured is consumed by grad_stats, one entry per group in order
+    runner.begin_measure()
+    runner.measure(keys[:1])
+    assert list(runner.grad_stats(set())) == keys
+    runner.forget_measured()
 
 
 def test_a_refused_deferral_leaves_the_step_count_and_training_alone(
@@ -137,5 +136,5 @@ def test_the_stream_takes_an_order_and_the_in_place_step_has_none(
     assert not runner.set_order(list(reversed(keys))) and runner.order == keys
     runner.flush()  # no write in flight: updates write their shards before they return
     opt = in_place.optimizer
-    assert isinstance(opt, OffloadedAdam) and opt.can_defer
+    assert isinstance(opt, OffloadedAdam) and opt.can_defer and opt.can_measure
     assert opt.step_order == keys and not opt.apply_step_order()

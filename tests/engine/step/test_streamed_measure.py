@@ -1,0 +1,160 @@
+"""Clipping and fp16 with optimizer state on NVMe: gradients measured as they are reduced
+([Note: gradients measured where they are reduced] in engine/step/streamed.py).
+
+With offload.optimizer.overlap_step on, the streamed step takes each group's norm and
+finiteness right after its reduction during backward and updates after backward. The
+results must be those of measuring in step() (overlap off): bit for bit, and plain
+PyTorch's (clip_grad_norm_, AdamW) within the parity tolerances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import (
+    assert_match,
+    engine_train,
+    full_params,
+    make_batches,
+    make_config,
+    make_model,
+    offload_config,
+    reference_train,
+)
+
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.config.schema import LossScaleConfig, PrecisionConfig
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.step import streamed as streamed_mod
+from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.streamed import StreamedStep
+
+
+def nvme_config(path: Path, *, overlap: bool, clip: float = 1.0, gas: int = 1,
+                fp16: bool = False) -> Config:
+    """Params and optimizer state on NVMe (the streamed CPU Adam), swap files in `path`."""
+    path.mkdir(exist_ok=True)
+    cfg = offload_config(make_config(gas=gas, clip=clip), "nvme", path)
+    opt = dataclasses.replace(cfg.offload.optimizer, overlap_step=overlap)
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer=opt))
+    if fp16:  # dynamic scaling from 2**8, growth every 2 good steps
+        ls = LossScaleConfig(initial_scale_power=8, growth_interval=2, hysteresis=1)
+        cfg = dataclasses.replace(cfg, precision=PrecisionConfig(dtype="fp16", loss_scale=ls))
+    return cfg
+
+
+def runner(eng: ZeroEngine) -> StreamedStep:
+    opt = eng.optimizer
+    assert isinstance(opt, OffloadedAdam)
+    step = opt._runner
+    assert isinstance(step, StreamedStep)
+    return step
+
+
+@pytest.mark.parametrize(("clip", "gas"), [(1.0, 1), (0.5, 2), (1e-3, 1)])
+def test_clipped_streamed_step_measured_in_backward_is_bit_identical_and_matches_pytorch(
+        tmp_path: Path, clip: float, gas: int) -> None:
+    steps = 3
+    batches = make_batches(steps * gas)
+    on = engine_train(nvme_config(tmp_path / "on", overlap=True, clip=clip, gas=gas),
+                      batches, steps)
+    off = engine_train(nvme_config(tmp_path / "off", overlap=False, clip=clip, gas=gas),
+                       batches, steps)
+    assert on.losses == off.losses
+    for k, v in off.params.items():
+        assert torch.equal(on.params[k], v), k
+    ref = reference_train(make_model(), make_config(gas=gas, clip=clip), [batches], steps)
+    assert_match(on.losses, on.params, ref.losses, ref.params)
+
+
+def test_every_group_is_measured_during_backward_and_none_again_in_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit is below the norm, so the factor applies; each group's norm is taken once,
+    by measure() while backward runs, and step() only adds them up."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                     config=nvme_config(tmp_path, overlap=True, clip=1e-3))
+    try:
+        calls: list[tuple[str, bool]] = []  # (group key, during backward)
+        in_backward = [False]
+        real_stat = streamed_mod.grad_stat
+
+        def stat(store: object, key: str) -> object:
+            calls.append((key, in_backward[0]))
+            return real_stat(store, key)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(streamed_mod, "grad_stat", stat)
+        ids, tg = make_batches(1)[0]
+        loss = eng(ids, tg)
+        in_backward[0] = True
+        eng.backward(loss)
+        in_backward[0] = False
+        eng.step()
+        assert eng.last_grad_norm is not None and eng.last_grad_norm > 1e-3
+        assert sorted(k for k, _ in calls) == sorted(eng._train_keys)
+        assert all(during for _, during in calls), calls
+    finally:
+        eng.close()
+
+
+def test_a_group_reduced_again_is_measured_again(tmp_path: Path) -> None:
+    """grad_stats(redo): a measured group in `redo` (a late gradient reduced it again) is
+    measured anew; the others keep their measurement; the measurements are consumed."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+                                     config=nvme_config(tmp_path, overlap=True))
+    try:
+        step = runner(eng)
+        assert (step.measures, step.defers) == (True, False)
+        keys = eng._train_keys
+        for key in keys:
+            with eng.store.use(key, "grad", writable=True) as g:
+                g.fill_(1.0)
+        step.begin_measure()
+        step.measure(keys)
+        first, second = keys[0], keys[1]
+        for key in (first, second):  # the gradients change after their measurement
+            with eng.store.use(key, "grad", writable=True) as g:
+                g.fill_(2.0)
+        stats = step.grad_stats({first})
+        assert list(stats) == keys
+        sizes = {}
+        for key in (first, second):
+            with eng.store.use(key, "grad") as g:
+                sizes[key] = g.numel()
+        n_first, n_second = sizes[first], sizes[second]
+        assert stats[first].sq_norm == pytest.approx(4.0 * n_first)  # measured again
+        assert stats[second].sq_norm == pytest.approx(1.0 * n_second)  # as measured
+        again = step.grad_stats(set())  # nothing measured any more: all measured now
+        assert again[second].sq_norm == pytest.approx(4.0 * n_second)
+    finally:
+        eng.close()
+
+
+def test_fp16_streamed_overlapped_is_bit_identical_with_the_same_skips(
+        tmp_path: Path) -> None:
+    """fp16 loss scaling with state on NVMe, overlap on and off: the same overflow skip
+    (a step whose loss is blown up), the same scales, the same bits."""
+    runs = {}
+    for overlap in (True, False):
+        eng, _, _, _ = engine.initialize(
+            device="cpu", model=make_model(),
+            config=nvme_config(tmp_path / str(overlap), overlap=overlap, fp16=True))
+        try:
+            losses, scales = [], []
+            for i, (ids, tg) in enumerate(make_batches(5)):
+                loss = eng(ids, tg)
+                eng.backward(loss * (1e9 if i == 2 else 1.0))  # step 3 overflows fp16
+                eng.step()
+                losses.append(float(loss.detach()))
+                scales.append(eng.loss_scaler.scale if eng.loss_scaler else None)
+            runs[overlap] = (losses, scales, eng.skipped_steps, full_params(eng, eng.module))
+        finally:
+            eng.close()
+    (l_on, s_on, k_on, p_on), (l_off, s_off, k_off, p_off) = runs[True], runs[False]
+    assert k_on == k_off == 1 and s_on == s_off and l_on == l_off
+    assert s_on[2] == s_on[1] / 2  # the overflow halved the scale
+    for k, v in p_off.items():
+        assert torch.equal(p_on[k], v), k
