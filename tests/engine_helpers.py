@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,3 +277,49 @@ def offload_config(cfg: Config, device: str, path: Path | None) -> Config:
         params=ParamOffloadConfig(device=device, path=where),  # type: ignore[arg-type]
         optimizer=OptimizerOffloadConfig(device=device, path=where),  # type: ignore[arg-type]
         budgets=BudgetsConfig(device_bytes=DEVICE_BUDGET)))
+
+
+def assert_overlap_matches_off_and_pytorch(cfg_of: Callable[[bool], Config], *, steps: int,
+                                           gas: int, clip: float) -> None:
+    """`cfg_of(overlap_step)` trained with overlap on and off: the same losses and bits;
+    the overlapped run matches plain PyTorch (clip_grad_norm_, AdamW) within the parity
+    tolerances."""
+    batches = make_batches(steps * gas)
+    on = engine_train(cfg_of(True), batches, steps)
+    off = engine_train(cfg_of(False), batches, steps)
+    assert on.losses == off.losses
+    for k, v in off.params.items():
+        assert torch.equal(on.params[k], v), k
+    ref = reference_train(make_model(), make_config(gas=gas, clip=clip), [batches], steps)
+    assert_match(on.losses, on.params, ref.losses, ref.params)
+
+
+FP16_OVERFLOW_STEP = 2  # index of the step whose loss fp16_overlap_runs blows up
+
+
+def fp16_overlap_runs(cfg_of: Callable[[bool], Config], n: int
+                      ) -> tuple[list[float | None], int, dict[str, torch.Tensor]]:
+    """`n` fp16 steps of `cfg_of(overlap_step)` with overlap on and off, the loss of step
+    FP16_OVERFLOW_STEP multiplied by 1e9 so that it overflows. Asserts the two runs alike
+    (losses, loss scales, the one skip, every bit); returns the overlapped run's scales
+    after each step, skipped steps and parameters."""
+    runs = {}
+    for overlap in (True, False):
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg_of(overlap))
+        try:
+            losses, scales = [], []
+            for i, (ids, tg) in enumerate(make_batches(n)):
+                loss = eng(ids, tg)
+                eng.backward(loss * (1e9 if i == FP16_OVERFLOW_STEP else 1.0))
+                eng.step()
+                losses.append(float(loss.detach()))
+                scales.append(eng.loss_scaler.scale if eng.loss_scaler else None)
+            runs[overlap] = (losses, scales, eng.skipped_steps, full_params(eng, eng.module))
+        finally:
+            eng.close()
+    (l_on, s_on, k_on, p_on), (l_off, s_off, k_off, p_off) = runs[True], runs[False]
+    assert k_on == k_off == 1 and s_on == s_off and l_on == l_off
+    assert s_on[2] == s_on[1] / 2  # type: ignore[operator]  # the overflow halved the scale
+    for k, v in p_off.items():
+        assert torch.equal(p_on[k], v), k
+    return s_on, k_on, p_on

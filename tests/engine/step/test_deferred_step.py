@@ -24,9 +24,12 @@ import yaml
 from cli_helpers import read_metrics, write_config
 from engine_dist import run_two_ranks
 from engine_helpers import (
+    FP16_OVERFLOW_STEP,
     RefResult,
     assert_match,
+    assert_overlap_matches_off_and_pytorch,
     engine_train,
+    fp16_overlap_runs,
     full_params,
     in_place_of,
     make_batches,
@@ -106,17 +109,9 @@ def _reference_after(steps: int) -> dict[str, torch.Tensor]:
                          [(1.0, 1, "cpu"), (0.5, 2, "cpu"), (1.0, 1, "none")])
 def test_clipped_step_overlapped_is_bit_identical_and_matches_pytorch(
         clip: float, gas: int, params: str) -> None:
-    steps = 4
-    batches = make_batches(steps * gas)
-    on = engine_train(cpu_config(overlap=True, clip=clip, gas=gas, params=params),
-                      batches, steps)
-    off = engine_train(cpu_config(overlap=False, clip=clip, gas=gas, params=params),
-                       batches, steps)
-    assert on.losses == off.losses
-    for k, v in off.params.items():
-        assert torch.equal(on.params[k], v), k
-    ref = reference_train(make_model(), make_config(gas=gas, clip=clip), [batches], steps)
-    assert_match(on.losses, on.params, ref.losses, ref.params)
+    assert_overlap_matches_off_and_pytorch(
+        lambda overlap: cpu_config(overlap=overlap, clip=clip, gas=gas, params=params),
+        steps=4, gas=gas, clip=clip)
 
 
 def test_clipping_is_active_and_measured_during_backward(
@@ -353,29 +348,10 @@ def test_fp16_overlapped_is_bit_identical_with_skips_and_tracks_fp32() -> None:
     whose loss is blown up), the same loss scale, the same bits; the skips and the
     scale after every step are those of torch.amp.GradScaler on plain fp32 PyTorch with
     the same clipping, and the parameters within fp16 noise of it."""
-    runs = {}
-    for overlap in (True, False):
-        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cpu_config(
-            overlap=overlap, clip=1.0, precision="fp16"))
-        try:
-            losses, scales = [], []
-            for i, (ids, tg) in enumerate(make_batches(6)):
-                loss = eng(ids, tg)
-                eng.backward(loss * (1e9 if i == 2 else 1.0))  # step 3 overflows fp16
-                eng.step()
-                losses.append(float(loss.detach()))
-                scales.append(eng.loss_scaler.scale if eng.loss_scaler else None)
-            runs[overlap] = (losses, scales, eng.skipped_steps,
-                             full_params(eng, eng.module))
-        finally:
-            eng.close()
-    (l_on, s_on, k_on, p_on), (l_off, s_off, k_off, p_off) = runs[True], runs[False]
-    assert k_on == k_off == 1 and s_on == s_off and l_on == l_off
-    assert s_on[2] == s_on[1] / 2  # the overflow halved the scale
-    for k, v in p_off.items():
-        assert torch.equal(p_on[k], v), k
+    s_on, k_on, p_on = fp16_overlap_runs(
+        lambda overlap: cpu_config(overlap=overlap, clip=1.0, precision="fp16"), 6)
     # The five good steps against plain fp32 PyTorch, and against GradScaler's run
-    batches = [b for i, b in enumerate(make_batches(6)) if i != 2]
+    batches = [b for i, b in enumerate(make_batches(6)) if i != FP16_OVERFLOW_STEP]
     ref = reference_train(make_model(), make_config(clip=1.0), [batches], 5)
     assert_within_fp16_noise(p_on, ref.params)
     scaled, scaler_scales, scaler_skips = grad_scaler_train(make_batches(6), 2, 1.0)

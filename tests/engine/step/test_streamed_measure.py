@@ -13,16 +13,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 from engine_helpers import (
-    assert_match,
-    engine_train,
-    full_params,
+    assert_overlap_matches_off_and_pytorch,
+    fp16_overlap_runs,
     make_batches,
     make_config,
     make_model,
     offload_config,
-    reference_train,
 )
 
 from tierzero import engine
@@ -58,17 +55,9 @@ def runner(eng: ZeroEngine) -> StreamedStep:
 @pytest.mark.parametrize(("clip", "gas"), [(1.0, 1), (0.5, 2), (1e-3, 1)])
 def test_clipped_streamed_step_measured_in_backward_is_bit_identical_and_matches_pytorch(
         tmp_path: Path, clip: float, gas: int) -> None:
-    steps = 3
-    batches = make_batches(steps * gas)
-    on = engine_train(nvme_config(tmp_path / "on", overlap=True, clip=clip, gas=gas),
-                      batches, steps)
-    off = engine_train(nvme_config(tmp_path / "off", overlap=False, clip=clip, gas=gas),
-                       batches, steps)
-    assert on.losses == off.losses
-    for k, v in off.params.items():
-        assert torch.equal(on.params[k], v), k
-    ref = reference_train(make_model(), make_config(gas=gas, clip=clip), [batches], steps)
-    assert_match(on.losses, on.params, ref.losses, ref.params)
+    assert_overlap_matches_off_and_pytorch(
+        lambda overlap: nvme_config(tmp_path / str(overlap), overlap=overlap, clip=clip,
+                                    gas=gas), steps=3, gas=gas, clip=clip)
 
 
 def test_every_group_is_measured_during_backward_and_none_again_in_step(
@@ -137,24 +126,5 @@ def test_fp16_streamed_overlapped_is_bit_identical_with_the_same_skips(
         tmp_path: Path) -> None:
     """fp16 loss scaling with state on NVMe, overlap on and off: the same overflow skip
     (a step whose loss is blown up), the same scales, the same bits."""
-    runs = {}
-    for overlap in (True, False):
-        eng, _, _, _ = engine.initialize(
-            device="cpu", model=make_model(),
-            config=nvme_config(tmp_path / str(overlap), overlap=overlap, fp16=True))
-        try:
-            losses, scales = [], []
-            for i, (ids, tg) in enumerate(make_batches(5)):
-                loss = eng(ids, tg)
-                eng.backward(loss * (1e9 if i == 2 else 1.0))  # step 3 overflows fp16
-                eng.step()
-                losses.append(float(loss.detach()))
-                scales.append(eng.loss_scaler.scale if eng.loss_scaler else None)
-            runs[overlap] = (losses, scales, eng.skipped_steps, full_params(eng, eng.module))
-        finally:
-            eng.close()
-    (l_on, s_on, k_on, p_on), (l_off, s_off, k_off, p_off) = runs[True], runs[False]
-    assert k_on == k_off == 1 and s_on == s_off and l_on == l_off
-    assert s_on[2] == s_on[1] / 2  # the overflow halved the scale
-    for k, v in p_off.items():
-        assert torch.equal(p_on[k], v), k
+    fp16_overlap_runs(
+        lambda overlap: nvme_config(tmp_path / str(overlap), overlap=overlap, fp16=True), 5)
