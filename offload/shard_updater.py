@@ -22,7 +22,9 @@ from .step_seam import GradMeasure, TrainingStateError
 #                forward ([Note: deferred step]); no step order of its own.
 #     streamed   state off the host (engine/step/streamed.py StreamedStep over
 #                AdamStream): read ahead into a host ring, updated on the caller's
-#                thread, written behind ([Note: streamed optimizer step]), in a step order.
+#                thread, written behind ([Note: streamed optimizer step]), in a step order;
+#                measures gradients beside backward ([Note: gradients measured where they
+#                are reduced]) and updates in step(), after backward: no deferral.
 #
 # What a runner cannot do it says through a capability (`measures`, `defers`,
 # `has_order`) that the caller asks before relying on it; the operation itself then
