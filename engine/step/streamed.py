@@ -40,13 +40,13 @@ def _zip_pieces(store: TieredShardStore, key: str
 # taken when its gradient shard turns final during backward (`measure`, called from the
 # scheduler right after the reduction), on the training thread: the shard is then in
 # host memory (its home, or the cache the reduction just filled in the staging pool), so
-# measuring it reads nothing from the disk. Measured in step() instead, a gradient homed
+# measuring it does not wait for the disk. Measured in step() instead, a gradient homed
 # on NVMe that was written down under pool pressure meanwhile is read back for the norm
 # and again by the update (benchmarks/RESULTS.md, run 3 of the 2.07B all-NVMe rows).
-# The measurement is the same function
-# on the same final bytes, summed in the same order by ZeroEngine._clip, so the norm and
-# every update are bit for bit those of the measurement in step(); a group reduced again
-# after its measurement (a late gradient) is measured again in `grad_stats`.
+# The measurement is the same function on the same final bytes, summed in the same
+# order by ZeroEngine._clip, so the norm and every update are bit for bit those of the
+# measurement in step(); a group reduced again after its measurement (a late gradient)
+# is measured again in `grad_stats`.
 class StreamedStep:
     """One AdamStream over every trainable group; see [Note: streamed optimizer step]."""
 
