@@ -433,10 +433,12 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
     return out
 
 
-# training state per parameter with the Adam moments kept as each choice keeps them: bf16
-# param and gradient (2 + 2), fp32 master (4), the two moments (fp32 8, bf16 4, int8 two
-# 1-byte codes plus one fp32 scale per 256 elements each: 2 + 8 / 256)
-STATE_BYTES_PER_PARAM = {"fp32": 16.0, "bf16": 12.0, "int8": 8.0 + 2.0 + 8.0 / 256}
+def state_bytes_per_param(precision: str) -> float:
+    """Training state per parameter with the Adam moments kept in `precision`: bf16 param
+    and gradient (2 + 2), fp32 master (4) and the two moments as the store keeps them."""
+    from tierzero.offload.state_codec import bytes_per_param  # not in DeepSpeed's venv
+
+    return 8.0 + bytes_per_param(precision)
 
 
 def precision_table(rows: dict[str, Any]) -> list[str]:
@@ -448,13 +450,12 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
         s = row.get("summary") or {}
         if not name.startswith("tierzero") or "step_s" not in s:
             continue
-        moved = s["nvme_read_per_step"] + s["nvme_written_per_step"]
-        vs = ""
+        vs = vs_step = ""
         if "step_s" in base and name != "tierzero":
+            moved = s["nvme_read_per_step"] + s["nvme_written_per_step"]
             b_moved = base["nvme_read_per_step"] + base["nvme_written_per_step"]
             vs = f"{100 * (moved / b_moved - 1):+.1f} %"
-        vs_step = (f"{100 * (s['step_s'] / base['step_s'] - 1):+.1f} %"
-                   if "step_s" in base and name != "tierzero" else "")
+            vs_step = f"{100 * (s['step_s'] / base['step_s'] - 1):+.1f} %"
         out.append(f"| {row.get('state_precision', 'fp32')} | "
                    f"{s['nvme_read_per_step'] / 1e9:.2f} GB | "
                    f"{s['nvme_written_per_step'] / 1e9:.2f} GB | {vs} | {s['step_s']:.1f} s | "
@@ -513,8 +514,10 @@ def main() -> None:
     if bad := set(engines) - {"tierzero", "deepspeed"}:
         ap.error(f"--engines: unknown {sorted(bad)}; allowed: tierzero, deepspeed")
     args.state_precisions = args.state_precisions.split(",")
-    if unknown := [p for p in args.state_precisions if p not in STATE_BYTES_PER_PARAM]:
-        ap.error(f"--state-precisions: unknown {unknown}; allowed: fp32, bf16, int8")
+    from tierzero.offload.state_codec import STATE_PRECISIONS
+
+    if unknown := [p for p in args.state_precisions if p not in STATE_PRECISIONS]:
+        ap.error(f"--state-precisions: unknown {unknown}; allowed: {', '.join(STATE_PRECISIONS)}")
     if args.quick:
         args.bw_bytes = min(args.bw_bytes, 512 << 20)
 
@@ -558,7 +561,7 @@ def main() -> None:
                             config=paths.get(f"config:{prec}"))
             row["state_precision"], row["disk"] = prec, bw
             params = int(row.get("params", 0))
-            row["summary"] = (summarize(row, bw, int(STATE_BYTES_PER_PARAM[prec] * params))
+            row["summary"] = (summarize(row, bw, int(state_bytes_per_param(prec) * params))
                               if params else {})
             plan = (plan_prediction(paths["model"], paths[f"config:{prec}"], args.seq,
                                     args.batch) if prec != args.state_precisions[0]

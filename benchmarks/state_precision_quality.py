@@ -241,6 +241,14 @@ def main() -> None:
                     help="a,b: only merge these result files (runs made separately, e.g. in "
                          "parallel) into --out and plot them")
     args = ap.parse_args()
+    for flag in ("steps", "batch", "seq", "dim", "layers", "heads", "threads"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} {getattr(args, flag)}: allowed: an integer >= 1")
+    for flag in ("warmup", "eval_batches", "pretrain_steps"):
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: an integer >= 0")
+    if args.schedule == "cosine" and args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup}: allowed: fewer than --steps ({args.steps})")
     if args.merge:
         merged: dict[str, Any] = {}
         for f in args.merge.split(","):
