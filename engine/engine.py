@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ from tierzero.engine.config import Config
 from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_defaults import gather_bounds
 from tierzero.engine.host_heap import release_free_heap
+from tierzero.engine.layer_major import LayerMajorFallback, LayerMajorPass, train_schedule
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shards.flat import (
     FlatGroup,
@@ -46,7 +48,7 @@ from tierzero.engine.step.offloaded_adam import OffloadedAdam, threads_per_rank
 from tierzero.engine.step.precision import LossScaler, compute_dtype, grad_stat
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
 from tierzero.engine.wall_clock import WallClock
-from tierzero.offload.step_seam import GradMeasure, StepDriver, StepOrder
+from tierzero.offload.step_seam import GradMeasure, StepDriver, StepOrder, TrainingStateError
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,11 @@ class ZeroEngine:
             log.info("activations.cpu_offload: the device is %s, whose memory is "
                      "host memory already; saved activations stay where they are (no-op)",
                      self.device)
+        # [Note: layer-major schedule] in layer_major.py: how train_batch runs a step
+        self.schedule = train_schedule(self.config, self.grad_accum)
+        # a Hugging Face model builds a KV cache unless told not to ([Note: layer-major
+        # schedule]: the cache would keep every unit's graph alive)
+        self._takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
         self._closed = False
 
     def _build_step(self, factory: OptimizerFactory, tiered: TieredShardStore | None
@@ -256,6 +263,13 @@ class ZeroEngine:
             return self._forward(args, kwargs)
 
     def _forward(self, args: Any, kwargs: Any) -> Any:
+        lm = self.scheduler.layer_major
+        if lm is not None and lm.in_pass():  # a micro-batch of train_batch's pass
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+            if self._takes_use_cache and "use_cache" not in kwargs:
+                kwargs["use_cache"] = False  # a KV cache would keep each unit's graph
+            with AccessGuard():
+                return self.module(*args, **kwargs)
         # a deferred update goes on: each unit waits for its own ([Note: deferred step])
         self._settle_optimizer(deferred=False)
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
@@ -310,6 +324,99 @@ class ZeroEngine:
             except BaseException:
                 self.step_driver.abandon()
                 raise
+
+    def train_batch(self, micro_batches: Sequence[Any],
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                    check_losses: Callable[[list[torch.Tensor]], None] | None = None,
+                    ) -> list[torch.Tensor]:
+        """One optimizer step over `micro_batches` (gradient_accumulation_steps of them):
+        `loss_fn(mb)` calls `eng(...)` on a micro-batch and returns its scalar loss
+        (default: `eng(**mb).loss` for a mapping, `eng(mb)` otherwise). Each loss is
+        scaled as `backward()` scales it. With `batch.schedule: layer_major` every unit is
+        gathered once for forward and once for backward ([Note: layer-major schedule]);
+        else it is `eng(mb); eng.backward(loss); eng.step()` per micro-batch.
+        `check_losses(losses)` may raise before any of their gradients reach a shard.
+        Returns the detached losses."""
+        self._check_open()
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"train_batch: {len(micro_batches)} micro-batches given; the "
+                             "step takes batch.gradient_accumulation_steps = "
+                             f"{self.grad_accum}")
+        if self.micro_steps % self.grad_accum:
+            raise TrainingStateError(
+                f"train_batch: {self.micro_steps % self.grad_accum} micro-step(s) of this "
+                "accumulation were run with backward(); finish it with step() first")
+        fn = loss_fn or self._default_loss
+        if self.schedule == "layer_major":
+            rng = torch.get_rng_state()
+            try:
+                return self._layer_major(micro_batches, fn, check_losses)
+            except LayerMajorFallback as exc:
+                torch.set_rng_state(rng)
+                self.schedule = "micro_step"
+                log.warning("batch.schedule layer_major: %s; running micro_step from now on",
+                            exc.reason)
+        losses = []
+        for mb in micro_batches:
+            loss = fn(mb)
+            if check_losses is not None:
+                check_losses([loss.detach()])
+            self.backward(loss)
+            self.step()
+            losses.append(loss.detach())
+        return losses
+
+    def _default_loss(self, mb: Any) -> torch.Tensor:
+        out = self(**mb) if isinstance(mb, Mapping) else self(mb)
+        loss = out.loss if hasattr(out, "loss") else out
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("train_batch: the model's output has no loss; pass loss_fn")
+        return loss
+
+    def _layer_major(self, micro_batches: Sequence[Any], fn: Callable[[Any], torch.Tensor],
+                     check_losses: Callable[[list[torch.Tensor]], None] | None
+                     ) -> list[torch.Tensor]:
+        """The layer-major pass and the step ([Note: layer-major schedule])."""
+        scale = 1.0 / self.grad_accum
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        self._settle_optimizer(deferred=False)
+        sched = self.scheduler
+        lm = LayerMajorPass(sched, len(micro_batches), self.device)
+        with self._wall.phase("forward"):
+            sched.begin_forward(self.root)
+            sched.layer_major = lm
+            try:
+                losses = lm.forward(micro_batches, fn, scale)
+                if check_losses is not None:
+                    check_losses(losses)
+            except BaseException:
+                sched.layer_major = None
+                sched.drop_sums()
+                sched.abort()
+                raise
+            sched.end_forward(self.root, True)
+        with self._wall.phase("backward"):
+            self._settle_optimizer()
+            self.micro_steps += len(micro_batches) - 1  # this backward is the boundary
+            self.step_driver.begin(boundary=True)
+            sched.begin_backward()
+            ok = False
+            try:
+                lm.backward()
+                ok = True
+            finally:
+                sched.layer_major = None
+                if not ok:
+                    sched.drop_sums()
+                    self.step_driver.abandon()
+                try:
+                    sched.end_backward()
+                except BaseException:
+                    self.step_driver.abandon()
+                    raise
+        self.step()
+        return losses
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0

@@ -53,7 +53,7 @@ class HookSet:
         for unit in scheduler.units:
             if not unit.is_root:  # the engine gathers the root around the whole forward
                 self._handles.append(unit.module.register_forward_pre_hook(
-                    _pre_forward(scheduler, unit)))
+                    _pre_forward(scheduler, unit), with_kwargs=True))
                 self._handles.append(unit.module.register_forward_hook(
                     _post_forward(scheduler, unit)))
             for p in unit.trainable:
@@ -70,17 +70,17 @@ class HookSet:
 
 
 def _pre_forward(scheduler: Scheduler, unit: Unit) -> Any:
-    def hook(_module: torch.nn.Module, _args: Any) -> None:
-        scheduler.pre_forward(unit)
+    def hook(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        scheduler.pre_forward(unit, args, kwargs)
         trace.begin("compute", unit.label, phase="forward")
 
     return hook
 
 
 def _post_forward(scheduler: Scheduler, unit: Unit) -> Any:
-    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
         trace.end("compute", unit.label)
-        scheduler.post_forward(unit, output_tensors(output))
+        return scheduler.after_forward(unit, output)  # a replacement in a layer-major pass
 
     return hook
 

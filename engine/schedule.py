@@ -34,19 +34,31 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tierzero.engine.collectives import Comm, PendingReduce
-from tierzero.engine.hooks import register_pre_backward
+from tierzero.engine.hooks import output_tensors, register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
-from tierzero.engine.shards.flat import FlatGroup, gather_group, reduce_group_grads, release_group
+from tierzero.engine.shards.flat import (
+    FlatGroup,
+    ParamSlot,
+    add_upcast,
+    gather_group,
+    reduce_flat_grad,
+    reduce_group_grads,
+    release_group,
+)
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace
+
+if TYPE_CHECKING:
+    from tierzero.engine.layer_major import LayerMajorPass
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +171,13 @@ class Scheduler:
         # reads, copies and collectives included): the "wait" of `tierzero train`
         self.gather_s = 0.0
         self.gathered_peak_bytes = 0
+        # [Note: layer-major schedule] in layer_major.py: the pass in progress, and per
+        # trainable group its gradient summed in fp32 over the pass's micro-batches
+        # (1D, padded_numel, on the compute device) until the group is reduced
+        self.layer_major: LayerMajorPass | None = None
+        self._accum: dict[str, torch.Tensor] = {}
+        self.accum_peak_bytes = 0  # most bytes of those sums held at once
+        self._slot_of = {id(s.param): s for u in units for g in u.groups for s in g.slots}
 
     def subscribe(self, driver: StepDriver) -> None:
         """The optimizer-step driver listens from now on (once, when the engine is built)."""
@@ -260,11 +279,30 @@ class Scheduler:
                             if g.trainable and not self.store.grad_zeroed(g.key)]
         self.store.set_order(entries)
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, args: tuple[Any, ...] = (),
+                    kwargs: dict[str, Any] | None = None) -> None:
         if self.state is not PassState.BACKWARD:
-            self._order.append(unit.index)
+            lm = self.layer_major
+            # a layer-major pass waits here for every micro-batch to reach the unit; the
+            # trace follows micro-batch 0 ([Note: layer-major schedule])
+            leader = lm.before_unit(unit, args, kwargs or {}) if lm is not None else True
+            if leader:
+                self._order.append(unit.index)
             self.late.unit_forward()
         self.ensure_gathered(unit)
+
+    def after_forward(self, unit: Unit, output: Any) -> Any:
+        """The unit post-hook: what `post_forward` does; in a layer-major pass the output
+        is cut from the unit's graph (returned in its place), and the unit is released
+        after the last micro-batch."""
+        lm = self.layer_major
+        if lm is None or self.state is PassState.BACKWARD:
+            self.post_forward(unit, output_tensors(output))
+            return None
+        cut, last = lm.after_unit(unit, output)
+        if last:
+            self._release_or_keep(unit)
+        return cut
 
     def post_forward(self, unit: Unit, tensors: list[torch.Tensor]) -> None:
         if self.state is PassState.BACKWARD:
@@ -272,11 +310,18 @@ class Scheduler:
         needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad and torch.is_grad_enabled():
             self._backward_hooks.append(register_pre_backward(needs_grad, self, unit))
-            distance = self._reuse.get(unit.index)
-            if (not unit.persistent and distance is not None and distance <= self._max_reuse
-                    and self.gathered_bytes() <= self._max_live):
-                self.kept += 1
-                return  # [Note: reuse distance]
+            self._release_or_keep(unit)
+            return
+        self.release(unit)
+
+    def _release_or_keep(self, unit: Unit) -> None:
+        """After the forward of a unit whose backward follows: release it, unless its
+        backward comes soon enough to keep it gathered ([Note: reuse distance])."""
+        distance = self._reuse.get(unit.index)
+        if (not unit.persistent and distance is not None and distance <= self._max_reuse
+                and self.gathered_bytes() <= self._max_live):
+            self.kept += 1
+            return
         self.release(unit)
 
     def _predict_kept(self, root: Unit, fwd: list[Unit]) -> set[int]:
@@ -338,6 +383,9 @@ class Scheduler:
         trace.begin("compute", unit.label, phase="backward")  # ends when its grads reduce
 
     def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
+        if self.layer_major is not None:
+            self.fold_grad(unit, param)
+            return
         if unit.reduced_groups:
             group = unit.group_of[id(param)]
             if group.key in unit.reduced_groups:
@@ -354,6 +402,40 @@ class Scheduler:
             with trace.span("reduce", unit.label, groups=_trainable_keys(unit.groups)):
                 self._reduce(unit)
             self.release(unit)
+
+    def fold_grad(self, unit: Unit, param: nn.Parameter) -> None:
+        """Add `param.grad` (one micro-batch's) into its group's fp32 sum and clear it
+        ([Note: layer-major schedule])."""
+        grad = param.grad
+        if grad is None:
+            return
+        group = unit.group_of[id(param)]
+        slot: ParamSlot = self._slot_of[id(param)]
+        acc = self._accum.get(group.key)
+        if acc is None:
+            acc = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad.device)
+            self._accum[group.key] = acc
+            held = sum(a.nbytes for a in self._accum.values())
+            self.accum_peak_bytes = max(self.accum_peak_bytes, held)
+        with torch.no_grad():
+            add_upcast(acc[slot.offset:slot.offset + slot.numel], grad.reshape(-1))
+        param.grad = None
+
+    def reduce_unit(self, unit: Unit) -> None:
+        """A layer-major pass is done with `unit`: reduce its trainable groups' sums into
+        their shards (once per step) and release it."""
+        rest = [g for g in unit.groups if g.trainable and g.key not in unit.reduced_groups]
+        if rest:
+            with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
+                self._reduce(unit, rest)
+        self.release(unit)
+
+    def drop_sums(self) -> None:
+        """Forget the fp32 sums of an abandoned layer-major pass."""
+        self._accum.clear()
+        for unit in self.units:
+            for p in unit.trainable:
+                p.grad = None
 
     def _reduce_root_groups(self, root: Unit) -> None:
         """The root stays gathered through backward, but each of its groups (the engine
@@ -436,7 +518,9 @@ class Scheduler:
         while self._inflight and (
                 sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):
             self._inflight.popleft().wait()
-        pending = reduce_group_grads(g, self.comm, self.store)
+        summed = self._accum.pop(g.key, None)  # layer-major: the pass's fp32 sum
+        pending = (reduce_group_grads(g, self.comm, self.store) if summed is None
+                   else reduce_flat_grad(g, summed, self.comm, self.store))
         if pending is None:
             return
         if not self._overlap:

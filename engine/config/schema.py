@@ -33,6 +33,7 @@ DirectIO = Literal["auto", "on", "off"]
 StatePrecision = Literal["fp32", "bf16", "int8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Source = Literal["native", "deepspeed"]
+Schedule = Literal["auto", "layer_major", "micro_step"]
 
 MiB = 1 << 20
 
@@ -420,6 +421,15 @@ class BatchConfig:
     global_batch_size: int | None = field(
         default=None,
         metadata=meta("samples per optimizer step over all ranks; null = not checked", gt=0),
+    )
+    schedule: Schedule = field(
+        default="auto",
+        metadata=meta("how train_batch runs an accumulated step: layer_major (every "
+                      "micro-batch through each unit while it is gathered: one gather per "
+                      "unit per pass, the gradient summed in fp32 while resident), "
+                      "micro_step (forward and backward per micro-batch), auto = "
+                      "layer_major when gradient_accumulation_steps > 1 and parameters or "
+                      "gradients live below the device"),
     )
 
 

@@ -207,6 +207,33 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
             if g is not None:
                 full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
                 s.param.grad = None
+        return _scatter(group, full, fresh, comm, store)
+
+
+def reduce_flat_grad(group: FlatGroup, full: torch.Tensor, comm: Comm,
+                     store: ShardStore) -> PendingReduce | None:
+    """Reduce `full`, the group's whole gradient already summed in fp32 (1D, padded_numel,
+    zero padding; layer-major accumulation, [Note: layer-major schedule] in
+    engine/layer_major.py), into the fp32 shard accumulator: as `reduce_group_grads`, with
+    `full` in place of the parameters' `.grad` (it is consumed)."""
+    fresh = store.take_grad_zeroed(group.key)
+    with torch.no_grad():
+        if comm.world_size == 1:
+            with store.use(group.key, "grad", writable=True,
+                           overwrite=fresh) as grad_shard:  # 1D fp32
+                src = full.to(grad_shard.device)
+                if fresh:
+                    grad_shard.copy_(src)
+                else:
+                    grad_shard.add_(src)
+            return None
+        return _scatter(group, full, fresh, comm, store)
+
+
+def _scatter(group: FlatGroup, full: torch.Tensor, fresh: bool, comm: Comm,
+             store: ShardStore) -> PendingReduce:
+    """Start the reduce-scatter (mean) of `full` into this rank's gradient shard."""
+    with torch.no_grad():
         mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
         if store.keeps_views:
             if fresh:  # the collective adds into the shard itself
@@ -215,13 +242,13 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
                 mine, full, accumulate_into=store.tensor(group.key, "grad"), what=group.key)
         pending = comm.reduce_scatter_mean_async(mine, full, what=group.key)
 
-        def accumulate(out: torch.Tensor) -> None:
-            with torch.no_grad(), store.use(group.key, "grad", writable=True,
-                                            overwrite=fresh) as grad_shard:
-                if fresh:
-                    grad_shard.copy_(out)
-                else:
-                    grad_shard.add_(out.to(grad_shard.device))
+    def accumulate(out: torch.Tensor) -> None:
+        with torch.no_grad(), store.use(group.key, "grad", writable=True,
+                                        overwrite=fresh) as grad_shard:
+            if fresh:
+                grad_shard.copy_(out)
+            else:
+                grad_shard.add_(out.to(grad_shard.device))
 
-        pending.then = accumulate
-        return pending
+    pending.then = accumulate
+    return pending

@@ -1,0 +1,392 @@
+"""Layer-major micro-batching: every micro-batch of an optimizer step through each unit
+while it is gathered, its gradient summed in fp32 while it stays gathered.
+
+[Note: layer-major schedule]
+With gradient accumulation k, the micro-step schedule (`eng(mb); eng.backward(loss);
+eng.step()` k times) gathers every unit 2k times and, with the gradient homed below the
+device, moves the fp32 gradient shard across its tier on every micro-step. The
+layer-major schedule (`eng.train_batch(micro_batches, loss_fn)`) runs the same k
+micro-batches so that each unit is gathered once for forward and once for backward:
+
+  forward   Each micro-batch's forward runs on a thread of its own (the model code
+            stays unchanged), and one thread runs at a time: at every unit's forward
+            pre-hook the running thread hands the turn to the next micro-batch, in
+            micro-batch order (`_Baton`). So micro-batch 0 reaches unit u, then 1, ...,
+            then k-1; then each in turn runs unit u while it is gathered once, and the
+            last one's post-hook releases it. A unit's output tensors that need a
+            gradient are cut from its graph: the post-hook returns detached leaves in
+            their place, and the unit's own activations are freed at once. What stays
+            for backward, per unit call and micro-batch, is only the unit's inputs (the
+            previous leaves), its output leaves and the RNG state it ran with
+            (`_Call`). Each micro-batch's loss is computed on its thread and its
+            backward runs at once down to the last unit's output leaves (the head's
+            activations never pile up over micro-batches).
+  backward  On the training thread, the recorded unit calls in reverse order: for each,
+            every micro-batch in order recomputes the unit from its saved inputs (same
+            RNG state, same autocast) and backpropagates its output leaves' gradients,
+            which fills the previous units' leaves and each trainable parameter's
+            `.grad`. The scheduler folds each `.grad` into the group's fp32 accumulator
+            (`Scheduler.fold_grad`) and clears it; after the unit's last call the
+            accumulator is reduced across ranks into the gradient shard once
+            (`reduce_flat_grad`) and the unit is released. The root's groups reduce at
+            the end of backward as in the micro-step schedule.
+
+Results equal k micro-steps of ordinary accumulation: each micro-batch's gradient is
+computed by the same operations, each loss scaled by 1/k (and the fp16 loss scale)
+as `backward()` does, and summed in fp32 in micro-batch order. With one rank each
+untied parameter's sum is the micro-step sum bit for bit; with several ranks the sum is
+reduced once instead of once per micro-batch, and a weight used in two places (tied
+embeddings) has its two parts summed in fp32 instead of the compute dtype: both differ
+from the micro-step result by fp32 summation order only. Dropout draws from the global
+generator in layer-major order, so its masks differ from a micro-step run's (each mask
+is recomputed exactly in backward).
+
+When a model cannot run layer-major, the pass stops before any gradient reaches a
+shard, the generator is put back where the step began, and the engine runs the same
+micro-batches in the micro-step schedule from then on, with one log line naming the
+reason (`LayerMajorFallback`):
+  - a tensor computed inside a unit outlives the unit's forward (a KV cache, recorded
+    router logits or hidden states kept by a hook): its gradient could not reach the
+    unit. Detected with saved-tensor hooks: what the unit's graph saved must be freed
+    once its outputs are cut. (Hugging Face models get `use_cache=False` when the call
+    does not set it.)
+  - a unit runs with gradients off inside a forward with gradients on (reentrant
+    activation checkpointing around it): layer-major already recomputes each unit.
+  - a micro-batch runs another unit order than micro-batch 0 (data-dependent control
+    flow), or a unit returns a tensor that needs a gradient inside a container that
+    cannot be rebuilt.
+Under ZeRO-3 with several ranks every rank must run the same unit order per micro-batch
+(as in the micro-step schedule, [Note: reduction order] in schedule.py), so every rank
+meets the same fallback at the same unit, before any collective differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tierzero.engine.shards.tiered import grad_home, offload_wanted
+from tierzero.swap import trace
+
+if TYPE_CHECKING:
+    from tierzero.engine.config import Config
+    from tierzero.engine.schedule import Scheduler, Unit
+
+_END = -1  # the label of a micro-batch's arrival at the end of its forward
+
+
+def train_schedule(config: Config, grad_accum: int) -> str:
+    """`batch.schedule` resolved: auto is layer_major when a step accumulates several
+    micro-batches and parameters or gradients live below the device (where each extra
+    gather or gradient round trip crosses a slower tier), else micro_step."""
+    chosen = config.batch.schedule
+    if chosen != "auto":
+        return chosen
+    if grad_accum <= 1 or not offload_wanted(config):
+        return "micro_step"
+    params = config.offload.params.device if config.zero.stage == 3 else "none"
+    below = params != "none" or grad_home(config) != "none"
+    return "layer_major" if below else "micro_step"
+
+
+class LayerMajorFallback(Exception):
+    """This model cannot run the layer-major schedule; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Aborted(BaseException):
+    """Raised in a waiting micro-batch thread when another one failed: unwinds its forward
+    (a BaseException so that the model's own `except Exception` does not swallow it)."""
+
+
+@dataclass
+class _Saved:
+    """A tensor saved for backward by a unit's forward graph (freed with that graph)."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
+class _Rng:
+    """The generator states a unit call ran with (CPU, and the CUDA device's)."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: int | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _Rng:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
+        return cls(torch.get_rng_state(), None, None)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None and self.device is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+@contextlib.contextmanager
+def _rng_as(state: _Rng, device: torch.device) -> Iterator[None]:
+    """Run with the generators at `state`; put them back afterwards."""
+    before = _Rng.capture(device)
+    state.restore()
+    try:
+        yield
+    finally:
+        before.restore()
+
+
+@dataclass
+class _Call:
+    """One unit call of one micro-batch, kept from its forward to its backward."""
+
+    unit: Unit
+    args: tuple[Any, ...]  # as the model passed them (graphs back to earlier leaves)
+    kwargs: dict[str, Any]
+    rng: _Rng
+    autocast: tuple[bool, torch.dtype]
+    leaves: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (flat index, leaf)
+    saved: list[weakref.ref[_Saved]] = field(default_factory=list)
+    hooks: Any = None  # the saved-tensor hooks open during the unit's forward
+
+
+class _Baton:
+    """Micro-batch threads of which exactly one runs at a time, handing the turn on in
+    micro-batch order (cyclic, over the threads still running)."""
+
+    def __init__(self, n: int) -> None:
+        self._cv = threading.Condition()
+        self._turn = 0
+        self.live = list(range(n))
+        self.error: BaseException | None = None
+
+    def _next(self, j: int) -> int:
+        after = [i for i in self.live if i > j]
+        return after[0] if after else self.live[0]
+
+    def wait(self, j: int) -> None:
+        with self._cv:
+            while self._turn != j and self.error is None:
+                self._cv.wait()
+            if self.error is not None:
+                raise _Aborted
+
+    def hand_on(self, j: int) -> None:
+        """Thread j gives the turn to the next micro-batch and waits for its own again."""
+        with self._cv:
+            self._turn = self._next(j)
+            self._cv.notify_all()
+        self.wait(j)
+
+    def leave(self, j: int, error: BaseException | None = None) -> None:
+        with self._cv:
+            if error is not None and self.error is None:
+                self.error = error
+            nxt = self._next(j) if len(self.live) > 1 else -1
+            self.live.remove(j)
+            self._turn = nxt
+            self._cv.notify_all()
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+class LayerMajorPass:
+    """One optimizer step's micro-batches through the model layer-major ([Note:
+    layer-major schedule]): `forward` on micro-batch threads, then `backward` here."""
+
+    def __init__(self, scheduler: Scheduler, n: int, device: torch.device) -> None:
+        self.scheduler = scheduler
+        self.n = n
+        self.device = device
+        self._baton = _Baton(n)
+        self._local = threading.local()  # .index: the micro-batch this thread runs
+        self._labels: list[int] = []  # per round: the unit index micro-batch 0 reached
+        self._arrivals = [0] * n  # rounds each micro-batch has reached
+        self._calls: list[list[_Call | None]] = []  # [round][micro-batch]
+        self._last: list[_Call | None] = [None] * n  # each micro-batch's last unit call
+        self.grad_enabled = torch.is_grad_enabled()
+
+    # -- on the micro-batch threads (from the scheduler's hooks) ----------------------
+    def in_pass(self) -> bool:
+        """The calling thread runs one of this pass's micro-batches."""
+        return getattr(self._local, "index", None) is not None
+
+    def before_unit(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Unit pre-hook: wait for every micro-batch to reach `unit`, then record the call.
+        Returns whether this is micro-batch 0 (the one whose unit order is the trace)."""
+        j = self._local.index
+        self._arrive(j, unit.index, unit.label)
+        call = _Call(unit, args, dict(kwargs), _Rng.capture(self.device),
+                     _autocast_state(self.device))
+        r = self._arrivals[j] - 1
+        self._calls[r][j] = call
+        self._last[j] = call
+
+        def pack(t: torch.Tensor) -> _Saved:
+            saved = _Saved(t)
+            call.saved.append(weakref.ref(saved))
+            return saved
+
+        call.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.tensor)
+        call.hooks.__enter__()
+        return j == 0
+
+    def after_unit(self, unit: Unit, output: Any) -> tuple[Any, bool]:
+        """Unit post-hook: cut the output tensors that need a gradient from the unit's
+        graph. Returns (the output to hand on, or None to keep it; whether this was the
+        last micro-batch through this call)."""
+        j = self._local.index
+        call = self._last[j]
+        if call is None or call.unit is not unit:
+            raise LayerMajorFallback(f"unit {unit.label!r} ended a forward it did not begin")
+        call.hooks.__exit__(None, None, None)
+        call.hooks = None
+        if self.grad_enabled and not torch.is_grad_enabled():
+            raise LayerMajorFallback(
+                f"unit {unit.label!r} runs with gradients off inside a forward with "
+                "gradients on (activation checkpointing around it, e.g. "
+                "gradient_checkpointing_enable() with use_reentrant=True); layer_major "
+                "recomputes each unit itself: turn the model's checkpointing off to use it")
+        flat, spec = tree_flatten(output)
+        new = list(flat)
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                leaf = t.detach().requires_grad_()
+                new[i] = leaf
+                call.leaves.append((i, leaf))
+        last = j == max(self._baton.live)
+        return (tree_unflatten(new, spec) if call.leaves else None), last
+
+    def _arrive(self, j: int, label: int, name: str) -> None:
+        """Micro-batch j reached `label` (a unit's index, or _END): check it against
+        micro-batch 0's order and its last unit's graph, then wait for its turn."""
+        self._check_freed(j)
+        r = self._arrivals[j]
+        self._arrivals[j] += 1
+        if r == len(self._labels):
+            self._labels.append(label)
+            self._calls.append([None] * self.n)
+        elif self._labels[r] != label:
+            raise LayerMajorFallback(
+                f"micro-batch {j} reached {name!r} where micro-batch 0 reached "
+                f"{self._label_name(self._labels[r])!r} (its unit order differs: "
+                "data-dependent control flow)")
+        if label != _END:
+            self._baton.hand_on(j)
+
+    def _label_name(self, label: int) -> str:
+        if label == _END:
+            return "the end of its forward"
+        return next(u.label for u in self.scheduler.units if u.index == label)
+
+    def _check_freed(self, j: int) -> None:
+        call = self._last[j]
+        if call is None:
+            return
+        alive = sum(1 for ref in call.saved if ref() is not None)
+        call.saved.clear()
+        if alive:
+            raise LayerMajorFallback(
+                f"unit {call.unit.label!r} keeps {alive} tensor(s) of its forward graph "
+                "alive after it returned (something outside the unit holds a tensor "
+                "computed inside it, e.g. a KV cache, recorded router logits or hidden "
+                "states, or an output inside a container that cannot be rebuilt); "
+                "layer_major recomputes each unit in backward and could not send "
+                "gradients through them")
+
+    # -- on the training thread --------------------------------------------------------
+    def forward(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
+                scale: float) -> list[torch.Tensor]:
+        """Run every micro-batch's forward and loss on its own thread, layer-major, and
+        each loss's backward (times `scale`) down to the last unit's output leaves.
+        Returns the detached losses. Raises what a micro-batch thread raised (its
+        LayerMajorFallback included) after every thread has ended."""
+        losses: list[torch.Tensor | None] = [None] * self.n
+        grad = torch.is_grad_enabled()
+        autocast = {t: _autocast_state(torch.device(t)) for t in ("cpu", "cuda")}
+
+        def run(j: int) -> None:
+            try:
+                self._baton.wait(j)
+                self._local.index = j
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(torch.set_grad_enabled(grad))
+                    for dev, (on, dtype) in autocast.items():
+                        if on:
+                            stack.enter_context(torch.autocast(dev, dtype=dtype))
+                    loss = loss_fn(micro_batches[j])
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise ValueError("train_batch: loss_fn must return a scalar loss "
+                                         f"tensor; got {type(loss).__name__}")
+                    self._arrive(j, _END, "the end of its forward")
+                    if loss.requires_grad:
+                        (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
+                    losses[j] = loss.detach()
+                self._baton.leave(j)
+            except _Aborted:
+                self._baton.leave(j)
+            except BaseException as exc:  # handed to the training thread below
+                self._baton.leave(j, exc)
+            finally:
+                self._local.index = None
+
+        threads = [threading.Thread(target=run, args=(j,), name=f"tierzero-microbatch-{j}",
+                                    daemon=True) for j in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._baton.error is not None:
+            raise self._baton.error
+        return [x for x in losses if x is not None]
+
+    def backward(self) -> None:
+        """Every recorded unit call in reverse order, each micro-batch in order; a unit's
+        gradient is reduced after its last call ([Note: layer-major schedule])."""
+        units = {u.index: u for u in self.scheduler.units}
+        rounds = [r for r, label in enumerate(self._labels) if label != _END]
+        remaining = Counter(self._labels[r] for r in rounds)
+        for r in reversed(rounds):
+            unit = units[self._labels[r]]
+            with trace.span("compute", unit.label, phase="backward"):
+                for j in range(self.n):
+                    call = self._calls[r][j]
+                    self._calls[r][j] = None
+                    if call is not None:
+                        self._backward_call(call)
+            remaining[unit.index] -= 1
+            if remaining[unit.index] == 0:
+                self.scheduler.reduce_unit(unit)
+        self._calls.clear()
+
+    def _backward_call(self, call: _Call) -> None:
+        """Recompute the call's unit and backpropagate its output leaves' gradients."""
+        pairs = [(i, leaf.grad) for i, leaf in call.leaves if leaf.grad is not None]
+        call.leaves.clear()
+        if not pairs:
+            return
+        on, dtype = call.autocast
+        with _rng_as(call.rng, self.device), torch.enable_grad(), \
+                torch.autocast(self.device.type, dtype=dtype, enabled=on):
+            out = call.unit.module(*call.args, **call.kwargs)
+        flat, _ = tree_flatten(out)
+        outs = [flat[i] for i, _ in pairs]
+        grads = [g for _, g in pairs]
+        # glue between units (a tensor several units read) may be traversed again by an
+        # earlier unit's call: keep it; everything is freed with the pass
+        torch.autograd.backward(outs, grads, retain_graph=True)  # type: ignore[no-untyped-call]
