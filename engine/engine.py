@@ -75,6 +75,14 @@ class OptimizerTimes(NamedTuple):
     update_wait_s: float  # forward's waits for a unit's deferred update ([Note: deferred step])
 
 
+def _takes_use_cache(module: nn.Module) -> bool:
+    """A Hugging Face model (or a peft wrapper of one) whose forward takes `use_cache`."""
+    if not hasattr(getattr(module, "config", None), "use_cache"):
+        return False
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +182,7 @@ class ZeroEngine:
         self.schedule = train_schedule(self.config, self.grad_accum)
         # a Hugging Face model builds a KV cache unless told not to ([Note: layer-major
         # schedule]: the cache would keep every unit's graph alive)
-        self._takes_use_cache = "use_cache" in inspect.signature(module.forward).parameters
+        self._takes_use_cache = _takes_use_cache(module)
         self._closed = False
 
     def _build_step(self, factory: OptimizerFactory, tiered: TieredShardStore | None
@@ -568,6 +576,9 @@ class ZeroEngine:
             "late_gradients": self.scheduler.late.arrivals,
             "reductions_in_flight_peak": self.scheduler.inflight_peak,
             "units_kept_for_backward": self.scheduler.kept,  # [Note: reuse distance]
+            # fp32 gradient sums of a layer-major pass held at once ([Note: layer-major
+            # schedule]): the root's groups and the unit in backward
+            "layer_major_accum_peak_bytes": self.scheduler.accum_peak_bytes,
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
             "skipped_steps": self.skipped_steps,
             # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)

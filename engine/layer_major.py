@@ -110,11 +110,19 @@ class _Aborted(BaseException):
     (a BaseException so that the model's own `except Exception` does not swallow it)."""
 
 
-@dataclass
 class _Saved:
-    """A tensor saved for backward by a unit's forward graph (freed with that graph)."""
+    """Stands in for a tensor a unit's forward graph saved for backward, and is freed with
+    that graph. It holds no tensor: the forward graph of a unit is never backpropagated
+    (its outputs are cut), so nothing it saved is kept, and no reference cycle forms
+    through a saved output (a node saving its own output would hold itself)."""
 
-    tensor: torch.Tensor
+    __slots__ = ("__weakref__",)
+
+
+def _unpack(_saved: _Saved) -> torch.Tensor:
+    raise RuntimeError("internal: the forward graph of a unit in a layer-major pass was "
+                       "backpropagated; its outputs should have been cut ([Note: "
+                       "layer-major schedule])")
 
 
 @dataclass
@@ -237,14 +245,14 @@ class LayerMajorPass:
         self._calls[r][j] = call
         self._last[j] = call
 
-        def pack(t: torch.Tensor) -> _Saved:
-            saved = _Saved(t)
+        def pack(_t: torch.Tensor) -> _Saved:
+            saved = _Saved()
             call.saved.append(weakref.ref(saved))
             return saved
 
-        call.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.tensor)
+        call.hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         call.hooks.__enter__()
-        return j == 0
+        return bool(j == 0)
 
     def after_unit(self, unit: Unit, output: Any) -> tuple[Any, bool]:
         """Unit post-hook: cut the output tensors that need a gradient from the unit's
@@ -389,4 +397,4 @@ class LayerMajorPass:
         grads = [g for _, g in pairs]
         # glue between units (a tensor several units read) may be traversed again by an
         # earlier unit's call: keep it; everything is freed with the pass
-        torch.autograd.backward(outs, grads, retain_graph=True)  # type: ignore[no-untyped-call]
+        torch.autograd.backward(outs, grads, retain_graph=True)
