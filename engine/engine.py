@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -49,6 +50,7 @@ from tierzero.engine.step.precision import LossScaler, compute_dtype, grad_stat
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
 from tierzero.engine.wall_clock import WallClock
 from tierzero.offload.step_seam import GradMeasure, StepDriver, StepOrder, TrainingStateError
+from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,7 @@ class ZeroEngine:
             lambda *_: self._settle_optimizer())
         self.global_steps = 0
         self.skipped_steps = 0
+        self.optimizer_step_s = 0.0  # cumulative seconds in step() called by train_batch
         # logging.wall_clock_breakdown: per-step phase times logged by rank 0
         self._wall = WallClock(enabled=self.config.logging.wall_clock_breakdown,
                                every=self.config.logging.steps_per_print,
@@ -336,15 +339,18 @@ class ZeroEngine:
     def train_batch(self, micro_batches: Sequence[Any],
                     loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
                     check_losses: Callable[[list[torch.Tensor]], None] | None = None,
-                    ) -> list[torch.Tensor]:
+                    on_phase: Callable[[str], None] | None = None) -> list[torch.Tensor]:
         """One optimizer step over `micro_batches` (gradient_accumulation_steps of them):
         `loss_fn(mb)` calls `eng(...)` on a micro-batch and returns its scalar loss
         (default: `eng(**mb).loss` for a mapping, `eng(mb)` otherwise). Each loss is
         scaled as `backward()` scales it. With `batch.schedule: layer_major` every unit is
         gathered once for forward and once for backward ([Note: layer-major schedule]);
         else it is `eng(mb); eng.backward(loss); eng.step()` per micro-batch.
-        `check_losses(losses)` may raise before any of their gradients reach a shard.
-        Returns the detached losses."""
+        `check_losses(losses)` may raise before any of their gradients reach a shard;
+        `on_phase(name)` is called as each "forward", "backward" and "optimizer" phase
+        ends (per micro-batch in micro_step; once each in layer_major), for whoever
+        counts per phase (tierzero plan's dry run). Returns the detached losses."""
+        phase = on_phase or (lambda _name: None)
         self._check_open()
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"train_batch: {len(micro_batches)} micro-batches given; the "
@@ -358,21 +364,34 @@ class ZeroEngine:
         if self.schedule == "layer_major":
             rng = torch.get_rng_state()
             try:
-                return self._layer_major(micro_batches, fn, check_losses)
+                return self._layer_major(micro_batches, fn, check_losses, phase)
             except LayerMajorFallback as exc:
                 torch.set_rng_state(rng)
                 self.schedule = "micro_step"
                 log.warning("batch.schedule layer_major: %s; running micro_step from now on",
                             exc.reason)
         losses = []
-        for mb in micro_batches:
-            loss = fn(mb)
+        for i, mb in enumerate(micro_batches):
+            with trace.span("forward", f"forward {i}"):
+                loss = fn(mb)
             if check_losses is not None:
                 check_losses([loss.detach()])
-            self.backward(loss)
-            self.step()
+            phase("forward")
+            with trace.span("backward", f"backward {i}"):
+                self.backward(loss)
+            phase("backward")
+            self._timed_step()
+            phase("optimizer")
             losses.append(loss.detach())
         return losses
+
+    def _timed_step(self) -> None:
+        """step(), its seconds added to `optimizer_step_s`, in a trace span."""
+        start = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        with trace.span("optimizer", "step" if boundary else "accumulate"):
+            self.step()
+        self.optimizer_step_s += time.perf_counter() - start
 
     def _default_loss(self, mb: Any) -> torch.Tensor:
         out = self(**mb) if isinstance(mb, Mapping) else self(mb)
@@ -382,8 +401,8 @@ class ZeroEngine:
         return loss
 
     def _layer_major(self, micro_batches: Sequence[Any], fn: Callable[[Any], torch.Tensor],
-                     check_losses: Callable[[list[torch.Tensor]], None] | None
-                     ) -> list[torch.Tensor]:
+                     check_losses: Callable[[list[torch.Tensor]], None] | None,
+                     phase: Callable[[str], None]) -> list[torch.Tensor]:
         """The layer-major pass and the step ([Note: layer-major schedule])."""
         scale = 1.0 / self.grad_accum
         if self.loss_scaler is not None:
@@ -391,7 +410,7 @@ class ZeroEngine:
         self._settle_optimizer(deferred=False)
         sched = self.scheduler
         lm = LayerMajorPass(sched, len(micro_batches), self.device)
-        with self._wall.phase("forward"):
+        with self._wall.phase("forward"), trace.span("forward", "forward (layer-major)"):
             sched.begin_forward(self.root)
             sched.layer_major = lm
             try:
@@ -404,7 +423,8 @@ class ZeroEngine:
                 sched.abort()
                 raise
             sched.end_forward(self.root, True)
-        with self._wall.phase("backward"):
+        phase("forward")
+        with self._wall.phase("backward"), trace.span("backward", "backward (layer-major)"):
             self._settle_optimizer()
             self.micro_steps += len(micro_batches) - 1  # this backward is the boundary
             self.step_driver.begin(boundary=True)
@@ -423,7 +443,9 @@ class ZeroEngine:
                 except BaseException:
                     self.step_driver.abandon()
                     raise
-        self.step()
+        phase("backward")
+        self._timed_step()
+        phase("optimizer")
         return losses
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -210,7 +210,17 @@ class _Baton:
 
 
 def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for `device`'s type, and its dtype (off where autocast has no
+    such device: meta, in tierzero plan's dry run)."""
+    if device.type not in ("cpu", "cuda"):
+        return False, torch.float32
     return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+def _autocast(device: torch.device, state: tuple[bool, torch.dtype]
+              ) -> contextlib.AbstractContextManager[object]:
+    on, dtype = state
+    return torch.autocast(device.type, dtype=dtype) if on else contextlib.nullcontext()
 
 
 class LayerMajorPass:
@@ -334,9 +344,8 @@ class LayerMajorPass:
                 self._local.index = j
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(torch.set_grad_enabled(grad))
-                    for dev, (on, dtype) in autocast.items():
-                        if on:
-                            stack.enter_context(torch.autocast(dev, dtype=dtype))
+                    for dev, state in autocast.items():
+                        stack.enter_context(_autocast(torch.device(dev), state))
                     loss = loss_fn(micro_batches[j])
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                         raise ValueError("train_batch: loss_fn must return a scalar loss "
@@ -361,6 +370,9 @@ class LayerMajorPass:
             t.join()
         if self._baton.error is not None:
             raise self._baton.error
+        held = sum(leaf.nbytes for calls in self._calls for c in calls if c is not None
+                   for _, leaf in c.leaves)
+        self.scheduler.boundary_peak_bytes = max(self.scheduler.boundary_peak_bytes, held)
         return [x for x in losses if x is not None]
 
     def backward(self) -> None:
@@ -388,9 +400,8 @@ class LayerMajorPass:
         call.leaves.clear()
         if not pairs:
             return
-        on, dtype = call.autocast
         with _rng_as(call.rng, self.device), torch.enable_grad(), \
-                torch.autocast(self.device.type, dtype=dtype, enabled=on):
+                _autocast(self.device, call.autocast):
             out = call.unit.module(*call.args, **call.kwargs)
         flat, _ = tree_flatten(out)
         outs = [flat[i] for i, _ in pairs]

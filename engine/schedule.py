@@ -177,6 +177,7 @@ class Scheduler:
         self.layer_major: LayerMajorPass | None = None
         self._accum: dict[str, torch.Tensor] = {}
         self.accum_peak_bytes = 0  # most bytes of those sums held at once
+        self.boundary_peak_bytes = 0  # most unit-output leaves a pass kept for backward
         self._slot_of = {id(s.param): s for u in units for g in u.groups for s in g.slots}
 
     def subscribe(self, driver: StepDriver) -> None:
@@ -420,6 +421,11 @@ class Scheduler:
         with torch.no_grad():
             add_upcast(acc[slot.offset:slot.offset + slot.numel], grad.reshape(-1))
         param.grad = None
+
+    def layer_major_peak_bytes(self) -> int:
+        """Bytes a layer-major pass holds beside the activations of the unit it runs: the
+        units' output leaves of every micro-batch and the fp32 gradient sums (peaks)."""
+        return self.boundary_peak_bytes + self.accum_peak_bytes
 
     def reduce_unit(self, unit: Unit) -> None:
         """A layer-major pass is done with `unit`: reduce its trainable groups' sums into

@@ -65,6 +65,9 @@ def add_plan(sub: Subparsers) -> None:
     plan.add_argument("--seq-len", type=int, default=128,
                       help="tokens per sample of the run (train.seq_len; default 128): the "
                       "dry run's batch, whose saved activations count toward the host peak")
+    plan.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                      help="gradient_accumulation_steps: with K > 1 both batch schedules "
+                      "(layer_major, micro_step) are counted; the run's own is auto")
     plan.add_argument("--micro-batch", type=int, default=1,
                       help="samples per micro-batch (batch.micro_batch_size; default 1)")
     plan.add_argument("--bench", metavar="FILE",
@@ -184,6 +187,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
              for p in plans if p.fits]
     out.append(_table(rows))
     out += _precision_table(plans, placements or {}, args.state_precision)
+    out += _schedule_table(plans, machine, args.grad_accum)
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
     out += [f"{p.choice}: the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) "
             f"is above the host's {human_bytes(machine.host_bytes)}"
@@ -227,6 +231,29 @@ def _precision_table(plans: list[ChoicePlan], placements: dict[tuple[str, str], 
             "tensors would move too)"]
 
 
+def _schedule_table(plans: list[ChoicePlan], machine: Machine, grad_accum: int) -> list[str]:
+    """Each batch.schedule's optimizer step of `grad_accum` micro-batches ([Note:
+    layer-major schedule]); the run's own (auto) is the one the tables above count."""
+    rows = [["offload", "schedule", "NVMe read/step", "NVMe written/step", "host->device",
+             "device->host", "host peak", "time"]]
+    for p in plans:
+        for i, (name, (t, host)) in enumerate(sorted(p.schedules.items())):
+            one = step_time({"step": t}, machine)
+            rows.append([p.choice if i == 0 else "",
+                         name + (" (auto)" if name == p.schedule else ""),
+                         human_bytes(t.nvme_read), human_bytes(t.nvme_written),
+                         human_bytes(t.host_to_device),
+                         human_bytes(t.device_to_host + t.grads_to_host),
+                         human_bytes(host.peak),
+                         f"{one:.2f} s" if one is not None else "n/a (run bench)"])
+    if len(rows) == 1:
+        return []
+    return [_table(rows), f"schedule: an optimizer step of {grad_accum} micro-batches "
+            "(batch.schedule): layer_major gathers each unit once per pass and sums its "
+            "gradient in fp32 while it is gathered; micro_step runs forward and backward per "
+            "micro-batch, gathering every unit and moving every gradient each time"]
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
@@ -255,7 +282,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                     "exist; create it or name a file in an existing one",
                                     args.write)
     try:
-        for flag in ("world_size", "seq_len", "micro_batch"):
+        for flag in ("world_size", "seq_len", "micro_batch", "grad_accum"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}", f"{getattr(args, flag)} is "
                                   "not allowed; allowed: an integer >= 1")
@@ -265,7 +292,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision,
                          nvme_path=args.nvme_path, max_in_cpu_bytes=cache,
                          seq_len=args.seq_len, micro_batch=args.micro_batch,
-                         state_precision=args.state_precision)
+                         state_precision=args.state_precision, grad_accum=args.grad_accum)
         placements = precision_placements(shape, machine, plans, world_size=args.world_size,
                                           precision=args.precision, nvme_path=args.nvme_path,
                                           max_in_cpu_bytes=cache, chosen=args.state_precision)

@@ -33,6 +33,7 @@ unless `auto` placed gradients on NVMe.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,7 @@ class DryRun:
     gathered_peak: int = 0  # most gathered parameter bytes at once (root, kept units, one)
     model_bytes: int = 0  # every parameter and buffer of the module as built
     world_size: int = 1
+    schedule: str = "micro_step"  # batch.schedule the steps ran ([Note: layer-major schedule])
 
     def step(self, index: int = -1) -> Traffic:
         """One step's traffic, all phases; default the last (steady state)."""
@@ -236,24 +238,35 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
         with trace.recording(rec):
             for _ in range(steps):
                 phases = dict.fromkeys(PHASES, Traffic())
-                for _m in range(accum):
-                    mark = len(rec.events)
-                    with saved_bytes() as saved:
+                mark = len(rec.events)
+
+                def loss_fn(_mb: object) -> torch.Tensor:
+                    with saved_bytes() as saved:  # on this micro-batch's thread
                         loss = micro(eng, seq_len, micro_batch)
                     out.saved_bytes = max(out.saved_bytes, saved.nbytes)
-                    phases["forward"] += counters.delta(since(mark), grad_bytes)
-                    mark = len(rec.events)
-                    eng.backward(loss)
-                    # the in-place step begun during backward runs on a worker: what
-                    # it was handed during backward counts there, deterministically
-                    eng.step_driver.settle()
-                    phases["backward"] += counters.delta(since(mark), grad_bytes)
-                    mark = len(rec.events)
-                    eng.step()
-                    if store is not None and store.manager is not None:
+                    return loss
+
+                def phase_done(phases: dict[str, Traffic], name: str) -> None:
+                    nonlocal mark
+                    if name == "backward":
+                        # the in-place step begun during backward runs on a worker: what
+                        # it was handed during backward counts there, deterministically
+                        eng.step_driver.settle()
+                    if name == "optimizer" and store is not None and store.manager is not None:
                         store.manager.synchronize()  # write-backs issued by the step land
-                    phases["optimizer"] += counters.delta(since(mark), grad_bytes)
+                    phases[name] += counters.delta(since(mark), grad_bytes)
+                    mark = len(rec.events)
+
+                # the run's own schedule (batch.schedule): per micro-step or layer-major
+                with saved_bytes() as recompute:  # layer-major: one unit's recomputation
+                    eng.train_batch([None] * accum, loss_fn,
+                                    on_phase=functools.partial(phase_done, phases))
+                # layer-major keeps every micro-batch's unit-boundary tensors and the fp32
+                # gradient sums beside one unit's recomputed activations
+                lm = eng.scheduler.layer_major_peak_bytes()
+                out.saved_bytes = max(out.saved_bytes, recompute.nbytes + lm)
                 out.steps.append(phases)
+        out.schedule = eng.schedule
         out.gathered_peak = eng.scheduler.gathered_peak_bytes
         if store is not None and store.manager is not None:
             report = store.manager.memory_report()

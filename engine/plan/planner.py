@@ -75,6 +75,10 @@ class ChoicePlan:
     # tensors, say); the placement above still holds
     traffic_error: str | None = None
     host: HostPeak | None = None  # predicted host peak ([Note: plan host peak]), dry run
+    schedule: str = "micro_step"  # batch.schedule of the dry run above (the run's own)
+    # with gradient accumulation, each batch.schedule's step ([Note: layer-major schedule]):
+    # schedule -> (its steady-state step's traffic, its predicted host peak)
+    schedules: dict[str, tuple[Traffic, HostPeak]] = field(default_factory=dict)
 
     @property
     def grad_home(self) -> str:
@@ -115,13 +119,15 @@ class ChoicePlan:
 
 def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
                   nvme_path: str | None, unit_classes: tuple[str, ...] = (),
-                  max_in_cpu_bytes: int = 0, state_precision: str = "fp32") -> Config:
+                  max_in_cpu_bytes: int = 0, state_precision: str = "fp32",
+                  grad_accum: int = 1, schedule: str = "auto") -> Config:
     """The config a run with this choice would use, budgets set to the machine's.
     `max_in_cpu_bytes`: offload.params.max_in_cpu_bytes of the nvme choice (parameter
     shards homed in host memory instead of NVMe; the other choices do not use it).
     `state_precision`: offload.optimizer.state_precision of the choices that run the CPU
     Adam (the shard store sizes the moments by it, so placement uses their real bytes);
-    offload none keeps fp32 moments on the device whatever it says."""
+    offload none keeps fp32 moments on the device whatever it says. `grad_accum`,
+    `schedule`: batch.gradient_accumulation_steps and batch.schedule."""
     offload: dict[str, object] = {"device": choice, "budgets": {
         "device_bytes": machine.device_bytes, "host_bytes": machine.host_bytes,
         "nvme_bytes": machine.nvme_bytes}}
@@ -134,7 +140,9 @@ def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
     zero: dict[str, object] = {"stage": 3}
     if unit_classes:
         zero["units"] = list(unit_classes)
-    return load_config({"zero": zero, "precision": precision, "offload": offload})
+    batch = {"gradient_accumulation_steps": grad_accum, "schedule": schedule}
+    return load_config({"zero": zero, "precision": precision, "offload": offload,
+                        "batch": batch})
 
 
 def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
@@ -201,29 +209,45 @@ def predict_run(model: str, config: Config | str, *, seq_len: int, micro_batch: 
 
 def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
                 precision: str, nvme_path: str | None, max_in_cpu_bytes: int = 0,
-                seq_len: int = 8, micro_batch: int = 1, state_precision: str = "fp32") -> None:
-    """Steps 2 and 3: run the engine dry and time its counted traffic."""
+                seq_len: int = 8, micro_batch: int = 1, state_precision: str = "fp32",
+                grad_accum: int = 1) -> None:
+    """Steps 2 and 3: run the engine dry and time its counted traffic. With `grad_accum`
+    > 1 the run's own batch.schedule (auto) is counted, and each schedule's step kept in
+    `out.schedules`."""
     if out.choice == "none" or not out.fits:
         out.phases = dict.fromkeys(PHASES, Traffic())
         out.step_s = 0.0 if out.fits else None
         return
-    config = engine_config(out.choice, machine, precision=precision, nvme_path=nvme_path,
-                           unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes,
-                           state_precision=state_precision)
-    try:
-        run = dry_run(shape.fresh_module(), config, world_size=world_size, seq_len=seq_len,
-                      micro_batch=micro_batch, device_is_host=not machine.cuda)
-    except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
-        out.error = str(exc)
-        return
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
-        # a model whose forward needs real values (data-dependent control flow, .item())
-        out.traffic_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        return
-    out.phases = run.steps[-1]
-    out.peak = run.peak
-    out.step_s = step_time(out.phases, machine)
-    out.host = host_peak(run, config, device_is_host=not machine.cuda)
+    runs: dict[str, DryRun] = {}
+    for schedule in ("auto", "layer_major", "micro_step") if grad_accum > 1 else ("auto",):
+        if schedule in runs:
+            continue  # auto ran it already
+        config = engine_config(out.choice, machine, precision=precision, nvme_path=nvme_path,
+                               unit_classes=shape.unit_classes,
+                               max_in_cpu_bytes=max_in_cpu_bytes,
+                               state_precision=state_precision, grad_accum=grad_accum,
+                               schedule=schedule)
+        try:
+            run = dry_run(shape.fresh_module(), config, world_size=world_size,
+                          seq_len=seq_len, micro_batch=micro_batch,
+                          device_is_host=not machine.cuda)
+        except PlanError as exc:  # the engine's own budget checks (pipeline buffers, ...)
+            out.error = str(exc)
+            return
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            # a model whose forward needs real values (data-dependent control flow, .item())
+            out.traffic_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            return
+        runs[run.schedule] = run
+        host = host_peak(run, config, device_is_host=not machine.cuda)
+        if grad_accum > 1:
+            out.schedules[run.schedule] = (run.step(), host)
+        if schedule == "auto":
+            out.phases = run.steps[-1]
+            out.peak = run.peak
+            out.step_s = step_time(out.phases, machine)
+            out.host = host
+            out.schedule = run.schedule
 
 
 def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
@@ -251,7 +275,8 @@ def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
 def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision: str,
              nvme_path: str | None = None, traffic: bool = True,
              max_in_cpu_bytes: int = 0, seq_len: int = 8,
-             micro_batch: int = 1, state_precision: str = "fp32") -> list[ChoicePlan]:
+             micro_batch: int = 1, state_precision: str = "fp32",
+             grad_accum: int = 1) -> list[ChoicePlan]:
     """Every choice; `traffic=False` stops after placement (no dry run).
     `max_in_cpu_bytes`: the nvme choice's offload.params.max_in_cpu_bytes; `seq_len`,
     `micro_batch`: the dry run's batch (what its saved activations are counted for);
@@ -266,7 +291,7 @@ def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision:
             add_traffic(p, shape, machine, world_size=world_size, precision=precision,
                         nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
                         seq_len=seq_len, micro_batch=micro_batch,
-                        state_precision=state_precision)
+                        state_precision=state_precision, grad_accum=grad_accum)
     return plans
 
 

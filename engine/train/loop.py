@@ -50,7 +50,6 @@ from tierzero.engine.train.metrics import (
 from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
 from tierzero.engine.train.run_lock import RunLock
 from tierzero.engine.train.timeline import TraceWindow
-from tierzero.swap import trace
 from tierzero.swap.safe_files import make_output_dir, output_modes
 
 log = logging.getLogger(__name__)
@@ -454,29 +453,28 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
     wait_before = eng.scheduler.gather_s  # every unit gather, forward and backward
     # the CPU Adam's worker beside compute, and forward waiting for deferred updates
     times_before = eng.optimizer_times()
-    losses: list[float] = []
-    optimizer_s = 0.0
-    n_tokens = 0
-    for micro in range(accum):
-        x, y = batches.next()  # (B, T) inputs and next-token labels (IGNORE: no loss)
-        n_tokens += x.numel()
-        with trace.span("forward", f"forward {micro}"):
-            out = eng(input_ids=x)
+    step_before = eng.optimizer_step_s
+    micro_batches = [batches.next() for _ in range(accum)]  # (B, T) inputs, labels
+    n_tokens = sum(x.numel() for x, _ in micro_batches)
+
+    def loss_fn(mb: Batch) -> torch.Tensor:
+        x, y = mb
+        out = eng(input_ids=x)
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
-        loss = token_loss(logits, y)
-        value = float(loss.item())
-        if _any_over_ranks(0.0 if math.isfinite(value) else 1.0, world):
-            # before backward: nothing non-finite reaches the gradients or the optimizer state
-            raise _NonFinite(f"the loss is {value} (not finite) at micro-step {micro}; "
-                             "stopped before backward, so the model state is unchanged")
-        with trace.span("backward", f"backward {micro}"):
-            eng.backward(loss)
-        losses.append(value)
-        boundary = eng.is_gradient_accumulation_boundary()
-        t_opt = time.perf_counter()
-        with trace.span("optimizer", "step" if boundary else "accumulate"):
-            eng.step()
-        optimizer_s += time.perf_counter() - t_opt
+        return token_loss(logits, y)  # (IGNORE labels carry no loss)
+
+    def check(losses: list[torch.Tensor]) -> None:
+        # before any of their gradients reach a shard: the model state stays unchanged
+        values = [float(v.item()) for v in losses]
+        if _any_over_ranks(0.0 if all(math.isfinite(v) for v in values) else 1.0, world):
+            raise _NonFinite(f"the loss is {values} (not finite) in this step's "
+                             "micro-batches; stopped before their gradients reached the "
+                             "model, so the model state is unchanged")
+
+    # one optimizer step: layer-major or per micro-step (batch.schedule)
+    losses = [float(v.item()) for v in eng.train_batch(micro_batches, loss_fn,
+                                                        check_losses=check)]
+    optimizer_s = eng.optimizer_step_s - step_before
     step_s = time.perf_counter() - start
     wait_s = eng.scheduler.gather_s - wait_before
     times_after = eng.optimizer_times()
