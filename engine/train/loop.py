@@ -463,13 +463,19 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
         return token_loss(logits, y)  # (IGNORE labels carry no loss)
 
+    checked = [0]  # micro-batches whose loss was checked so far
+
     def check(losses: list[torch.Tensor]) -> None:
         # before any of their gradients reach a shard: the model state stays unchanged
         values = [float(v.item()) for v in losses]
-        if _any_over_ranks(0.0 if all(math.isfinite(v) for v in values) else 1.0, world):
-            raise _NonFinite(f"the loss is {values} (not finite) in this step's "
-                             "micro-batches; stopped before their gradients reached the "
-                             "model, so the model state is unchanged")
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        first = checked[0]
+        checked[0] += len(values)
+        if _any_over_ranks(0.0 if bad is None else 1.0, world):
+            where = (f"the loss is {values[bad]} (not finite) at micro-step {first + bad}"
+                     if bad is not None else "a loss is not finite on another rank")
+            raise _NonFinite(f"{where}; stopped before its gradients reached the model, so "
+                             "the model state is unchanged")
 
     # one optimizer step: layer-major or per micro-step (batch.schedule)
     losses = [float(v.item()) for v in eng.train_batch(micro_batches, loss_fn,
