@@ -32,6 +32,12 @@ NVMe, `stage3_prefetch_bucket_size: 0`, clipping 1.0, bf16, AdamW) runs the same
 in DeepSpeed's own virtualenv when --deepspeed-python is given
 (benchmarks/install_deepspeed.sh builds it).
 
+`--grad-accum K` trains K micro-batches per optimizer step (gradient_accumulation_steps)
+through `eng.train_batch`, as `tierzero train` does, and `--schedules layer_major,micro_step`
+runs the tierzero child once per `batch.schedule` ([Note: layer-major schedule]) in the
+same run; a table compares each schedule's NVMe bytes, step time and tokens/s with the
+first's.
+
 A watchdog in the parent kills a child when the machine's available memory falls below
 --min-available (default 1.5 GiB): on a shared machine without swap an OOM kill could hit
 someone else's process. A killed row says so and is not a measurement.
@@ -205,17 +211,22 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
 
     ph.end("initialize", t, **split())
     ids, labels = _batch(args.vocab, args.batch, args.seq)
+
+    def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = eng(input_ids=mb[0])
+        logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), mb[1].flatten())
+
     for step in range(1, args.steps + 1):
         io0 = io_bytes()
         t = ph.start()
-        out = eng(input_ids=ids)
-        logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-        eng.backward(loss)
-        eng.step()
+        # one optimizer step of --grad-accum micro-batches, in the config's batch.schedule
+        losses = eng.train_batch([(ids, labels)] * args.grad_accum, loss_fn)
         io1 = io_bytes()
-        ph.end(f"step {step}", t, loss=float(loss.item()), nvme_read=io1[0] - io0[0],
-               nvme_written=io1[1] - io0[1], **split())
+        ph.end(f"step {step}", t, loss=float(sum(float(x) for x in losses) / len(losses)),
+               nvme_read=io1[0] - io0[0], nvme_written=io1[1] - io0[1],
+               tokens=args.grad_accum * args.batch * args.seq, schedule=eng.schedule,
+               **split())
     report = eng.memory_report()
     eng.close(restore_params=False)  # as `tierzero train` ends: no model rebuilt in RAM
     left = files_under(args.swap_dir)
@@ -302,12 +313,15 @@ def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
         os.mkdir(os.path.join(run_dir, name), 0o700)
     paths = {"model": model_dir}
     for prec in args.state_precisions:
-        config["offload"]["optimizer"] = {"state_precision": prec}
-        config_path = os.path.join(run_dir, f"tierzero-{prec}.yaml")
-        with open(config_path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=1)  # JSON is YAML
-        paths[f"config:{prec}"] = config_path
-    paths["config"] = paths[f"config:{args.state_precisions[0]}"]
+        for schedule in args.schedules:
+            config["offload"]["optimizer"] = {"state_precision": prec}
+            config["batch"] = {"gradient_accumulation_steps": args.grad_accum,
+                               "schedule": schedule}
+            config_path = os.path.join(run_dir, f"tierzero-{prec}-{schedule}.yaml")
+            with open(config_path, "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=1)  # JSON is YAML
+            paths[f"config:{prec}:{schedule}"] = config_path
+    paths["config"] = paths[f"config:{args.state_precisions[0]}:{args.schedules[0]}"]
     return paths
 
 
@@ -330,6 +344,7 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
            "--config", config or paths["config"],
            "--swap-dir", swap_dir, "--steps", str(args.steps),
            "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(args.threads),
+           "--grad-accum", str(args.grad_accum),
            "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -433,6 +448,30 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
     return out
 
 
+def schedule_table(rows: dict[str, Any]) -> list[str]:
+    """Each tierzero schedule's step against the first's ([Note: layer-major schedule]):
+    NVMe bytes per optimizer step and per parameter, step time, tokens/s."""
+    runs = [(name, r) for name, r in rows.items() if "@" in name and r.get("summary")]
+    if len(runs) < 2:
+        return []
+    base = runs[0][1]["summary"]
+
+    def tok_s(r: dict[str, Any]) -> float:
+        steps = [p for p in r["phases"] if p["phase"].startswith("step")]
+        mid = sorted(steps[1:] or steps, key=lambda p: p["s"])[len(steps[1:] or steps) // 2]
+        return float(mid.get("tokens", 0)) / mid["s"]
+
+    out = ["row | NVMe B/param/step | vs first | step s | vs first | tokens/s | vs first"]
+    for name, r in runs:
+        s = r["summary"]
+        nvme = s["nvme_read_per_step"] + s["nvme_written_per_step"]
+        nvme0 = base["nvme_read_per_step"] + base["nvme_written_per_step"]
+        out.append(f"{name} | {nvme / r['params']:.1f} | {nvme / nvme0:.2f}x | "
+                   f"{s['step_s']:.1f} | {s['step_s'] / base['step_s']:.2f}x | "
+                   f"{tok_s(r):.1f} | {tok_s(r) / tok_s(runs[0][1]):.2f}x")
+    return out
+
+
 def state_bytes_per_param(precision: str) -> float:
     """Training state per parameter with the Adam moments kept in `precision`: bf16 param
     and gradient (2 + 2), fp32 master (4) and the two moments as the store keeps them."""
@@ -492,6 +531,11 @@ def main() -> None:
     ap.add_argument("--state-precisions", default="fp32",
                     help="tierzero rows, one per offload.optimizer.state_precision, in this "
                     "order (fp32,bf16,int8; default fp32)")
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches per optimizer step (gradient_accumulation_steps)")
+    ap.add_argument("--schedules", default="auto",
+                    help="batch.schedule of each tierzero row: auto, layer_major, micro_step "
+                    "(comma-separated: one row each, in the same run)")
     ap.add_argument("--deepspeed-python", help="python of the DeepSpeed virtualenv")
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
@@ -505,7 +549,7 @@ def main() -> None:
         return
     if args.clip < 0:
         ap.error(f"--clip {args.clip}: allowed: a norm > 0, or 0 for no clipping")
-    for flag in ("steps", "seq", "batch", "threads"):
+    for flag in ("steps", "seq", "batch", "threads", "grad_accum"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} {getattr(args, flag)}: allowed: an integer >= 1")
     if not os.path.isdir(args.swap) or not os.access(args.swap, os.W_OK):
@@ -518,6 +562,10 @@ def main() -> None:
 
     if unknown := [p for p in args.state_precisions if p not in STATE_PRECISIONS]:
         ap.error(f"--state-precisions: unknown {unknown}; allowed: {', '.join(STATE_PRECISIONS)}")
+    args.schedules = args.schedules.split(",")
+    if bad_s := set(args.schedules) - {"auto", "layer_major", "micro_step"}:
+        ap.error(f"--schedules: unknown {sorted(bad_s)}; allowed: auto, layer_major, "
+                 "micro_step")
     if args.quick:
         args.bw_bytes = min(args.bw_bytes, 512 << 20)
 
@@ -543,10 +591,13 @@ def main() -> None:
         if "tierzero" in engines:
             result["plan"] = plan_prediction(paths["model"], paths["config"], args.seq,
                                              args.batch)
-        runs = [("tierzero", p) for p in args.state_precisions if "tierzero" in engines]
-        runs += [("deepspeed", "fp32")] if "deepspeed" in engines else []
-        for n, (which, prec) in enumerate(runs):
+        runs = [("tierzero", p, s) for p in args.state_precisions for s in args.schedules
+                if "tierzero" in engines]
+        runs += [("deepspeed", "fp32", "micro_step")] if "deepspeed" in engines else []
+        for n, (which, prec, schedule) in enumerate(runs):
             name = which if prec == "fp32" else f"{which}:{prec}"
+            if which == "tierzero" and len(args.schedules) > 1:
+                name += f"@{schedule}"
             if which == "deepspeed" and not args.deepspeed_python:
                 result["rows"]["deepspeed"] = {"skipped": "no --deepspeed-python"}
                 continue
@@ -558,14 +609,16 @@ def main() -> None:
             sys.stderr.write(f"{name}: running (disk: write {bw['write_gbps']:.2f}, read "
                              f"{bw['read_gbps']:.2f} GB/s)\n")
             row = run_child(python, which, paths, swap_dir, args,
-                            config=paths.get(f"config:{prec}"))
+                            config=paths.get(f"config:{prec}:{schedule}"))
             row["state_precision"], row["disk"] = prec, bw
+            row["schedule"] = schedule if which == "tierzero" else "micro_step"
             params = int(row.get("params", 0))
             row["summary"] = (summarize(row, bw, int(state_bytes_per_param(prec) * params))
                               if params else {})
-            plan = (plan_prediction(paths["model"], paths[f"config:{prec}"], args.seq,
-                                    args.batch) if prec != args.state_precisions[0]
-                    else result.get("plan", {})) if which == "tierzero" else {}
+            own = paths.get(f"config:{prec}:{schedule}", "")
+            plan = (plan_prediction(paths["model"], own, args.seq, args.batch)
+                    if own != paths["config"] else result.get("plan", {})
+                    ) if which == "tierzero" else {}
             if "peak" in plan and row["summary"]:  # predict_run's host peak (bytes)
                 s = row["summary"]
                 s["plan_host_peak"] = plan["peak"]
@@ -574,7 +627,8 @@ def main() -> None:
             shutil.rmtree(swap_dir, ignore_errors=True)  # ours: made by write_inputs
             sys.stderr.write(f"{name}: {json.dumps(row.get('summary') or row)[:1500]}\n")
         result["state_precision_table"] = precision_table(result["rows"])
-        for line in result["state_precision_table"]:
+        result["schedule_table"] = schedule_table(result["rows"])
+        for line in result["state_precision_table"] + result["schedule_table"]:
             sys.stderr.write(line + "\n")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
