@@ -85,6 +85,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("batch.micro_batch_size", None, 2, 2, {}),
     ("batch.gradient_accumulation_steps", None, 4, 4, {}),
     ("batch.global_batch_size", None, 16, 16, {}),
+    ("batch.schedule", "auto", "micro_step", "micro_step", {}),
     ("gradient_clipping", 0.0, 1, 1.0, {}),
     ("activations.cpu_offload", False, "true", True, {}),
     ("logging.level", "info", "debug", "debug", {}),
