@@ -406,3 +406,33 @@ def test_engine_reports_the_schedule_it_runs(tmp_path: Path) -> None:
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=copy.deepcopy(cfg))
     assert eng.schedule == "layer_major"
     eng.close()
+
+
+def test_init_build_and_the_trace_show_one_gather_per_unit_per_pass(tmp_path: Path) -> None:
+    """A model built under tierzero.Init onto NVMe trains layer-major as the same model
+    built whole does; the trace of a step holds each block's gather once in forward and
+    at most once in backward (the last block may stay gathered), the root's once."""
+    from tierzero.swap import trace
+
+    cfg = _config(tmp_path / "swap", schedule="layer_major", offload="nvme", clip=0.5)
+    batches = make_batches(STEPS * GAS)
+    whole = _train(make_model(), cfg, batches)
+    with engine.Init(config=cfg):
+        model = make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    eng.train_batch(batches[:GAS], lambda mb: eng(*mb))
+    rec = trace.Recorder(process="test")
+    with trace.recording(rec):
+        eng.train_batch(batches[GAS:2 * GAS], lambda mb: eng(*mb))
+    params = full_params(eng, model)
+    eng.close()
+    for k, v in whole["params"].items():
+        assert torch.equal(v, params[k]), k
+    gathers: dict[str, int] = {}
+    for e in rec.events:
+        if e.get("cat") == "gather":
+            gathers[e["name"]] = gathers.get(e["name"], 0) + 1
+    blocks = [f"blocks.{i}" for i in range(4)]
+    assert gathers.pop("<root>") == 1
+    assert sorted(gathers) == blocks and all(1 <= n <= 2 for n in gathers.values())
+    assert sum(gathers.values()) == 2 * 4 - 1  # the last block stays gathered for backward
