@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.shards.tiered import grad_home, offload_wanted
 from tierzero.swap import trace
 
@@ -368,6 +369,11 @@ class LayerMajorPass:
             t.start()
         for t in threads:
             t.join()
+        if self.device.type == "cpu":
+            # each micro-batch thread allocated in a malloc arena of its own; what it freed
+            # there the training thread cannot reuse: hand it back ([Note: returning freed
+            # host memory] in engine/host_heap.py)
+            release_free_heap("a layer-major forward")
         if self._baton.error is not None:
             raise self._baton.error
         held = sum(leaf.nbytes for calls in self._calls for c in calls if c is not None
