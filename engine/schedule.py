@@ -159,7 +159,7 @@ class Scheduler:
         # Trainable group keys in the order their gradients turned final in the last
         # complete backward (each at its last reduction: a late-gradient group where it
         # was reduced again); the engine's optimizer stream follows it ([Note: step order
-        # learned from backward] in engine/engine.py).
+        # learned from backward] in offload/step_seam.py).
         self.final_order: list[str] = []
         self._finals: dict[str, None] = {}
         # Trainable groups reduced more than once in this backward (late gradients): a

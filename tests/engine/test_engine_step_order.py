@@ -1,5 +1,5 @@
 """The streamed CPU Adam's group order follows the order gradients turn final in backward
-([Note: step order learned from backward] in engine/engine.py).
+([Note: step order learned from backward] in offload/step_seam.py).
 
 A model whose root (embedding, final norm, head) is cut into pieces: the head's piece is
 final at the start of backward, the embedding's at the end. Before any step the order is
