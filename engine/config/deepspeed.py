@@ -24,7 +24,8 @@ acted on with the reason: 0 for the stage-3 element counts and for
 sub_group_size, null for overlap_comm (DeepSpeed's default: on at stage 3),
 the strings and numbers its models read as booleans (ds_common.ds_bool), an
 "auto" the HF integration does not fill inside a section DeepSpeed parses with
-its config models (the key's default; hf_auto.DEFAULTED_SECTIONS), fp16
+its config models (DeepSpeed drops it: the key as if left out, which here means
+tierzero's default; hf_auto.DEFAULTED_SECTIONS), fp16
 scaling keys while fp16 or dynamic scaling is off (DeepSpeed checks them only
 when used), swap-buffer sizes of a cpu offload (used with nvme only), the
 deprecated boolean `zero_optimization`, and warm-up lengths below 2 (DeepSpeed
@@ -152,7 +153,8 @@ def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) ->
     out = Mapped()
     for key in dropped:
         out.ignore(key, "'auto' that the HF integration does not fill: DeepSpeed drops it and "
-                   "takes the key's default, and so does tierzero")
+                   "takes the key's default; here the key is as if left out (tierzero's "
+                   "default for it)")
     if isinstance(data.get("zero_optimization"), bool):
         # DeepSpeed's deprecated form: true is stage 1, false stage 0
         data = {**data, "zero_optimization": {"stage": 1 if data["zero_optimization"] else 0}}
@@ -254,6 +256,10 @@ def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
     canon: dict[str, tuple[str, Any]] = {}  # canonical name -> (key as written, value)
     known = set(ZERO_ALIASES) | set(ZERO_ELEMENTS) | set(ZERO_PLAIN) | set(ZERO_STRUCT) | set(
         IGNORED_ZERO) | {"sub_group_size"}
+    if "aio" in zero:  # as transformers' DeepSpeed guide nests it
+        raise ConfigError("zero_optimization.aio", "unknown DeepSpeed key; aio is a top-level "
+                          "section (DeepSpeed refuses it here too): move it out of "
+                          "zero_optimization")
     check_keys(zero, known, "zero_optimization")
     for key, value in zero.items():
         name = ZERO_ALIASES.get(key, key)

@@ -129,10 +129,11 @@ def _warmup(params: Mapping[str, Any], put: Any, out: Mapped) -> None:
         put("warmup_steps", "warmup_num_steps", steps)
     else:
         n = values.coerce(steps, int, {"ge": 0}, "scheduler.params.warmup_num_steps")
-        total = params.get("total_num_steps")
-        cap = n if isinstance(total, RunLength) or total is None else max(
-            n, values.coerce(total, int, {"gt": 0}, "scheduler.params.total_num_steps"))
-        put("warmup_steps", "warmup_num_steps", min(max(2, n), cap))
+        warm, total = max(2, n), params.get("total_num_steps")
+        if total is not None and not isinstance(total, RunLength):
+            total = values.coerce(total, int, {"gt": 0}, "scheduler.params.total_num_steps")
+            warm = min(warm, max(n, total))
+        put("warmup_steps", "warmup_num_steps", warm)
     shape = params.get("warmup_type", "log")
     if str(shape).strip().lower() not in ("log", "linear"):
         out.ignore("scheduler.params.warmup_type", f"{shape!r} is not log or linear: DeepSpeed "
