@@ -19,7 +19,9 @@ The subclass keeps everything it does before training (TRL: tokenizing, chat tem
 packing, its collator, peft wrapping) and its `compute_loss` and `log` (TRL's loss and its
 token-accuracy metrics); the mixin replaces the training loop, checkpoints and
 `save_model` (see "What `train()` does" below). It must come before the Trainer class in
-the bases (a TypeError says so otherwise).
+the bases (a TypeError says so otherwise). Before training the mixin turns on
+activation checkpointing from the TrainingArguments, as `Trainer.train` does; NEFTune and
+Liger kernels are refused.
 
 `tierzero_config`: a native or DeepSpeed config (path, mapping or Config);
 default `args.deepspeed`. DeepSpeed's `"auto"` values are filled from the
@@ -250,9 +252,7 @@ class TierZeroMixin(_MixinBase):
             log.warning("%s: save_total_limit=%s is not applied; tierzero checkpoints "
                         "are kept", type(self).__name__, a.save_total_limit)
         self.close()
-        if not isinstance(self.model, torch.nn.Module):
-            raise ValueError(f"{type(self).__name__} needs model= (an nn.Module)")
-        eng, _, _, _ = initialize(model=self.model, config=config)
+        eng, _, _, _ = initialize(model=self._prepare_model(), config=config)
         self.engine = eng
         start, consumed = self._resume(eng, resume_from_checkpoint)
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=math.ceil(
@@ -307,6 +307,33 @@ class TierZeroMixin(_MixinBase):
                    "train_steps_per_second": steps_run / run_s if run_s else 0.0}
         self.log(dict(metrics))
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _prepare_model(self) -> torch.nn.Module:
+        """What Trainer.train does to the model before its loop and a script relies on:
+        activation checkpointing from the TrainingArguments (TRL's SFTConfig turns it on
+        by default). NEFTune and Liger kernels, which the Trainer also applies there, are
+        refused rather than silently left out. Returns the model."""
+        a, model = self.args, self.model
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"{type(self).__name__} needs model= (an nn.Module)")
+        for name in ("neftune_noise_alpha", "use_liger_kernel"):
+            if getattr(a, name, None):
+                raise ValueError(f"{type(self).__name__}: TrainingArguments.{name} is not "
+                                 "supported with tierzero; unset it")
+        # transformers >= 5 names it activation_checkpointing; before, gradient_checkpointing
+        on = getattr(a, "activation_checkpointing", getattr(a, "gradient_checkpointing", False))
+        if not on:
+            return model
+        kwargs = dict(getattr(a, "activation_checkpointing_kwargs", None)
+                      or getattr(a, "gradient_checkpointing_kwargs", None) or {})
+        hf: Any = model  # a PreTrainedModel or a peft wrapper around one
+        if hasattr(hf, "activation_checkpointing_enable"):
+            every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                               every_n_layers=every, offload=offload)
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        return model
 
     def _batches(self, loader: DataLoader[Any], sampler: DistributedSampler[Any],
                  consumed: int) -> Iterator[Any]:

@@ -112,7 +112,8 @@ def test_sft_script_with_the_mixin_matches_trl(tmp_path: Path, lora: bool,
     trainer, got = _run(SFT, base, tmp_path / "out", lora=lora, packing=packing,
                         tierzero_config=ds_config)
     assert trainer.engine is not None
-    # SFTConfig's default activation checkpointing, switched on by Trainer.__init__
+    # SFTConfig's default activation checkpointing, switched on before training as
+    # Trainer.train does
     assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
     assert trainer.engine.config.offload.params.device == "nvme"
     assert len(got) == len(expected) == STEPS
