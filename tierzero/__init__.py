@@ -41,11 +41,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """`tierzero.TierZeroTrainer`, imported on first use: it needs transformers, which
-    `import tierzero` does not."""
-    if name == "TierZeroTrainer":
-        from tierzero.engine.hf.trainer import TierZeroTrainer
-        return TierZeroTrainer
+    """`tierzero.TierZeroTrainer` and `tierzero.TierZeroMixin`, imported on first use: they
+    need transformers, which `import tierzero` does not."""
+    if name in ("TierZeroTrainer", "TierZeroMixin"):
+        from tierzero.engine.hf import trainer
+        return getattr(trainer, name)
     raise AttributeError(f"module 'tierzero' has no attribute {name!r}")
 
 
@@ -65,6 +65,7 @@ __all__ = [
     "RanksDivergedError",
     "SwapError",
     "SwapStore",
+    "TierZeroMixin",
     "TierZeroTrainer",
     "TrainingStateError",
     "ZeroEngine",

@@ -16,6 +16,21 @@ the compute dtype's size (2 for fp16/bf16, 4 for fp32), and nowhere else.
 Keys DeepSpeed knows but tierzero does not act on are collected (dotted
 paths) and reported once; unknown keys inside a section we map are errors
 (DeepSpeed itself rejects them), with a did-you-mean.
+
+[Note: DeepSpeed's values] Every value DeepSpeed's config parsing takes
+(deepspeed/runtime/zero/config.py, offload_config.py, precision_config.py,
+lr_schedules.py) loads here with DeepSpeed's meaning, or is reported as not
+acted on with the reason: 0 for the stage-3 element counts and for
+sub_group_size, null for overlap_comm (DeepSpeed's default: on at stage 3),
+the strings and numbers its models read as booleans (ds_common.ds_bool), an
+"auto" the HF integration does not fill inside a section DeepSpeed parses with
+its config models (DeepSpeed drops it: the key as if left out, which here means
+tierzero's default; hf_auto.DEFAULTED_SECTIONS), fp16
+scaling keys while fp16 or dynamic scaling is off (DeepSpeed checks them only
+when used), swap-buffer sizes of a cpu offload (used with nvme only), the
+deprecated boolean `zero_optimization`, and warm-up lengths below 2 (DeepSpeed
+warms up over max(2, warmup_num_steps) steps). Fixtures from the projects that
+ship DeepSpeed configs are in tests/data/deepspeed_configs/.
 """
 
 from __future__ import annotations
@@ -24,7 +39,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierzero.engine.config import ds_offload, ds_optim, hf_auto, values
-from tierzero.engine.config.ds_common import Mapped, check_keys, elements_to_bytes, section
+from tierzero.engine.config.ds_common import (
+    Mapped,
+    check_keys,
+    ds_bool,
+    elements_to_bytes,
+    section,
+)
 from tierzero.engine.config.errors import ConfigError
 
 # Top-level keys that only a DeepSpeed config has (native files never use them).
@@ -56,6 +77,17 @@ IGNORED_TOP = {
     "torch_autocast": "precision sets the compute dtype", "nebula": "not supported",
     "hybrid_engine": "not supported", "weight_quantization": "not supported",
     "load_universal_checkpoint": "tierzero's checkpoint format",
+    "compile": "tierzero does not compile the model (DeepSpeed compiles on engine.compile())",
+    "tensor_parallel": "tensor parallelism is not supported (data parallel ZeRO only)",
+    "expert_parallel": "expert parallelism is not supported (data parallel ZeRO only)",
+    "use_data_before_expert_parallelism": "expert parallelism is not supported",
+    "seq_parallel_communication_data_type": "sequence parallelism is not supported",
+    "gradient_allreduce_op": "gradients are averaged once in fp32",
+    "managed_gradient_accumulation": "the engine counts micro-batches itself",
+    "graph_harvesting": "not used", "log_level": "use Python logging (logger 'tierzero')",
+    "dataloader_drop_last": "the data loader is the caller's",
+    "allgather_size": "units are the gather grain",
+    "datastates_ckpt": "tierzero's checkpoint format",
 }
 IGNORED_ZERO = {
     "contiguous_gradients": "gradients are flat shards by design", "reduce_scatter": "always on",
@@ -102,9 +134,6 @@ ZERO_ELEMENTS = {  # canonical DeepSpeed name -> native key, counted in elements
 ZERO_PLAIN = {
     "stage": "zero.stage", "overlap_comm": "zero.overlap_comm",
 }
-ZERO_COUNTS = {  # canonical DeepSpeed name -> native key, counted in elements (not bytes)
-    "sub_group_size": "offload.optimizer.chunk_numel",
-}
 ZERO_STRUCT = ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param",
                "cpu_offload_use_pin_memory")
 
@@ -119,8 +148,16 @@ def is_deepspeed(data: Mapping[str, Any]) -> bool:
 
 def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) -> Mapped:
     """Map a DeepSpeed config to the native schema (values checked later by native.build)."""
-    data = hf_auto.resolve(data, hf_auto.training_args(auto_values))
+    dropped: list[str] = []
+    data = hf_auto.resolve(data, hf_auto.training_args(auto_values), dropped=dropped)
     out = Mapped()
+    for key in dropped:
+        out.ignore(key, "'auto' that the HF integration does not fill: DeepSpeed drops it and "
+                   "takes the key's default; here the key is as if left out (tierzero's "
+                   "default for it)")
+    if isinstance(data.get("zero_optimization"), bool):
+        # DeepSpeed's deprecated form: true is stage 1, false stage 0
+        data = {**data, "zero_optimization": {"stage": 1 if data["zero_optimization"] else 0}}
     itemsize = _precision(data, out)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "train_batch_size"):
@@ -129,11 +166,17 @@ def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) ->
                       "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
                       "train_batch_size": "batch.global_batch_size"}[key]
             out.set(native, data[key], key)
-    for key, native in (("gradient_clipping", "gradient_clipping"),
-                        ("steps_per_print", "logging.steps_per_print"),
-                        ("wall_clock_breakdown", "logging.wall_clock_breakdown")):
-        if key in data:
-            out.set(native, data[key], key)
+    if "gradient_clipping" in data:
+        out.set("gradient_clipping", data["gradient_clipping"], "gradient_clipping")
+    if data.get("steps_per_print", 0) is None:  # DeepSpeed: null prints no step lines
+        out.ignore("steps_per_print", "null: DeepSpeed prints no step lines; tierzero's step "
+                   "log keeps logging.steps_per_print (default 10)")
+    elif "steps_per_print" in data:
+        out.set("logging.steps_per_print", data["steps_per_print"], "steps_per_print")
+    if "wall_clock_breakdown" in data:
+        out.set("logging.wall_clock_breakdown",
+                ds_bool(data["wall_clock_breakdown"], "wall_clock_breakdown"),
+                "wall_clock_breakdown")
     handled = {"fp16", "bf16", "bfloat16", "train_micro_batch_size_per_gpu",
                "gradient_accumulation_steps", "train_batch_size", "gradient_clipping",
                "steps_per_print", "wall_clock_breakdown", "zero_optimization", "aio",
@@ -144,7 +187,7 @@ def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) ->
     ds_optim.map_optimizer(data.get("optimizer"), out)
     ds_optim.map_scheduler(data.get("scheduler"), out)
     amp = section(data, "amp")
-    if values.coerce(amp.get("enabled", False), bool, {}, "amp.enabled"):
+    if ds_bool(amp.get("enabled", False), "amp.enabled"):
         raise ConfigError("amp.enabled", "true is not supported (apex AMP); use "
                           "\"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}")
     if "amp" in data:
@@ -156,15 +199,16 @@ def to_native(data: Mapping[str, Any], auto_values: Mapping[str, Any] | None) ->
             out.ignore(key, IGNORED_TOP[key])
         else:
             known = list(handled | IGNORED_TOP.keys())
-            out.ignore(key, "not a DeepSpeed key tierzero knows" + values.did_you_mean(key, known))
+            out.ignore(key, "not a DeepSpeed key tierzero knows (DeepSpeed does not read "
+                       "top-level keys it does not know either)" + values.did_you_mean(key, known))
     return out
 
 
 def _precision(data: Mapping[str, Any], out: Mapped) -> int:
     fp16, bf16 = section(data, "fp16"), {**section(data, "bfloat16"), **section(data, "bf16")}
     bf16_key = "bf16" if "bf16" in data else "bfloat16"
-    on16 = values.coerce(fp16.get("enabled", False), bool, {}, "fp16.enabled")
-    onbf = values.coerce(bf16.get("enabled", False), bool, {}, f"{bf16_key}.enabled")
+    on16 = ds_bool(fp16.get("enabled", False), "fp16.enabled")
+    onbf = ds_bool(bf16.get("enabled", False), f"{bf16_key}.enabled")
     if on16 and onbf:
         raise ConfigError("fp16.enabled", f"true together with {bf16_key}.enabled true; allowed: "
                           "at most one of them")
@@ -173,12 +217,7 @@ def _precision(data: Mapping[str, Any], out: Mapped) -> int:
     check_keys(fp16, {"enabled", "auto_cast", "loss_scale", "initial_scale_power",
                       "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                       "min_loss_scale", "fp16_master_weights_and_grads"}, "fp16")
-    for ds, native in (("loss_scale", "value"), ("initial_scale_power", "initial_scale_power"),
-                       ("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
-                       ("consecutive_hysteresis", "consecutive_hysteresis"),
-                       ("min_loss_scale", "min_scale")):
-        if ds in fp16:
-            out.set(f"precision.loss_scale.{native}", fp16[ds], f"fp16.{ds}")
+    _loss_scale(fp16, on16, out)
     if "auto_cast" in fp16:
         out.ignore("fp16.auto_cast", "inputs are not cast; modules run in precision.dtype")
     if "fp16_master_weights_and_grads" in fp16:
@@ -191,10 +230,36 @@ def _precision(data: Mapping[str, Any], out: Mapped) -> int:
     return 2 if dtype in ("fp16", "bf16") else 4
 
 
+def _loss_scale(fp16: Mapping[str, Any], on: bool, out: Mapped) -> None:
+    """fp16's scaling keys. DeepSpeed checks and uses them only while fp16 is on, the
+    dynamic ones only with loss_scale 0 (dynamic scaling); otherwise they are reported."""
+    static = "loss_scale" in fp16 and values.coerce(fp16["loss_scale"], float, {"ge": 0},
+                                                    "fp16.loss_scale") > 0
+    for ds, native in (("loss_scale", "value"), ("initial_scale_power", "initial_scale_power"),
+                       ("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
+                       ("consecutive_hysteresis", "consecutive_hysteresis"),
+                       ("min_loss_scale", "min_scale")):
+        if ds not in fp16:
+            continue
+        if not on:
+            out.ignore(f"fp16.{ds}", "unused: fp16.enabled is false")
+        elif static and ds != "loss_scale":
+            out.ignore(f"fp16.{ds}", "unused: fp16.loss_scale is static (> 0)")
+        else:
+            raw = fp16[ds]
+            if ds == "consecutive_hysteresis":
+                raw = ds_bool(raw, f"fp16.{ds}")
+            out.set(f"precision.loss_scale.{native}", raw, f"fp16.{ds}")
+
+
 def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
     canon: dict[str, tuple[str, Any]] = {}  # canonical name -> (key as written, value)
     known = set(ZERO_ALIASES) | set(ZERO_ELEMENTS) | set(ZERO_PLAIN) | set(ZERO_STRUCT) | set(
-        IGNORED_ZERO) | set(ZERO_COUNTS)
+        IGNORED_ZERO) | {"sub_group_size"}
+    if "aio" in zero:  # as transformers' DeepSpeed guide nests it
+        raise ConfigError("zero_optimization.aio", "unknown DeepSpeed key; aio is a top-level "
+                          "section (DeepSpeed refuses it here too): move it out of "
+                          "zero_optimization")
     check_keys(zero, known, "zero_optimization")
     for key, value in zero.items():
         name = ZERO_ALIASES.get(key, key)
@@ -207,8 +272,11 @@ def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
         ds_key = f"zero_optimization.{key}"
         if name in ZERO_ELEMENTS:
             out.set(ZERO_ELEMENTS[name], elements_to_bytes(value, itemsize, ds_key), ds_key)
-        elif name in ZERO_COUNTS:
-            out.set(ZERO_COUNTS[name], values.coerce(value, int, {"gt": 0}, ds_key), ds_key)
+        elif name == "sub_group_size":
+            _sub_group_size(value, ds_key, out)
+        elif name == "overlap_comm":
+            if value is not None:  # null: DeepSpeed's default, below
+                out.set("zero.overlap_comm", ds_bool(value, ds_key), ds_key)
         elif name in ZERO_PLAIN:
             out.set(ZERO_PLAIN[name], value, ds_key)
         elif name in IGNORED_ZERO:
@@ -216,9 +284,25 @@ def _zero(zero: Mapping[str, Any], itemsize: int, out: Mapped) -> None:
     if "stage" not in canon:
         out.set("zero.stage", 0, "zero_optimization.stage")  # DeepSpeed's default
     stage = values.coerce(canon.get("stage", ("", 0))[1], int, {}, "zero_optimization.stage")
-    if "overlap_comm" not in canon:  # DeepSpeed: on for stage 3 only
+    if canon.get("overlap_comm", ("", None))[1] is None:  # DeepSpeed: on for stage 3 only
         out.set("zero.overlap_comm", stage == 3, "zero_optimization.overlap_comm")
     ds_offload.map_offload(canon, stage, itemsize, out)
+
+
+def _sub_group_size(value: Any, ds_key: str, out: Mapped) -> None:
+    """DeepSpeed's optimizer tile in elements -> offload.optimizer.chunk_numel. DeepSpeed
+    closes a sub-group once it holds at least sub_group_size elements, so 0 makes every
+    parameter its own sub-group (stage3.py, _create_fp16_sub_groups): the finest tiling it
+    has. tierzero's pieces cut a flat shard at chunk_numel elements whatever the
+    parameters, so 0 keeps the default piece size and says so."""
+    count: int = values.coerce(value, int, {"ge": 0}, ds_key)
+    if count == 0:
+        out.ignore(ds_key, "0 (DeepSpeed: one sub-group per parameter): tierzero streams "
+                   "optimizer state in pieces of offload.optimizer.chunk_numel elements "
+                   "(default 1048576), no larger than DeepSpeed's per-parameter groups of a "
+                   "large model's matrices; set offload.optimizer.chunk_numel to change it")
+    else:
+        out.set("offload.optimizer.chunk_numel", count, ds_key)
 
 
 def _activations(ac: Mapping[str, Any], out: Mapped) -> None:
@@ -226,7 +310,8 @@ def _activations(ac: Mapping[str, Any], out: Mapped) -> None:
     choice (torch.utils.checkpoint), so the other keys are reported, not acted on."""
     for key in ac:
         if key == "cpu_checkpointing":
-            out.set("activations.cpu_offload", ac[key], "activation_checkpointing." + key)
+            out.set("activations.cpu_offload", ds_bool(ac[key], "activation_checkpointing." + key),
+                    "activation_checkpointing." + key)
         else:
             out.ignore(f"activation_checkpointing.{key}",
                        "use torch.utils.checkpoint in the model")

@@ -58,6 +58,24 @@ def check_keys(section: Mapping[str, Any], known: Iterable[str], prefix: str) ->
                               + "; allowed here: " + ", ".join(known))
 
 
+# What DeepSpeed's pydantic config models take for a bool (lax mode), beside true/false.
+_TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
+_FALSE = frozenset({"false", "f", "no", "n", "off", "0"})
+
+
+def ds_bool(raw: Any, ds_key: str) -> bool:
+    """A DeepSpeed switch as DeepSpeed's config models read it: true/false, 1/0, and the
+    strings "true"/"false", "yes"/"no", "on"/"off", "1"/"0", "t"/"f", "y"/"n" (any case)."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int | float) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE
+    raise ConfigError(ds_key, f"{raw!r} is not allowed; allowed: true or false (DeepSpeed "
+                      "also takes 1/0 and the strings yes/no, on/off, true/false)")
+
+
 def elements_to_bytes(raw: Any, itemsize: int, ds_key: str) -> int:
     """See [Note: DeepSpeed element counts] in deepspeed.py."""
     count: int = values.coerce(raw, int, {"ge": 0}, ds_key)

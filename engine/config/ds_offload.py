@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierzero.engine.config import values
-from tierzero.engine.config.ds_common import Mapped, check_keys, elements_to_bytes
+from tierzero.engine.config.ds_common import Mapped, check_keys, ds_bool, elements_to_bytes
 from tierzero.engine.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def map_offload(zero: Mapping[str, tuple[str, Any]], stage: int, itemsize: int,
             continue
         key, raw = zero[legacy]
         ds_key = f"zero_optimization.{key}"
-        if values.coerce(raw, bool, {}, ds_key):
+        if ds_bool(raw, ds_key):
             if name in sections:
                 raise ConfigError(ds_key, f"true conflicts with zero_optimization.{name} (the "
                                   f"legacy and the current spelling); keep {name}")
@@ -56,7 +56,7 @@ def map_offload(zero: Mapping[str, tuple[str, Any]], stage: int, itemsize: int,
     pin: bool | None = None
     if "cpu_offload_use_pin_memory" in zero:
         key, raw = zero["cpu_offload_use_pin_memory"]
-        pin = values.coerce(raw, bool, {}, f"zero_optimization.{key}")
+        pin = ds_bool(raw, f"zero_optimization.{key}")
     for name, cls in (("offload_param", "params"), ("offload_optimizer", "optimizer")):
         if name in sections:
             ds_key, body = sections[name]
@@ -86,9 +86,9 @@ def _map_class(body: Mapping[str, Any], prefix: str, cls: str, itemsize: int,
             out.set(f"{native}.path", body["nvme_path"], f"{prefix}.nvme_path")
         else:
             out.ignore(f"{prefix}.nvme_path", f"unused: device is {device}")
-    for ds in ("pin_memory", "buffer_count"):
-        if ds in body:
-            out.set(f"{native}.{ds}", body[ds], f"{prefix}.{ds}")
+    if "pin_memory" in body:
+        out.set(f"{native}.pin_memory", ds_bool(body["pin_memory"], f"{prefix}.pin_memory"),
+                f"{prefix}.pin_memory")
     # Parameter buffers hold compute-dtype elements; optimizer buffers fp32 state.
     size = itemsize if cls == "params" else 4
     if cls == "params" and device == "nvme" and "max_in_cpu" not in body:
@@ -96,8 +96,17 @@ def _map_class(body: Mapping[str, Any], prefix: str, cls: str, itemsize: int,
                  "parameter partitions up to that size in host memory; tierzero's default "
                  "is 0 (offload.params.max_in_cpu_bytes): every parameter shard is homed on "
                  "NVMe. Set %s.max_in_cpu to keep some in host memory", prefix, prefix)
-    for ds, nat in (("buffer_size", "buffer_bytes"), ("max_in_cpu", "max_in_cpu_bytes")):
-        if ds in body:
+    for ds, nat in (("buffer_count", "buffer_count"), ("buffer_size", "buffer_bytes"),
+                    ("max_in_cpu", "max_in_cpu_bytes")):
+        if ds not in body:
+            continue
+        if device != "nvme":  # DeepSpeed sizes its swap buffers only for nvme
+            values.coerce(body[ds], int, {"ge": 0}, f"{prefix}.{ds}")  # still checked, as there
+            out.ignore(f"{prefix}.{ds}", f"unused: device is {device} (swap buffers are "
+                       "for nvme)")
+        elif ds == "buffer_count":
+            out.set(f"{native}.{nat}", body[ds], f"{prefix}.{ds}")
+        else:
             out.set(f"{native}.{nat}", elements_to_bytes(body[ds], size, f"{prefix}.{ds}"),
                     f"{prefix}.{ds}")
     for ds, reason in OPT_IGNORED.items():

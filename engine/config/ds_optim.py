@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierzero.engine.config import values
-from tierzero.engine.config.ds_common import Mapped, check_keys, log
+from tierzero.engine.config.ds_common import Mapped, check_keys, ds_bool, log
 from tierzero.engine.config.errors import ConfigError
 from tierzero.engine.config.hf_auto import RunLength
 
@@ -56,15 +56,14 @@ def map_optimizer(section: Any, out: Mapped) -> None:
                           + "; allowed: Adam, AdamW (any case)")
     params = _params(section, "optimizer")
     check_keys(params, ADAM_PARAMS, "optimizer.params")
-    w_mode = values.coerce(params.get("adam_w_mode", True), bool, {},
-                           "optimizer.params.adam_w_mode")
+    w_mode = ds_bool(params.get("adam_w_mode", True), "optimizer.params.adam_w_mode")
     out.set("optimizer.type", "adamw" if name == "adamw" or w_mode else "adam", "optimizer.type")
     for key in ("lr", "betas", "eps", "weight_decay"):
         if key in params:
             out.set(f"optimizer.{key}", params[key], f"optimizer.params.{key}")
     for key, bad, why in (("bias_correction", False, "bias correction is always applied"),
                           ("amsgrad", True, "AMSGrad is not implemented")):
-        if key in params and values.coerce(params[key], bool, {}, f"optimizer.params.{key}") is bad:
+        if key in params and ds_bool(params[key], f"optimizer.params.{key}") is bad:
             raise ConfigError(f"optimizer.params.{key}", f"{bad!r} is not supported ({why}); "
                               f"allowed: {not bad!r} or leave it out")
     for key in ("torch_adam", "fused"):
@@ -95,8 +94,7 @@ def map_scheduler(section: Any, out: Mapped) -> None:
             return
         out.set(f"scheduler.{native}", value, f"scheduler.params.{key}")
 
-    put("warmup_steps", "warmup_num_steps", params.get("warmup_num_steps", 1000))
-    put("warmup_shape", "warmup_type", params.get("warmup_type", "log"))
+    _warmup(params, put, out)
     if "total_num_steps" in params:
         put("total_steps", "total_num_steps", params["total_num_steps"])
     if name == "warmupcosinelr":
@@ -119,3 +117,26 @@ def map_scheduler(section: Any, out: Mapped) -> None:
             put("min_lr", "warmup_min_lr", num("warmup_min_lr", 0.0))
     if params.get("last_batch_iteration", -1) != -1:
         out.ignore("scheduler.params.last_batch_iteration", "resume restores the step count")
+
+
+def _warmup(params: Mapping[str, Any], put: Any, out: Mapped) -> None:
+    """DeepSpeed's warm-up: over max(2, warmup_num_steps) steps (its schedulers clamp the
+    count, so 0 and 1 warm up over 2 steps, the first at warmup_min_lr), here no longer
+    than a known total_num_steps (a run of one step; DeepSpeed would only warn); an unknown
+    warmup_type falls back to "log" with a warning, as DeepSpeed does."""
+    steps = params.get("warmup_num_steps", 1000)
+    if isinstance(steps, RunLength):  # filled by Config.with_run_length, clamped there
+        put("warmup_steps", "warmup_num_steps", steps)
+    else:
+        n = values.coerce(steps, int, {"ge": 0}, "scheduler.params.warmup_num_steps")
+        warm, total = max(2, n), params.get("total_num_steps")
+        if total is not None and not isinstance(total, RunLength):
+            total = values.coerce(total, int, {"gt": 0}, "scheduler.params.total_num_steps")
+            warm = min(warm, max(n, total))
+        put("warmup_steps", "warmup_num_steps", warm)
+    shape = params.get("warmup_type", "log")
+    if str(shape).strip().lower() not in ("log", "linear"):
+        out.ignore("scheduler.params.warmup_type", f"{shape!r} is not log or linear: DeepSpeed "
+                   "warns and warms up on its log curve, and so does tierzero")
+        shape = "log"
+    put("warmup_shape", "warmup_type", str(shape).strip().lower())

@@ -133,15 +133,34 @@ def training_args(auto_values: Mapping[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
-def resolve(data: Any, args: Args, prefix: str = "") -> Any:
-    """`data` with every "auto" replaced by its resolved value (a new tree)."""
+# Sections DeepSpeed reads through its pydantic config models, which drop an "auto" the
+# HF integration left (DeepSpeedConfigModel, strict=False): the key takes DeepSpeed's
+# default. Top-level keys and the other sections are read as written, so "auto" there
+# is an error.
+DEFAULTED_SECTIONS = ("zero_optimization.", "fp16.", "bf16.", "bfloat16.")
+_DROPPED = object()
+
+
+def resolve(data: Any, args: Args, prefix: str = "", dropped: list[str] | None = None) -> Any:
+    """`data` with every "auto" replaced by its resolved value (a new tree). An "auto" no
+    rule fills inside DEFAULTED_SECTIONS is left out (DeepSpeed's default) and its key
+    appended to `dropped`."""
     if isinstance(data, Mapping):
-        return {k: resolve(v, args, f"{prefix}{k}.") for k, v in data.items()}
+        out = {}
+        for k, v in data.items():
+            value = resolve(v, args, f"{prefix}{k}.", dropped)
+            if value is not _DROPPED:
+                out[k] = value
+        return out
     if isinstance(data, str) and data.strip().lower() == "auto":
         key = prefix.rstrip(".")
         rule = RULES.get(key)
+        if rule is None and dropped is not None and key.startswith(DEFAULTED_SECTIONS):
+            dropped.append(key)
+            return _DROPPED
         if rule is None:
             raise ConfigError(key, "'auto' is not allowed here; 'auto' is allowed only at: "
-                              + ", ".join(RULES))
+                              + ", ".join(RULES) + ", and (meaning DeepSpeed's default) at any "
+                              "key of " + ", ".join(s.rstrip(".") for s in DEFAULTED_SECTIONS))
         return rule(args)
     return data

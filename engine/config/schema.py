@@ -561,6 +561,10 @@ class Config:
                   "scheduler.params.warmup_num_steps": "warmup_steps"}  # (checks.py refuses others)
         filled: dict[str, Any] = {native[key]: checks.of_run_length(factor, steps)
                                   for key, factor in self.run_length_auto}
+        if "warmup_steps" in filled:  # DeepSpeed warms up over at least 2 steps (ds_optim.py)
+            total = filled.get("total_steps", self.scheduler.total_steps)
+            filled["warmup_steps"] = min(max(2, filled["warmup_steps"]),
+                                         max(filled["warmup_steps"], total or 2))
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **filled),
                                    run_length_auto=())
 

@@ -1,4 +1,5 @@
-"""`TierZeroTrainer`: a `transformers.Trainer` whose training runs through a tierzero engine.
+"""`TierZeroMixin`: training through a tierzero engine for any `transformers.Trainer`
+subclass; `TierZeroTrainer` is the mixin over `transformers.Trainer` itself.
 
 An existing Trainer script changes one class name and passes its config:
 
@@ -7,6 +8,20 @@ An existing Trainer script changes one class name and passes its config:
     trainer.train()            # or train(resume_from_checkpoint=True)
     trainer.save_model()       # a Hugging Face directory (a peft adapter for LoRA)
     trainer.close()            # the engine's files are removed; the model is whole again
+
+A script built on a Trainer subclass (TRL's `SFTTrainer`, ...) puts the mixin first:
+
+    class SFT(tierzero.TierZeroMixin, trl.SFTTrainer): pass
+    trainer = SFT(model=..., args=SFTConfig(...), train_dataset=..., peft_config=...,
+                  tierzero_config="ds_config.json")
+
+The subclass keeps everything it does before training (TRL: tokenizing, chat templates,
+packing, its collator, peft wrapping) and its `compute_loss` and `log` (TRL's loss and its
+token-accuracy metrics); the mixin replaces the training loop, checkpoints and
+`save_model` (see "What `train()` does" below). It must come before the Trainer class in
+the bases (a TypeError says so otherwise). Before training the mixin turns on
+activation checkpointing from the TrainingArguments, as `Trainer.train` does; NEFTune and
+Liger kernels are refused.
 
 `tierzero_config`: a native or DeepSpeed config (path, mapping or Config);
 default `args.deepspeed`. DeepSpeed's `"auto"` values are filled from the
@@ -20,16 +35,19 @@ config is taken as written, except batch sizes it leaves unset.
 What `train()` does, per optimizer step: `gradient_accumulation_steps` micro-
 batches, each `eng(**inputs)` -> `compute_loss` -> `eng.backward(loss)` ->
 `eng.step()` (the engine divides by the accumulation count and steps at the
-boundary), so the loss is the per-micro-batch mean, as DeepSpeed computes it.
-The data order is a `DistributedSampler(seed=args.seed)` with `set_epoch`,
-so a resumed run sees the same batches. Logging, `save_steps` and the
+boundary), so the loss is the per-micro-batch mean, as DeepSpeed computes it
+(`compute_loss` gets no `num_items_in_batch`; with one micro-batch per step this is
+the Trainer's own loss). The data order is a `DistributedSampler(seed=args.seed)` with
+`set_epoch`, so a resumed run sees the same batches. Logging, `save_steps` and the
 callbacks follow the Trainer's flow (DefaultFlowCallback); checkpoints are
 tierzero checkpoints `output_dir/checkpoint-<step>` holding the trainer's
 position. Not supported: `save_total_limit` (warned), evaluation during
-training, hyper-parameter search.
+training, hyper-parameter search, and a subclass's own `training_step` (TRL's
+activation-offload context): the mixin's loop calls `compute_loss` directly.
 
-Tested with transformers 5.24 and peft 0.21 (tests/engine/hf/test_hf_trainer.py); it
-uses the Trainer's `_remove_unused_columns` / `_get_collator_with_removed_columns`.
+Tested with transformers 5.24, peft 0.21 and TRL 1.16 (tests/engine/hf/test_hf_trainer.py,
+tests/engine/hf/test_hf_trl.py); it uses the Trainer's `_remove_unused_columns` /
+`_get_collator_with_removed_columns`.
 """
 
 from __future__ import annotations
@@ -43,7 +61,7 @@ import time
 from collections.abc import Iterator, Mapping
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -91,8 +109,32 @@ def _read_source(source: Any) -> Mapping[str, Any] | None:
     return None
 
 
-class TierZeroTrainer(transformers.Trainer):
-    """`transformers.Trainer` with training through tierzero (see the module doc)."""
+# The mixin's methods use the Trainer's attributes (args, model, callback_handler, ...):
+# type-checked as a Trainer, at run time a plain class that goes before one in the bases.
+if TYPE_CHECKING:
+    _MixinBase = transformers.Trainer
+else:
+    _MixinBase = object
+
+
+class TierZeroMixin(_MixinBase):
+    """Training through tierzero for any `transformers.Trainer` subclass; list it first in
+    the bases: `class SFT(TierZeroMixin, trl.SFTTrainer)` (see the module doc)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(
+                TierZeroMixin):
+            raise TypeError(f"{cls.__name__}: TierZeroMixin must come before the Trainer "
+                            f"class in the bases, e.g. class {cls.__name__}(TierZeroMixin, "
+                            "SFTTrainer); after it, the Trainer's own train() would run")
+        shadowed = [name for name in ("train", "save_model", "_move_model_to_device")
+                    if _defined_before(mro, name, TierZeroMixin)]
+        if shadowed:
+            raise TypeError(f"{cls.__name__}: a class before TierZeroMixin in the bases "
+                            f"defines {', '.join(shadowed)}, which the mixin must provide; "
+                            "put TierZeroMixin first")
 
     def __init__(self, *args: Any, tierzero_config: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -110,7 +152,7 @@ class TierZeroTrainer(transformers.Trainer):
         a = self.args
         source = self.tierzero_config if self.tierzero_config is not None else a.deepspeed
         if source is None:
-            raise ConfigError("tierzero_config", "TierZeroTrainer needs a config: pass "
+            raise ConfigError("tierzero_config", f"{type(self).__name__} needs a config: pass "
                               "tierzero_config='ds_config.json' (DeepSpeed or native) or "
                               "TrainingArguments(deepspeed=...)")
         if isinstance(source, Config):
@@ -168,8 +210,8 @@ class TierZeroTrainer(transformers.Trainer):
     def _tierzero_loader(self) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
         ds = self.train_dataset
         if ds is None or not hasattr(ds, "__len__"):
-            raise ValueError("TierZeroTrainer needs a train_dataset with a length (a map-style "
-                             "dataset); streaming datasets are not supported")
+            raise ValueError(f"{type(self).__name__} needs a train_dataset with a length (a "
+                             "map-style dataset); streaming datasets are not supported")
         collator = self.data_collator
         try:
             import datasets  # type: ignore[import-untyped,unused-ignore]
@@ -198,7 +240,8 @@ class TierZeroTrainer(transformers.Trainer):
         """Train through a tierzero engine (see the module doc). The engine stays open
         afterwards for save_model(); close() ends it."""
         if trial is not None:
-            raise ValueError("TierZeroTrainer does not support hyper-parameter search (trial=)")
+            raise ValueError(f"{type(self).__name__} does not support hyper-parameter "
+                             "search (trial=)")
         a = self.args
         loader, sampler = self._tierzero_loader()
         accum = a.gradient_accumulation_steps
@@ -206,12 +249,10 @@ class TierZeroTrainer(transformers.Trainer):
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * per_epoch)
         config = self.tierzero_config_for(max_steps)
         if a.save_total_limit:
-            log.warning("TierZeroTrainer: save_total_limit=%s is not applied; tierzero "
-                        "checkpoints are kept", a.save_total_limit)
+            log.warning("%s: save_total_limit=%s is not applied; tierzero checkpoints "
+                        "are kept", type(self).__name__, a.save_total_limit)
         self.close()
-        if not isinstance(self.model, torch.nn.Module):
-            raise ValueError("TierZeroTrainer needs model= (an nn.Module)")
-        eng, _, _, _ = initialize(model=self.model, config=config)
+        eng, _, _, _ = initialize(model=self._prepare_model(), config=config)
         self.engine = eng
         start, consumed = self._resume(eng, resume_from_checkpoint)
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=math.ceil(
@@ -266,6 +307,33 @@ class TierZeroTrainer(transformers.Trainer):
                    "train_steps_per_second": steps_run / run_s if run_s else 0.0}
         self.log(dict(metrics))
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _prepare_model(self) -> torch.nn.Module:
+        """What Trainer.train does to the model before its loop and a script relies on:
+        activation checkpointing from the TrainingArguments (TRL's SFTConfig turns it on
+        by default). NEFTune and Liger kernels, which the Trainer also applies there, are
+        refused rather than silently left out. Returns the model."""
+        a, model = self.args, self.model
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"{type(self).__name__} needs model= (an nn.Module)")
+        for name in ("neftune_noise_alpha", "use_liger_kernel"):
+            if getattr(a, name, None):
+                raise ValueError(f"{type(self).__name__}: TrainingArguments.{name} is not "
+                                 "supported with tierzero; unset it")
+        # transformers >= 5 names it activation_checkpointing; before, gradient_checkpointing
+        on = getattr(a, "activation_checkpointing", getattr(a, "gradient_checkpointing", False))
+        if not on:
+            return model
+        kwargs = dict(getattr(a, "activation_checkpointing_kwargs", None)
+                      or getattr(a, "gradient_checkpointing_kwargs", None) or {})
+        hf: Any = model  # a PreTrainedModel or a peft wrapper around one
+        if hasattr(hf, "activation_checkpointing_enable"):
+            every, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                               every_n_layers=every, offload=offload)
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        return model
 
     def _batches(self, loader: DataLoader[Any], sampler: DistributedSampler[Any],
                  consumed: int) -> Iterator[Any]:
@@ -350,3 +418,12 @@ def _mean_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
+
+
+def _defined_before(mro: tuple[type, ...], name: str, mixin: type) -> bool:
+    """Whether a class before `mixin` in `mro` defines `name` itself."""
+    return any(name in vars(c) for c in mro[1:mro.index(mixin)])
+
+
+class TierZeroTrainer(TierZeroMixin, transformers.Trainer):
+    """`transformers.Trainer` with training through tierzero (see the module doc)."""

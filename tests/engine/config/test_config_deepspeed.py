@@ -56,16 +56,20 @@ def test_stage3_cpu_offload_and_element_counts_bf16() -> None:
             "stage3_gather_16bit_weights_on_model_save": True,
         }))
     p, o, z = config.offload.params, config.offload.optimizer, config.zero
-    assert (p.device, p.pin_memory, p.buffer_count) == ("cpu", False, 6)
-    assert (p.buffer_bytes, p.max_in_cpu_bytes) == (2 * 10**8, 2 * 10**9)
+    assert (p.device, p.pin_memory) == ("cpu", False)
     assert (o.device, o.pin_memory) == ("cpu", True)
     assert (z.prefetch_bytes, z.persistence_threshold_bytes) == (10**8, 2 * 10**5)
     assert (z.max_live_bytes, z.max_reuse_distance_bytes) == (2 * 10**9, 0)
     assert z.reduce_bucket_bytes == 10**9
     assert z.overlap_comm is False
-    # accepted, not acted on (issue 19): partial offload, the gather-on-save switch
-    assert config.ignored_keys == ("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                                   "zero_optimization.offload_optimizer.ratio")
+    # accepted, not acted on (issue 19): partial offload, the gather-on-save switch; and
+    # the swap-buffer sizes, which DeepSpeed uses with nvme only (issue 32)
+    assert config.ignored_keys == (
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.offload_optimizer.ratio")
 
 
 def test_element_counts_fp32_are_4_bytes() -> None:
@@ -77,12 +81,15 @@ def test_element_counts_fp32_are_4_bytes() -> None:
 def test_stage3_nvme_offload(tmp_path: Path) -> None:
     config = engine.load_config(ds(zero_optimization={
         "stage": 3,
-        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 6,
+                          "buffer_size": 1e8, "max_in_cpu": "1e9"},
         "offload_optimizer": {"device": "NVMe", "nvme_path": str(tmp_path),
                               "pipeline_read": True, "pipeline_write": False},
     }, aio={"block_size": 262144, "queue_depth": 16, "thread_count": 2,
-            "single_submit": False, "overlap_events": True}))
+            "single_submit": False, "overlap_events": True}, bf16={"enabled": True}))
     assert config.offload.params.device == config.offload.optimizer.device == "nvme"
+    p = config.offload.params  # element counts of bf16: 2 bytes each
+    assert (p.buffer_count, p.buffer_bytes, p.max_in_cpu_bytes) == (6, 2 * 10**8, 2 * 10**9)
     assert config.offload.params.path == config.offload.optimizer.path == str(tmp_path)
     assert (config.nvme.block_size, config.nvme.queue_depth, config.nvme.threads) == (
         262144, 16, 2)
@@ -295,7 +302,8 @@ def test_auto_documented_defaults() -> None:
     assert config.batch.micro_batch_size == 8
     assert config.batch.global_batch_size is None  # no world size: checked at initialize
     assert config.gradient_clipping == 1.0
-    assert config.scheduler.warmup_steps == 0
+    # warmup_steps 0 -> warmup_num_steps 0, which DeepSpeed's schedulers clamp to 2 steps
+    assert config.scheduler.warmup_steps == 2
     assert config.zero.reduce_bucket_bytes == 4 * 5 * 10**8  # DeepSpeed defaults, fp32
     assert config.zero.prefetch_bytes == 4 * 5 * 10**7
     assert config.zero.persistence_threshold_bytes == 4 * 10**5
@@ -353,9 +361,11 @@ def test_zero_bucket_sizes() -> None:
 
 
 def test_auto_where_not_allowed() -> None:
-    msg = error_of(ds(zero_optimization={"stage": "auto"}))
-    assert msg.startswith("zero_optimization.stage: 'auto' is not allowed here; 'auto' is "
+    msg = error_of(ds(steps_per_print="auto"))
+    assert msg.startswith("steps_per_print: 'auto' is not allowed here; 'auto' is "
                           "allowed only at: train_micro_batch_size_per_gpu,")
+    assert "and (meaning DeepSpeed's default) at any key of zero_optimization," in msg
+    assert error_of(ds(aio={"block_size": "auto"})).startswith("aio.block_size: 'auto'")
 
 
 def test_unknown_auto_value_name() -> None:
@@ -440,11 +450,12 @@ def test_detected_by_content_not_extension(tmp_path: Path) -> None:
     assert (config.source, config.zero.stage) == ("native", 1)
 
 
-def test_older_offload_spellings() -> None:
+def test_older_offload_spellings(tmp_path: Path) -> None:
     config = engine.load_config(ds(bf16={"enabled": True}, zero_optimization={
         "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pipeline": True, "pipeline_write": False,
-                              "buffer_size": 1000, "max_in_nvme": 1e9}}))
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pipeline": True,
+                              "pipeline_write": False, "buffer_size": 1000,
+                              "max_in_nvme": 1e9}}))
     opt = config.offload.optimizer
     assert opt.buffer_bytes == 4000  # fp32 optimizer state, 4 bytes per element
     assert "zero_optimization.offload_optimizer.max_in_nvme" in config.ignored_keys

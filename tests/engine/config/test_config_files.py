@@ -65,7 +65,9 @@ def test_deepspeed_zero3_offload_with_training_args() -> None:
     assert config.zero.stage == 3
     assert config.precision.dtype == "bf16"
     assert (config.offload.params.device, config.offload.optimizer.device) == ("cpu", "nvme")
-    assert config.offload.params.buffer_bytes == 2 * 10**8  # 1e8 bf16 elements
+    # DeepSpeed sizes swap buffers for nvme only: a cpu offload_param reports them
+    assert config.offload.params.buffer_bytes is None
+    assert "zero_optimization.offload_param.buffer_size" in config.ignored_keys
     assert config.optimizer.lr == 1e-5
     assert (config.scheduler.type, config.scheduler.warmup_steps) == ("constant", 30)
     assert config.batch.global_batch_size == 64

@@ -149,11 +149,12 @@ def test_trainer_config_errors(tmp_path: Path) -> None:
 
 
 def test_import_tierzero_needs_no_transformers() -> None:
-    """TierZeroTrainer is imported on first use; `import tierzero` pulls in neither
-    transformers nor peft."""
+    """TierZeroTrainer and TierZeroMixin are imported on first use; `import tierzero` pulls
+    in neither transformers nor peft."""
     code = ("import sys, tierzero; assert 'transformers' not in sys.modules, 'transformers'; "
             "assert 'peft' not in sys.modules, 'peft'; "
-            "assert tierzero.TierZeroTrainer.__name__ == 'TierZeroTrainer'")
+            "assert tierzero.TierZeroTrainer.__name__ == 'TierZeroTrainer'; "
+            "assert tierzero.TierZeroMixin.__name__ == 'TierZeroMixin'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False, timeout=300, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stderr
