@@ -32,18 +32,21 @@ bucket sizes from the model's hidden size). A DeepSpeed config without an
 `lr_scheduler_type` (linear, cosine, constant, constant_with_warmup). A native
 config is taken as written, except batch sizes it leaves unset.
 
-What `train()` does, per optimizer step: `gradient_accumulation_steps` micro-
-batches, each `eng(**inputs)` -> `compute_loss` -> `eng.backward(loss)` ->
-`eng.step()` (the engine divides by the accumulation count and steps at the
-boundary), so the loss is the per-micro-batch mean, as DeepSpeed computes it
-(`compute_loss` gets no `num_items_in_batch`; with one micro-batch per step this is
-the Trainer's own loss). The data order is a `DistributedSampler(seed=args.seed)` with
-`set_epoch`, so a resumed run sees the same batches. Logging, `save_steps` and the
-callbacks follow the Trainer's flow (DefaultFlowCallback); checkpoints are
-tierzero checkpoints `output_dir/checkpoint-<step>` holding the trainer's
-position. Not supported: `save_total_limit` (warned), evaluation during
-training, hyper-parameter search, and a subclass's own `training_step` (TRL's
-activation-offload context): the mixin's loop calls `compute_loss` directly.
+What `train()` does, per optimizer step: `gradient_accumulation_steps` micro- batches
+handed to `eng.train_batch` with `compute_loss` as the loss (layer-major when
+`batch.schedule` resolves so, [Note: layer-major schedule] in engine/layer_major.py, and
+then the model's own activation checkpointing is left off: each unit is recomputed in
+backward anyway; else `eng.backward(loss)` and `eng.step()` per micro-batch; each loss
+divided by the accumulation count), so the loss is the per-micro-batch mean, as
+DeepSpeed computes it (`compute_loss` gets no `num_items_in_batch`; with one micro-batch
+per step this is the Trainer's own loss). The data order is a
+`DistributedSampler(seed=args.seed)` with `set_epoch`, so a resumed run sees the same
+batches. Logging, `save_steps` and the callbacks follow the Trainer's flow
+(DefaultFlowCallback); checkpoints are tierzero checkpoints
+`output_dir/checkpoint-<step>` holding the trainer's position. Not supported:
+`save_total_limit` (warned), evaluation during training, hyper-parameter search, and a
+subclass's own `training_step` (TRL's activation-offload context): the mixin's loop
+calls `compute_loss` directly.
 
 Tested with transformers 5.24, peft 0.21 and TRL 1.16 (tests/engine/hf/test_hf_trainer.py,
 tests/engine/hf/test_hf_trl.py); it uses the Trainer's `_remove_unused_columns` /
@@ -76,6 +79,7 @@ from tierzero.engine.config.schema import SchedulerType
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.hf.export import export_hf
 from tierzero.engine.initialize import initialize
+from tierzero.engine.layer_major import train_schedule
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +256,7 @@ class TierZeroMixin(_MixinBase):
             log.warning("%s: save_total_limit=%s is not applied; tierzero checkpoints "
                         "are kept", type(self).__name__, a.save_total_limit)
         self.close()
-        eng, _, _, _ = initialize(model=self._prepare_model(), config=config)
+        eng, _, _, _ = initialize(model=self._prepare_model(config), config=config)
         self.engine = eng
         start, consumed = self._resume(eng, resume_from_checkpoint)
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=math.ceil(
@@ -269,19 +273,21 @@ class TierZeroMixin(_MixinBase):
         total_loss, window, logged_at = 0.0, 0.0, start
         batches = self._batches(loader, sampler, consumed)
         for step in range(start + 1, max_steps + 1):
-            losses = []
-            for inputs in islice(batches, accum):
+            micro = list(islice(batches, accum))
+            if len(micro) != accum:
+                raise RuntimeError(f"internal: {len(micro)} of {accum} micro-batches drawn")
+
+            def loss_fn(inputs: Any) -> torch.Tensor:
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(call, self._prepare_inputs(inputs))  # type: ignore[arg-type]
                 if not isinstance(loss, torch.Tensor):
                     raise TypeError(f"compute_loss returned {type(loss).__name__}; expected "
                                     "the loss tensor")
-                eng.backward(loss)
-                eng.step()
-                losses.append(float(loss.detach().item()))
-                consumed += 1
-            if len(losses) != accum:
-                raise RuntimeError(f"internal: {len(losses)} of {accum} micro-batches drawn")
+                return loss
+
+            # one optimizer step, layer-major or per micro-step (batch.schedule)
+            losses = [float(v.item()) for v in eng.train_batch(micro, loss_fn)]
+            consumed += accum
             step_loss = _mean_over_ranks(sum(losses) / accum)
             total_loss += step_loss
             window += step_loss
@@ -308,7 +314,7 @@ class TierZeroMixin(_MixinBase):
         self.log(dict(metrics))
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
-    def _prepare_model(self) -> torch.nn.Module:
+    def _prepare_model(self, config: Config) -> torch.nn.Module:
         """What Trainer.train does to the model before its loop and a script relies on:
         activation checkpointing from the TrainingArguments (TRL's SFTConfig turns it on
         by default). NEFTune and Liger kernels, which the Trainer also applies there, are
@@ -323,6 +329,13 @@ class TierZeroMixin(_MixinBase):
         # transformers >= 5 names it activation_checkpointing; before, gradient_checkpointing
         on = getattr(a, "activation_checkpointing", getattr(a, "gradient_checkpointing", False))
         if not on:
+            return model
+        accum = config.batch.gradient_accumulation_steps or 1
+        if train_schedule(config, accum) == "layer_major":
+            # [Note: layer-major schedule]: every unit is recomputed in backward already;
+            # the model's own (reentrant) checkpointing would only make it fall back
+            log.info("%s: activation checkpointing not turned on: batch.schedule "
+                     "layer_major recomputes each unit in backward", type(self).__name__)
             return model
         kwargs = dict(getattr(a, "activation_checkpointing_kwargs", None)
                       or getattr(a, "gradient_checkpointing_kwargs", None) or {})
