@@ -68,12 +68,13 @@ class SFT(tierzero.TierZeroMixin, trl.SFTTrainer):
     """The whole change to an SFT script: this class instead of trl.SFTTrainer."""
 
 
-def _run(cls: type, base: Path, out: Path, *, lora: bool, packing: bool,
+def _run(cls: type, base: Path, out: Path, *, lora: bool, packing: bool, accum: int = 1,
          **extra: Any) -> tuple[Any, list[dict[str, float]]]:
     """The SFT script: TRL's defaults except fp32 (for a tight comparison), a constant lr
     and the whole dataset in each step's batch."""
     args = trl.SFTConfig(
-        output_dir=str(out), per_device_train_batch_size=ROWS, max_steps=STEPS,
+        output_dir=str(out), per_device_train_batch_size=ROWS // accum,
+        gradient_accumulation_steps=accum, max_steps=STEPS,
         learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, report_to=[],
         seed=3, use_cpu=True, disable_tqdm=True, save_strategy="no", bf16=False,
         max_length=32, packing=packing)
@@ -141,6 +142,33 @@ def test_sft_script_with_the_mixin_matches_trl(tmp_path: Path, lora: bool,
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.apply_chat_template([{"role": "user", "content": "w1"}], tokenize=False) == (
         "user w1 </s> ")
+
+
+@pytest.mark.slow
+def test_sft_with_accumulation_runs_layer_major(tmp_path: Path) -> None:
+    """Two micro-batches per step on NVMe offload: the mixin steps through train_batch,
+    layer-major (the model's own checkpointing left off) as micro-step, bit for bit
+    ([Note: layer-major schedule])."""
+    base = _tiny_chat_llama(tmp_path / "base")
+    runs = {}
+    for schedule in ("micro_step", "layer_major"):
+        swap = tmp_path / f"swap-{schedule}"
+        swap.mkdir()
+        config = {"zero": {"stage": 3}, "precision": "fp32",
+                  "optimizer": {"type": "adamw", "lr": 1e-2},
+                  "batch": {"micro_batch_size": ROWS // 2, "gradient_accumulation_steps": 2,
+                            "schedule": schedule},
+                  "offload": {"device": "nvme", "path": str(swap)}}
+        trainer, hist = _run(SFT, base, tmp_path / schedule, lora=True, packing=False,
+                             accum=2, tierzero_config=config)
+        assert trainer.engine.schedule == schedule
+        checkpointed = any(getattr(m, "gradient_checkpointing", False)
+                           for m in trainer.model.modules())
+        assert checkpointed == (schedule == "micro_step")
+        runs[schedule] = [h["loss"] for h in hist]
+        trainer.close()
+    assert len(runs["layer_major"]) == STEPS
+    assert runs["layer_major"] == runs["micro_step"]
 
 
 def test_mixin_must_come_first() -> None:
