@@ -623,6 +623,12 @@ def main() -> None:
                 s = row["summary"]
                 s["plan_host_peak"] = plan["peak"]
                 s["plan_over_measured"] = plan["peak"] / s["peak_growth"]
+            if "nvme_read_per_step" in plan and row["summary"].get("nvme_read_per_step"):
+                s = row["summary"]  # the plan's step bytes against the block layer's
+                planned = plan["nvme_read_per_step"] + plan["nvme_written_per_step"]
+                s["plan_nvme_per_step"] = planned
+                s["plan_nvme_over_measured"] = planned / (s["nvme_read_per_step"]
+                                                          + s["nvme_written_per_step"])
             result["rows"][name] = row
             shutil.rmtree(swap_dir, ignore_errors=True)  # ours: made by write_inputs
             sys.stderr.write(f"{name}: {json.dumps(row.get('summary') or row)[:1500]}\n")

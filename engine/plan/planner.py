@@ -198,13 +198,16 @@ def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
 def predict_run(model: str, config: Config | str, *, seq_len: int, micro_batch: int = 1,
                 device_is_host: bool | None = None) -> dict[str, object]:
     """The host peak of `tierzero train` with this model spec and config (a run on this
-    machine: the device tier is host memory when there is no CUDA)."""
+    machine: the device tier is host memory when there is no CUDA), and the NVMe bytes of
+    its steady-state optimizer step."""
     cfg = config if isinstance(config, Config) else load_config(config)
     shape = model_shape(model)
     host = device_is_host if device_is_host is not None else not torch.cuda.is_available()
     run = dry_run(shape.fresh_module(), cfg, seq_len=seq_len, micro_batch=micro_batch,
                   device_is_host=host)
-    return host_peak(run, cfg, device_is_host=host).as_dict()
+    step = run.step()  # the steady-state optimizer step, in the config's batch.schedule
+    return {**host_peak(run, cfg, device_is_host=host).as_dict(), "schedule": run.schedule,
+            "nvme_read_per_step": step.nvme_read, "nvme_written_per_step": step.nvme_written}
 
 
 def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
