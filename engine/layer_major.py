@@ -200,6 +200,14 @@ class _Baton:
             self._cv.notify_all()
         self.wait(j)
 
+    def abort(self, error: BaseException) -> None:
+        """Every waiting thread raises _Aborted when it wakes (the running one at its next
+        hand-on)."""
+        with self._cv:
+            if self.error is None:
+                self.error = error
+            self._cv.notify_all()
+
     def leave(self, j: int, error: BaseException | None = None) -> None:
         with self._cv:
             if error is not None and self.error is None:
@@ -341,6 +349,8 @@ class LayerMajorPass:
 
         def run(j: int) -> None:
             try:
+                if self.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(self.device)
                 self._baton.wait(j)
                 self._local.index = j
                 with contextlib.ExitStack() as stack:
@@ -367,8 +377,14 @@ class LayerMajorPass:
                                     daemon=True) for j in range(self.n)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException as exc:  # KeyboardInterrupt on this thread: stop them first
+            self._baton.abort(exc)
+            for t in threads:
+                t.join()
+            raise
         if self.device.type == "cpu":
             # each micro-batch thread allocated in a malloc arena of its own; what it freed
             # there the training thread cannot reuse: hand it back ([Note: returning freed

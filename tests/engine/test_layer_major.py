@@ -436,3 +436,32 @@ def test_init_build_and_the_trace_show_one_gather_per_unit_per_pass(tmp_path: Pa
     assert gathers.pop("<root>") == 1
     assert sorted(gathers) == blocks and all(1 <= n <= 2 for n in gathers.values())
     assert sum(gathers.values()) == 2 * 4 - 1  # the last block stays gathered for backward
+
+
+def test_an_error_in_one_micro_batch_stops_the_pass_and_the_engine_goes_on(
+        tmp_path: Path) -> None:
+    """A loss_fn that raises on micro-batch 2 (a user error, not a fallback): the error
+    reaches the caller after every micro-batch thread has ended, nothing reached a shard,
+    and the next train_batch trains as a fresh engine would."""
+    batches = make_batches(2 * GAS)
+    cfg = _config(tmp_path / "swap", schedule="layer_major", offload="nvme")
+    model = make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    calls = {"n": 0}
+
+    def bad(mb: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyError("user bug")
+        return eng(*mb)  # type: ignore[no-any-return]
+
+    with pytest.raises(KeyError, match="user bug"):
+        eng.train_batch(batches[:GAS], bad)
+    assert eng.schedule == "layer_major" and eng.global_steps == 0
+    eng.train_batch(batches[GAS:], lambda mb: eng(*mb))
+    params = full_params(eng, model)
+    eng.close()
+    fresh = _train(make_model(), _config(tmp_path / "swap2", schedule="layer_major",
+                                         offload="nvme"), batches[GAS:], steps=1)
+    for k, v in fresh["params"].items():
+        assert torch.equal(v, params[k]), k
