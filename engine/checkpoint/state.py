@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from tierzero.engine.engine import ZeroEngine
 
 OPTIM_PREFIX = "optim."
-_SCALER_FIELDS = ("scale", "_hysteresis", "_good_steps", "overflows")
 _COUNTERS = ("micro_steps", "global_steps", "skipped_steps", "last_grad_norm")
 
 
@@ -34,8 +33,7 @@ def engine_state(eng: ZeroEngine) -> dict[str, Any]:
     load_state_dict takes."""
     groups = eng.step_driver.state_dict()["param_groups"]
     sched = {k: v for k, v in eng.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
-    scaler = ({f: getattr(eng.loss_scaler, f) for f in _SCALER_FIELDS}
-              if eng.loss_scaler is not None else None)
+    scaler = eng.loss_scaler.state_dict() if eng.loss_scaler is not None else None
     return {"counters": {c: getattr(eng, c) for c in _COUNTERS}, "param_groups": groups,
             "lr_scheduler": sched, "loss_scaler": scaler}
 
@@ -51,8 +49,7 @@ def restore_engine_state(eng: ZeroEngine, state: dict[str, Any]) -> None:
         raise CheckpointError("the checkpoint and the engine disagree on fp16 loss scaling "
                               f"(saved: {scaler is not None}); load with the same precision")
     if eng.loss_scaler is not None and scaler is not None:
-        for f in _SCALER_FIELDS:
-            setattr(eng.loss_scaler, f, scaler[f])
+        eng.loss_scaler.load_state_dict(scaler)
 
 
 def rng_state(device: torch.device) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

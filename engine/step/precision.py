@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +43,19 @@ class LossScaler:
         self._hysteresis = cfg.hysteresis
         self._good_steps = 0
         self.overflows = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the scale and the counters behind its next change."""
+        return {"scale": self.scale, "hysteresis": self._hysteresis,
+                "good_steps": self._good_steps, "overflows": self.overflows}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Back to `state_dict()`'s state; also reads checkpoints that spelled the two
+        counters with their attribute names (`_hysteresis`, `_good_steps`)."""
+        self.scale = float(state["scale"])
+        self._hysteresis = int(state.get("hysteresis", state.get("_hysteresis", 0)))
+        self._good_steps = int(state.get("good_steps", state.get("_good_steps", 0)))
+        self.overflows = int(state["overflows"])
 
     def update(self, overflow: bool) -> None:
         if overflow:

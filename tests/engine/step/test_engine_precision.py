@@ -130,3 +130,27 @@ def test_engine_steps_schedule_once_per_optimizer_step() -> None:
     assert seen == pytest.approx(want)
     assert sched.last_epoch == 4
     eng.close()
+
+
+def test_loss_scaler_state_round_trips_and_reads_old_checkpoints() -> None:
+    """The scaler saves and restores itself (issue 28): the restored one takes the same
+    decisions as the original; a checkpoint that named the counters by their attribute
+    names still loads."""
+    from tierzero.engine.config import LossScaleConfig
+    from tierzero.engine.step.precision import LossScaler
+
+    cfg = LossScaleConfig(hysteresis=2, growth_interval=3)
+    a = LossScaler(cfg)
+    for overflow in (True, False, False):
+        a.update(overflow=overflow)
+    b = LossScaler(cfg)
+    b.load_state_dict(a.state_dict())
+    for overflow in (False, True, True, False, False, False):
+        a.update(overflow=overflow)
+        b.update(overflow=overflow)
+        assert a.state_dict() == b.state_dict()
+    old = {"scale": 512.0, "_hysteresis": 1, "_good_steps": 2, "overflows": 4}
+    c = LossScaler(cfg)
+    c.load_state_dict(old)
+    assert c.state_dict() == {"scale": 512.0, "hysteresis": 1, "good_steps": 2,
+                              "overflows": 4}
