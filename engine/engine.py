@@ -630,6 +630,15 @@ class ZeroEngine:
         self._saver.wait()
         return checkpoint_load.load_checkpoint(self, directory, tag, verify=verify)
 
+    def quiesce(self, what: str) -> None:
+        """Before reading every shard as one consistent state (an export, a consolidation):
+        the engine is open, no optimizer step is half done, a background save has ended and
+        no optimizer thread writes a shard. `what` names the caller in errors."""
+        self._check_open()
+        self._check_checkpointable(what)
+        self._saver.wait()
+        self._settle_optimizer()
+
     def _check_checkpointable(self, what: str) -> None:
         # a deferred update runs to the end first: nothing saves or overwrites a shard
         # half-way through its step ([Note: deferred step])

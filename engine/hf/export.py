@@ -206,10 +206,7 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
     if final.exists() or final.is_symlink():
         raise ExportError(f"export directory {final} already exists; exports are never "
                           "overwritten: pick another directory or remove it")
-    eng._check_open()
-    eng._check_checkpointable("export_hf")
-    eng._saver.wait()
-    eng._settle_optimizer()  # no optimizer thread writes a master shard after this
+    eng.quiesce("export_hf")  # no optimizer thread writes a master shard after this
 
     rank0 = eng.comm.rank == 0
     temp = final.parent / f".{final.name}.partial"
