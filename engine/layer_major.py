@@ -218,6 +218,24 @@ class _Baton:
             self._cv.notify_all()
 
 
+def _leaves_reached(outputs: list[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors whose AccumulateGrad the graphs of `outputs` reach (a
+    unit's parameters, a root parameter used in or before the unit)."""
+    seen: set[int] = set()
+    out: set[int] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(var, torch.Tensor):
+            out.add(id(var))
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return out
+
+
 def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
     """Whether autocast is on for `device`'s type, and its dtype (off where autocast has no
     such device: meta, in tierzero plan's dry run)."""
@@ -247,6 +265,9 @@ class LayerMajorPass:
         self._calls: list[list[_Call | None]] = []  # [round][micro-batch]
         self._last: list[_Call | None] = [None] * n  # each micro-batch's last unit call
         self.grad_enabled = torch.is_grad_enabled()
+        # ids of the leaves (parameters) a unit call's graph reaches: their gradients arrive
+        # in backward; the root's other groups are final when the forward ends
+        self._reached: set[int] = set()
 
     # -- on the micro-batch threads (from the scheduler's hooks) ----------------------
     def in_pass(self) -> bool:
@@ -290,6 +311,8 @@ class LayerMajorPass:
                 "gradient_checkpointing_enable() with use_reentrant=True); layer_major "
                 "recomputes each unit itself: turn the model's checkpointing off to use it")
         flat, spec = tree_flatten(output)
+        self._reached.update(_leaves_reached(
+            [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]))
         new = list(flat)
         for i, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -401,6 +424,9 @@ class LayerMajorPass:
         """Every recorded unit call in reverse order, each micro-batch in order; a unit's
         gradient is reduced after its last call ([Note: layer-major schedule])."""
         units = {u.index: u for u in self.scheduler.units}
+        # the root's groups the tails alone fed (a head) are reduced now, not held in fp32
+        # through backward
+        self.scheduler.reduce_root_groups_but(self._reached)
         rounds = [r for r, label in enumerate(self._labels) if label != _END]
         remaining = Counter(self._labels[r] for r in rounds)
         for r in reversed(rounds):

@@ -436,6 +436,17 @@ class Scheduler:
                 self._reduce(unit, rest)
         self.release(unit)
 
+    def reduce_root_groups_but(self, reached: set[int]) -> None:
+        """Layer-major, as backward begins: reduce each root group summed so far none of
+        whose parameters `reached` (ids) names, i.e. none gets a gradient in backward:
+        its fp32 sum is complete and need not be held ([Note: layer-major schedule])."""
+        for root in (u for u in self.units if u.is_root):
+            done = [g for g in root.groups if g.key in self._accum
+                    and not any(id(s.param) in reached for s in g.slots)]
+            if done:
+                with trace.span("reduce", root.label, groups=_trainable_keys(done)):
+                    self._reduce(root, done)
+
     def drop_sums(self) -> None:
         """Forget the fp32 sums of an abandoned layer-major pass."""
         self._accum.clear()
