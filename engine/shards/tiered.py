@@ -46,7 +46,7 @@ from tierzero.offload import (
     TierManager,
     TierSettings,
 )
-from tierzero.offload.adam_stream import param_assembly_bytes, piece_bytes
+from tierzero.offload.stream_sizes import param_assembly_bytes, piece_bytes
 from tierzero.offload.host_ring import page_up
 from tierzero.offload.settings import TENSOR_CLASSES, OffloadDevice, TensorClass, Tier
 from tierzero.offload.state_codec import StoredLayout, decode, encode, moment_nbytes
