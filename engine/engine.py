@@ -38,7 +38,8 @@ from tierzero.engine.shards.flat import (
     shard_numel,
 )
 from tierzero.engine.shards.store import ShardStore
-from tierzero.engine.shards.tiered import TieredShardStore, offload_wanted
+from tierzero.engine.shards.tier_config import offload_wanted
+from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.device import DeviceStep, OptimizerFactory, build_optimizer
 from tierzero.engine.step.lr_schedules import build_scheduler
 from tierzero.engine.step.offloaded import OffloadedStep
@@ -184,7 +185,7 @@ class ZeroEngine:
                 tiered, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
                 threads=threads_per_rank(self.comm.world_size),
-                buffer_bytes=tiered.ring_bytes(), order=order)
+                buffer_bytes=tiered.layout.ring_bytes(), order=order)
             return adam, OffloadedStep(adam, self.scheduler, self.config,
                                        fp16=self.dtype == torch.float16)
         opt = build_optimizer(factory, self.store, self._train_keys)

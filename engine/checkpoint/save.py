@@ -107,7 +107,7 @@ from tierzero.engine.checkpoint.state import OPTIM_PREFIX, engine_state, rng_sta
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.progress import progress_bar, progress_enabled
 from tierzero.engine.shards.store import ShardStore
-from tierzero.engine.step.device import MOMENT_KINDS
+from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
                 kinds = ["param"]
             params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
             moments = next((eng.store.moment_layout(g.key, k)
-                            for k in kinds if k in MOMENT_KINDS), None)
+                            for k in kinds if k in MOMENT_CLASSES), None)
             out.append(GroupLayout(g.key, g.trainable, g.shard_numel, g.numel, params,
                                    tuple(kinds), moments))
     return out
@@ -221,7 +221,7 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
         for kind in lay.kinds:
             dtype = eng.dtype if kind == "param" else torch.float32
             ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
-            if lay.moments is not None and kind in MOMENT_KINDS:
+            if lay.moments is not None and kind in MOMENT_CLASSES:
                 ref = ShardRef(lay.key, kind, lay.moments.dtype, lay.moments.stored_numel,
                                stored=True)
             if snapshot:  # a consistent copy the next step cannot change

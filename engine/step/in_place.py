@@ -90,6 +90,7 @@ import torch
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
+from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class InPlaceStep:
             master = held.enter_context(store.use(key, "master", writable=True))
             exp_avg, exp_avg_sq = (
                 held.enter_context(store.use(key, kind, writable=True, raw=True))
-                for kind in ("exp_avg", "exp_avg_sq"))
+                for kind in MOMENT_CLASSES)
             grad = held.enter_context(store.use(key, "grad"))
             p16 = held.enter_context(store.use(key, "param", writable=True, compute=False))
             shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
