@@ -220,8 +220,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                 if "grad" not in lay.kinds:
                     with shard_use(store, lay.key, "grad", overwrite=True) as grad:
                         grad.zero_()
-                store.write_param_from_master(lay.key)
-                store.take_grad_zeroed(lay.key)  # written above: no longer zero_grad()'s
+                store.write_param_from_master(lay.key)  # (the grad writes took its mark)
         eng.step_driver.load_state_dict({"param_groups": manifest["engine"]["param_groups"],
                                          "state": optim})
         restore_engine_state(eng, manifest["engine"])

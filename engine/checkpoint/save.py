@@ -332,8 +332,7 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
             error = f"cannot create {temp} ({exc})"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
     with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
-    if with_grad:
-        eng.zero_fresh_grads()  # shards zero_grad() marked hold old values until written
+    # (a gradient zero_grad() marked is read as zeros: [Note: gradients zeroed on first use])
     # [Note: background save of offloaded state] A background save snapshots every shard
     # into host memory first. With shards in the tier manager that copy is the whole
     # offloaded state (what did not fit in host memory to begin with), so the save streams

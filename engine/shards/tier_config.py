@@ -50,8 +50,8 @@ def homes_from(config: Config) -> dict[TensorClass, OffloadDevice]:
 #   cpu   host memory, for the whole run: 4 B/param of RSS (160 GB for a 40B model).
 #   nvme  a swap-file region. The reduction fills a host cache of it in the NVMe staging
 #         pool (no read: the first reduction after zero_grad overwrites the shard, [Note:
-#         gradients zeroed by the first reduction]); under pool pressure a dirty cache is
-#         written down and read back when used. Once the optimizer step has consumed it the
+#         gradients zeroed on first use] in shards/store.py); under pool pressure a dirty
+#         cache is written down and read back when used. Once the optimizer step has consumed it the
 #         cache is dropped without being written (TierManager.discard: zero_grad follows
 #         every step, so the old values are never read). With offload.optimizer.overlap_step
 #         the step consumes each unit's gradient during backward, right after its reduction,

@@ -182,19 +182,30 @@ class TieredShardStore(ShardStore):
             raise RuntimeError(f"shard {key!r}/{kind} lives in the tier manager (home "
                                f"{self._mgr().home_of(f'{key}:{kind}')}); read it with "
                                "store.use(key, kind), which fetches and releases it")
-        return view
+        return self._zero_if_marked(key, kind, view)  # [Note: gradients zeroed on first use]
 
     @contextmanager
     def use(self, key: str, kind: TensorClass, *, writable: bool = False,
-            compute: bool = True, overwrite: bool = False, raw: bool = False
-            ) -> Iterator[torch.Tensor]:
+            compute: bool = True, overwrite: bool = False, as_reduced: bool = False,
+            raw: bool = False) -> Iterator[torch.Tensor]:
         """`compute=False`: not for a gather, so param is reached on its home tier (host
         for NVMe) instead of being copied to the device first. `overwrite=True` (implies
         writable): the caller writes every element, so old data need not be read
         (TierManager.fetch discard); the view's contents are undefined until then.
-        A compressed moment (`layout.compressed(kind)`) is handed out decoded to fp32 and, when
-        writable, encoded back on exit; `raw=True` hands out its stored bytes instead (one
-        piece only: the CPU Adam's in-place step)."""
+        A gradient marked zero is fetched without a read and zeroed (unless `overwrite`);
+        `as_reduced` reads its bytes as they are ([Note: gradients zeroed on first use]).
+        A compressed moment (`layout.compressed(kind)`) is handed out decoded to fp32 and,
+        when writable, encoded back on exit; `raw=True` hands out its stored bytes instead
+        (one piece only: the CPU Adam's in-place step)."""
+        fresh = kind == "grad" and not as_reduced and self.grad_zeroed(key)
+        with self._access(key, kind, writable=writable or fresh, compute=compute,
+                          overwrite=overwrite or fresh, raw=raw) as t:
+            yield t if not fresh else self._zero_if_marked(key, kind, t, overwrite=overwrite)
+
+    @contextmanager
+    def _access(self, key: str, kind: TensorClass, *, writable: bool, compute: bool,
+                overwrite: bool, raw: bool) -> Iterator[torch.Tensor]:
+        """use() without the gradient marks."""
         self.layout.check(key, kind)
         view = self._views.get((key, kind))
         if view is not None:
@@ -353,8 +364,11 @@ class TieredShardStore(ShardStore):
                 "writebacks": r.writebacks, "order_mismatches": r.order_mismatches}
 
     def set_order(self, entries: list[tuple[str, TensorClass]]) -> None:
+        """A fresh gradient shard is overwritten by its reduction, never read: no read-ahead
+        for it ([Note: gradients zeroed on first use])."""
         mgr = self._mgr()
         mgr.set_order([(mkey, self.tier_for(k, kind)) for k, kind in entries
+                       if not (kind == "grad" and self.grad_zeroed(k))
                        for mkey, _, _ in self.layout.pieces(k, kind)])
 
     def close(self) -> None:

@@ -77,7 +77,14 @@ class StreamedStep:
 
     # -- the step ---------------------------------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
+        self._grads_zeroed()
         return self.stream.step(hyper, step, grad_scale)
+
+    def _grads_zeroed(self) -> None:
+        """The stream reads gradients through the tier manager, past the store's use():
+        the store writes the zeros of those zero_grad() marked first (a step with no
+        backward since; [Note: gradients zeroed on first use] in shards/store.py)."""
+        self._store.write_zeroed_grads(self._keys)
 
     @property
     def is_open(self) -> bool:
@@ -91,6 +98,7 @@ class StreamedStep:
         self.stream.mark_final(self._indices(keys))
 
     def finish(self) -> PipelineStats:
+        self._grads_zeroed()
         return self.stream.finish()
 
     def abort(self) -> int:
