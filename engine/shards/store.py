@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierzero.offload.settings import TENSOR_CLASSES, TensorClass
+from tierzero.offload.settings import OPTIMIZER_CLASSES, TENSOR_CLASSES, TensorClass
 from tierzero.offload.state_codec import StoredLayout
 
 
@@ -81,7 +81,7 @@ class ShardStore:
             master = param if compute_dtype == torch.float32 else master_init.to(
                 device=self.device, dtype=torch.float32, copy=True)
             tensors["master"] = master
-            for kind in ("grad", "exp_avg", "exp_avg_sq"):
+            for kind in (c for c in OPTIMIZER_CLASSES if c != "master"):  # zeros
                 tensors[kind] = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._records[key] = _Record(n, tensors)
 

@@ -173,7 +173,7 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
 # root first does not (benchmarks/RESULTS.md, "Measurements behind design choices"). The
 # root's pieces are the last shards the CPU Adam updates, so their new param is already
 # kept in pool buffers as host caches for the next forward ([Note: param kept in host
-# memory] in offload/adam_stream.py), and the root stays gathered from the first forward
+# memory] in offload/stream_parts.py), and the root stays gathered from the first forward
 # to the end of backward: homing it in host memory saves its writes but few reads. A block
 # is read in forward and again in backward unless kept gathered, and the first blocks are
 # read while the step's last writes still hold the disk. With the whole

@@ -15,7 +15,7 @@ homed in host memory (offload.optimizer.device = cpu) the kernel runs in place
 on it instead, group by group (no staging copies; engine/step/in_place.py). Either
 way the step can begin during backward (OffloadedStep in step/offloaded.py,
 offload.optimizer.overlap_step). The two are `ShardUpdater`s ([Note: shard updaters]
-in offload/step_seam.py): one is chosen in the constructor and every call goes to it.
+in offload/shard_updater.py): one is chosen in the constructor and every call goes to it.
 """
 
 from __future__ import annotations
