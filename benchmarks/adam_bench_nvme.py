@@ -35,9 +35,9 @@ from tierzero.offload import (
     TierTransfer,
     adam_update,
 )
+from tierzero.offload.settings import STATE_CLASSES as STATE
 from tierzero.swap import SwapStore, aligned_empty
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
 DTYPES = {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
           "grad": torch.float32, "param": torch.bfloat16}
 HOMES = {"master": "nvme", "exp_avg": "nvme", "exp_avg_sq": "nvme", "grad": "cpu",

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from tierzero.offload import AdamHyper, AdamStream, ShardSpec, TierManager, TierSettings
+from tierzero.offload.settings import STATE_CLASSES as STATE
 from tierzero.offload.settings import Budgets, PoolSettings, PrefetchSettings
 from tierzero.swap import SwapStore, aligned_empty
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 

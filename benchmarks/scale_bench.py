@@ -204,7 +204,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
                 # host buffers the tier manager hands out beyond its tiers (CPU Adam ring)
                 "outside": tiers.get("outside"), "outside_peak": tiers.get("outside_peak"),
                 "grad_home": tiers.get("grad_home"),
-                "pipeline_bytes": (store.pipeline_bytes()
+                "pipeline_bytes": (store.layout.pipeline_bytes()
                                    if isinstance(store, TieredShardStore) else 0),
                 "gathered_peak_bytes": eng.scheduler.gathered_peak_bytes,
                 "moved": tiers.get("moved"), "moved_by_class": tiers.get("moved_by_class")}

@@ -41,7 +41,8 @@ from tierzero.engine.shards.flat import (
     shard_numel,
 )
 from tierzero.engine.shards.store import ShardStore
-from tierzero.engine.shards.tiered import TieredShardStore, offload_wanted
+from tierzero.engine.shards.tier_config import offload_wanted
+from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.device import DeviceStep, OptimizerFactory, build_optimizer
 from tierzero.engine.step.lr_schedules import build_scheduler
 from tierzero.engine.step.offloaded import OffloadedStep
@@ -202,7 +203,7 @@ class ZeroEngine:
                 tiered, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
                 eps=o.eps, weight_decay=o.weight_decay,
                 threads=threads_per_rank(self.comm.world_size),
-                buffer_bytes=tiered.ring_bytes(), order=order)
+                buffer_bytes=tiered.layout.ring_bytes(), order=order)
             return adam, OffloadedStep(adam, self.scheduler, self.config,
                                        fp16=self.dtype == torch.float16)
         opt = build_optimizer(factory, self.store, self._train_keys)
@@ -478,7 +479,9 @@ class ZeroEngine:
             # some groups were updated before the step was abandoned
             self.scheduler.after_step()  # [Note: persistent units after the step]
             return
-        self.zero_fresh_grads()  # a step with no backward since zero_grad(): zero gradients
+        # a deferred update may still read a gradient shard that zero_grad() marked and
+        # this step's readers zero ([Note: gradients zeroed on first use] in shards/store.py)
+        self._settle_optimizer()
         stats = self._grad_stats()
         unscale = 1.0
         if self.loss_scaler is not None:
@@ -547,20 +550,14 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Gradients to zero: the fp32 shards are marked, not written ([Note: gradients
-        zeroed by the first reduction] in engine/shards/flat.py). A deferred update may go
-        on reading them: the mark changes no byte of a shard."""
+        zeroed on first use] in engine/shards/store.py). A deferred update may go on
+        reading them: the mark changes no byte of a shard."""
         self._settle_optimizer(deferred=False)
         self.step_driver.gradients_zeroed()  # measured gradients are gone: step() measures zeros
         self.store.mark_grads_zeroed(self._train_keys)
         for u in self.units:
             for p in u.trainable:
                 p.grad = None
-
-    def zero_fresh_grads(self) -> None:
-        """Write the zeros of gradient shards marked by zero_grad() and not reduced into
-        since (for whoever reads them without a backward first)."""
-        self._settle_optimizer()  # a deferred update may still read a marked shard
-        self.store.write_zeroed_grads()
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

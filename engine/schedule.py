@@ -274,10 +274,9 @@ class Scheduler:
             if u.index not in kept:
                 entries += [(g.key, "param") for g in u.groups]
             if not (u.has_frozen or u.dynamic):  # those reduce at the end of backward
-                # a fresh gradient shard is overwritten by its reduction, never read
-                # ([Note: gradients zeroed by the first reduction]): no read-ahead for it
-                entries += [(g.key, "grad") for g in u.groups
-                            if g.trainable and not self.store.grad_zeroed(g.key)]
+                # (the store leaves out a fresh shard's read: [Note: gradients zeroed on
+                # first use] in shards/store.py)
+                entries += [(g.key, "grad") for g in u.groups if g.trainable]
         self.store.set_order(entries)
 
     def pre_forward(self, unit: Unit, args: tuple[Any, ...] = (),

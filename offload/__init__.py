@@ -17,7 +17,7 @@ from . import numa
 from .adam_build import kernel_status
 from .adam_kernel import Backend, adam_update, to_low_precision
 from .adam_math import AdamHyper
-from .adam_stream import AdamStream, PipelineStats
+from .adam_stream import AdamStream
 from .adam_threads import AdamThreads
 from .budget import TierBudgets, memlock_limit, resolve_budgets
 from .cpu_adam import CPUAdam
@@ -40,6 +40,7 @@ from .settings import (
     Tier,
     TierSettings,
 )
+from .stream_parts import PipelineStats
 from .transfer import SwapBackend, TierTransfer
 
 __all__ = [

@@ -62,7 +62,6 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -74,75 +73,23 @@ from .adam_threads import AdamThreads
 from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
-from .settings import Tier
-from .state_codec import check_precision, moment_nbytes
-from .stream_parts import STATE, Chunk, OpenStep, StreamRead, StreamSet, wait_all
+from .settings import STATE_CLASSES, Tier
+from .state_codec import check_precision
+from .stream_parts import (
+    Chunk,
+    OpenStep,
+    PipelineStats,
+    StreamRead,
+    StreamSet,
+    checked_chunks,
+    checked_order,
+    kept_shards,
+    wait_all,
+)
+from .stream_sizes import carve, param_assembly_bytes, piece_bytes, ring_capacity
 from .transfer import TierTransfer
 
-
-@dataclass(frozen=True)
-class PipelineStats:
-    """Where the time of one optimizer step went (seconds, wall clock)."""
-
-    shards: int
-    total_s: float
-    compute_s: float  # inside the Adam kernel
-    fetch_wait_s: float  # compute thread blocked on a read
-    store_wait_s: float  # blocked on a write to free ring room, or draining at the end
-    buffer_bytes: int  # host bytes held by the step's buffers
-
-
 log = logging.getLogger(__name__)
-
-
-# The ring's sizes, in one place: the stream allocates by them and the engine budgets and
-# plans host memory by them (engine/shards/tiered.py).
-def piece_bytes(numel: int, state: str, low_itemsize: int = 0) -> int:
-    """Ring bytes of one piece: its fp32 master and two moments in ``state`` precision,
-    each part page-aligned, and the shard's low-precision param (``low_itemsize`` bytes
-    per element; 0: none) when the shard is in one piece."""
-    low = page_up(numel * low_itemsize) if low_itemsize else 0
-    return page_up(numel * 4) + 2 * page_up(moment_nbytes(numel, state)) + low
-
-
-def param_assembly_bytes(whole_bytes: Sequence[int]) -> int:
-    """Host bytes where the new param of shards in several pieces is assembled: room for
-    two of the largest (``whole_bytes``: each such shard's param, page-aligned)."""
-    return 2 * max(whole_bytes) if whole_bytes else 0
-
-
-def _checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
-                    chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None
-                    ) -> list[list[Chunk]]:
-    """Every shard's pieces, tiling [0, numel) in order; one piece per shard (its own state
-    keys) when ``chunks`` is None."""
-    if chunks is None:
-        return [[Chunk(i, 0, n, {c: k[c] for c in STATE if c in k})]
-                for i, (k, n) in enumerate(zip(keys, numels, strict=True))]
-    if len(chunks) != len(numels):
-        raise ValueError(f"AdamStream: {len(chunks)} chunk lists for {len(numels)} shards")
-    out: list[list[Chunk]] = []
-    for i, (pieces, n) in enumerate(zip(chunks, numels, strict=True)):
-        got = [Chunk(i, lo, hi, dict(k)) for lo, hi, k in pieces]
-        bounds = [0, *(c.hi for c in got)]
-        if (not got or bounds[-1] != n
-                or any(c.lo != b for c, b in zip(got, bounds, strict=False))
-                or (n and any(c.hi <= c.lo for c in got))):
-            raise ValueError(f"AdamStream: the chunks of shard {i} must tile [0, {n}) in order; "
-                             f"got {[(c.lo, c.hi) for c in got][:6]}")
-        missing = [c for c in STATE for ch in got if n and c not in ch.keys]
-        if missing:
-            raise ValueError(f"AdamStream: a chunk of shard {i} has no key for {missing[:3]}")
-        out.append(got)
-    return out
-
-
-def _checked_order(order: Sequence[int], n: int) -> list[int]:
-    out = list(order)
-    if sorted(out) != list(range(n)):
-        raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
-                         f"{out[:10]}")
-    return out
 
 
 class AdamStream:
@@ -188,16 +135,17 @@ class AdamStream:
         n = len(numels)
         if len(keys) != n:
             raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
-        self._order = list(range(n)) if order is None else _checked_order(order, n)
+        self._order = list(range(n)) if order is None else checked_order(order, n)
         if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
             raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
         if shadow not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
         for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
-            missing = [c for c in (*(STATE if chunks is None else ()), "grad") if c not in k]
+            missing = [c for c in (*(STATE_CLASSES if chunks is None else ()), "grad")
+                       if c not in k]
             if numel and missing:
                 raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
-        self._chunks = _checked_chunks(keys, numels, chunks)
+        self._chunks = checked_chunks(keys, numels, chunks)
         self._mgr = manager
         self._keys = [dict(k) for k in keys]
         self._numels = list(numels)
@@ -205,8 +153,8 @@ class AdamStream:
         self._threads = threads
         self._backend = backend
         self._consume = consume_grads
-        capacity = max([buffer_bytes, *(self._item_bytes(c) for cs in self._chunks for c in cs)])
-        self._ring = HostRing(capacity, lambda nbytes: manager.host_empty(
+        items = [self._item_bytes(c) for cs in self._chunks for c in cs]
+        self._ring = HostRing(ring_capacity(buffer_bytes, items), lambda nbytes: manager.host_empty(
             nbytes, torch.uint8, purpose="adam_ring"))
         # param of shards in several pieces, assembled whole: room for two shards, so one
         # is written while the next is assembled ([Note: optimizer state in chunks])
@@ -221,7 +169,8 @@ class AdamStream:
         self._seq: list[Chunk] = []  # every piece, in step order
         self._first: list[int] = []  # position in _seq of each order position's first piece
         self._sequence()
-        self._keep = self._kept_shards(keep_host_buffers)
+        self._keep = kept_shards(self._mgr.plan, self._keys, self._numels, self._order,
+                                 keep_host_buffers)  # [Note: param kept in host memory]
         self.buffer_bytes = self._ring.capacity + (
             0 if self._p16_ring is None else self._p16_ring.capacity)
         self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
@@ -259,7 +208,7 @@ class AdamStream:
         """Update the shards in ``order`` from the next step on; returns whether it changed.
         Not while a step is open. A change waits for the writes in flight and drops the
         read-ahead (taken for the old order's first shards), once."""
-        order = _checked_order(order, len(self._numels))
+        order = checked_order(order, len(self._numels))
         if order == self._order:
             return False
         if self._open is not None:
@@ -365,7 +314,7 @@ class AdamStream:
         piece = self._seq[at]
         for key, version in seen:  # written by someone else since: read again
             if self._mgr.version(key) != version:
-                name = next(c for c in STATE if piece.keys[c] == key)
+                name = next(c for c in STATE_CLASSES if piece.keys[c] == key)
                 self._mgr.read_into(key, rd.bufs.part(name, piece.numel)).wait()
         return rd
 
@@ -391,7 +340,7 @@ class AdamStream:
 
     def _write(self, bufs: StreamSet, piece: Chunk, *, param: bool) -> None:
         n = piece.numel
-        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n)) for c in STATE]
+        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n)) for c in STATE_CLASSES]
         p16 = self._keys[piece.shard].get("param")
         if param and p16 is not None:  # fp32 compute: param is the master itself
             src = bufs.part("master", n) if bufs.param is None else bufs.param[:n]
@@ -433,45 +382,15 @@ class AdamStream:
             done.wait()
             ring.give_back(first)
 
-    # [Note: param kept in host memory]
-    # The last shards of a step are the first the next forward gathers, and their param
-    # writes are the ones still in flight when it starts: a gather would wait for the
-    # write to land and then read the same bytes back from NVMe. Their new param is
-    # instead copied into pool buffers as host caches, written down from there (the home
-    # stays authoritative, the cache is clean once the write lands, evictable as any).
-    def _kept_shards(self, buffers: int | None) -> frozenset[int]:
-        plan = self._mgr.plan
-        room = max(0, plan.pool_count - 1) if buffers is None else buffers
-        kept: set[int] = set()
-        for index in reversed(self._order):
-            key = self._keys[index].get("param")
-            if key is None or not self._numels[index] or plan.homes.get(key) != "nvme":
-                continue
-            need = -(-plan.specs[key].nbytes // max(1, plan.pool_buffer_bytes))
-            if need > room:
-                break
-            room -= need
-            kept.add(index)
-        return frozenset(kept)
-
     @property
     def kept(self) -> frozenset[int]:
         """Shards whose new param is offered to the manager as a host cache."""
         return self._keep
 
-    def footprint(self, numel: int) -> int:
-        """Ring bytes of one shard's buffers in one piece (each part page-aligned)."""
-        return piece_bytes(numel, self._state, 0 if self._shadow is None else 2) if numel else 0
-
-    def _state_bytes(self, numel: int) -> int:
-        """Ring bytes of a piece's master and moments (each part page-aligned)."""
-        return piece_bytes(numel, self._state)
-
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param when the shard is one piece."""
-        if len(self._chunks[piece.shard]) == 1:
-            return self.footprint(piece.numel)
-        return self._state_bytes(piece.numel)
+        low = 2 if len(self._chunks[piece.shard]) == 1 and self._shadow is not None else 0
+        return piece_bytes(piece.numel, self._state, low) if piece.numel else 0
 
     def _top_up(self, pos: int, *, now: bool = True) -> None:
         """Issue reads for the positions from ``pos`` on (at most one step ahead, wrapping
@@ -495,37 +414,19 @@ class AdamStream:
             if start is None:  # the ring is full of read-ahead: enough
                 return
             after, self._carry = self._carry, []
-            bufs = self._carve(start, piece.numel,
-                               param=len(self._chunks[piece.shard]) == 1)
+            bufs = carve(self._ring, start, piece.numel, self._state, self._shadow,
+                         param=len(self._chunks[piece.shard]) == 1)
             job = self._reader.submit(self._issue_read, piece, bufs, after, background)
             self._ahead.append(StreamRead(self._issued % n_seq, bufs, after, job,
                                           shard=piece.shard))
             self._issued += 1
-
-    def _carve(self, start: int, numel: int, *, param: bool = True) -> StreamSet:
-        if start < 0:
-            empty = torch.empty(0)
-            return StreamSet(start, empty, empty, empty, None, self._state)
-        size = page_up(numel * 4)
-        master = self._ring.view(start, numel, torch.float32)
-        if self._state == "fp32":
-            moments = [self._ring.view(start + i * size, numel, torch.float32) for i in (1, 2)]
-            end = start + 3 * size
-        else:
-            each = page_up(moment_nbytes(numel, self._state))
-            moments = [self._ring.view(start + size + i * each, moment_nbytes(
-                numel, self._state), torch.uint8) for i in (0, 1)]
-            end = start + size + 2 * each
-        p16 = (None if self._shadow is None or not param
-               else self._ring.view(end, numel, self._shadow))
-        return StreamSet(start, master, moments[0], moments[1], p16, self._state)
 
     def _issue_read(self, piece: Chunk, bufs: StreamSet, after: list[TierTransfer],
                     background: bool) -> list[tuple[str, int, TierTransfer]]:
         wait_all(after)  # the set's previous contents are written: it may be refilled
         n = piece.numel
         out: list[tuple[str, int, TierTransfer]] = []
-        for c in STATE if n else ():
+        for c in STATE_CLASSES if n else ():
             key = piece.keys[c]
             version = self._mgr.version(key)  # before the read: a later change is caught
             out.append((key, version,

@@ -330,7 +330,7 @@ class TierManager(ResidencyCore):
         """Drop the shard's caches without writing them down: the caller will not read the
         current data again (it overwrites the whole shard first). The home copy keeps older
         data. The engine discards a gradient the optimizer step has consumed ([Note: gradient
-        home] in engine/shards/tiered.py), so a dirty host cache of an NVMe-homed gradient
+        home] in engine/shards/tier_config.py), so a dirty host cache of an NVMe-homed gradient
         is freed without a write. Returns False, changing nothing, when a cache is held or
         pinned (then it stays, and is written down when evicted, as any dirty cache)."""
         with self._lock:

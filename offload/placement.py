@@ -25,7 +25,7 @@ is skipped, later smaller ones may still fit). Such a shard is an ordinary
 host-homed shard from then on (one authoritative copy, no NVMe file space):
 gathers read it from host memory, the optimizer writes it there. The engine
 passes param in forward order, blocks first and the root last
-([Note: which shards the host keeps] in engine/shards/tiered.py).
+([Note: which shards the host keeps] in engine/shards/tier_config.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,15 @@ from tierzero.swap.header import HEADER_BYTES
 from .budget import TierBudgets, memlock_limit
 from .errors import PlanError
 from .residency import ShardSpec
-from .settings import FIXED_HOME, TENSOR_CLASSES, TIERS, TensorClass, Tier, TierSettings
+from .settings import (
+    FIXED_HOME,
+    STEP_CLASSES,
+    TENSOR_CLASSES,
+    TIERS,
+    TensorClass,
+    Tier,
+    TierSettings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +129,7 @@ def plan_placement(
     # room for one cache of the largest shard the engine gathers to the device
     # (param in forward/backward, grad on its way down); optimizer state is
     # consumed on the host and never needs device room.
-    device_reserve = max((s.nbytes for s in specs if s.cls in ("param", "grad")
+    device_reserve = max((s.nbytes for s in specs if s.cls in STEP_CLASSES
                           and fixed.get(s.key) != "device"), default=0)
     pin = device.type == "cuda" and settings.pool.pin_memory
     pool_reserved = 0

@@ -18,6 +18,15 @@ OffloadDevice = Literal["none", "cpu", "nvme", "auto"]
 DeviceKind = Literal["auto", "cuda", "cpu", "meta"]  # meta: a dry run (plan)
 
 TENSOR_CLASSES: tuple[TensorClass, ...] = get_args(TensorClass)
+# The subsets of the tensor classes that code picks out, named once:
+# what a trainable group has besides param (a frozen one keeps only param)
+OPTIMIZER_CLASSES: tuple[TensorClass, ...] = ("master", "grad", "exp_avg", "exp_avg_sq")
+# the optimizer state the CPU Adam reads and writes (stored in pieces when large)
+STATE_CLASSES: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq")
+# Adam's moments (what offload.optimizer.state_precision may keep compressed)
+MOMENT_CLASSES: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
+# moved every step between the tiers and the device: gathers and gradient reductions
+STEP_CLASSES: tuple[TensorClass, ...] = ("param", "grad")
 TIERS: tuple[Tier, ...] = get_args(Tier)  # fastest first
 OFFLOAD_DEVICES: tuple[OffloadDevice, ...] = get_args(OffloadDevice)
 # offload device -> the home tier it names ("auto" is decided by the planner)

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from .adam_math import AdamHyper
-from .adam_stream import PipelineStats
 from .step_seam import GradMeasure, TrainingStateError
+from .stream_parts import PipelineStats
 
 
 # [Note: shard updaters]

@@ -1,10 +1,11 @@
-"""The small typed pieces of the streamed CPU Adam (offload/adam_stream.py): one shard's
-buffers, a read in flight, a step in progress. See [Note: streamed optimizer step]."""
+"""The small typed pieces of the streamed CPU Adam (offload/adam_stream.py): its inputs
+checked, one shard's buffers, a read in flight, a step in progress, its statistics, the
+shards whose param it keeps in host memory. See [Note: streamed optimizer step]."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -12,12 +13,59 @@ import torch
 
 from .adam_math import AdamHyper
 from .errors import OffloadError
+from .placement import Plan
+from .settings import MOMENT_CLASSES, STATE_CLASSES
 from .state_codec import moment_nbytes
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Where the time of one optimizer step went (seconds, wall clock)."""
+
+    shards: int
+    total_s: float
+    compute_s: float  # inside the Adam kernel
+    fetch_wait_s: float  # compute thread blocked on a read
+    store_wait_s: float  # blocked on a write to free ring room, or draining at the end
+    buffer_bytes: int  # host bytes held by the step's buffers
+
+
+
+def checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
+                    chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None
+                    ) -> list[list[Chunk]]:
+    """Every shard's pieces, tiling [0, numel) in order; one piece per shard (its own state
+    keys) when ``chunks`` is None."""
+    if chunks is None:
+        return [[Chunk(i, 0, n, {c: k[c] for c in STATE_CLASSES if c in k})]
+                for i, (k, n) in enumerate(zip(keys, numels, strict=True))]
+    if len(chunks) != len(numels):
+        raise ValueError(f"AdamStream: {len(chunks)} chunk lists for {len(numels)} shards")
+    out: list[list[Chunk]] = []
+    for i, (pieces, n) in enumerate(zip(chunks, numels, strict=True)):
+        got = [Chunk(i, lo, hi, dict(k)) for lo, hi, k in pieces]
+        bounds = [0, *(c.hi for c in got)]
+        if (not got or bounds[-1] != n
+                or any(c.lo != b for c, b in zip(got, bounds, strict=False))
+                or (n and any(c.hi <= c.lo for c in got))):
+            raise ValueError(f"AdamStream: the chunks of shard {i} must tile [0, {n}) in order; "
+                             f"got {[(c.lo, c.hi) for c in got][:6]}")
+        missing = [c for c in STATE_CLASSES for ch in got if n and c not in ch.keys]
+        if missing:
+            raise ValueError(f"AdamStream: a chunk of shard {i} has no key for {missing[:3]}")
+        out.append(got)
+    return out
+
+
+def checked_order(order: Sequence[int], n: int) -> list[int]:
+    out = list(order)
+    if sorted(out) != list(range(n)):
+        raise ValueError(f"AdamStream order must list every shard 0..{n - 1} once; got "
+                         f"{out[:10]}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -53,7 +101,7 @@ class StreamSet:
         t = getattr(self, name)
         if not isinstance(t, torch.Tensor):
             raise OffloadError(f"internal: buffer set has no {name!r} buffer")
-        if self.state != "fp32" and name in ("exp_avg", "exp_avg_sq"):
+        if self.state != "fp32" and name in MOMENT_CLASSES:
             return t[:moment_nbytes(numel, self.state)]
         return t[:numel]
 
@@ -120,3 +168,28 @@ def wait_all(parts: Sequence[TierTransfer]) -> None:
             error = error or exc
     if error is not None:
         raise error
+
+
+# [Note: param kept in host memory]
+# The last shards of a step are the first the next forward gathers, and their param
+# writes are the ones still in flight when it starts: a gather would wait for the
+# write to land and then read the same bytes back from NVMe. Their new param is
+# instead copied into pool buffers as host caches, written down from there (the home
+# stays authoritative, the cache is clean once the write lands, evictable as any).
+def kept_shards(plan: Plan, keys: Sequence[Mapping[str, str]], numels: Sequence[int],
+                order: Sequence[int], buffers: int | None) -> frozenset[int]:
+    """The shards whose new param the stream offers the manager as host caches: the last
+    of ``order`` whose NVMe-homed param fits in ``buffers`` pool buffers (None: all but
+    one)."""
+    room = max(0, plan.pool_count - 1) if buffers is None else buffers
+    kept: set[int] = set()
+    for index in reversed(order):
+        key = keys[index].get("param")
+        if key is None or not numels[index] or plan.homes.get(key) != "nvme":
+            continue
+        need = -(-plan.specs[key].nbytes // max(1, plan.pool_buffer_bytes))
+        if need > room:
+            break
+        room -= need
+        kept.add(index)
+    return frozenset(kept)

@@ -43,7 +43,7 @@ from tierzero.engine.checkpoint.save import (
 )
 from tierzero.engine.checkpoint.state import OPTIM_PREFIX, restore_engine_state, restore_rng
 from tierzero.engine.progress import progress_bar
-from tierzero.engine.step.device import MOMENT_KINDS
+from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.offload.state_codec import StoredLayout
 from tierzero.offload.step_seam import GroupState
 
@@ -209,7 +209,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                 source = _Saved(files, lay, kind, rank, same_world, n)
                 if kind.startswith(OPTIM_PREFIX):
                     group.tensors[kind.removeprefix(OPTIM_PREFIX)] = source
-                elif kind in MOMENT_KINDS:
+                elif kind in MOMENT_CLASSES:
                     group.shards[kind] = source
                 else:  # every element is replaced: an NVMe shard's old bytes are not read
                     with shard_use(store, lay.key, kind, overwrite=True) as dest:
@@ -220,8 +220,7 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                 if "grad" not in lay.kinds:
                     with shard_use(store, lay.key, "grad", overwrite=True) as grad:
                         grad.zero_()
-                store.write_param_from_master(lay.key)
-                store.take_grad_zeroed(lay.key)  # written above: no longer zero_grad()'s
+                store.write_param_from_master(lay.key)  # (the grad writes took its mark)
         eng.step_driver.load_state_dict({"param_groups": manifest["engine"]["param_groups"],
                                          "state": optim})
         restore_engine_state(eng, manifest["engine"])
@@ -257,7 +256,7 @@ class _Saved:
 
     def read_into(self, out: torch.Tensor) -> None:
         """The values (a moment decoded to fp32)."""
-        moment = self.kind in MOMENT_KINDS
+        moment = self.kind in MOMENT_CLASSES
         if self.same_world and (not moment or self.lay.saved_moments().precision == "fp32"):
             self.files.read_into(self.rank, self.lay.tensor_name(self.kind), out)
         elif moment:

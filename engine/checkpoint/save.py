@@ -107,7 +107,7 @@ from tierzero.engine.checkpoint.state import OPTIM_PREFIX, engine_state, rng_sta
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.progress import progress_bar, progress_enabled
 from tierzero.engine.shards.store import ShardStore
-from tierzero.engine.step.device import MOMENT_KINDS
+from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
                 kinds = ["param"]
             params = tuple((s.qname, tuple(s.shape), s.offset, s.numel) for s in g.slots)
             moments = next((eng.store.moment_layout(g.key, k)
-                            for k in kinds if k in MOMENT_KINDS), None)
+                            for k in kinds if k in MOMENT_CLASSES), None)
             out.append(GroupLayout(g.key, g.trainable, g.shard_numel, g.numel, params,
                                    tuple(kinds), moments))
     return out
@@ -221,7 +221,7 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
         for kind in lay.kinds:
             dtype = eng.dtype if kind == "param" else torch.float32
             ref = ShardRef(lay.key, kind, dtype, lay.shard_numel)
-            if lay.moments is not None and kind in MOMENT_KINDS:
+            if lay.moments is not None and kind in MOMENT_CLASSES:
                 ref = ShardRef(lay.key, kind, lay.moments.dtype, lay.moments.stored_numel,
                                stored=True)
             if snapshot:  # a consistent copy the next step cannot change
@@ -332,8 +332,7 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
             error = f"cannot create {temp} ({exc})"
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
     with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
-    if with_grad:
-        eng.zero_fresh_grads()  # shards zero_grad() marked hold old values until written
+    # (a gradient zero_grad() marked is read as zeros: [Note: gradients zeroed on first use])
     # [Note: background save of offloaded state] A background save snapshots every shard
     # into host memory first. With shards in the tier manager that copy is the whole
     # offloaded state (what did not fit in host memory to begin with), so the save streams

@@ -274,7 +274,7 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "the master stays fp32. Needs an offloaded optimizer (device cpu, nvme or auto)"
         ),
     )
-    # [Note: gradient home] in engine/shards/tiered.py
+    # [Note: gradient home] in engine/shards/tier_config.py
     grad_device: GradDevice = field(
         default="auto",
         metadata=meta(

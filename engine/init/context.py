@@ -56,7 +56,7 @@ from tierzero.engine.config.load import ConfigSource
 from tierzero.engine.host_heap import HeapTrim, release_free_heap
 from tierzero.engine.init.staging import SliceStaging
 from tierzero.engine.progress import progress_bar
-from tierzero.engine.shards.tiered import swap_dir
+from tierzero.engine.shards.tier_config import swap_dir
 
 log = logging.getLogger(__name__)
 

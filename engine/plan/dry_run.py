@@ -224,9 +224,9 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
         init = store.manager.memory_report()
         out.init_peak = {t: int(init.peak.get(t, 0)) for t in TIERS}
         out.init_outside = init.outside_peak
-        if store.coarse and init.outside_peak:  # [Note: dry-run pieces]
-            out.init_outside = store.pipeline_bytes()
-        out.pipeline_bytes = store.pipeline_bytes()  # allocated at the first step
+        if store.layout.coarse and init.outside_peak:  # [Note: dry-run pieces]
+            out.init_outside = store.layout.pipeline_bytes()
+        out.pipeline_bytes = store.layout.pipeline_bytes()  # allocated at the first step
     try:
         counters = _Counters(store)
         grad_bytes = grad_bytes_to_host(eng)
@@ -273,8 +273,8 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
             out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}
             # what the stream really took through TierManager.host_empty, at its peak;
             # with coarse pieces its ring on meta is not a real run's ([Note: dry-run
-            # pieces] in engine/shards/tiered.py): pipeline_bytes() above is
-            if not store.coarse:
+            # pieces] in engine/shards/state_layout.py): pipeline_bytes() above is
+            if not store.layout.coarse:
                 out.pipeline_bytes = max(out.pipeline_bytes, report.outside_peak)
     finally:
         eng.close()

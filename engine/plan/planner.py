@@ -6,7 +6,7 @@ For each choice (none, cpu, nvme, auto):
    machine's; each unit is declared as the engine declares it (this rank's
    shard of shard_numel(parameters, world size) elements; param in the
    compute dtype, grad, master and moments in fp32) and finalize() runs what a
-   run runs at start: the engine's homes per class (shards.tiered.homes_from:
+   run runs at start: the engine's homes per class (shards.tier_config.homes_from:
    with optimizer state on NVMe the gradient stays in host memory), the
    budgets, pool and prefetch windows (tier_settings, the CPU Adam's pipeline
    buffers taken from the host budget) and offload.plan_placement. A
@@ -171,7 +171,7 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
         for key, spec in plan.specs.items():
             out.by_tier[plan.homes[key]][spec.cls] += spec.nbytes
         out.overhead = {"device": plan.device_reserve,
-                        "host": plan.pool_bytes + store.pipeline_bytes(), "nvme": 0}
+                        "host": plan.pool_bytes + store.layout.pipeline_bytes(), "nvme": 0}
         return out
     except (PlanError, ValueError) as exc:  # ValueError: host budget below the pipeline's
         return ChoicePlan(choice, str(exc))

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 from tierzero.engine.plan.planner import ChoicePlan, Machine, plan_choice
 from tierzero.engine.plan.shapes import ModelShape
-from tierzero.engine.step.device import MOMENT_KINDS as MOMENTS
-from tierzero.offload.settings import TENSOR_CLASSES, TIERS
+from tierzero.offload.settings import MOMENT_CLASSES, TENSOR_CLASSES, TIERS
 from tierzero.offload.state_codec import STATE_PRECISIONS, bytes_per_param
 
 
@@ -43,12 +42,13 @@ class PrecisionRow:
 
 
 def _moments_on(p: ChoicePlan) -> dict[str, int]:
-    return {t: sum(p.by_tier.get(t, {}).get(c, 0) for c in MOMENTS) for t in ("host", "nvme")}
+    return {t: sum(p.by_tier.get(t, {}).get(c, 0) for c in MOMENT_CLASSES)
+            for t in ("host", "nvme")}
 
 
 def _same_homes_but_moments(a: ChoicePlan, b: ChoicePlan) -> bool:
     return all(a.by_tier.get(t, {}).get(c, 0) == b.by_tier.get(t, {}).get(c, 0)
-               for t in TIERS for c in TENSOR_CLASSES if c not in MOMENTS)
+               for t in TIERS for c in TENSOR_CLASSES if c not in MOMENT_CLASSES)
 
 
 def precision_placements(shape: ModelShape, machine: Machine, plans: list[ChoicePlan], *,

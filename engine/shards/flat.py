@@ -158,18 +158,6 @@ def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[lo:hi].add_(part)
 
 
-# [Note: gradients zeroed by the first reduction]
-# zero_grad() does not write zeros over every fp32 gradient shard (a memset of every
-# gradient would sit on the step's critical path, which plain PyTorch's set-to-None does
-# not pay). It marks each group's gradient shard zero in the shard store, which owns
-# the marks (ShardStore.mark_grads_zeroed); the group's next reduction takes the mark
-# (take_grad_zeroed) and writes its gradient (converted) where it would have added it,
-# and zeros only what no gradient covers. Anything that reads a gradient shard without
-# reducing first (a step with no backward, a checkpoint saved mid-accumulation) has the
-# store write the marked zeros first (write_zeroed_grads); a checkpoint load writes every
-# gradient shard and takes the marks; the prefetch order skips a marked shard's read.
-
-
 def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
     """Reduce-scatter the parameters' `.grad` (mean over ranks) into the fp32 shard accumulator.
 
@@ -179,14 +167,12 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     holds the result only after `wait()`. Every rank must reduce the same
     groups in the same order (see [Note: reduction order] in schedule.py).
     A shard marked zero in the store is overwritten instead ([Note: gradients zeroed
-    by the first reduction]).
+    on first use] in shards/store.py).
     """
-    fresh = store.take_grad_zeroed(group.key)
     with torch.no_grad():
         if comm.world_size == 1:
             # a fresh shard is overwritten whole: its old bytes are not read from NVMe
-            with store.use(group.key, "grad", writable=True,
-                           overwrite=fresh) as grad_shard:  # 1D fp32
+            with store.use_grad_sum(group.key) as (grad_shard, fresh):  # 1D fp32
                 for s in group.slots:  # back to back from offset 0 (build_group)
                     dst = grad_shard[s.offset:s.offset + s.numel]
                     g = s.param.grad
@@ -207,7 +193,7 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
             if g is not None:
                 full[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
                 s.param.grad = None
-        return _scatter(group, full, fresh, comm, store)
+        return _scatter(group, full, comm, store)
 
 
 def reduce_flat_grad(group: FlatGroup, full: torch.Tensor, comm: Comm,
@@ -216,35 +202,30 @@ def reduce_flat_grad(group: FlatGroup, full: torch.Tensor, comm: Comm,
     zero padding; layer-major accumulation, [Note: layer-major schedule] in
     engine/layer_major.py), into the fp32 shard accumulator: as `reduce_group_grads`, with
     `full` in place of the parameters' `.grad` (it is consumed)."""
-    fresh = store.take_grad_zeroed(group.key)
     with torch.no_grad():
         if comm.world_size == 1:
-            with store.use(group.key, "grad", writable=True,
-                           overwrite=fresh) as grad_shard:  # 1D fp32
+            with store.use_grad_sum(group.key) as (grad_shard, fresh):  # 1D fp32
                 src = full.to(grad_shard.device)
                 if fresh:
                     grad_shard.copy_(src)
                 else:
                     grad_shard.add_(src)
             return None
-        return _scatter(group, full, fresh, comm, store)
+        return _scatter(group, full, comm, store)
 
 
-def _scatter(group: FlatGroup, full: torch.Tensor, fresh: bool, comm: Comm,
+def _scatter(group: FlatGroup, full: torch.Tensor, comm: Comm,
              store: ShardStore) -> PendingReduce:
     """Start the reduce-scatter (mean) of `full` into this rank's gradient shard."""
     with torch.no_grad():
         mine = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
-        if store.keeps_views:
-            if fresh:  # the collective adds into the shard itself
-                store.tensor(group.key, "grad").zero_()
+        if store.keeps_views:  # the collective adds into the shard (a fresh one zeroed first)
             return comm.reduce_scatter_mean_async(
                 mine, full, accumulate_into=store.tensor(group.key, "grad"), what=group.key)
         pending = comm.reduce_scatter_mean_async(mine, full, what=group.key)
 
     def accumulate(out: torch.Tensor) -> None:
-        with torch.no_grad(), store.use(group.key, "grad", writable=True,
-                                        overwrite=fresh) as grad_shard:
+        with torch.no_grad(), store.use_grad_sum(group.key) as (grad_shard, fresh):
             if fresh:
                 grad_shard.copy_(out)
             else:

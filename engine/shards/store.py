@@ -14,21 +14,37 @@ block); `tensor()` is for shards that stay put (the plain store, or device-
 pinned optimizer state).
 
 Callers never test which store they hold: each store says what they may do
-(`keeps_views`, `prefetches`, `snapshot_in_host`, `optimizer_offloaded`) and owns
-the "gradient zeroed" marks ([Note: gradients zeroed by the first reduction] in
-engine/shards/flat.py: `mark_grads_zeroed`, `grad_zeroed`, `take_grad_zeroed`,
-`write_zeroed_grads`).
+(`keeps_views`, `prefetches`, `snapshot_in_host`, `optimizer_offloaded`) and keeps
+the "gradient zeroed" rule itself ([Note: gradients zeroed on first use]).
+
+[Note: gradients zeroed on first use]
+zero_grad() does not write zeros over every fp32 gradient shard (a memset of every
+gradient would sit on the step's critical path, which plain PyTorch's set-to-None does
+not pay): it marks each group's gradient shard zero here (`mark_grads_zeroed`), and the
+store turns the mark into zeros when the shard is first used, so callers keep no rule:
+- a reduction (`use_grad_sum`) is told the shard is fresh and writes its gradient where
+  it would have added it (zeros only where no gradient covers); a fresh shard homed on
+  NVMe is not read;
+- `use(key, "grad")` and `tensor(key, "grad")` of a marked shard zero it first (a step
+  with no backward since, a checkpoint saved mid-accumulation); `use(overwrite=True)`
+  (a checkpoint load) just takes the mark;
+- `set_order` leaves a marked shard's read out of the prefetch order;
+- the update deferred into the next forward reads its gradient with `as_reduced=True`:
+  the bytes its step measured, not the mark zero_grad() made after that step;
+- the streamed CPU Adam reads gradients through the tier manager, past `use()`, so it
+  has the marked ones written first (`write_zeroed_grads`).
+Every zero written this way is one the eager memset would have written; none is added.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from tierzero.offload.settings import TENSOR_CLASSES, TensorClass
+from tierzero.offload.settings import OPTIMIZER_CLASSES, TENSOR_CLASSES, TensorClass
 from tierzero.offload.state_codec import StoredLayout
 
 
@@ -45,7 +61,7 @@ class ShardStore:
         self.device = device
         self._records: dict[str, _Record] = {}
         # groups whose fp32 gradient shard is logically zero but not written ([Note:
-        # gradients zeroed by the first reduction])
+        # gradients zeroed on first use])
         self._zeroed: set[str] = set()
 
     def add(
@@ -65,11 +81,16 @@ class ShardStore:
             master = param if compute_dtype == torch.float32 else master_init.to(
                 device=self.device, dtype=torch.float32, copy=True)
             tensors["master"] = master
-            for kind in ("grad", "exp_avg", "exp_avg_sq"):
+            for kind in (c for c in OPTIMIZER_CLASSES if c != "master"):  # zeros
                 tensors[kind] = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._records[key] = _Record(n, tensors)
 
     def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
+        """The shard itself (a marked gradient zeroed first: [Note: gradients zeroed on
+        first use])."""
+        return self._zero_if_marked(key, kind, self._tensor(key, kind))
+
+    def _tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
         rec = self._records.get(key)
         if rec is None:
             raise KeyError(f"no shard group {key!r}; known: {sorted(self._records)[:10]}")
@@ -106,12 +127,16 @@ class ShardStore:
 
     @contextmanager
     def use(self, key: str, kind: TensorClass, *, writable: bool = False,
-            compute: bool = True, overwrite: bool = False) -> Iterator[torch.Tensor]:
+            compute: bool = True, overwrite: bool = False,
+            as_reduced: bool = False) -> Iterator[torch.Tensor]:
         """The shard tensor for the duration of the block (`writable`: it will be modified;
         `compute`: for a gather, so on the compute device; `overwrite`: every element will
-        be written, so a tiered store need not read it)."""
-        del writable, compute, overwrite  # every tensor here is the authoritative copy
-        yield self.tensor(key, kind)
+        be written, so a tiered store need not read it). A gradient marked zero is zeroed
+        first, unless `overwrite`; `as_reduced`: the gradient's bytes as its reduction left
+        them, mark or not ([Note: gradients zeroed on first use])."""
+        del writable, compute  # every tensor here is the authoritative copy
+        t = self._tensor(key, kind)
+        yield t if as_reduced else self._zero_if_marked(key, kind, t, overwrite=overwrite)
 
     def moment_layout(self, key: str, kind: TensorClass) -> StoredLayout:
         """How moment `kind` of group `key` is stored ([Note: stored moment layout] in
@@ -127,30 +152,41 @@ class ShardStore:
         with self.use(key, kind, compute=False, writable=overwrite, overwrite=overwrite) as t:
             yield t
 
-    # -- gradients zeroed by the first reduction ---------------------------------------
+    # -- gradients zeroed on first use ------------------------------------------------
     def mark_grads_zeroed(self, keys: Iterable[str]) -> None:
         """zero_grad(): these gradient shards are zero from now on, without a byte written."""
         self._zeroed.update(keys)
 
     def grad_zeroed(self, key: str) -> bool:
-        """The gradient shard of `key` is marked zero (its bytes are stale)."""
+        """The gradient shard of `key` is marked zero (its bytes are stale until used)."""
         return key in self._zeroed
 
-    def take_grad_zeroed(self, key: str) -> bool:
-        """The caller writes every element of the gradient shard now (a reduction, a
-        checkpoint load): returns whether it was marked zero, and clears the mark."""
-        if key in self._zeroed:
-            self._zeroed.discard(key)
-            return True
-        return False
+    @contextmanager
+    def use_grad_sum(self, key: str) -> Iterator[tuple[torch.Tensor, bool]]:
+        """The gradient shard for a reduction to add into, and whether it is fresh: marked
+        zero, so its contents are undefined (not read) and the caller writes every element
+        instead of adding ([Note: gradients zeroed on first use])."""
+        fresh = self.grad_zeroed(key)
+        with self.use(key, "grad", writable=True, overwrite=fresh) as t:
+            yield t, fresh
 
-    def write_zeroed_grads(self) -> None:
-        """Write the zeros of every marked gradient shard and clear the marks (for whoever
-        reads them without a reduction first)."""
-        for key in [k for k in self.group_keys() if k in self._zeroed]:
-            with torch.no_grad(), self.use(key, "grad", overwrite=True) as grad:
-                grad.zero_()
+    def write_zeroed_grads(self, keys: Sequence[str]) -> None:
+        """Write the zeros of the marked gradient shards among `keys`, for a reader that
+        reaches them past `use()` (the streamed CPU Adam)."""
+        for key in [k for k in keys if k in self._zeroed]:
+            with torch.no_grad(), self.use(key, "grad"):
+                pass  # use() writes the zeros and takes the mark
+
+    def _zero_if_marked(self, key: str, kind: TensorClass, t: torch.Tensor, *,
+                        overwrite: bool = False) -> torch.Tensor:
+        """`t` (the gradient shard of `key`) with zero_grad()'s mark turned into zeros, or
+        just taken when the caller overwrites every element."""
+        if kind == "grad" and key in self._zeroed:
+            if not overwrite:
+                with torch.no_grad():
+                    t.zero_()
             self._zeroed.discard(key)
+        return t
 
     def declare(self, key: str, numel: int, compute_dtype: torch.dtype, trainable: bool) -> None:
         """Group `key` will be added with `numel` elements; nothing to plan for resident

@@ -18,11 +18,8 @@ import torch
 
 from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.shards.store import ShardStore
-from tierzero.offload.settings import TensorClass
+from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.offload.step_seam import GroupState, StoreTensor
-
-# per-element optimizer state the shard store keeps for every trainable group
-MOMENT_KINDS: tuple[TensorClass, ...] = ("exp_avg", "exp_avg_sq")
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -238,7 +235,7 @@ class DeviceStep:
 
 def store_moments(store: ShardStore, key: str) -> dict[str, Any]:
     """The moments the store keeps for group `key`, by kind (saved streamed from it)."""
-    return {kind: StoreTensor(key, kind) for kind in MOMENT_KINDS if store.has(key, kind)}
+    return {kind: StoreTensor(key, kind) for kind in MOMENT_CLASSES if store.has(key, kind)}
 
 
 def load_store_moments(store: ShardStore, key: str, group: GroupState) -> None:
@@ -247,7 +244,7 @@ def load_store_moments(store: ShardStore, key: str, group: GroupState) -> None:
     as stored bytes when the source's layout is the store's, else as fp32 values that the
     store encodes ([Note: compressed moments in checkpoints])."""
     for kind, source in group.shards.items():
-        if kind not in MOMENT_KINDS or not store.has(key, kind):
+        if kind not in MOMENT_CLASSES or not store.has(key, kind):
             raise CheckpointError(f"checkpoint holds shard {kind!r} of group {key!r}, which "
                                   "the shard store does not keep as optimizer state")
         stored = source.stored_as()

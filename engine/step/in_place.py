@@ -53,7 +53,7 @@ step(). `defer()` hands every group to the worker in the next forward's order wi
 the clipping and unscaling factor; the scheduler waits for a unit's groups before it
 gathers it (Scheduler.wait_updates), so no forward reads a shard before its update,
 and the update of unit k runs while forward computes the units before it. Whoever
-else reads or writes shards drains first (ZeroEngine: backward, zero_fresh_grads,
+else reads or writes shards drains first (ZeroEngine: backward, step(),
 save/load_checkpoint, close, module.state_dict(); load_pretrained and
 GatheredParameters wait for their units): nothing observes a half-updated step.
 The lr and other hyper-parameters are those of step(), as without deferral.
@@ -90,6 +90,7 @@ import torch
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
+from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,9 @@ class InPlaceStep:
         self._deferred: dict[str, Future[float]] = {}  # group -> its pending update
         self._deferred_t0 = 0.0
         self._deferred_args: tuple[AdamHyper, float, float] | None = None  # of defer()
+        # from defer() until its last update ran: every update() is a deferred one (all
+        # other work drains it first)
+        self._in_deferred = False
         self._deferred_compute = 0.0  # kernel seconds of the deferred step so far
         self._deferred_failure: BaseException | None = None
         self.clock = OverlapClock()  # the worker's seconds, hidden under compute or waited for
@@ -236,8 +240,10 @@ class InPlaceStep:
             master = held.enter_context(store.use(key, "master", writable=True))
             exp_avg, exp_avg_sq = (
                 held.enter_context(store.use(key, kind, writable=True, raw=True))
-                for kind in ("exp_avg", "exp_avg_sq"))
-            grad = held.enter_context(store.use(key, "grad"))
+                for kind in MOMENT_CLASSES)
+            # a deferred update reads the gradient its step measured, not the mark the
+            # zero_grad() after that step made ([Note: gradients zeroed on first use])
+            grad = held.enter_context(store.use(key, "grad", as_reduced=self._in_deferred))
             p16 = held.enter_context(store.use(key, "param", writable=True, compute=False))
             shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
             t = time.perf_counter()
@@ -451,6 +457,7 @@ class InPlaceStep:
         keys = list(dict.fromkeys([*[k for k in order if k in self._keys], *self._keys]))
         self._deferred_t0 = time.perf_counter()
         self._deferred_args = (hyper, step, grad_scale)
+        self._in_deferred = True
         self._deferred_compute = 0.0
         self._deferred_failure = None
         with self._lock:
@@ -511,6 +518,7 @@ class InPlaceStep:
             raise err
         if self._deferred:
             return None
+        self._in_deferred = False
         return PipelineStats(len(self._keys), time.perf_counter() - self._deferred_t0,
                              self._deferred_compute, 0.0, 0.0, 0)
 
@@ -527,6 +535,7 @@ class InPlaceStep:
             for job in self._deferred.values():
                 job.exception()
         self._deferred.clear()
+        self._in_deferred = False
 
     def _close_during(self) -> None:
         if self._during is not None and self._during is not self._threads:

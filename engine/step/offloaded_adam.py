@@ -51,7 +51,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  threads: int, buffer_bytes: int = 0, order: StepOrder | None = None
                  ) -> None:
-        """buffer_bytes: the stream's host ring (TieredShardStore.pipeline_bytes()); order:
+        """buffer_bytes: the stream's host ring (StateLayout.ring_bytes()); order:
         the owner of the streamed step's group order ([Note: step order learned from
         backward]; default: construction order)."""
         handles = [torch.empty(0) for _ in keys]  # size-0: the state is in the tier manager

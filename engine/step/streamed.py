@@ -18,20 +18,13 @@ import torch
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
-from tierzero.offload.settings import TensorClass
+from tierzero.offload.settings import STEP_CLASSES
 from tierzero.offload.shard_updater import unsupported
 from tierzero.offload.step_seam import GradMeasure
 
 _NAME = "the streamed optimizer step (optimizer state off the host)"
 _FIX = ("ask the capability first (OffloadedAdam.can_defer): with optimizer state off the "
         "host, the update runs in step(), after backward")
-
-
-def _zip_pieces(store: TieredShardStore, key: str
-                ) -> list[tuple[int, int, tuple[tuple[str, int, int], ...]]]:
-    """(lo, hi, the master / exp_avg / exp_avg_sq piece) for each piece of group ``key``."""
-    per = [store.pieces(key, kind) for kind in ("master", "exp_avg", "exp_avg_sq")]
-    return [(m[1], m[2], (m, a, v)) for m, a, v in zip(*per, strict=True)]
 
 
 # [Note: gradients measured where they are reduced]
@@ -58,7 +51,7 @@ class StreamedStep:
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, order: Sequence[str],
                  buffer_bytes: int, shadow: torch.dtype | None, threads: AdamThreads) -> None:
         """order: the first step order (every key once); buffer_bytes: the host ring
-        (TieredShardStore.pipeline_bytes()); shadow, threads: as InPlaceStep's."""
+        (StateLayout.ring_bytes()); shadow, threads: as InPlaceStep's."""
         manager = store.manager
         if manager is None:
             raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
@@ -66,29 +59,32 @@ class StreamedStep:
         self._measured: dict[str, GradStat] = {}
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
-        names: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq")
-        # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
-        # state in chunks] in offload/adam_stream.py): one list of pieces per group
-        chunks = [[(lo, hi, {str(c): mkey for c, (mkey, _, _) in zip(
-                      names, pieces, strict=True)})
-                   for lo, hi, pieces in _zip_pieces(store, k)] for k in self._keys]
+        layout = store.layout  # keys and pieces, as the store keeps them
         self.stream = AdamStream(
-            manager, [{n: store.manager_key(k, n) for n in ("grad", "param")}
-                      for k in self._keys],
-            [store.numel(k) for k in self._keys], order=self._indices(order),
+            manager, [{n: layout.manager_key(k, n) for n in STEP_CLASSES} for k in self._keys],
+            [layout.numel(k) for k in self._keys], order=self._indices(order),
             buffer_bytes=buffer_bytes,
-            chunks=chunks,
+            # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
+            # state in chunks] in offload/adam_stream.py): one list of pieces per group
+            chunks=[layout.stream_pieces(k) for k in self._keys],
             shadow=shadow, threads=threads,
             # zero_grad() follows every step: a consumed gradient is never read again
-            # ([Note: gradient home] in engine/shards/tiered.py)
-            consume_grads=True, state=store.state_precision)
+            # ([Note: gradient home] in engine/shards/tier_config.py)
+            consume_grads=True, state=layout.state_precision)
 
     def _indices(self, keys: Sequence[str]) -> list[int]:
         return [self._index[k] for k in keys]
 
     # -- the step ---------------------------------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
+        self._grads_zeroed()
         return self.stream.step(hyper, step, grad_scale)
+
+    def _grads_zeroed(self) -> None:
+        """The stream reads gradients through the tier manager, past the store's use():
+        the store writes the zeros of those zero_grad() marked first (a step with no
+        backward since; [Note: gradients zeroed on first use] in shards/store.py)."""
+        self._store.write_zeroed_grads(self._keys)
 
     @property
     def is_open(self) -> bool:
@@ -102,6 +98,7 @@ class StreamedStep:
         self.stream.mark_final(self._indices(keys))
 
     def finish(self) -> PipelineStats:
+        self._grads_zeroed()
         return self.stream.finish()
 
     def abort(self) -> int:

@@ -1,5 +1,5 @@
 """zero_grad() marks the fp32 gradient shards instead of writing zeros ([Note: gradients zeroed
-by the first reduction] in engine/shards/flat.py): every reader must still see zeros.
+on first use] in engine/shards/store.py): every reader must still see zeros.
 
 Each test first trains a step, so the shards hold non-zero gradients that a missed zeroing
 would leak: into a step with no backward, into a checkpoint saved mid-accumulation, and over
@@ -48,10 +48,8 @@ def test_step_without_backward_sees_zero_gradients(offload: str, tmp_path: Path)
             eng.step()  # leaves non-zero values in the shards, marked zero
             if explicit:
                 for k in eng._train_keys:
-                    with eng.store.use(k, "grad", writable=True) as g:
+                    with eng.store.use(k, "grad", overwrite=True) as g:
                         g.zero_()
-                for k in eng._train_keys:
-                    eng.store.take_grad_zeroed(k)
             eng.step()
             runs.append(full_params(eng, model))
         finally:
@@ -61,19 +59,22 @@ def test_step_without_backward_sees_zero_gradients(offload: str, tmp_path: Path)
 
 
 def test_zero_grad_writes_nothing_until_read(tmp_path: Path) -> None:
-    """The mark, not a memset: the old values stay in the shard until a reduction or a reader
-    writes them; zero_fresh_grads() (what a step or a save calls) writes the zeros."""
+    """The mark, not a memset: the old values stay in the shard (seen through views the
+    plain store keeps valid) until its first use, which hands out zeros and writes them."""
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
                                      config=config("none", tmp_path))
     try:
         ids, tg = make_batches(1)[0]
         eng.backward(eng(ids, tg))
         before = grads(eng)
+        with eng.store.use(eng._train_keys[0], "grad") as view:  # the shard itself
+            pass
         eng.zero_grad()
         assert all(eng.store.grad_zeroed(k) for k in eng._train_keys)
-        assert all(torch.equal(grads(eng)[k], before[k]) for k in before)  # not written
-        eng.zero_fresh_grads()
-        assert all(not v.any() for v in grads(eng).values())
+        assert torch.equal(view, before[eng._train_keys[0]]) and view.any()  # not written
+        assert all(not v.any() for v in grads(eng).values())  # first use: zeros
+        assert not view.any()  # written into the shard, the marks taken
+        assert not any(eng.store.grad_zeroed(k) for k in eng._train_keys)
     finally:
         eng.close()
 

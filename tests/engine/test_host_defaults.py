@@ -20,7 +20,7 @@ from tierzero.engine.config.schema import (
     ParamOffloadConfig,
 )
 from tierzero.engine.host_defaults import GPU_GATHER_BYTES, gather_bounds
-from tierzero.engine.shards.tiered import tier_settings
+from tierzero.engine.shards.tier_config import tier_settings
 from tierzero.offload import ShardSpec
 
 CPU = torch.device("cpu")

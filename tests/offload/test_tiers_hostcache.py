@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierzero.engine.config import load_config
-from tierzero.engine.shards.tiered import tier_settings
+from tierzero.engine.shards.tier_config import tier_settings
 from tierzero.offload import (
     Budgets,
     PoolSettings,

@@ -1,5 +1,5 @@
 """param kept in host memory after the Adam writes it ([Note: param kept in host
-memory] in offload/adam_stream.py, TierManager.write_from(keep_host=True)): the residency
+memory] in offload/stream_parts.py, TierManager.write_from(keep_host=True)): the residency
 moves of the kept cache, its fallback when the pool is full, and training that stays bit
 for bit the same while the next forward's first gathers stop reading NVMe."""
 

@@ -24,7 +24,8 @@ from tierzero.engine.plan import (
     plan_all,
 )
 from tierzero.engine.plan.planner import plan_choice
-from tierzero.engine.shards.tiered import DRY_PIECES, TieredShardStore
+from tierzero.engine.shards.state_layout import DRY_PIECES
+from tierzero.engine.shards.tiered import TieredShardStore
 
 
 def nvme_config(swap_dir: Path, **offload: Any) -> engine.Config:
@@ -139,13 +140,13 @@ def test_dry_run_in_coarse_pieces_counts_a_chunked_real_run(tmp_path: Path) -> N
     eng, *_ = engine.initialize(model=TinyLM(SIZES["tiny"]), config=config)
     try:
         store = eng.store
-        assert isinstance(store, TieredShardStore) and not store.coarse
+        assert isinstance(store, TieredShardStore) and not store.layout.coarse
         many = [k for k in store.group_keys() if len(store.pieces(k, "master")) > DRY_PIECES]
         assert many, "the model must have shards in more pieces than a dry run keeps"
         eng.backward(eng(input_ids=torch.randint(0, 256, (2, 32))).logits.float().mean())
         eng.step()
         report = store.manager.memory_report()  # type: ignore[union-attr]
-        assert dry.pipeline_bytes == store.pipeline_bytes() == report.outside_peak
+        assert dry.pipeline_bytes == store.layout.pipeline_bytes() == report.outside_peak
     finally:
         eng.close()
 

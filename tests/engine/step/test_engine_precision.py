@@ -62,9 +62,8 @@ def test_fp16_overflow_skips_step_and_halves_scale(caplog: pytest.LogCaptureFixt
         for k, p in model.named_parameters():
             assert torch.equal(p.detach(), before[k]), k
     # the overflowed gradients were dropped: marked zero, overwritten by the next reduction
-    # ([Note: gradients zeroed by the first reduction]); written out, they are zeros
+    # ([Note: gradients zeroed on first use]); read, they are zeros
     assert all(eng.store.grad_zeroed(k) for k in eng._train_keys)
-    eng.zero_fresh_grads()
     for k in eng._train_keys:
         assert not eng.store.tensor(k, "grad").any()
     eng.backward(eng(ids, tg))

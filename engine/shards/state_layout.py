@@ -1,0 +1,250 @@
+"""How each shard group's tensors are kept: manager keys, pieces, stored form, and the host
+buffers the streamed CPU Adam needs for them. Shared by the store (engine/shards/tiered.py)
+and the streamed step (engine/step/streamed.py); holds no tensor.
+
+Manager keys are "<group key>:<class>"; master and moments streamed from NVMe in several
+pieces (offload.optimizer.chunk_numel, [Note: optimizer state in chunks] in
+offload/adam_stream.py) are "<group key>:<class>@<first element>" per piece:
+
+    group "blk.0/bf16/trainable", 2.5M elements, chunk_numel 1M
+      param, grad                 blk.0/bf16/trainable:param        [0, 2.5M)
+      master, exp_avg, exp_avg_sq blk.0/bf16/trainable:master@0     [0, 1M)
+                                  blk.0/bf16/trainable:master@1000000 ...
+
+Moments kept compressed (offload.optimizer.state_precision bf16 / int8, see
+offload/state_codec.py) are uint8 manager keys of state_codec.moment_nbytes(numel) bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierzero.offload import ShardSpec
+from tierzero.offload.host_ring import page_up
+from tierzero.offload.settings import (
+    MOMENT_CLASSES,
+    OPTIMIZER_CLASSES,
+    STATE_CLASSES,
+    TENSOR_CLASSES,
+    TensorClass,
+)
+from tierzero.offload.state_codec import StoredLayout, moment_nbytes
+from tierzero.offload.stream_sizes import param_assembly_bytes, piece_bytes, ring_capacity
+
+Pieces = list[tuple[str, int, int]]  # (manager key, first element, end) of each piece
+
+# [Note: dry-run pieces]
+# tierzero plan runs the engine on meta tensors and counts bytes ([Note: plan from the
+# engine] in engine/plan/dry_run.py). Every piece of master and moments is a record in the tier
+# manager and an item of the CPU Adam's stream, and each costs Python work per step: at
+# the default chunk_numel (1M elements) a 70B model has ~70,000 pieces per kind. A dry run
+# therefore cuts each shard into at most DRY_PIECES pieces (never smaller than
+# chunk_numel). The bytes it counts are the same (the same elements cross the same tiers:
+# the state pieces are read into the stream's ring, never into the manager's pool, and the
+# dry swap counts logical bytes), a shard is in several pieces exactly when it would be in
+# a real run, and the host memory it reports for the stream's buffers (ring_bytes,
+# param_ring_bytes, the tier budget's host_outside) is computed from the real pieces.
+# Two things differ from a real run: the stream's own ring on meta is larger (it must hold
+# a coarse piece; the dry run reports pipeline_bytes() instead of what that ring took), and
+# its read-ahead during forward covers whole coarse pieces, so some state reads count in
+# forward instead of backward (the step's totals are exact; the split between the two
+# phases is not).
+DRY_PIECES = 16
+DRY_PIECES = 16
+
+
+@dataclass(frozen=True)
+class _Group:
+    numel: int  # elements of this rank's shard
+    kinds: tuple[TensorClass, ...]  # param, and the optimizer classes when trainable
+    dtype: torch.dtype  # the compute dtype (param's)
+
+
+@dataclass(frozen=True)
+class RingRequest:
+    """offload.optimizer.buffer_count buffers of buffer_bytes each (None: the mean piece)."""
+
+    buffer_count: int
+    buffer_bytes: int | None
+
+
+class StateLayout:
+    """Every declared group's classes, pieces and stored form.
+
+    `streamed`: the CPU Adam streams master and moments through its ring (state off the
+    host), which is what `chunk_numel` (elements per piece, 0: whole shards) and the ring
+    sizes apply to. `coarse`: a dry run ([Note: dry-run pieces]).
+    """
+
+    def __init__(self, *, streamed: bool, chunk_numel: int, state_precision: str,
+                 coarse: bool, ring: RingRequest) -> None:
+        self.streamed = streamed
+        self.chunk_numel = chunk_numel if streamed else 0
+        self.state_precision = state_precision
+        self.coarse = coarse and self.chunk_numel > 0
+        self.ring = ring
+        self._groups: dict[str, _Group] = {}
+
+    # -- groups ------------------------------------------------------------------------
+    def declare(self, key: str, numel: int, compute_dtype: torch.dtype,
+                trainable: bool) -> None:
+        if key in self._groups:
+            raise ValueError(f"shard group {key!r} declared twice")
+        kinds = ("param", *OPTIMIZER_CLASSES) if trainable else ("param",)
+        self._groups[key] = _Group(numel, kinds, compute_dtype)
+
+    def matches(self, key: str, numel: int, compute_dtype: torch.dtype,
+                trainable: bool) -> bool:
+        """Group `key` was declared with these sizes."""
+        g = self._groups.get(key)
+        return g is not None and (g.numel, g.dtype, len(g.kinds) > 1) == (
+            numel, compute_dtype, trainable)
+
+    def check(self, key: str, kind: TensorClass) -> None:
+        """KeyError naming the group unless it has `kind`."""
+        g = self._groups.get(key)
+        if g is None:
+            raise KeyError(f"no shard group {key!r}; known: {sorted(self._groups)[:10]}")
+        if kind not in g.kinds:
+            raise KeyError(f"shard group {key!r} has no {kind!r} tensor (frozen parameters "
+                           "keep only param)")
+
+    def has(self, key: str, kind: TensorClass) -> bool:
+        g = self._groups.get(key)
+        return g is not None and kind in g.kinds
+
+    def group_keys(self) -> list[str]:
+        return list(self._groups)
+
+    def kinds(self, key: str) -> tuple[TensorClass, ...]:
+        return self._groups[key].kinds
+
+    def numel(self, key: str) -> int:
+        return self._groups[key].numel
+
+    def param_dtype(self, key: str) -> torch.dtype:
+        return self._groups[key].dtype
+
+    # -- keys and pieces ---------------------------------------------------------------
+    def pieces(self, key: str, kind: TensorClass) -> Pieces:
+        """(manager key, first element, end) of each piece of ``kind`` of group ``key``:
+        master and moments of a shard above chunk_numel elements are stored in pieces of
+        that size ([Note: optimizer state in chunks]); everything else is one piece under
+        "<key>:<kind>"."""
+        n = self._groups[key].numel
+        step = self.chunk_numel
+        if kind not in STATE_CLASSES or not step or n <= step:
+            return [(f"{key}:{kind}", 0, n)]
+        if self.coarse:
+            step = max(step, -(-n // DRY_PIECES))
+        return [(f"{key}:{kind}@{lo}", lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def manager_key(self, key: str, kind: TensorClass) -> str:
+        """The manager key of a kind stored in one piece (see pieces() for the others)."""
+        self.check(key, kind)
+        pieces = self.pieces(key, kind)
+        if len(pieces) != 1:
+            raise KeyError(f"shard group {key!r} keeps its {kind} in {len(pieces)} pieces; "
+                           "use pieces()")
+        return pieces[0][0]
+
+    def stream_pieces(self, key: str) -> list[tuple[int, int, dict[str, str]]]:
+        """(lo, hi, {master / exp_avg / exp_avg_sq: manager key}) of each piece of group
+        ``key``'s optimizer state, as offload.AdamStream takes them."""
+        per = [self.pieces(key, kind) for kind in STATE_CLASSES]
+        return [(parts[0][1], parts[0][2], {str(c): p[0] for c, p in zip(
+                    STATE_CLASSES, parts, strict=True)}) for parts in zip(*per, strict=True)]
+
+    def specs(self) -> list[ShardSpec]:
+        """Every piece as the tier manager holds it, in declaration order (blocks in
+        forward order, the root last: the order the host allowance takes param in, [Note:
+        which shards the host keeps] in engine/shards/tier_config.py)."""
+        return [self._spec(mkey, kind, hi - lo, g.dtype) for key, g in self._groups.items()
+                for kind in g.kinds for mkey, lo, hi in self.pieces(key, kind)]
+
+    def _spec(self, mkey: str, kind: TensorClass, numel: int, dtype: torch.dtype) -> ShardSpec:
+        if kind == "param":
+            return ShardSpec(mkey, kind, numel, dtype)
+        if self.compressed(kind):
+            return ShardSpec(mkey, kind, moment_nbytes(numel, self.state_precision), torch.uint8)
+        return ShardSpec(mkey, kind, numel, torch.float32)
+
+    # -- stored form -------------------------------------------------------------------
+    def compressed(self, kind: str) -> bool:
+        """``kind`` is a moment kept compressed (uint8 keys, [Note: 8-bit moment codes])."""
+        return self.state_precision != "fp32" and kind in MOMENT_CLASSES
+
+    def moment_layout(self, key: str, kind: TensorClass) -> StoredLayout:
+        """How moment `kind` of `key` is stored: state_precision, in these pieces ([Note:
+        stored moment layout] in offload/state_codec.py)."""
+        self.check(key, kind)
+        pieces = self.pieces(key, kind)
+        return StoredLayout.of(self.state_precision if self.compressed(kind) else "fp32",
+                               self.numel(key), pieces[0][2] - pieces[0][1])
+
+    def stored_ranges(self, key: str, kind: TensorClass) -> tuple[Pieces, int]:
+        """A compressed moment's pieces as (manager key, first byte, end byte) of its
+        stored bytes laid end to end in element order, and their total."""
+        out, pos = [], 0
+        for mkey, lo, hi in self.pieces(key, kind):
+            nb = moment_nbytes(hi - lo, self.state_precision)
+            out.append((mkey, pos, pos + nb))
+            pos += nb
+        return out, pos
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per class, as stored."""
+        out: dict[str, int] = dict.fromkeys(TENSOR_CLASSES, 0)
+        for g in self._groups.values():
+            for kind in g.kinds:
+                if self.compressed(kind):
+                    out[kind] += moment_nbytes(g.numel, self.state_precision)
+                    continue
+                size = torch.finfo(g.dtype).bits // 8 if kind == "param" else 4
+                out[kind] += g.numel * size
+        return out
+
+    # -- the streamed CPU Adam's host buffers (offload/stream_sizes.py) ----------------
+    def _real_bounds(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) of each piece a shard of ``n`` elements has in a real run."""
+        step = self.chunk_numel
+        if not step or n <= step:
+            return [(0, n)]
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def ring_bytes(self) -> int:
+        """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]): the
+        requested buffers (buffer_bytes None: the mean piece's master and moments, with the
+        bf16/fp16 param of a shard in one piece), at least the largest piece's; from the
+        real pieces, also in a dry run. 0 when nothing streams."""
+        if not self.streamed:
+            return 0
+        sizes = [self._piece_bytes(g, lo, hi) for g in self._groups.values()
+                 if len(g.kinds) > 1 and g.numel for lo, hi in self._real_bounds(g.numel)]
+        if not sizes:
+            return 0
+        each = self.ring.buffer_bytes or sum(sizes) // len(sizes)
+        return ring_capacity(self.ring.buffer_count * each, sizes)
+
+    def _piece_bytes(self, g: _Group, lo: int, hi: int) -> int:
+        low = torch.finfo(g.dtype).bits // 8 if g.dtype != torch.float32 else 0
+        whole = hi - lo == g.numel  # one piece: its param is carved from the ring too
+        return piece_bytes(hi - lo, self.state_precision, low if whole else 0)
+
+    def param_ring_bytes(self) -> int:
+        """Host bytes where the stream assembles the new param of shards in several
+        pieces: two of the largest such shard ([Note: optimizer state in chunks])."""
+        if not self.chunk_numel:
+            return 0
+        whole = [page_up(g.numel * (torch.finfo(g.dtype).bits // 8
+                                    if g.dtype != torch.float32 else 4))
+                 for g in self._groups.values()
+                 if len(g.kinds) > 1 and g.numel > self.chunk_numel]
+        return param_assembly_bytes(whole)
+
+    def pipeline_bytes(self) -> int:
+        """Host bytes the CPU Adam stream allocates outside the tier manager's pool: its
+        ring and its param assembly room."""
+        return self.ring_bytes() + self.param_ring_bytes()
