@@ -74,7 +74,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierzero.engine.host_heap import release_free_heap
-from tierzero.engine.shards.tiered import grad_home, offload_wanted
+from tierzero.engine.shards.tier_config import grad_home, offload_wanted
 from tierzero.swap import trace
 
 if TYPE_CHECKING:
