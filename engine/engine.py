@@ -390,6 +390,9 @@ class ZeroEngine:
         """Global L2 norm of the (unscaled) gradients over every shard on every rank, before
         clipping; sets `last_grad_norm` and `last_clip_coef` and returns the factor that
         brings the norm down to gradient_clipping (1.0 with clipping off)."""
+        if self.device.type == "meta":  # a dry run: the measurements carry no values
+            self.last_grad_norm = self.last_clip_coef = None
+            return 1.0
         # fp32 norm per shard (as torch's clip_grad_norm_ per tensor; no fp64 copy of the
         # shard), squares summed in fp64 in fixed group order (precision.grad_stat)
         total = 0.0

@@ -27,10 +27,12 @@ For each choice (none, cpu, nvme, auto):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +77,12 @@ class ChoicePlan:
     # tensors, say); the placement above still holds
     traffic_error: str | None = None
     host: HostPeak | None = None  # predicted host peak ([Note: plan host peak]), dry run
+    # the host tier budget placement ran with: the machine's host memory, or less so that
+    # what lives outside the tiers fits beside it ([Note: plan within the host])
+    host_budget: int | None = None
+    # device memory at the step's peak: the tier manager's device peak, plus with CUDA the
+    # gathered units, saved activations and one unit's gradients (dry run; None: unknown)
+    device_peak: int | None = None
 
     @property
     def grad_home(self) -> str:
@@ -224,6 +232,62 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
     out.peak = run.peak
     out.step_s = step_time(out.phases, machine)
     out.host = host_peak(run, config, device_is_host=not machine.cuda)
+    out.host_budget = machine.host_bytes
+    outside = 0
+    if machine.cuda:  # on the device beside its tier (host memory without CUDA: out.host)
+        compute = torch.finfo(compute_dtype(config.precision.dtype)).bits // 8
+        outside = run.gathered_peak + run.saved_bytes + run.largest_unit * (compute + 4)
+    out.device_peak = run.peak.get("device", 0) + outside
+
+
+# [Note: plan within the host]
+# A choice's host tier budget is not the whole host: the process holds more than the tier
+# manager counts (the CPU Adam ring, gathered units and activations without CUDA, the
+# model being built and placed: [Note: plan host peak]). Placement fills an explicit host
+# budget (gradients homed in host memory as far as it has room, [Note: gradient home];
+# auto's placement), so planned with the whole host a choice can fit its tiers and still
+# peak above the host. `fit_host` plans such a choice again with the host budget lowered
+# by the excess (and HOST_MARGIN of the host), up to HOST_TRIES times, while that brings
+# the peak down (a peak from building the model does not move with the budget); the
+# recommended config carries the budget it was planned with (offload.budgets.host_bytes),
+# so a run places what the plan predicted. `over_budget` then says which choices still
+# peak above the host or the device; `recommend` never picks one.
+HOST_MARGIN = 0.01
+HOST_TRIES = 3
+
+
+def fit_host(p: ChoicePlan, shape: ModelShape, machine: Machine, **kw: Any) -> ChoicePlan:
+    """`p` (with its dry run), or the same choice planned with a host budget low enough for
+    its predicted host peak to stay within `machine.host_bytes` ([Note: plan within the
+    host]); `kw`: plan_choice's and add_traffic's keywords."""
+    best = p
+    for _ in range(HOST_TRIES):
+        if best.host is None or best.host.peak <= machine.host_bytes or best.host_budget is None:
+            return best
+        budget = best.host_budget - (best.host.peak - machine.host_bytes) \
+            - int(HOST_MARGIN * machine.host_bytes)
+        if budget <= 0:
+            return best
+        lower = dataclasses.replace(machine, host_bytes=budget)
+        again = plan_choice(shape, p.choice, lower, **{
+            k: v for k, v in kw.items() if k not in ("seq_len", "micro_batch")})
+        add_traffic(again, shape, lower, **kw)
+        if not again.fits or again.host is None or again.host.peak >= best.host.peak:
+            return best  # the excess does not come from the tiers
+        best = again
+    return best
+
+
+def over_budget(p: ChoicePlan, machine: Machine) -> str | None:
+    """Why a choice that fits its tiers still does not fit the machine (its predicted host
+    or device peak is above what was given), or None."""
+    if p.host is not None and p.host.peak > machine.host_bytes:
+        return (f"host peak {p.host.peak} bytes ({p.host.phase}) is above the host's "
+                f"{machine.host_bytes}")
+    if p.device_peak is not None and p.device_peak > machine.device_bytes:
+        return (f"device peak {p.device_peak} bytes is above the device's "
+                f"{machine.device_bytes}")
+    return None
 
 
 def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
@@ -262,19 +326,23 @@ def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision:
                          state_precision=state_precision)
              for choice in CHOICES]
     if traffic:
+        kw: dict[str, Any] = {
+            "world_size": world_size, "precision": precision, "nvme_path": nvme_path,
+            "max_in_cpu_bytes": max_in_cpu_bytes, "seq_len": seq_len,
+            "micro_batch": micro_batch, "state_precision": state_precision}
         for p in plans:
-            add_traffic(p, shape, machine, world_size=world_size, precision=precision,
-                        nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
-                        seq_len=seq_len, micro_batch=micro_batch,
-                        state_precision=state_precision)
+            add_traffic(p, shape, machine, **kw)
+        plans = [fit_host(p, shape, machine, **kw) if p.fits else p for p in plans]
     return plans
 
 
-def recommend(plans: list[ChoicePlan]) -> ChoicePlan | None:
+def recommend(plans: list[ChoicePlan], machine: Machine | None = None) -> ChoicePlan | None:
     """The fitting choice with the shortest predicted step, then the fewest bytes moved,
-    then the simplest (none, cpu, auto, nvme)."""
+    then the simplest (none, cpu, auto, nvme); with `machine`, never one whose predicted
+    host or device peak is above it (over_budget)."""
     order = {"none": 0, "cpu": 1, "auto": 2, "nvme": 3}
-    fitting = [p for p in plans if p.fits]
+    fitting = [p for p in plans if p.fits and (machine is None or over_budget(p, machine)
+                                               is None)]
     return min(fitting, key=lambda p: (p.step_s if p.step_s is not None else math.inf,
                                        p.copied + p.nvme_read + p.nvme_written,
                                        order[p.choice]), default=None)

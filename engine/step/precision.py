@@ -102,6 +102,8 @@ def grad_stat(store: ShardStore, key: str) -> GradStat:
     norm proves it; a non-finite one is checked element by element (the sum of squares of
     finite values can overflow fp32)."""
     with store.use(key, "grad") as g:
+        if g.is_meta:  # a dry run (tierzero plan): no values; ZeroEngine._clip reports none
+            return GradStat(0.0, True)
         norm = float(torch.linalg.vector_norm(g).double().cpu())
         finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
     return GradStat(norm * norm, finite)
