@@ -149,7 +149,8 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
             rows.append([p.choice, "-", *["-"] * len(TENSOR_CLASSES), "-", "-", "-", "-", "no"])
             continue
         for tier in TIERS:
-            budget = {"device": machine.device_bytes, "host": p.host_budget or machine.host_bytes,
+            budget = {"device": p.device_budget or machine.device_bytes,
+                      "host": p.host_budget or machine.host_bytes,
                       "nvme": machine.nvme_bytes}[tier]
             rows.append([p.choice if tier == "device" else "", tier,
                          *[human_bytes(p.by_tier[tier][c]) for c in TENSOR_CLASSES],
@@ -199,6 +200,12 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
             "model build, gathered units, activations); the recommended config carries it"
             for p in plans if p.fits and p.host is not None and p.host_budget is not None
             and p.host_budget < machine.host_bytes and over_budget(p, machine) is None]
+    out += [f"{p.choice}: device budget lowered to {human_bytes(p.device_budget)} so that its "
+            f"predicted device peak ({human_bytes(p.device_peak or 0)}: the tier, gathered "
+            f"units, activations, a unit's gradients) stays within the device's "
+            f"{human_bytes(machine.device_bytes)}; the recommended config carries it"
+            for p in plans if p.fits and p.device_budget is not None
+            and p.device_budget < machine.device_bytes and over_budget(p, machine) is None]
     out += [f"{p.choice}: not recommended: {why}" for p in plans if p.fits
             and (why := _over_budget_text(p, machine)) is not None]
     out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
@@ -290,9 +297,14 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace,
         offload["max_in_cpu_bytes"] = cache
     if best.choice != "none" and args.state_precision != "fp32":  # the user's own choice
         offload["optimizer"] = {"state_precision": args.state_precision}
+    # planned below the machine ([Note: plan within the host]): the run places the same
+    budgets = {}
     if best.host_budget is not None and best.host_budget < machine.host_bytes:
-        # planned below the host ([Note: plan within the host]): the run places the same
-        offload["budgets"] = {"host_bytes": best.host_budget}
+        budgets["host_bytes"] = best.host_budget
+    if best.device_budget is not None and best.device_budget < machine.device_bytes:
+        budgets["device_bytes"] = best.device_budget
+    if budgets:
+        offload["budgets"] = budgets
     return {"precision": args.precision, "zero": {"stage": 3}, "offload": offload}
 
 

@@ -80,6 +80,7 @@ class ChoicePlan:
     # the host tier budget placement ran with: the machine's host memory, or less so that
     # what lives outside the tiers fits beside it ([Note: plan within the host])
     host_budget: int | None = None
+    device_budget: int | None = None  # the same for the device tier
     # device memory at the step's peak: the tier manager's device peak, plus with CUDA the
     # gathered units, saved activations and one unit's gradients (dry run; None: unknown)
     device_peak: int | None = None
@@ -233,6 +234,7 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
     out.step_s = step_time(out.phases, machine)
     out.host = host_peak(run, config, device_is_host=not machine.cuda)
     out.host_budget = machine.host_bytes
+    out.device_budget = machine.device_bytes
     outside = 0
     if machine.cuda:  # on the device beside its tier (host memory without CUDA: out.host)
         compute = torch.finfo(compute_dtype(config.precision.dtype)).bits // 8
@@ -248,31 +250,42 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
 # auto's placement), so planned with the whole host a choice can fit its tiers and still
 # peak above the host. `fit_host` plans such a choice again with the host budget lowered
 # by the excess (and HOST_MARGIN of the host), up to HOST_TRIES times, while that brings
-# the peak down (a peak from building the model does not move with the budget); the
-# recommended config carries the budget it was planned with (offload.budgets.host_bytes),
-# so a run places what the plan predicted. `over_budget` then says which choices still
+# the peak down (a peak from building the model does not move with the budget); likewise
+# the device budget when the device peak (its tier + gathered units, activations and a
+# unit's gradients with CUDA) is above the device. The recommended config carries the
+# budgets it was planned with (offload.budgets.host_bytes / device_bytes), so a run
+# places what the plan predicted. `over_budget` then says which choices still
 # peak above the host or the device; `recommend` never picks one.
 HOST_MARGIN = 0.01
 HOST_TRIES = 3
 
 
 def fit_host(p: ChoicePlan, shape: ModelShape, machine: Machine, **kw: Any) -> ChoicePlan:
-    """`p` (with its dry run), or the same choice planned with a host budget low enough for
-    its predicted host peak to stay within `machine.host_bytes` ([Note: plan within the
-    host]); `kw`: plan_choice's and add_traffic's keywords."""
+    """`p` (with its dry run), or the same choice planned with a host (then device) tier
+    budget low enough for its predicted host (device) peak to stay within the machine's
+    ([Note: plan within the host]); `kw`: plan_choice's and add_traffic's keywords."""
     best = p
     for _ in range(HOST_TRIES):
-        if best.host is None or best.host.peak <= machine.host_bytes or best.host_budget is None:
+        if best.host_budget is None or best.device_budget is None or best.host is None:
             return best
-        budget = best.host_budget - (best.host.peak - machine.host_bytes) \
-            - int(HOST_MARGIN * machine.host_bytes)
-        if budget <= 0:
+        budgets = {"host_bytes": best.host_budget, "device_bytes": best.device_budget}
+        if best.host.peak > machine.host_bytes:
+            tier, peak, have = "host_bytes", best.host.peak, machine.host_bytes
+        elif best.device_peak is not None and best.device_peak > machine.device_bytes:
+            tier, peak, have = "device_bytes", best.device_peak, machine.device_bytes
+        else:
             return best
-        lower = dataclasses.replace(machine, host_bytes=budget)
+        budgets[tier] -= peak - have + int(HOST_MARGIN * have)
+        if budgets[tier] <= 0:
+            return best
+        lower = dataclasses.replace(machine, host_bytes=budgets["host_bytes"],
+                                    device_bytes=budgets["device_bytes"])
         again = plan_choice(shape, p.choice, lower, **{
             k: v for k, v in kw.items() if k not in ("seq_len", "micro_batch")})
         add_traffic(again, shape, lower, **kw)
-        if not again.fits or again.host is None or again.host.peak >= best.host.peak:
+        new_peak = None if again.host is None else (
+            again.host.peak if tier == "host_bytes" else again.device_peak)
+        if not again.fits or new_peak is None or new_peak >= peak:
             return best  # the excess does not come from the tiers
         best = again
     return best

@@ -85,3 +85,28 @@ def test_70b_on_24gb_device_128gb_host_recommends_a_config_below_the_host(
     assert "auto: not recommended: the predicted host peak" in out
     assert "a near miss: building the model holds" in out
     assert "offload.params.device nvme" in out
+
+
+@pytest.mark.slow
+def test_a_choice_over_the_device_is_planned_with_a_lower_device_budget(
+        tmp_path: Path) -> None:
+    """README's 40B example: auto fills a 70 GB device tier with parameter shards and has
+    no room left for the gathered units, activations and a unit's gradients beside it;
+    planned again with a lower device budget it fits, and every choice recommended
+    peaks within the machine."""
+    from tierzero.engine.plan.planner import plan_all
+    from tierzero.engine.plan.shapes import model_shape
+
+    machine = Machine(device_bytes=70 * GB, host_bytes=512 * GB, nvme_bytes=4000 * GB,
+                      cuda=True, nvme_read_gbps=6.0, nvme_write_gbps=5.0, copy_gbps=25.0,
+                      adam_params_per_s=2e9)
+    plans = {p.choice: p for p in plan_all(model_shape("40e9", layers=32), machine,
+                                           world_size=1, precision="bf16",
+                                           nvme_path=str(tmp_path))}
+    auto = plans["auto"]
+    assert auto.fits and auto.device_budget is not None and auto.host is not None
+    assert auto.device_budget < machine.device_bytes
+    assert auto.device_peak is not None and auto.device_peak <= machine.device_bytes
+    assert auto.host.peak <= machine.host_bytes
+    best = recommend(list(plans.values()), machine)
+    assert best is not None and over_budget(best, machine) is None
