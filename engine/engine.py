@@ -172,7 +172,8 @@ class ZeroEngine:
                                every=self.config.logging.steps_per_print,
                                rank=self.comm.rank, counters=self._wall_counters)
         self.nonfinite_steps_in_row = 0  # optimizer steps skipped for a non-finite grad norm
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # get_global_grad_norm()
+        self.last_clip_coef: float | None = None  # get_clip_coef()
         self._saver = BackgroundSaver(self.comm.world_size)
         # activations.cpu_offload: saved activations wait in host memory
         self.activation_stats = HostActivationStats()
@@ -474,6 +475,7 @@ class ZeroEngine:
         if not boundary:
             return
         if self.step_driver.take_abandoned():  # see OffloadedStep.abandon
+            self.last_grad_norm = self.last_clip_coef = None
             self.skipped_steps += 1
             self.zero_grad()
             # some groups were updated before the step was abandoned
@@ -490,6 +492,7 @@ class ZeroEngine:
             self.comm.all_reduce_sum(flag, "the fp16 overflow flag")
             if flag.item() > 0:
                 self.loss_scaler.update(overflow=True)
+                self.last_grad_norm = self.last_clip_coef = None  # no norm of this step
                 self.skipped_steps += 1
                 self.zero_grad()
                 return
@@ -501,6 +504,7 @@ class ZeroEngine:
             # as an fp16 overflow does; the caller decides when too many in a row is fatal.
             self.nonfinite_steps_in_row += 1
             self.skipped_steps += 1
+            self.last_clip_coef = None
             log.warning("gradient norm is %s at optimizer step %d: step skipped (%d in a row)",
                         self.last_grad_norm, self.global_steps + 1, self.nonfinite_steps_in_row)
             self.zero_grad()
@@ -513,23 +517,21 @@ class ZeroEngine:
         self.global_steps += 1
 
     def _grad_stats(self) -> Mapping[str, GradMeasure]:
-        """Per trainable group, its gradient's norm and finiteness when clipping or the fp16
-        overflow check needs them (else empty): measured during backward by the worker
-        ([Note: deferred step]) or here, one pass over every gradient shard."""
-        if self.config.gradient_clipping <= 0 and self.loss_scaler is None:
-            return {}
+        """Per trainable group, its gradient's norm and finiteness ([Note: the gradient norm
+        on every step]): measured during backward where the gradients are touched (the
+        worker, [Note: deferred step]; the streamed step, [Note: gradients measured where
+        they are reduced]) or here, one pass over gradient shards in memory."""
         measured = self.step_driver.grad_stats(self.scheduler.reissued)
         if measured is not None:
             return measured
         return {k: grad_stat(self.store, k) for k in self._train_keys}
 
     def _clip(self, unscale: float, stats: Mapping[str, GradMeasure]) -> float:
-        """Global L2 norm of the (unscaled) gradients over every shard on every rank; sets
-        `last_grad_norm` and returns the factor that brings it down to the limit (1.0 when
-        clipping is off: the norm costs a pass over every gradient, so it is skipped)."""
-        limit = self.config.gradient_clipping
-        if limit <= 0:
-            self.last_grad_norm = None
+        """Global L2 norm of the (unscaled) gradients over every shard on every rank, before
+        clipping; sets `last_grad_norm` and `last_clip_coef` and returns the factor that
+        brings the norm down to gradient_clipping (1.0 with clipping off)."""
+        if self.device.type == "meta":  # a dry run: the measurements carry no values
+            self.last_grad_norm = self.last_clip_coef = None
             return 1.0
         # fp32 norm per shard (as torch's clip_grad_norm_ per tensor; no fp64 copy of the
         # shard), squares summed in fp64 in fixed group order (precision.grad_stat)
@@ -540,7 +542,24 @@ class ZeroEngine:
         self.comm.all_reduce_sum(sq, "the squared gradient norm")
         norm = math.sqrt(float(sq.item())) * unscale
         self.last_grad_norm = norm
-        return min(1.0, limit / (norm + 1e-6))  # same rule as torch's clip_grad_norm_
+        limit = self.config.gradient_clipping
+        # same rule as torch's clip_grad_norm_ (which applies it only below 1)
+        coef = min(1.0, limit / (norm + 1e-6)) if limit > 0 else 1.0
+        self.last_clip_coef = coef
+        return coef
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients of the last optimizer step, before clipping
+        and unscaled (as Hugging Face's Trainer logs `grad_norm`; DeepSpeed's name). None
+        before the first step and after an fp16 overflow skipped one; NaN or inf when a
+        non-finite gradient skipped it."""
+        return self.last_grad_norm
+
+    def get_clip_coef(self) -> float | None:
+        """The factor gradient clipping applied to the last step's gradients (1.0: none;
+        also with gradient_clipping 0); None when no step has been taken or it was
+        skipped."""
+        return self.last_clip_coef
 
     def _settle_optimizer(self, *, deferred: bool = True) -> None:
         """No optimizer thread is writing a shard after this ([Note: in-place early step]);

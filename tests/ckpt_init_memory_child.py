@@ -4,8 +4,11 @@ peak RSS per phase (and the RSS after the imports, `imported_rss`, and after the
 torch optimizer's own imports, `base_rss`) and whether the values equal a plain build, as
 JSON on stdout.
 
-    python tests/ckpt_init_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET
-HOST_BUDGET, DEVICE_BUDGET: bytes, or "none" (not set: detected from the machine).
+    python tests/ckpt_init_memory_child.py SWAP_DIR BLOCKS DIM HOST_BUDGET DEVICE_BUDGET \
+        [KNOBS [PRECISION]]
+HOST_BUDGET, DEVICE_BUDGET: bytes, or "none" (not set: detected from the machine); KNOBS:
+"tuned" (default: the zero.* bounds below) or "defaults" (every zero.* bound left at its
+schema default); PRECISION: bf16 (default) or fp32.
 """
 
 from __future__ import annotations
@@ -31,13 +34,17 @@ MAX_LIVE = 32 << 20
 
 def main() -> None:
     path, blocks, dim, host_budget, device_budget = sys.argv[1:6]
+    knobs = sys.argv[6] if len(sys.argv) > 6 else "tuned"
+    precision = sys.argv[7] if len(sys.argv) > 7 else "bf16"
     torch.set_num_threads(2)
     rss = psutil.Process().memory_info
+    zero = (ZeroConfig(stage=3, units=("MLPBlock",), persistence_threshold_bytes=0,
+                       prefetch_bytes=64 << 20, max_live_bytes=MAX_LIVE,
+                       init_live_bytes=MAX_LIVE) if knobs == "tuned"
+            else ZeroConfig(stage=3, units=("MLPBlock",)))
     cfg = Config(
-        precision=PrecisionConfig(dtype="bf16"),
-        zero=ZeroConfig(stage=3, units=("MLPBlock",), persistence_threshold_bytes=0,
-                        prefetch_bytes=64 << 20, max_live_bytes=MAX_LIVE,
-                        init_live_bytes=MAX_LIVE),
+        precision=PrecisionConfig(dtype=precision),  # type: ignore[arg-type]
+        zero=zero,
         optimizer=OptimizerConfig(type="adamw", lr=1e-5),
         batch=BatchConfig(gradient_accumulation_steps=1),
         offload=OffloadConfig(

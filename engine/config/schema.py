@@ -154,8 +154,11 @@ class ZeroConfig:
     # engine.Init's own bound (tierzero train builds every stage-3 model under it): HF
     # post_init touches each parameter once more after construction, so a larger LRU
     # saves little I/O, while every byte of it is host memory held during the build.
+    # 32 MiB keeps a ~100M-parameter build within 0.12 of its state with no settings
+    # (256 MiB was 0.2 of it; benchmarks/RESULTS.md, issue 32), at the cost of reading
+    # back from NVMe the parameters an initialiser touches after they left the LRU.
     init_live_bytes: int = field(
-        default=256 << 20,
+        default=32 << 20,
         metadata=meta(
             "full parameter bytes engine.Init keeps while a model is built (the newest "
             "parameter is always kept, whatever its size)", ge=0, unit="bytes"

@@ -157,6 +157,12 @@ class TrainConfig:
         "LoRA adapters on a frozen base (needs the peft package: the hf extra)"))
     export: ExportConfig = field(default_factory=ExportConfig, metadata=meta(
         "Hugging Face model directories written at the end and at checkpoints"))
+    report_to: Literal["none", "tensorboard"] = field(
+        default="none",
+        metadata=meta("also write the metrics as TensorBoard scalars (train/loss, "
+                      "train/grad_norm, train/learning_rate, eval/loss, ...) to <run "
+                      "dir>/tensorboard; needs the tensorboard extra"),
+    )
     metrics_path: str | None = field(
         default=None,
         metadata=meta("JSONL metrics file, one line per step; null = <run dir>/metrics.jsonl",

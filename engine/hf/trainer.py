@@ -296,8 +296,9 @@ class TierZeroMixin(_MixinBase):
             self.control = self.callback_handler.on_step_end(a, self.state, self.control)
             if self.control.should_log or step == max_steps:
                 logs = {"loss": window / (step - logged_at), "learning_rate": eng.get_lr()[0]}
-                if eng.last_grad_norm is not None:
-                    logs["grad_norm"] = float(eng.last_grad_norm)
+                grad_norm = eng.get_global_grad_norm()  # with clipping on or off
+                if grad_norm is not None:
+                    logs["grad_norm"] = float(grad_norm)
                 self.log(logs)
                 window, logged_at = 0.0, step
                 self.control.should_log = False

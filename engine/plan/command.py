@@ -23,7 +23,15 @@ import yaml
 from tierzero.engine.bench.command import results_path
 from tierzero.engine.config import ConfigError
 from tierzero.engine.config.values import parse_bytes
-from tierzero.engine.plan.planner import DTYPES, ChoicePlan, Machine, plan_all, recommend, step_time
+from tierzero.engine.plan.planner import (
+    DTYPES,
+    ChoicePlan,
+    Machine,
+    over_budget,
+    plan_all,
+    recommend,
+    step_time,
+)
 from tierzero.engine.plan.shapes import ModelShape, model_shape
 from tierzero.engine.plan.state_precision import precision_placements, precision_rows
 from tierzero.engine.train.metrics import human_bytes
@@ -144,7 +152,8 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
             rows.append([p.choice, "-", *["-"] * len(TENSOR_CLASSES), "-", "-", "-", "-", "no"])
             continue
         for tier in TIERS:
-            budget = {"device": machine.device_bytes, "host": machine.host_bytes,
+            budget = {"device": p.device_budget or machine.device_bytes,
+                      "host": p.host_budget or machine.host_bytes,
                       "nvme": machine.nvme_bytes}[tier]
             rows.append([p.choice if tier == "device" else "", tier,
                          *[human_bytes(p.by_tier[tier][c]) for c in TENSOR_CLASSES],
@@ -189,11 +198,20 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     out += _precision_table(plans, placements or {}, args.state_precision)
     out += _schedule_table(plans, machine, args.grad_accum)
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
-    out += [f"{p.choice}: the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) "
-            f"is above the host's {human_bytes(machine.host_bytes)}"
-            + (f"; the model built whole before it is partitioned is {human_bytes(p.host.build)}"
-               " of it (tierzero.Init builds it partitioned)" if p.host.build else "")
-            for p in plans if p.fits and p.host is not None and p.host.peak > machine.host_bytes]
+    out += [f"{p.choice}: host budget lowered to {human_bytes(p.host_budget)} so that its "
+            f"predicted host peak ({human_bytes(p.host.peak)}) stays within the host's "
+            f"{human_bytes(machine.host_bytes)} (what lives outside the tiers: CPU Adam ring, "
+            "model build, gathered units, activations); the recommended config carries it"
+            for p in plans if p.fits and p.host is not None and p.host_budget is not None
+            and p.host_budget < machine.host_bytes and over_budget(p, machine) is None]
+    out += [f"{p.choice}: device budget lowered to {human_bytes(p.device_budget)} so that its "
+            f"predicted device peak ({human_bytes(p.device_peak or 0)}: the tier, gathered "
+            f"units, activations, a unit's gradients) stays within the device's "
+            f"{human_bytes(machine.device_bytes)}; the recommended config carries it"
+            for p in plans if p.fits and p.device_budget is not None
+            and p.device_budget < machine.device_bytes and over_budget(p, machine) is None]
+    out += [f"{p.choice}: not recommended: {why}" for p in plans if p.fits
+            and (why := _over_budget_text(p, machine)) is not None]
     out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
             f"({p.traffic_error}); the placement above holds" for p in plans
             if p.fits and p.traffic_error]
@@ -205,6 +223,40 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                "Time per phase: max(NVMe, copies, CPU Adam), phases in "
                "sequence; compute is not modelled, so real steps are at least this long")
     return "\n".join(out)
+
+
+NEAR_MISS = 0.25  # a choice this far (of the budget) above the machine: name the knob
+
+
+def _over_budget_text(p: ChoicePlan, machine: Machine) -> str | None:
+    """Why a fitting choice peaks above the machine, and the knob that brings a near miss
+    (within NEAR_MISS of the budget) in; None when it does not."""
+    if over_budget(p, machine) is None:
+        return None
+    if p.host is not None and p.host.peak > machine.host_bytes:
+        over, have = p.host.peak - machine.host_bytes, machine.host_bytes
+        text = (f"the predicted host peak {human_bytes(p.host.peak)} ({p.host.phase}) is above "
+                f"the host's {human_bytes(have)}")
+        if p.host.build > p.host.peak // 2:  # the build is most of it
+            knob = (f"building the model holds {human_bytes(p.host.build)}: offload.params."
+                    "device nvme builds it straight onto NVMe (tierzero.Init)")
+        elif p.host.parts["saved_activations"] > over:
+            knob = (f"activations are {human_bytes(p.host.parts['saved_activations'])} of it: "
+                    "a smaller train.seq_len or micro batch, or activation checkpointing")
+        else:
+            knob = ("offload.budgets.host_bytes below the host by the excess, or "
+                    "offload.optimizer.grad_device nvme")
+    else:
+        peak = p.device_peak or 0  # (over_budget found it above the device)
+        over, have = peak - machine.device_bytes, machine.device_bytes
+        text = (f"the predicted device peak {human_bytes(peak)} (tier manager + "
+                f"gathered units + activations + one unit's gradients) is above the device's "
+                f"{human_bytes(have)}")
+        knob = ("offload.budgets.device_bytes below the device by the excess, a smaller "
+                "train.seq_len or micro batch, or activation checkpointing")
+    near = over <= NEAR_MISS * have
+    return text + (f"; {human_bytes(over)} over, a near miss: {knob}" if near else
+                   f"; {human_bytes(over)} over")
 
 
 def _precision_table(plans: list[ChoicePlan], placements: dict[tuple[str, str], ChoicePlan],
@@ -262,7 +314,8 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, Any]:
+def recommended_config(best: ChoicePlan, args: argparse.Namespace,
+                       machine: Machine) -> dict[str, Any]:
     offload: dict[str, Any] = {"device": best.choice}
     if best.choice in ("nvme", "auto"):
         offload["path"] = os.path.abspath(args.nvme_path)
@@ -271,6 +324,14 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace) -> dict[str, 
         offload["max_in_cpu_bytes"] = cache
     if best.choice != "none" and args.state_precision != "fp32":  # the user's own choice
         offload["optimizer"] = {"state_precision": args.state_precision}
+    # planned below the machine ([Note: plan within the host]): the run places the same
+    budgets = {}
+    if best.host_budget is not None and best.host_budget < machine.host_bytes:
+        budgets["host_bytes"] = best.host_budget
+    if best.device_budget is not None and best.device_budget < machine.device_bytes:
+        budgets["device_bytes"] = best.device_budget
+    if budgets:
+        offload["budgets"] = budgets
     return {"precision": args.precision, "zero": {"stage": 3}, "offload": offload}
 
 
@@ -300,13 +361,14 @@ def run_plan(args: argparse.Namespace) -> int:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1
     text = render(shape, plans, machine, args, notes, placements=placements)
-    best = recommend(plans)
+    best = recommend(plans, machine)
     if best is None:
         sys.stdout.write(text + "\n")
-        sys.stderr.write("tierzero plan: error: the model fits under no offload choice; give "
-                         "the machine more memory or NVMe space, or more ranks (--world-size)\n")
+        sys.stderr.write("tierzero plan: error: the model fits under no offload choice within "
+                         "the machine (see above); give the machine more memory or NVMe "
+                         "space, or more ranks (--world-size)\n")
         return 1
-    config = recommended_config(best, args)
+    config = recommended_config(best, args, machine)
     text += f"\nrecommended: offload {best.choice}\n" + yaml.safe_dump(config, sort_keys=False)
     if args.write:
         write_atomic(args.write, yaml.safe_dump(config, sort_keys=False).encode(), 0o600)

@@ -25,9 +25,11 @@ optimizer step; the plan reports the last, steady-state step.
 Differences from a real run, by design: gradient clipping and fp16 loss
 scaling read values (a norm, an overflow flag) that meta tensors do not have,
 so the dry run runs without clipping and in bf16 (the same bytes as fp16).
-Clipping reads the gradient shards once more per step; they live in host
-memory (or on the device), so that read moves no NVMe or host<->device bytes
-unless `auto` placed gradients on NVMe.
+The gradient norm is measured where a real run measures it ([Note: the gradient
+norm on every step] in engine/step/precision.py), on meta shards that give no
+value. With clipping the streamed step updates after backward instead of during it,
+so gradients that may go to NVMe are written down and read back: a clipped run
+moves more bytes than the plan counts for it.
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ For each choice (none, cpu, nvme, auto):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,6 +81,13 @@ class ChoicePlan:
     # with gradient accumulation, each batch.schedule's step ([Note: layer-major schedule]):
     # schedule -> (its steady-state step's traffic, its predicted host peak)
     schedules: dict[str, tuple[Traffic, HostPeak]] = field(default_factory=dict)
+    # the host tier budget placement ran with: the machine's host memory, or less so that
+    # what lives outside the tiers fits beside it ([Note: plan within the host])
+    host_budget: int | None = None
+    device_budget: int | None = None  # the same for the device tier
+    # device memory at the step's peak: the tier manager's device peak, plus with CUDA the
+    # gathered units, saved activations and one unit's gradients (dry run; None: unknown)
+    device_peak: int | None = None
 
     @property
     def grad_home(self) -> str:
@@ -251,6 +260,75 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
             out.step_s = step_time(out.phases, machine)
             out.host = host
             out.schedule = run.schedule
+            out.host_budget = machine.host_bytes
+            out.device_budget = machine.device_bytes
+            outside = 0
+            if machine.cuda:  # on the device beside its tier (without CUDA: out.host)
+                compute = torch.finfo(compute_dtype(config.precision.dtype)).bits // 8
+                outside = (run.gathered_peak + run.saved_bytes
+                           + run.largest_unit * (compute + 4))
+            out.device_peak = run.peak.get("device", 0) + outside
+
+
+# [Note: plan within the host]
+# A choice's host tier budget is not the whole host: the process holds more than the tier
+# manager counts (the CPU Adam ring, gathered units and activations without CUDA, the
+# model being built and placed: [Note: plan host peak]). Placement fills an explicit host
+# budget (gradients homed in host memory as far as it has room, [Note: gradient home];
+# auto's placement), so planned with the whole host a choice can fit its tiers and still
+# peak above the host. `fit_host` plans such a choice again with the host budget lowered
+# by the excess (and HOST_MARGIN of the host), up to HOST_TRIES times, while that brings
+# the peak down (a peak from building the model does not move with the budget); likewise
+# the device budget when the device peak (its tier + gathered units, activations and a
+# unit's gradients with CUDA) is above the device. The recommended config carries the
+# budgets it was planned with (offload.budgets.host_bytes / device_bytes), so a run
+# places what the plan predicted. `over_budget` then says which choices still
+# peak above the host or the device; `recommend` never picks one.
+HOST_MARGIN = 0.01
+HOST_TRIES = 3
+
+
+def fit_host(p: ChoicePlan, shape: ModelShape, machine: Machine, **kw: Any) -> ChoicePlan:
+    """`p` (with its dry run), or the same choice planned with a host (then device) tier
+    budget low enough for its predicted host (device) peak to stay within the machine's
+    ([Note: plan within the host]); `kw`: plan_choice's and add_traffic's keywords."""
+    best = p
+    for _ in range(HOST_TRIES):
+        if best.host_budget is None or best.device_budget is None or best.host is None:
+            return best
+        budgets = {"host_bytes": best.host_budget, "device_bytes": best.device_budget}
+        if best.host.peak > machine.host_bytes:
+            tier, peak, have = "host_bytes", best.host.peak, machine.host_bytes
+        elif best.device_peak is not None and best.device_peak > machine.device_bytes:
+            tier, peak, have = "device_bytes", best.device_peak, machine.device_bytes
+        else:
+            return best
+        budgets[tier] -= peak - have + int(HOST_MARGIN * have)
+        if budgets[tier] <= 0:
+            return best
+        lower = dataclasses.replace(machine, host_bytes=budgets["host_bytes"],
+                                    device_bytes=budgets["device_bytes"])
+        again = plan_choice(shape, p.choice, lower, **{
+            k: v for k, v in kw.items() if k not in ("seq_len", "micro_batch", "grad_accum")})
+        add_traffic(again, shape, lower, **kw)
+        new_peak = None if again.host is None else (
+            again.host.peak if tier == "host_bytes" else again.device_peak)
+        if not again.fits or new_peak is None or new_peak >= peak:
+            return best  # the excess does not come from the tiers
+        best = again
+    return best
+
+
+def over_budget(p: ChoicePlan, machine: Machine) -> str | None:
+    """Why a choice that fits its tiers still does not fit the machine (its predicted host
+    or device peak is above what was given), or None."""
+    if p.host is not None and p.host.peak > machine.host_bytes:
+        return (f"host peak {p.host.peak} bytes ({p.host.phase}) is above the host's "
+                f"{machine.host_bytes}")
+    if p.device_peak is not None and p.device_peak > machine.device_bytes:
+        return (f"device peak {p.device_peak} bytes is above the device's "
+                f"{machine.device_bytes}")
+    return None
 
 
 def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
@@ -290,19 +368,24 @@ def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision:
                          state_precision=state_precision)
              for choice in CHOICES]
     if traffic:
+        kw: dict[str, Any] = {
+            "world_size": world_size, "precision": precision, "nvme_path": nvme_path,
+            "max_in_cpu_bytes": max_in_cpu_bytes, "seq_len": seq_len,
+            "micro_batch": micro_batch, "state_precision": state_precision,
+            "grad_accum": grad_accum}
         for p in plans:
-            add_traffic(p, shape, machine, world_size=world_size, precision=precision,
-                        nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
-                        seq_len=seq_len, micro_batch=micro_batch,
-                        state_precision=state_precision, grad_accum=grad_accum)
+            add_traffic(p, shape, machine, **kw)
+        plans = [fit_host(p, shape, machine, **kw) if p.fits else p for p in plans]
     return plans
 
 
-def recommend(plans: list[ChoicePlan]) -> ChoicePlan | None:
+def recommend(plans: list[ChoicePlan], machine: Machine | None = None) -> ChoicePlan | None:
     """The fitting choice with the shortest predicted step, then the fewest bytes moved,
-    then the simplest (none, cpu, auto, nvme)."""
+    then the simplest (none, cpu, auto, nvme); with `machine`, never one whose predicted
+    host or device peak is above it (over_budget)."""
     order = {"none": 0, "cpu": 1, "auto": 2, "nvme": 3}
-    fitting = [p for p in plans if p.fits]
+    fitting = [p for p in plans if p.fits and (machine is None or over_budget(p, machine)
+                                               is None)]
     return min(fitting, key=lambda p: (p.step_s if p.step_s is not None else math.inf,
                                        p.copied + p.nvme_read + p.nvme_written,
                                        order[p.choice]), default=None)

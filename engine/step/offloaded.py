@@ -61,11 +61,17 @@ class OffloadedStep:
         overlap = config.offload.optimizer.overlap_step
         needs_every_grad = config.gradient_clipping > 0 or fp16
         self.enabled = overlap and not needs_every_grad
-        # Clipping's norm or fp16's overflow check: measure during backward, update during
-        # the next forward ([Note: deferred step]) where the runner can (in place); the
-        # streamed step updates in step(), after backward.
-        self.measures = overlap and needs_every_grad and optimizer.can_measure
-        self.defers = self.measures and optimizer.can_defer
+        # The gradient norm is measured on every boundary ([Note: the gradient norm on every
+        # step]): with the early step, each group right before it is handed over; else
+        # during backward in a measuring pass where the runner can measure and either runs
+        # beside backward (overlap_step) or has gradients that may leave host memory.
+        # Clipping's norm or fp16's overflow check then updates during the next forward
+        # ([Note: deferred step]) where the runner can (in place); the streamed step
+        # updates in step(), after backward.
+        self.measures = optimizer.can_measure and not self.enabled and (
+            overlap or not optimizer.grads_in_host)
+        self.measures_early = self.enabled and optimizer.can_measure
+        self.defers = self.measures and overlap and optimizer.can_defer
         if self.measures:
             # nothing is updated during backward: a late gradient only makes its group's
             # measurement stale (measured again in step(), Scheduler.reissued)
@@ -106,15 +112,24 @@ class OffloadedStep:
             return
         self._to(StepState.OPEN, "backward() on an accumulation boundary")
         self.optimizer.begin_step()
+        if self.measures_early:
+            self.optimizer.begin_measure()
 
     def groups_final(self, keys: Sequence[str]) -> None:
         if self.state is StepState.MEASURING:
             self.optimizer.measure(keys)
-        else:
-            self.optimizer.groups_final(keys)
+            return
+        if self.measures_early:
+            # before the update: the streamed step consumes a gradient it has used
+            self.optimizer.measure(keys)
+        self.optimizer.groups_final(keys)
 
     def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure] | None:
-        """The gradients measured during this boundary's backward (consumed), or None."""
+        """The gradients measured during this boundary's backward (consumed), or None. In
+        an open step the groups not handed over are measured here, before finish()
+        updates them."""
+        if self.state is StepState.OPEN and self.measures_early:
+            return self.optimizer.grad_stats(redo)
         if self.state is not StepState.MEASURING:
             return None
         self._to(StepState.IDLE, "step()")
@@ -141,6 +156,8 @@ class OffloadedStep:
             self._to(StepState.IDLE, "abandon()")
             self.optimizer.forget_measured()
         if self.state is StepState.OPEN:
+            if self.measures_early:
+                self.optimizer.forget_measured()
             done = self.optimizer.abort_step()
             self._to(StepState.ABANDONED, "abandon()")
             log.error("backward failed after the optimizer step had updated %d of %d "

@@ -167,6 +167,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         return self._runner.measures
 
     @property
+    def grads_in_host(self) -> bool:
+        """The gradient shards are homed in host memory (offload.optimizer.grad_device cpu,
+        [Note: gradient home]): reading them after backward costs no disk read."""
+        return self._store.homes["grad"] == "cpu"
+
+    @property
     def can_defer(self) -> bool:
         """Gradients can be measured during backward and the update run during the next
         forward (state updated in place)."""

@@ -86,6 +86,22 @@ class LossScaler:
             self._hysteresis = self.cfg.hysteresis
 
 
+# [Note: the gradient norm on every step]
+# Every optimizer step takes the global L2 norm of the gradients, before clipping and
+# unscaled, with clipping on or off (ZeroEngine.get_global_grad_norm(), the `grad_norm` of
+# `tierzero train`'s step log and metrics, and of TierZeroTrainer's logs, as Hugging Face's
+# Trainer logs it). It is the square root of the sum, in fixed group order and over the
+# ranks, of each group's `grad_stat`, taken where the gradient is already being touched:
+#   - the early step (overlap_step, no clipping): each group right before it is handed
+#     to the update, just after its reduction (OffloadedStep.groups_final);
+#   - clipping / fp16, or gradients that may leave host memory (grad_device nvme or
+#     auto): a measuring pass during backward, right after each reduction ([Note:
+#     gradients measured where they are reduced] in step/streamed.py, [Note: deferred
+#     step] in step/in_place.py);
+#   - otherwise (gradients on the device, or in host memory with overlap_step off): in
+#     step(), one pass over the shards in memory.
+# So the norm never reads a gradient back from NVMe that the step would not read anyway.
+# A non-finite norm skips the step with clipping on or off (ZeroEngine._step).
 @dataclass(frozen=True)
 class GradStat:
     """What clipping and the fp16 overflow check need of one gradient shard."""
@@ -100,6 +116,8 @@ def grad_stat(store: ShardStore, key: str) -> GradStat:
     norm proves it; a non-finite one is checked element by element (the sum of squares of
     finite values can overflow fp32)."""
     with store.use(key, "grad") as g:
+        if g.is_meta:  # a dry run (tierzero plan): no values; ZeroEngine._clip reports none
+            return GradStat(0.0, True)
         norm = float(torch.linalg.vector_norm(g).double().cpu())
         finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
     return GradStat(norm * norm, finite)

@@ -49,8 +49,9 @@ from tierzero.engine.train.metrics import (
 )
 from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
 from tierzero.engine.train.run_lock import RunLock
+from tierzero.engine.train.tensorboard import TensorBoardSink, require_tensorboard
 from tierzero.engine.train.timeline import TraceWindow
-from tierzero.swap.safe_files import make_output_dir, output_modes
+from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,16 @@ def check_settings(config: Config, options: TrainOptions) -> None:
     if options.plot_path:
         from tierzero.engine.train.plot import require_matplotlib
         require_matplotlib()
+    if tc.report_to == "tensorboard":
+        require_tensorboard()
     _check_hf_settings(tc)
+
+
+def _tensorboard(tc: TrainConfig, run_dir: str, modes: OutputModes) -> TensorBoardSink | None:
+    """train.report_to: the TensorBoard writer of this run (rank 0), or None."""
+    if tc.report_to != "tensorboard":
+        return None
+    return TensorBoardSink(os.path.join(run_dir, "tensorboard"), modes)
 
 
 def _check_hf_settings(tc: TrainConfig) -> None:
@@ -327,7 +337,8 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
     disk = DiskCounter()
     moves = TierCounter(eng.memory_report())
     modes = output_modes(config.outputs.permissions)
-    writer = MetricsWriter(metrics_path, modes) if rank0 else None
+    writer = MetricsWriter(metrics_path, modes, also=_tensorboard(tc, run_dir, modes)) \
+        if rank0 else None
     try:
         if writer:
             writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),
@@ -492,7 +503,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
     total_tokens = n_tokens * world
     return StepRecord(
         step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
-        lr=eng.get_lr()[0], tokens=total_tokens, tokens_per_s=total_tokens / step_s,
+        lr=eng.get_lr()[0], grad_norm=eng.get_global_grad_norm(),
+        clip_coef=eng.get_clip_coef(), tokens=total_tokens, tokens_per_s=total_tokens / step_s,
         step_s=step_s, compute_s=max(0.0, step_s - optimizer_s - wait_s), wait_s=wait_s,
         optimizer_s=optimizer_s,
         optimizer_hidden_s=times_after.hidden_s - times_before.hidden_s,

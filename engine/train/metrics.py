@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import psutil
 
@@ -26,6 +27,12 @@ class StepRecord:
     step: int  # 1-based optimizer step
     loss: float  # mean over micro-steps (and ranks)
     lr: float
+    # global L2 norm of the gradients before clipping, unscaled (Hugging Face's grad_norm;
+    # ZeroEngine.get_global_grad_norm), with clipping on or off; None (null in the file)
+    # when the step was skipped: fp16 overflow, or the norm was not finite
+    grad_norm: float | None
+    # the factor clipping applied to the gradients: 1.0 when it did not (or is off)
+    clip_coef: float | None
     tokens: int  # tokens consumed by this step over all ranks
     tokens_per_s: float
     step_s: float  # wall time of the whole step
@@ -57,7 +64,10 @@ class StepRecord:
     grad_home: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"event": "step", **dataclasses.asdict(self)}
+        out = {"event": "step", **dataclasses.asdict(self)}
+        if self.grad_norm is not None and not math.isfinite(self.grad_norm):
+            out["grad_norm"] = None  # strict JSON has no NaN / Infinity
+        return out
 
 
 def tier_bytes(report: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
@@ -154,11 +164,20 @@ def optimizer_split(r: StepRecord) -> str:
             f"on its worker, {share:.0f} % of optimizer time hidden")
 
 
+def grad_text(r: StepRecord) -> str:
+    """ "grad norm 1.2345, clip coef 0.810" ("skipped" when the step was)."""
+    if r.grad_norm is None or r.clip_coef is None:
+        norm = "skipped" if r.grad_norm is None else f"{r.grad_norm}, step skipped"
+        return f"grad norm {norm}"
+    return f"grad norm {r.grad_norm:.4f}, clip coef {r.clip_coef:.3f}"
+
+
 def log_line(r: StepRecord, total_steps: int) -> str:
     # per tier: bytes now / peak
     tiers = ", ".join(f"{t} {human_bytes(r.tier_bytes[t])}/{human_bytes(r.tier_peak_bytes[t])}"
                       for t in TIERS)
     return (f"step {r.step}/{total_steps} | loss {r.loss:.4f} | lr {r.lr:.2e} | "
+            f"{grad_text(r)} | "
             f"{r.tokens_per_s:,.0f} tok/s | {r.step_s:.3f} s = compute {r.compute_s:.3f} + "
             f"wait {r.wait_s:.3f} + optimizer {r.optimizer_s:.3f} exposed | "
             f"{optimizer_split(r)} | now/peak {tiers} | "
@@ -168,10 +187,21 @@ def log_line(r: StepRecord, total_steps: int) -> str:
             + (f" | grads {r.grad_home}" if r.grad_home else ""))
 
 
-class MetricsWriter:
-    """Appends JSON lines and flushes each, so a crashed run keeps what it measured."""
+class EventSink(Protocol):
+    """Another output of the metrics events (TensorBoard: engine/train/tensorboard.py)."""
 
-    def __init__(self, path: str, modes: OutputModes | None = None) -> None:
+    def write(self, event: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsWriter:
+    """Appends JSON lines and flushes each, so a crashed run keeps what it measured; hands
+    every event to `also` too (train.report_to)."""
+
+    def __init__(self, path: str, modes: OutputModes | None = None,
+                 also: EventSink | None = None) -> None:
+        self._also = also
         modes = modes or OutputModes()
         parent = os.path.dirname(path)
         if parent:
@@ -186,11 +216,17 @@ class MetricsWriter:
             raise RuntimeError(f"metrics file {self.path} is closed")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._also is not None:
+            self._also.write(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        try:
+            if self._also is not None:
+                self._also.close()
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -38,7 +38,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("zero.collective_timeout_s", 600.0, 30, 30.0, {}),
     ("zero.prefetch_bytes", 100_000_000, "5e8", 500_000_000, {}),
     ("zero.max_live_bytes", None, 1e9, 1_000_000_000, {}),
-    ("zero.init_live_bytes", 256 << 20, "64MiB", 64 << 20, {}),
+    ("zero.init_live_bytes", 32 << 20, "64MiB", 64 << 20, {}),
     ("zero.persistence_threshold_bytes", 200_000, 0, 0, {}),
     ("zero.max_reuse_distance_bytes", None, "2GB", 2_000_000_000, {}),
     ("zero.overlap_comm", True, False, False, {}),
@@ -121,6 +121,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("train.export.dtype", "fp32", "bf16", "bf16", {}),
     ("train.export.lora", "adapter", "merged", "merged", {}),
     ("train.export.max_shard_bytes", 5 * 10**9, "2GiB", 2 << 30, {}),
+    ("train.report_to", "none", "tensorboard", "tensorboard", {}),
     ("train.metrics_path", None, "m.jsonl", "m.jsonl", {}),
 ]
 
