@@ -74,6 +74,7 @@ def _train(model: nn.Module, cfg: Config, batches: list[Any], *, steps: int = ST
         gathers.append(eng.scheduler.gathers - before)
         losses += [float(x) for x in out]
     result = {"losses": losses, "params": full_params(eng, model), "gathers": gathers,
+              "grad_norm": eng.get_global_grad_norm(),
               "schedule": eng.schedule, "report": eng.memory_report(),
               "skipped": eng.skipped_steps}
     eng.close()
@@ -111,6 +112,7 @@ def test_layer_major_equals_micro_step_bit_for_bit(tmp_path: Path, offload: str,
     lm, ms = runs["layer_major"], runs["micro_step"]
     assert lm["schedule"] == "layer_major"  # no fallback
     _assert_same(lm, ms, exact=True)
+    assert lm["grad_norm"] == ms["grad_norm"] and lm["grad_norm"] > 0  # clipping on or off
     # every unit gathered once per pass: a layer-major step of GAS micro-batches gathers
     # what one micro-step gathers (root, each block forward, each block backward but the
     # one kept gathered)
