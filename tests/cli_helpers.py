@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
+from tierzero import engine
 from tierzero.engine.cli import main
-from tierzero.engine.plan import Machine
+from tierzero.engine.models import SIZES, TinyLM
+from tierzero.engine.plan import Machine, Traffic
 
 
 def write_config(tmp_path: Path, **train: Any) -> Path:
@@ -77,3 +80,35 @@ def plan_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 MACHINE = ["--device-mem", "80GB", "--host-mem", "512GB", "--nvme-size", "4TB",
            "--nvme-read-gbps", "6", "--nvme-write-gbps", "5", "--copy-gbps", "25",
            "--adam-params-per-s", "2e9"]
+
+
+def real_steps(config: engine.Config, steps: int) -> list[Traffic]:
+    """Per-step bytes of a real CPU run, from the SwapStore's and TierManager's counters
+    (gradient_accumulation_steps micro-batches per step, through train_batch)."""
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=TinyLM(SIZES["tiny"]), config=config)
+
+    def counters() -> tuple[int, int, int, int]:
+        swap, mgr = eng.store.swap, eng.store.manager  # type: ignore[attr-defined]
+        stats, moved = swap.stats(), mgr.memory_report().moved
+        return (stats.read.bytes, stats.write.bytes, moved.get("host_to_device", 0),
+                moved.get("device_to_host", 0))
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return eng(input_ids=x).logits.float().mean()  # type: ignore[no-any-return]
+
+    accum = config.batch.gradient_accumulation_steps or 1
+    out = []
+    try:
+        last = counters()  # after initialize: the initial placement is not a step
+        for _ in range(steps):  # one optimizer step each, in the config's batch.schedule
+            eng.train_batch([torch.randint(0, 256, (2, 32)) for _ in range(accum)], loss)
+            eng.store.manager.synchronize()  # type: ignore[attr-defined]
+            now = counters()
+            d = [a - b for a, b in zip(now, last, strict=True)]
+            out.append(Traffic(nvme_read=d[0], nvme_written=d[1], host_to_device=d[2],
+                               device_to_host=d[3]))
+            last = now
+    finally:
+        eng.close()
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from cli_helpers import BIG, MACHINE, llama_config, plan_cli
+from cli_helpers import BIG, MACHINE, llama_config, plan_cli, real_steps
 from engine_dist import run_two_ranks
 
 from tierzero import engine
@@ -32,36 +32,6 @@ def nvme_config(swap_dir: Path, **offload: Any) -> engine.Config:
     return engine.load_config({"zero": {"stage": 3}, "precision": "bf16",
                                "gradient_clipping": 0.0,
                                "offload": {"device": "nvme", "path": str(swap_dir), **offload}})
-
-
-def real_steps(config: engine.Config, steps: int) -> list[Traffic]:
-    """Per-step bytes of a real CPU run, from the SwapStore's and TierManager's counters."""
-    torch.manual_seed(0)
-    eng, *_ = engine.initialize(model=TinyLM(SIZES["tiny"]), config=config)
-
-    def counters() -> tuple[int, int, int, int]:
-        swap, mgr = eng.store.swap, eng.store.manager  # type: ignore[attr-defined]
-        stats, moved = swap.stats(), mgr.memory_report().moved
-        return (stats.read.bytes, stats.write.bytes, moved.get("host_to_device", 0),
-                moved.get("device_to_host", 0))
-
-    out = []
-    try:
-        last = counters()  # after initialize: the initial placement is not a step
-        for _ in range(steps):
-            x = torch.randint(0, 256, (2, 32))
-            loss = eng(input_ids=x).logits.float().mean()
-            eng.backward(loss)
-            eng.step()
-            eng.store.manager.synchronize()  # type: ignore[attr-defined]
-            now = counters()
-            d = [a - b for a, b in zip(now, last, strict=True)]
-            out.append(Traffic(nvme_read=d[0], nvme_written=d[1], host_to_device=d[2],
-                               device_to_host=d[3]))
-            last = now
-    finally:
-        eng.close()
-    return out
 
 
 def _rank_steps(_rank: int, swap_dir: str) -> list[Traffic]:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import plan_cli
+from cli_helpers import plan_cli, real_steps
 
 from tierzero import engine
 from tierzero.engine.models import SIZES, TinyLM
-from tierzero.engine.plan import Traffic, dry_run
+from tierzero.engine.plan import dry_run
 
 ACCUM = 4
 
@@ -24,36 +24,6 @@ def _config(swap_dir: Path, schedule: str) -> engine.Config:
         "offload": {"device": "nvme", "path": str(swap_dir), "buffer_count": 64}})
 
 
-def _real_steps(config: engine.Config, steps: int) -> list[Traffic]:
-    torch.manual_seed(0)
-    eng, *_ = engine.initialize(model=TinyLM(SIZES["tiny"]), config=config)
-
-    def counters() -> tuple[int, int, int, int]:
-        swap, mgr = eng.store.swap, eng.store.manager  # type: ignore[attr-defined]
-        stats, moved = swap.stats(), mgr.memory_report().moved
-        return (stats.read.bytes, stats.write.bytes, moved.get("host_to_device", 0),
-                moved.get("device_to_host", 0))
-
-    def loss(x: torch.Tensor) -> torch.Tensor:
-        return eng(input_ids=x).logits.float().mean()  # type: ignore[no-any-return]
-
-    out = []
-    try:
-        last = counters()
-        for _ in range(steps):
-            eng.train_batch([torch.randint(0, 256, (2, 32)) for _ in range(ACCUM)], loss)
-            eng.store.manager.synchronize()  # type: ignore[attr-defined]
-            now = counters()
-            d = [a - b for a, b in zip(now, last, strict=True)]
-            out.append(Traffic(nvme_read=d[0], nvme_written=d[1], host_to_device=d[2],
-                               device_to_host=d[3]))
-            last = now
-        assert eng.schedule == config.batch.schedule
-    finally:
-        eng.close()
-    return out
-
-
 @pytest.mark.parametrize("schedule", ["layer_major", "micro_step"])
 def test_dry_run_counts_each_schedule_as_a_real_run(tmp_path: Path, schedule: str) -> None:
     """Writes and copies equal step by step; reads equal in total up to the CPU Adam's
@@ -63,7 +33,8 @@ def test_dry_run_counts_each_schedule_as_a_real_run(tmp_path: Path, schedule: st
         module = TinyLM(SIZES["tiny"])
     dry = dry_run(module, config, steps=3)
     assert dry.schedule == schedule
-    real = _real_steps(config, 3)
+    real = real_steps(config, 3)
+    assert dry.schedule == config.batch.schedule
     plan = [dry.step(i) for i in range(3)]
     assert [(r.nvme_written, r.host_to_device, r.device_to_host) for r in real] == [
         (d.nvme_written, d.host_to_device, d.device_to_host) for d in plan]
