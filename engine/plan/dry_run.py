@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tierzero.engine.config import Config
 from tierzero.engine.engine import ZeroEngine
@@ -159,10 +160,26 @@ def grad_bytes_to_host(eng: ZeroEngine) -> dict[str, int]:
     return out
 
 
+class MetaTruth(TorchFunctionMode):
+    """`bool()` of a one-element meta tensor is True: the checks a model's forward makes
+    on its inputs' values ("no padding", "no packed sequences": Hugging Face's mask code in
+    a training forward without a KV cache, as layer-major runs it) take the branch of the
+    plain batch the dry run stands for. Thread-local, as every torch function mode: entered
+    around each micro-batch's forward, on whichever thread runs it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if (func is torch.Tensor.__bool__ and args and isinstance(args[0], torch.Tensor)
+                and args[0].is_meta and args[0].numel() == 1):
+            return True
+        return func(*args, **(kwargs or {}))
+
+
 def default_micro(eng: ZeroEngine, seq_len: int, batch: int = 1) -> torch.Tensor:
     """One micro-batch of token ids through the model; the loss (a mean, on meta)."""
     x = torch.zeros(batch, seq_len, dtype=torch.long, device=META)  # (B, T)
-    out = eng(input_ids=x)
+    with MetaTruth():
+        out = eng(input_ids=x)
     logits: torch.Tensor = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
     return logits.float().mean()
 

@@ -72,3 +72,18 @@ def test_plan_reports_both_schedules(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert rc == 0, err
     table = out[out.index("schedule"):]
     assert "layer_major" in table and "micro_step" in table
+
+
+def test_dry_run_of_a_hugging_face_llama_runs_layer_major(tmp_path: Path) -> None:
+    """On meta tensors a Hugging Face Llama's training forward (no KV cache) must not test
+    position ids for packed sequences (a data-dependent branch): the dry run passes an
+    all-ones mask, and the pass stays layer-major."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=128, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    run = dry_run(model, _config(tmp_path, "layer_major"), steps=2)
+    assert run.schedule == "layer_major"
+    assert run.step().nvme_written > 0
