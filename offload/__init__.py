@@ -40,6 +40,7 @@ from .settings import (
     Tier,
     TierSettings,
 )
+from .snapshot import ShardSnapshot, SnapshotSpaceError
 from .transfer import SwapBackend, TierTransfer
 
 __all__ = [
@@ -69,7 +70,9 @@ __all__ = [
     "Role",
     "SettingsError",
     "ShardRecord",
+    "ShardSnapshot",
     "ShardSpec",
+    "SnapshotSpaceError",
     "State",
     "SwapBackend",
     "TensorClass",

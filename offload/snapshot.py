@@ -29,13 +29,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierzero.swap import KeptRegion
+from tierzero.swap import KeptRegion, SwapError
 
 from .core import ResidencyCore
 from .errors import OffloadError
 from .residency import TRANSIENT, ShardRecord
 
 SNAPSHOT_PURPOSE = "snapshot"  # memory_report().outside key of the copy-on-write buffers
+
+
+class SnapshotSpaceError(OffloadError):
+    """The swap directory cannot hold the regions a snapshot keeps; the message says how
+    much was needed and why the disk refused."""
 
 
 @dataclass(eq=False)
@@ -85,6 +90,15 @@ class SnapshotCore(ResidencyCore):
                         snap.kept[key] = self._mover.keep(key)
                     else:
                         snap.pending.add(key)
+                # the training's writes while the regions are kept go to new regions: room
+                # for them now (the file keeps it afterwards: later snapshots reuse it)
+                if snap.kept:
+                    self._mover.reserve_free(snap.kept_bytes)
+            except SwapError as exc:
+                self._release_snapshot(snap)
+                raise SnapshotSpaceError(f"a snapshot keeps {snap.kept_bytes} bytes of swap "
+                                         f"regions and cannot reserve as many for the writes "
+                                         f"that replace them: {exc}") from exc
             except BaseException:
                 self._release_snapshot(snap)
                 raise
