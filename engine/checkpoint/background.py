@@ -160,9 +160,12 @@ class BackgroundSaver:
         return self.pending
 
     def wait(self) -> None:
-        """Finish the pending save; raise its error unless the caller already saw it."""
+        """Finish the pending save; raise its error unless the caller already saw it, or
+        abandoned it (then the failure is what was asked for)."""
         pending, self.pending = self.pending, None
-        if pending is not None and not pending.waited:
+        if pending is not None and pending.job.cancel.is_set():
+            pending.future.exception()  # waits for its writer to clean up
+        elif pending is not None and not pending.waited:
             pending.wait()
 
     def abandon(self) -> None:
