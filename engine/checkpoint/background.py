@@ -54,6 +54,9 @@ class SaveStats:
     """What one background save did; the worker fills it in as it goes."""
 
     held_s: float = 0.0  # the caller's thread inside save_checkpoint
+    # of which: the step's deferred optimizer update run to its end first (work the next
+    # forward would otherwise wait for: not the save's cost)
+    settle_s: float = 0.0
     started: float = 0.0  # time.perf_counter() when the call returned
     finished: float | None = None  # time.perf_counter() when `latest` named it (or it failed)
     read_bytes: int = 0  # snapshot parts taken from the store (kept regions, copies)
@@ -63,7 +66,8 @@ class SaveStats:
     snapshot: dict[str, float] = field(default_factory=dict)  # StoreSnapshot.stats() at the end
 
     def as_json(self) -> dict[str, object]:
-        return {"held_s": self.held_s, "read_bytes": self.read_bytes,
+        return {"held_s": self.held_s, "settle_s": self.settle_s,
+                "read_bytes": self.read_bytes,
                 "written_bytes": self.written_bytes, "busy_s": self.busy_s,
                 "paused_s": self.paused_s,
                 "seconds": (self.finished - self.started) if self.finished else None,
