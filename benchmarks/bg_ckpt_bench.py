@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--base", type=int, default=4, help="undisturbed steps per repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-overlap-step", action="store_true",
+                    help="offload.optimizer.overlap_step: false (no deferred optimizer update "
+                         "for the save to finish first)")
     ap.add_argument("--share", type=float, default=None,
                     help="outputs.background_save_share (default: the config default)")
     ap.add_argument("--min-available", type=float, default=1.5 * GiB)
@@ -212,6 +215,8 @@ def main() -> None:
         if args.offload == "nvme":
             os.mkdir(os.path.join(run_dir, "swap"), 0o700)
             config["offload"]["path"] = os.path.join(run_dir, "swap")
+        if args.no_overlap_step:
+            config["offload"]["optimizer"] = {"overlap_step": False}
         if args.share is not None:
             config["outputs"] = {"background_save_share": args.share}
         cfg_path = os.path.join(run_dir, "config.json")
