@@ -89,6 +89,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     for _ in range(args.warmup):
         note(f"warm-up step {step():.2f} s")
+    out = _measure(eng, step, args, note)
+    report = eng.memory_report()
+    eng.close(restore_params=False)
+    return {"params": n_params, **out,
+            "outside_peak": (report["tiers"] or {}).get("outside_peak")}
+
+
+def _measure(eng: Any, step: Any, args: argparse.Namespace, note: Any) -> dict[str, Any]:
+    """The repeats of the module docstring: undisturbed steps, a synchronous save, a
+    background save and the steps until it is complete."""
+    from tierzero import engine
+
     ck = Path(args.ckpt)
     base: list[float] = []
     sync: list[float] = []
@@ -122,20 +134,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         saves.append({"fallback": pending.fallback, "overlapped_steps": n,
                       **pending.stats.as_json()})
         shutil.rmtree(ck / f"bg{r}")
-    report = eng.memory_report()
-    eng.close(restore_params=False)
     s, h, b, o = _median(sync), _median(held), _median(base), _median(over)
     own = _median([x - y for x, y in zip(held, settle, strict=True)])
-    return {"params": n_params,
-            "sync_save_s": sync, "held_s": held, "settle_s": settle,
+    return {"sync_save_s": sync, "held_s": held, "settle_s": settle,
             "undisturbed_step_s": base,
             "overlapped_step_s": over, "saves": saves,
-            "median": {"sync_save_s": s, "held_s": h, "held_over_sync": h / s if s else None,
+            "median": {"sync_save_s": s, "held_s": h, "held_over_sync": h / s if s and h is not None else None,
                        "held_without_settle_s": own,
-                       "held_without_settle_over_sync": own / s if s and own else None,
+                       "held_without_settle_over_sync": (own / s if s and own is not None
+                                                         else None),
                        "undisturbed_step_s": b, "overlapped_step_s": o,
-                       "overlapped_over_undisturbed": o / b if b else None},
-            "outside_peak": (report["tiers"] or {}).get("outside_peak")}
+                       "overlapped_over_undisturbed": o / b if b and o is not None else None}}
 
 
 def run_child(cmd: list[str], args: argparse.Namespace) -> dict[str, Any]:
