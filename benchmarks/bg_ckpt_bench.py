@@ -139,7 +139,8 @@ def _measure(eng: Any, step: Any, args: argparse.Namespace, note: Any) -> dict[s
     return {"sync_save_s": sync, "held_s": held, "settle_s": settle,
             "undisturbed_step_s": base,
             "overlapped_step_s": over, "saves": saves,
-            "median": {"sync_save_s": s, "held_s": h, "held_over_sync": h / s if s and h is not None else None,
+            "median": {"sync_save_s": s, "held_s": h,
+                       "held_over_sync": h / s if s and h is not None else None,
                        "held_without_settle_s": own,
                        "held_without_settle_over_sync": (own / s if s and own is not None
                                                          else None),
