@@ -56,6 +56,7 @@ class ShardSnapshot:
     taken: set[str] = field(default_factory=set)
     closed: bool = False
     copy_bytes: int = 0  # in `copies` now
+    kept_total: int = 0  # region bytes kept when the snapshot was taken
     copies_made: int = 0  # copy-on-write copies taken
     copy_waits: int = 0  # writers that waited for the reader (copy_limit reached)
     wait_s: float = 0.0  # seconds writers waited in all
@@ -92,8 +93,9 @@ class SnapshotCore(ResidencyCore):
                         snap.pending.add(key)
                 # the training's writes while the regions are kept go to new regions: room
                 # for them now (the file keeps it afterwards: later snapshots reuse it)
+                snap.kept_total = snap.kept_bytes
                 if snap.kept:
-                    self._mover.reserve_free(snap.kept_bytes)
+                    self._mover.reserve_free(snap.kept_total)
             except SwapError as exc:
                 self._release_snapshot(snap)
                 raise SnapshotSpaceError(f"a snapshot keeps {snap.kept_bytes} bytes of swap "

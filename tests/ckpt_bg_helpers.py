@@ -17,8 +17,8 @@ from tierzero.engine.checkpoint import save as save_mod
 from tierzero.engine.config import Config
 
 
-def bg_config(offload: str, swap: str | None, **outputs: Any) -> Config:
-    cfg = resume_config("bf16", 1, offload, swap)
+def bg_config(offload: str, swap: str | None, gas: int = 1, **outputs: Any) -> Config:
+    cfg = resume_config("bf16", gas, offload, swap)
     return replace(cfg, outputs=replace(cfg.outputs, **outputs))
 
 
@@ -42,17 +42,18 @@ def swap_stats(eng: engine.ZeroEngine) -> Any:
 
 
 def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: int,
-           background: bool, gate: bool = False, load: bool = False,
+           background: bool, gate: bool = False, load: bool = False, gas: int = 1,
            **outputs: Any) -> dict[str, Any]:
-    """Train n steps, save (in the background or not; `gate`: its writer held until the
-    m following steps are done), train m more. `load`: resume from `ckpt` first and train
-    the m steps only. Returns final params, the save's stats and swap stats."""
+    """Train n micro-steps (`gas` per optimizer step), save (in the background or not;
+    `gate`: its writer held until the m following micro-steps are done), train m more.
+    `load`: resume from `ckpt` first and train the m micro-steps only. Returns final
+    params, the save's stats and swap stats."""
     where = None if swap is None else f"{swap}/rank{rank}"
     if where is not None:
         Path(where).mkdir(parents=True, exist_ok=True)
     model = make_model()
-    eng, _, _, _ = engine.initialize(model=model, config=bg_config(offload, where, **outputs),
-                                     device="cpu")
+    eng, _, _, _ = engine.initialize(model=model, config=bg_config(offload, where, gas,
+                                                                   **outputs), device="cpu")
     batches = make_batches(n + m, seed=1 + rank)
     out: dict[str, Any] = {}
     released = threading.Event()
@@ -60,7 +61,7 @@ def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: i
         gate_writer(released)
     if load:
         eng.load_checkpoint(ckpt)
-    for i in range(eng.global_steps, n + m):
+    for i in range(eng.micro_steps, n + m):
         ids, tg = batches[i]
         eng.backward(eng(ids, tg))
         eng.step()

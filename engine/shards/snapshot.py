@@ -59,4 +59,4 @@ class StoreSnapshot:
         taken before they changed, writers that waited for the save, their wait."""
         s = self.snap
         return {"copies": s.copies_made, "copy_waits": s.copy_waits, "wait_s": s.wait_s,
-                "kept_bytes": s.kept_bytes}
+                "kept_bytes": s.kept_total}

@@ -65,6 +65,22 @@ def test_background_save_equals_sync_save_and_resumes_exactly(tmp_path: Path,
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_background_save_mid_accumulation(tmp_path: Path, offload: str) -> None:
+    """2 micro-steps per step, saved after micro-step 3: the half-accumulated gradient is
+    saved as it was, though the next micro-step adds to it before it is written."""
+    common = {"offload": offload, "n": 3, "m": 3, "gas": 2}
+    bg = bg_run(0, ckpt=str(tmp_path / "bg"), swap=str(tmp_path / "s1"), background=True,
+                gate=True, **common)
+    bg_run(0, ckpt=str(tmp_path / "sync"), swap=str(tmp_path / "s2"), background=False,
+           **common)
+    _same_checkpoints(tmp_path / "bg" / "s", tmp_path / "sync" / "s")
+    assert any(k.endswith("::grad") for k in saved_tensors(tmp_path / "bg" / "s", 0))
+    resumed = bg_run(0, ckpt=str(tmp_path / "bg"), swap=str(tmp_path / "s3"),
+                     background=False, load=True, **common)
+    assert all(torch.equal(bg["params"][k], resumed["params"][k]) for k in bg["params"])
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_writers_wait_past_copy_limit_and_pacing(tmp_path: Path, offload: str) -> None:
     """background_save_copy_bytes 0 (one copy at a time: the steps wait for the writer)
     and a slow writer (share 0.2): still the state at the call."""
