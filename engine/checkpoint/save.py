@@ -388,8 +388,13 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
         payload = _collect(eng, layouts, client_bytes, snapshot=False)
         job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
         return background.completed(job, job.run(eng.comm.group), why)
-    return background.submit(_SaveJob(eng.comm.rank, eng.comm.world_size, root, tag,
-                                      payload, modes))
+    try:
+        return background.submit(_SaveJob(eng.comm.rank, eng.comm.world_size, root, tag,
+                                          payload, modes))
+    except BaseException:  # no writer will release the snapshot: its kept regions and copies
+        if payload.snapshot is not None:
+            payload.snapshot.close()
+        raise
 
 
 def _open_snapshot(eng: ZeroEngine, payload: RankPayload) -> str | None:
