@@ -43,8 +43,8 @@ def test_background_save_equals_sync_save_and_resumes_exactly(tmp_path: Path,
     n, m = 3, 3
     bg = bg_run(0, offload=offload, ckpt=str(tmp_path / "bg"), swap=str(tmp_path / "s1"),
                 n=n, m=m, background=True, gate=True)
-    sync = bg_run(0, offload=offload, ckpt=str(tmp_path / "sync"), swap=str(tmp_path / "s2"),
-                  n=n, m=m, background=False)
+    bg_run(0, offload=offload, ckpt=str(tmp_path / "sync"), swap=str(tmp_path / "s2"),
+           n=n, m=m, background=False)
     assert bg["fallback"] is None
     _same_checkpoints(tmp_path / "bg" / "s", tmp_path / "sync" / "s")
     resumed = bg_run(0, offload=offload, ckpt=str(tmp_path / "bg"), swap=str(tmp_path / "s3"),
@@ -87,9 +87,8 @@ def test_writers_wait_past_copy_limit_and_pacing(tmp_path: Path, offload: str) -
     kw = {"background_save_copy_bytes": 0, "background_save_share": 0.2}
     bg = bg_run(0, offload=offload, ckpt=str(tmp_path / "bg"), swap=str(tmp_path / "s1"),
                 n=2, m=3, background=True, **kw)
-    sync = bg_run(0, offload=offload, ckpt=str(tmp_path / "sync"), swap=str(tmp_path / "s2"),
-                  n=2, m=3, background=False)
-    del sync
+    bg_run(0, offload=offload, ckpt=str(tmp_path / "sync"), swap=str(tmp_path / "s2"),
+           n=2, m=3, background=False)
     _same_checkpoints(tmp_path / "bg" / "s", tmp_path / "sync" / "s")
     assert bg["stats"].paused_s > 0 and bg["stats"].read_bytes > 0
 
