@@ -47,7 +47,7 @@ class SnapshotSpaceError(OffloadError):
 class ShardSnapshot:
     """A snapshot's bookkeeping (read under the manager's lock)."""
 
-    keys: tuple[str, ...]
+    keys: frozenset[str]
     copy_limit: int  # host bytes of copy-on-write buffers at most
     kept: dict[str, KeptRegion] = field(default_factory=dict)  # NVMe homes: kept regions
     pending: set[str] = field(default_factory=set)  # host/device homes, still the snapshot's
@@ -78,9 +78,9 @@ class SnapshotCore(ResidencyCore):
             if self._snap is not None:
                 raise OffloadError("a snapshot is open already; close it first (one at a time)")
             self._settle_all()
-            snap = ShardSnapshot(tuple(keys), copy_limit)
+            snap = ShardSnapshot(frozenset(keys), copy_limit)
             try:
-                for key in snap.keys:
+                for key in keys:
                     rec = self._rec(key)
                     self._flush_above(rec, rec.home, drop=False)
                     self._wait_settled(rec, rec.home)

@@ -108,25 +108,42 @@ class _Progress:
     checkpoint_dir: str | None = None  # where this run saves
     saving: bool = False  # a checkpoint of step `done` is being written
     saves: SaveTracker | None = None  # background saves: started, finished, their cost
+    saved: str | None = None  # the newest checkpoint this run began to save (complete or not)
+    pending: tuple[str, engine.PendingSave] | None = None  # a background save not yet seen done
 
     def save(self, eng: engine.ZeroEngine, ckpt_dir: str, batches: Batches,
              background: bool) -> None:
         """Save step `done`; an interrupt while writing is reported as the save abandoned
         (the partial directory is removed, the previous checkpoint stays the newest)."""
         self.saving = True
-        self.checkpoint, result = checkpoints.save(eng, ckpt_dir, self.done, batches,
-                                                   background=background)
+        path, result = checkpoints.save(eng, ckpt_dir, self.done, batches,
+                                        background=background)
         self.saving = False
+        self.newest()  # the previous background save is complete (the call waited for it)
+        self.saved = path
+        if isinstance(result, engine.PendingSave) and not result.done():
+            self.pending = (path, result)  # the newest complete one once it succeeds
+        else:
+            self.checkpoint = path
         if self.saves is not None:
             self.saves.started(result, f"step{self.done}", self.done)
 
+    def newest(self) -> str | None:
+        """The newest complete checkpoint: a background save counts once it succeeded."""
+        if self.pending is not None and self.pending[1].done():
+            path, pending = self.pending
+            self.pending = None
+            if pending.future.exception() is None:
+                self.checkpoint = path
+        return self.checkpoint
+
     def last_good(self) -> str:
-        if self.checkpoint is None:
+        if self.newest() is None:
             return "no checkpoint was saved or resumed from (set train.checkpoint_interval)"
         return f"the last good checkpoint is {self.checkpoint}"
 
     def resume_hint(self, tc: TrainConfig) -> str:
-        if self.checkpoint is None:
+        if self.newest() is None or self.checkpoint is None:
             return ("nothing to resume from: no checkpoint was saved (set "
                     "train.checkpoint_interval, or train.save_on_interrupt: true)")
         where = Path(self.checkpoint)
@@ -386,8 +403,8 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
         if signum:
             stop.signum = stop.signum or signum
             if tc.save_on_interrupt and progress.done > start and (
-                    progress.checkpoint is None
-                    or Path(progress.checkpoint).name != f"step{progress.done}"):
+                    progress.saved is None
+                    or Path(progress.saved).name != f"step{progress.done}"):
                 progress.save(eng, ckpt_dir, batches, tc.checkpoint_background)
         elif tc.export.at_end and is_hf_model(eng.module):  # (a stopped run exports nothing)
             result.export_path = _export(eng, tc, os.path.join(export_dir, "final"))
