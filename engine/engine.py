@@ -630,13 +630,23 @@ class ZeroEngine:
                         client_state: Any = None, *,
                         background: bool = False) -> Path | PendingSave:
         """Save every rank's shards and state to `directory/tag` and point `latest` at it.
-        `background`: snapshot now, write while training goes on; returns a PendingSave
-        (with offloaded shards the save streams from the tier manager before returning)."""
+        `background`: record the state now, write it while training goes on ([Note:
+        background save] in engine/checkpoint/background.py); returns a PendingSave whose
+        `stats.held_s` is the time this call held the caller (waiting for an earlier save
+        included), `stats.settle_s` the part of it spent finishing the step's deferred
+        optimizer update (which the next forward would otherwise wait for)."""
+        start = time.perf_counter()
         self._check_open()
         self._check_checkpointable("save_checkpoint")
+        settled = time.perf_counter()
         self._saver.wait()
-        return checkpoint.save_checkpoint(self, directory, tag, client_state,
-                                          background=self._saver if background else None)
+        out = checkpoint.save_checkpoint(self, directory, tag, client_state,
+                                         background=self._saver if background else None)
+        if isinstance(out, PendingSave):
+            out.stats.started = time.perf_counter()
+            out.stats.held_s = out.stats.started - start
+            out.stats.settle_s = settled - start
+        return out
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None,
                         *, verify: bool = True) -> tuple[Path, Any]:

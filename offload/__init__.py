@@ -40,6 +40,7 @@ from .settings import (
     Tier,
     TierSettings,
 )
+from .snapshot import ShardSnapshot, SnapshotSpaceError
 from .stream_parts import PipelineStats
 from .transfer import SwapBackend, TierTransfer
 
@@ -70,7 +71,9 @@ __all__ = [
     "Role",
     "SettingsError",
     "ShardRecord",
+    "ShardSnapshot",
     "ShardSpec",
+    "SnapshotSpaceError",
     "State",
     "SwapBackend",
     "TensorClass",

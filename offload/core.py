@@ -206,10 +206,16 @@ class ResidencyCore:
         copy.drop_when_clean = copy.modify_on_load = False
         self._cond.notify_all()
 
+    def _preserve(self, rec: ShardRecord, *, may_wait: bool = True) -> None:
+        """The home copy of ``rec`` is about to change (offload/snapshot.py keeps an open
+        snapshot's data); nothing to do without snapshots."""
+
     def _store(self, rec: ShardRecord, tier: Tier) -> TierTransfer:
         """Write the dirty cache on ``tier`` one tier down."""
         copy = rec.copies[tier]
         below = rec.below(tier)
+        if below == rec.home and below != "nvme":  # NVMe writes are copy-on-write already
+            self._preserve(rec, may_wait=False)
         dst = rec.copies[below]
         if copy.data is None:
             raise OffloadError(f"internal: storing {rec.spec.key!r} from an empty {tier} copy")

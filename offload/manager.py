@@ -46,17 +46,17 @@ import torch
 
 from tierzero.swap import trace
 
-from .core import ResidencyCore
 from .errors import OffloadError
 from .report import MemoryReport
 from .residency import Copy, Op, Role, ShardRecord, State, transition
 from .settings import TIERS, Tier
+from .snapshot import SnapshotCore
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
 
 
-class TierManager(ResidencyCore):
+class TierManager(SnapshotCore):
     """Places, fetches, releases and evicts shards across device, host and NVMe."""
 
     # ---------------------------------------------------------------- public API
@@ -142,6 +142,8 @@ class TierManager(ResidencyCore):
                 self._pf.overwritten(key)
             else:
                 self._pf.consume(key, tier)
+            if writable and tier == rec.home:  # an open snapshot may still read it there
+                self._preserve(rec)
             self._flush_above(rec, tier, drop=writable)
             copy = rec.copies[tier]
             if copy.state in (State.STORING, State.FILLING):

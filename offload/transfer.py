@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from tierzero.swap import trace
+from tierzero.swap import KeptRegion, trace
 
 from .errors import TransferError
 
@@ -65,6 +65,14 @@ class SwapBackend(Protocol):
              ) -> SwapFuture: ...
 
     def delete(self, key: str) -> None: ...
+
+    def keep(self, key: str) -> KeptRegion: ...
+
+    def read_kept(self, region: KeptRegion, out: torch.Tensor) -> SwapFuture: ...
+
+    def release_kept(self, region: KeptRegion) -> None: ...
+
+    def reserve_free(self, nbytes: int) -> None: ...
 
 
 class TierTransfer:
@@ -210,6 +218,19 @@ class Mover:
 
     def delete(self, key: str) -> None:
         self._store().delete(key)
+
+    # snapshots ([Note: shard snapshots] in offload/snapshot.py): kept swap regions
+    def keep(self, key: str) -> KeptRegion:
+        return self._store().keep(key)
+
+    def read_kept(self, region: KeptRegion, out: torch.Tensor) -> SwapFuture:
+        return self._store().read_kept(region, out)
+
+    def release_kept(self, region: KeptRegion) -> None:
+        self._store().release_kept(region)
+
+    def reserve_free(self, nbytes: int) -> None:
+        self._store().reserve_free(nbytes)
 
     def _store(self) -> SwapBackend:
         if self.swap is None:

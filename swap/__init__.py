@@ -8,6 +8,7 @@ Knows files, offsets, bytes and futures; nothing of tensors' meaning.
         store.write("unit3/exp_avg", buf).wait()   # SwapFuture; buf is held until done
         store.read("unit3/exp_avg", out=buf).wait()
         store.delete("unit3/exp_avg")
+        kept = store.keep("k"); store.read_kept(kept, out=buf); store.release_kept(kept)
         store.stats()                              # bytes, busy seconds per direction
 
 Every I/O failure is a `SwapError` naming the file and the key; bad arguments
@@ -23,6 +24,7 @@ from tierzero.swap.dry import DrySwap
 from tierzero.swap.errors import SwapError
 from tierzero.swap.fileio import FileIO
 from tierzero.swap.future import SwapFuture
+from tierzero.swap.kept import KeptRegion
 from tierzero.swap.stats import DirectionStats, SwapStats
 from tierzero.swap.store import SwapStore
 
@@ -31,6 +33,7 @@ __all__ = [
     "DirectionStats",
     "DrySwap",
     "FileIO",
+    "KeptRegion",
     "SwapError",
     "SwapFuture",
     "SwapStats",

@@ -16,6 +16,7 @@ import torch
 
 from tierzero.swap.errors import SwapError
 from tierzero.swap.future import SwapFuture
+from tierzero.swap.kept import KeptRegion
 from tierzero.swap.stats import DirectionStats, SwapStats
 
 __all__ = ["DrySwap"]
@@ -41,6 +42,20 @@ class DrySwap:
             self._requests["write"] += 1
             self._bytes["write"] += nbytes
         return _completed("write", key, tensor)
+
+    def keep(self, key: str) -> KeptRegion:
+        raise SwapError("a dry run keeps no regions (it saves no checkpoints)", path=self.path,
+                        key=key)
+
+    def read_kept(self, region: KeptRegion, out: torch.Tensor) -> SwapFuture:
+        raise SwapError("a dry run keeps no regions (it saves no checkpoints)", path=self.path,
+                        key=region.key)
+
+    def release_kept(self, region: KeptRegion) -> None:
+        del region  # nothing was kept
+
+    def reserve_free(self, nbytes: int) -> None:
+        del nbytes  # counts bytes only
 
     def read(self, key: str, out: torch.Tensor | None = None, *,
              background: bool = False) -> SwapFuture:

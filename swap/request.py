@@ -66,6 +66,7 @@ class Request:
     error: BaseException | None = None
     started: float = 0.0  # perf_counter when it entered service
     background: bool = False  # a read that yields to every other ([Note: swap I/O order])
+    idle: bool = False  # a read of a kept region, served last (SwapStore.read_kept)
 
     @property
     def nbytes(self) -> int:

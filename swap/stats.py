@@ -31,6 +31,10 @@ class SwapStats:
     used_bytes: int  # bytes held by stored keys (headers and padding included)
     keys: int
     direct: bool  # O_DIRECT in use
+    # reads of kept regions (a snapshot copied out, SwapStore.read_kept); not in `read`
+    kept_read: DirectionStats | None = None
+    kept_regions: int = 0  # regions held by keep() now
+    kept_retired_bytes: int = 0  # of those, file bytes their keys no longer point at
 
 
 class Traffic:

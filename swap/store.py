@@ -7,7 +7,9 @@ Ordering rules (per key; different keys never wait on each other):
   apply in submission order and a region is never freed under a reader;
 - writes are copy-on-write: a new region is filled, its header written, and
   only then the key points at it and the old region is freed. A failed write
-  (ENOSPC, EIO, ...) leaves the previous contents readable.
+  (ENOSPC, EIO, ...) leaves the previous contents readable;
+- a region kept by `keep` (a snapshot's) is freed only once released, however
+  often its key is written meanwhile ([Note: kept regions] in swap/kept.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from concurrent.futures import wait as wait_futures
 from types import TracebackType
 
@@ -32,7 +33,9 @@ from tierzero.swap.checks import check_int, check_key, check_matches, check_tens
 from tierzero.swap.errors import SwapError
 from tierzero.swap.fileio import FileIO
 from tierzero.swap.future import Op, SwapFuture
+from tierzero.swap.kept import KeptRegion, KeptRegions
 from tierzero.swap.opening import open_data_file
+from tierzero.swap.queues import RequestQueues
 from tierzero.swap.request import Entry, KeyChain, Request, byte_view, region_bytes
 from tierzero.swap.scratch import check_free_space, open_scratch
 from tierzero.swap.space import FileSpace
@@ -42,7 +45,6 @@ __all__ = ["SwapStore"]
 
 log = logging.getLogger(__name__)
 
-WRITE_SHARE = 4  # while reads wait, every 4th block slot still goes to writes
 
 
 class SwapStore:
@@ -109,16 +111,9 @@ class SwapStore:
         self._work_ready = threading.Condition(self._lock)
         self._index: dict[str, Entry] = {}
         self._chains: dict[str, KeyChain] = {}
-        # Dependencies done, waiting for service: foreground requests, background reads.
-        self._runnable: deque[Request] = deque()
-        self._runnable_bg: deque[Request] = deque()
-        # In service with blocks left to hand out, per direction, oldest first; background
-        # reads in their own queue.
-        self._issuing: dict[Op, deque[Request]] = {"read": deque(), "write": deque()}
-        self._issuing_bg: deque[Request] = deque()
-        self._picks = 0
-        self._in_service = 0  # foreground requests in service
-        self._in_service_bg = 0
+        self._queues = RequestQueues(queue_depth)  # [Note: swap I/O order]
+        self._kept = KeptRegions()
+        self._kept_traffic = Traffic()  # reads of kept regions, apart from the training's
         self._generation = 0
         self._traffic = {"read": Traffic(), "write": Traffic()}
         self._bounce_logged = False
@@ -217,10 +212,67 @@ class SwapStore:
                             "unknown key: cannot delete, nothing is stored under it",
                             path=self.path, key=key,
                         )
-                    self._space.free(entry.offset, entry.region_bytes)
+                    if self._kept.retire(entry):
+                        self._space.free(entry.offset, entry.region_bytes)
                     return
                 pending = [r.future for r in chain.pending()]
             wait_futures(pending)
+
+    def keep(self, key: str) -> KeptRegion:
+        """Hold `key`'s region as committed once its pending writes land: readable by
+        `read_kept` until `release_kept`, whatever is written to `key` meanwhile."""
+        check_key(key)
+        while True:
+            with self._lock:
+                self._check_open(key)
+                chain = self._chains.get(key)
+                last = chain.last_write if chain is not None else None
+                if last is None:
+                    entry = self._index.get(key)
+                    if entry is None:
+                        raise SwapError("unknown key: nothing is stored under it to keep",
+                                        path=self.path, key=key)
+                    self._kept.hold(entry)
+                    return KeptRegion(key, entry)
+            wait_futures([last.future])
+
+    def read_kept(self, region: KeptRegion, out: torch.Tensor) -> SwapFuture:
+        """Read a kept region into `out` (its dtype and shape), behind every other request:
+        it takes block slots only when no other request waits, or every IDLE_SHARE-th one
+        (swap/queues.py)
+        ([Note: swap I/O order]). Counted in stats().kept_read, not in read."""
+        done: list[Request] = []
+        with self._lock:
+            self._check_open(region.key)
+            if not self._kept.held(region.entry):
+                raise SwapError("read_kept of a region not kept (released already?)",
+                                path=self.path, key=region.key)
+            check_tensor(region.key, out, "read")
+            check_matches(region.key, out, region.entry)
+            fut = SwapFuture("read", region.key, out)
+            req = self._new_request("read", region.key, fut, byte_view(out), 0)
+            req.idle, req.entry = True, region.entry
+            self._submit_locked(req, done)
+        self._settle(done)
+        return fut
+
+    def release_kept(self, region: KeptRegion) -> None:
+        """Drop one hold of `region`; a region its key no longer points at is freed."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._kept.unhold(region.entry):
+                self._space.free(region.entry.offset, region.entry.region_bytes)
+
+    def reserve_free(self, nbytes: int) -> None:
+        """Grow the file (fallocate) until `nbytes` of it are free for new regions, so
+        writes made while a snapshot keeps that many bytes need no more disk; SwapError
+        (with the errno) when the disk cannot give it."""
+        with self._lock:
+            self._check_open("<reserve>")
+            short = nbytes - (self._space.file_bytes - self._space.used_bytes)
+            if short > 0:
+                self._space.grow(round_up(short), key="<reserve>")
 
     def close(self) -> None:
         """Finish pending I/O, stop the threads, remove the swap files. Idempotent.
@@ -273,6 +325,9 @@ class SwapStore:
                 used_bytes=self._space.used_bytes,
                 keys=len(self._index),
                 direct=self.direct,
+                kept_read=self._kept_traffic.snapshot(now),
+                kept_regions=self._kept.regions,
+                kept_retired_bytes=self._kept.retired_bytes,
             )
 
     # ------------------------------------------------------------------ scheduling
@@ -294,40 +349,33 @@ class SwapStore:
     def _submit_locked(self, req: Request, done: list[Request]) -> None:
         req.crcs = [0] * req.n_tasks
         if req.deps_left == 0:
-            self._runnable_of(req).append(req)
+            self._queues.runnable(req)
             self._admit_locked(done)
 
-    def _runnable_of(self, req: Request) -> deque[Request]:
-        return self._runnable_bg if req.background else self._runnable
-
-    def _issuing_of(self, req: Request) -> deque[Request]:
-        return self._issuing_bg if req.background else self._issuing[req.op]
+    def _traffic_of(self, req: Request) -> Traffic:
+        return self._kept_traffic if req.idle else self._traffic[req.op]
 
     def _admit_locked(self, done: list[Request]) -> None:
-        """Move runnable requests into service while there is room (queue_depth each for
-        foreground requests and for background reads: read-ahead in service never keeps a
-        request that is wanted now waiting for a slot)."""
+        """Move runnable requests into service while their class has room (RequestQueues:
+        read-ahead in service never keeps a request that is wanted now waiting for a slot)."""
         while True:
-            if self._runnable and self._in_service < self.queue_depth:
-                req = self._runnable.popleft()
-                self._in_service += 1
-            elif self._runnable_bg and self._in_service_bg < self.queue_depth:
-                req = self._runnable_bg.popleft()
-                self._in_service_bg += 1
-            else:
+            req = self._queues.admit()
+            if req is None:
                 return
             req.started = time.perf_counter()
-            self._traffic[req.op].begin(req.started)
+            self._traffic_of(req).begin(req.started)
             try:
                 self._prepare_locked(req)
             except SwapError as exc:
                 req.error = exc
                 self._finish_locked(req, done)
                 continue
-            self._issuing_of(req).append(req)
+            self._queues.issue(req)
             self._work_ready.notify(min(req.n_tasks, len(self._threads)))
 
     def _prepare_locked(self, req: Request) -> None:
+        if req.idle:  # a kept region: its entry was fixed by keep()
+            return
         if req.op == "read":
             entry = self._index.get(req.key)
             if entry is None:
@@ -356,16 +404,13 @@ class SwapStore:
             if req.error is None:
                 old = self._index.get(req.key)
                 self._index[req.key] = entry
-                if old is not None:
+                if old is not None and self._kept.retire(old):
                     self._space.free(old.offset, old.region_bytes)
             else:
                 self._space.free(entry.offset, entry.region_bytes)
-        if req.background:
-            self._in_service_bg -= 1
-        else:
-            self._in_service -= 1
-        self._traffic[req.op].end(time.perf_counter(), req.nbytes, failed=req.error is not None)
-        chain = self._chains.get(req.key)
+        self._queues.finished(req)
+        self._traffic_of(req).end(time.perf_counter(), req.nbytes, failed=req.error is not None)
+        chain = self._chains.get(req.key) if not req.idle else None
         if chain is not None:
             if chain.last_write is req:
                 chain.last_write = None
@@ -376,7 +421,7 @@ class SwapStore:
         for dep in req.dependents:
             dep.deps_left -= 1
             if dep.deps_left == 0:
-                self._runnable_of(dep).append(dep)
+                self._queues.runnable(dep)
         done.append(req)
         self._admit_locked(done)
 
@@ -391,39 +436,14 @@ class SwapStore:
 
     # ------------------------------------------------------------------ I/O threads
 
-    def _pick_block_locked(self) -> tuple[Request, int] | None:
-        """The next block to move. [Note: swap I/O order]
-
-        Reads come first (they are on the critical path: prefetch, optimizer state
-        in), but every WRITE_SHARE-th pick goes to a waiting write so writes never
-        starve. Background reads (read-ahead wanted later: the CPU Adam's state for
-        the coming backward) stand behind every other read: a parameter gather issued
-        after them does not wait for them; against writes they count as reads.
-        Within a queue the oldest request's blocks go out first, in file order, so
-        the drive sees sequential streams, and requests finish in the order they
-        were submitted (the order the engine needs them).
-        """
-        writes = self._issuing["write"]
-        reads = self._issuing["read"] or self._issuing_bg
-        if not reads and not writes:
-            return None
-        self._picks += 1
-        queue = writes if writes and (not reads or self._picks % WRITE_SHARE == 0) else reads
-        req = queue[0]
-        index = req.next_block
-        req.next_block += 1
-        if req.all_issued():
-            queue.popleft()
-        return req, index
-
     def _worker(self) -> None:
         wb = WorkerBuffers(self.block_size)
         while True:
             with self._lock:
-                picked = self._pick_block_locked()
+                picked = self._queues.pick()
                 while picked is None and not self._stopping:
                     self._work_ready.wait()
-                    picked = self._pick_block_locked()
+                    picked = self._queues.pick()
                 if picked is None:
                     return
                 req, index = picked
@@ -431,12 +451,11 @@ class SwapStore:
                 error, bounced = self._io.run_block(req, index, wb)
             done: list[Request] = []
             with self._lock:
-                self._traffic[req.op].bounced += bounced
+                self._traffic_of(req).bounced += bounced
                 req.completed += 1
                 if error is not None and req.error is None:
                     req.error = error
-                    if req in self._issuing_of(req):
-                        self._issuing_of(req).remove(req)
+                    self._queues.stop_issuing(req)
                 last = req.all_issued() and req.completed == min(req.next_block, req.n_tasks)
                 if last and not req.finishing:
                     req.finishing = True

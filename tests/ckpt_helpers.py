@@ -137,8 +137,11 @@ def crash_config(offload: str, swap: str | None) -> Config:
         optimizer=OptimizerOffloadConfig(device=offload, path=swap)))  # type: ignore[arg-type]
 
 
-def crash_child(ckpt: str, ready: str, offload: str = "none", swap: str | None = None) -> None:
-    """Save tag t0, signal `ready`, then train and save t1, t2, ... until killed."""
+def crash_child(ckpt: str, ready: str, offload: str = "none", swap: str | None = None,
+                background: bool = False) -> None:
+    """Save tag t0, signal `ready`, then train and save t1, t2, ... until killed.
+    `background`: each save is written while the next step runs (the next save waits
+    for it), so a kill lands inside a background write or a step that overlaps one."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
     cfg = crash_config(offload, swap)
@@ -147,8 +150,10 @@ def crash_child(ckpt: str, ready: str, offload: str = "none", swap: str | None =
     for step in range(10_000):
         eng.backward(eng(x).square().mean())
         eng.step()
-        eng.save_checkpoint(ckpt, tag=f"t{step}")
+        pending = eng.save_checkpoint(ckpt, tag=f"t{step}", background=background)
         if step == 0:
+            if isinstance(pending, engine.PendingSave):
+                pending.wait()
             Path(ready).write_text("ready")
 
 

@@ -81,13 +81,19 @@ class SafetensorsWriter:
     """Writes `entries` to `path` tensor by tensor, in the declared order.
 
     `write(name, tensor)` checks the name, dtype and shape against the next
-    declared entry; `close()` checks every entry was written, fsyncs and
+    declared entry; `write_part(name, part)` appends the next bytes of the next
+    entry instead (an entry streamed in pieces; it is complete when its byte count
+    is reached). `close()` checks every entry was written, fsyncs and
     returns the file's digest. On an exception inside a `with` block the
     partial file is left for the caller's temporary directory to discard.
+    `sync_every` (bytes; 0 = off): write the data down and drop it from the page
+    cache every so many bytes, so a long background write neither fills host memory
+    with dirty pages nor ends in one large flush competing with the training's I/O.
     """
 
     def __init__(self, path: Path, entries: Sequence[TensorEntry],
-                 metadata: dict[str, str] | None = None, mode: int = 0o600) -> None:
+                 metadata: dict[str, str] | None = None, mode: int = 0o600, *,
+                 sync_every: int = 0) -> None:
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -111,6 +117,9 @@ class SafetensorsWriter:
         self._next = 0
         self._crc = 0
         self._nbytes = 0
+        self._partial = 0  # bytes of the next entry written by write_part so far
+        self._sync_every = sync_every
+        self._synced = 0  # bytes written down and dropped from the page cache
         # A new file of ours, never through a planted link (see [Note: output files]).
         self._file = os.fdopen(create_new(path, mode), "wb")
         self._put(len(raw).to_bytes(8, "little") + raw)
@@ -119,8 +128,36 @@ class SafetensorsWriter:
         self._file.write(data)
         self._crc = crc32(data, self._crc)
         self._nbytes += len(data)
+        if self._sync_every and self._nbytes - self._synced >= self._sync_every:
+            self._file.flush()
+            fd = self._file.fileno()
+            os.fdatasync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, self._synced, self._nbytes - self._synced,
+                                 os.POSIX_FADV_DONTNEED)
+            self._synced = self._nbytes
+
+    def write_part(self, name: str, part: torch.Tensor) -> None:
+        """The next bytes of entry `name` (the next declared one), from a CPU tensor of any
+        dtype; the entry is complete once its declared byte count has been written."""
+        if self._next >= len(self._entries):
+            raise ValueError(f"{self.path}: {name!r} written after every declared tensor")
+        e = self._entries[self._next]
+        data = part.detach().contiguous().reshape(-1).view(torch.uint8)
+        if name != e.name or self._partial + data.numel() > e.nbytes:
+            left = e.nbytes - self._partial
+            raise ValueError(f"{self.path}: expected {e.name!r} next with {left} bytes left; "
+                             f"got {name!r} with {data.numel()} bytes")
+        self._put(data.numpy().data)
+        self._partial += data.numel()
+        if self._partial == e.nbytes:
+            self._next += 1
+            self._partial = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._partial:
+            raise ValueError(f"{self.path}: {name!r} written whole while "
+                             f"{self._entries[self._next].name!r} is written in parts")
         if self._next >= len(self._entries):
             raise ValueError(f"{self.path}: {name!r} written after every declared tensor")
         e = self._entries[self._next]

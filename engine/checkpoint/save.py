@@ -70,15 +70,23 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from tierzero.engine.checkpoint.background import (
+    SYNC_EVERY,
+    Pacer,
+    SaveStats,
+    write_snapshot_entry,
+)
 from tierzero.engine.checkpoint.io import (
     SafetensorsWriter,
     TensorEntry,
@@ -106,7 +114,9 @@ from tierzero.engine.checkpoint.layout import (
 from tierzero.engine.checkpoint.state import OPTIM_PREFIX, engine_state, rng_state
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.progress import progress_bar, progress_enabled
+from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.store import ShardStore
+from tierzero.offload import SnapshotSpaceError
 from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
@@ -144,6 +154,16 @@ class ShardRef:
         if self.stored:
             return store.use_stored(self.key, self.kind)  # type: ignore[arg-type]
         return shard_use(store, self.key, self.kind)
+
+
+@dataclass(frozen=True)
+class SnapRef:
+    """A shard a background save's writer takes from the store's snapshot, part by part
+    ([Note: snapshot parts] in engine/shards/snapshot.py): dtype and numel as saved."""
+
+    dtype: torch.dtype
+    numel: int
+    parts: tuple[Part, ...]
 
 
 def gather_objects(eng: ZeroEngine, value: Any) -> list[Any]:
@@ -203,19 +223,27 @@ def _buffers(eng: ZeroEngine) -> dict[str, torch.Tensor]:
 class RankPayload:
     """Everything one rank writes, captured at save time: after this, training may go on."""
 
-    tensors: list[tuple[str, torch.Tensor | ShardRef]]  # CPU copies when a snapshot
+    tensors: list[tuple[str, torch.Tensor | ShardRef | SnapRef]]  # CPU copies, or refs
     metadata: dict[str, str]
-    store: Any  # where ShardRefs are read (None in a snapshot: it holds copies only)
+    store: Any  # where ShardRefs are read (None in a snapshot)
     manifest: dict[str, Any]  # rank 0: the manifest without "files"
     client_bytes: bytes | None
     progress: bool = False  # a progress bar while writing (engine.progress rule)
+    snapshot: StoreSnapshot | None = None  # where SnapRefs are read ([Note: background save])
+    share: float = 1.0  # outputs.background_save_share: the writer's Pacer
+
+    def snapshot_keys(self) -> list[str]:
+        return [p[0] for _, t in self.tensors if isinstance(t, SnapRef) for p in t.parts]
 
 
 def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | None,
              snapshot: bool) -> RankPayload:
+    """What this rank writes: shards as references the writer streams from the store (a
+    synchronous save), or, for a background save (`snapshot`), copies of resident shards
+    and SnapRefs to the store's snapshot ([Note: background save] in background.py)."""
     store = eng.store
     optim = eng.step_driver.state_dict()["state"]  # the moments as StoreTensors: no copies
-    tensors: list[tuple[str, torch.Tensor | ShardRef]] = []
+    tensors: list[tuple[str, torch.Tensor | ShardRef | SnapRef]] = []
     scalars: dict[str, Any] = {}
     for lay in layouts:
         for kind in lay.kinds:
@@ -224,7 +252,12 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             if lay.moments is not None and kind in MOMENT_CLASSES:
                 ref = ShardRef(lay.key, kind, lay.moments.dtype, lay.moments.stored_numel,
                                stored=True)
-            if snapshot:  # a consistent copy the next step cannot change
+            parts = (store.snapshot_parts(lay.key, kind)  # type: ignore[arg-type]
+                     if snapshot else None)
+            if parts is not None:  # kept by the store's snapshot, read out later
+                tensors.append((shard_name(lay.key, kind),
+                                SnapRef(ref.dtype, ref.numel, tuple(parts))))
+            elif snapshot:  # a consistent copy the next step cannot change
                 with ref.use(store) as t:
                     tensors.append((shard_name(lay.key, kind), t.detach().to("cpu", copy=True)))
             else:
@@ -257,19 +290,29 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             "config": as_dict(eng.config),
             "hf_config": _hf_config_json(eng.module),
         }
+    # a background save draws no progress bar: the training's own is on screen
     return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes,
-                       progress_enabled(eng.config.logging.progress, eng.comm.rank))
+                       progress_enabled(eng.config.logging.progress, eng.comm.rank)
+                       and not snapshot, share=eng.config.outputs.background_save_share)
 
 
-def _write_rank_file(path: Path, payload: RankPayload, desc: str) -> dict[str, int]:
+def _write_rank_file(path: Path, payload: RankPayload, desc: str,
+                     pacer: Pacer | None = None) -> dict[str, int]:
+    """`pacer`: a background save's ([Note: background save] in background.py)."""
     entries = [TensorEntry(n, t.dtype, tuple(t.shape) if isinstance(t, torch.Tensor)
                            else (t.numel,)) for n, t in payload.tensors]
     bar = progress_bar(payload.progress, total=sum(e.nbytes for e in entries), unit="B",
                        unit_scale=True, desc=desc)
-    with bar, SafetensorsWriter(path, entries, payload.metadata) as w:
+    sync_every = SYNC_EVERY if pacer is not None else 0
+    with bar, SafetensorsWriter(path, entries, payload.metadata, sync_every=sync_every) as w:
         for (n, t), e in zip(payload.tensors, entries, strict=True):
             if isinstance(t, torch.Tensor):
                 w.write(n, t)
+            elif isinstance(t, SnapRef):
+                if payload.snapshot is None or pacer is None:
+                    raise CheckpointError(f"internal: {n!r} is in a snapshot, but the save "
+                                          "holds none")
+                write_snapshot_entry(w, n, t, payload.snapshot, pacer)
             else:  # streamed from the store, one shard at a time
                 with t.use(payload.store) as shard:
                     w.write(n, shard)
@@ -333,24 +376,46 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     raise_if_any_failed(eng, error, f"save_checkpoint({str(root)!r}, tag={tag!r})")
     with_grad = eng.micro_steps % eng.grad_accum != 0  # mid-accumulation: keep partial grads
     # (a gradient zero_grad() marked is read as zeros: [Note: gradients zeroed on first use])
-    # [Note: background save of offloaded state] A background save snapshots every shard
-    # into host memory first. With shards in the tier manager that copy is the whole
-    # offloaded state (what did not fit in host memory to begin with), so the save streams
-    # from the store synchronously instead, one shard at a time; the caller still gets a
-    # PendingSave, already complete.
-    snapshot = background is not None and eng.store.snapshot_in_host
-    payload = _collect(eng, group_layouts(eng, with_grad), client_bytes, snapshot=snapshot)
-    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
-    if background is not None and snapshot:
-        return background.submit(job)
-    if background is not None:
-        if not background.warned_sync:
-            log.info("save_checkpoint(background=True): shards live in the tier manager "
-                     "(offload cpu/nvme), so they are streamed to %s now, one at a time, "
-                     "instead of copied into host memory for a background write", root)
-            background.warned_sync = True
-        return background.completed(job, job.run(eng.comm.group))
-    return job.run(eng.comm.group)
+    layouts = group_layouts(eng, with_grad)
+    if background is None:
+        payload = _collect(eng, layouts, client_bytes, snapshot=False)
+        return _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes).run(
+            eng.comm.group)
+    payload = _collect(eng, layouts, client_bytes, snapshot=True)
+    why = _open_snapshot(eng, payload)
+    if why is not None:  # every rank writes now, streaming from the store
+        payload = _collect(eng, layouts, client_bytes, snapshot=False)
+        job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
+        return background.completed(job, job.run(eng.comm.group), why)
+    try:
+        return background.submit(_SaveJob(eng.comm.rank, eng.comm.world_size, root, tag,
+                                          payload, modes))
+    except BaseException:  # no writer will release the snapshot: its kept regions and copies
+        if payload.snapshot is not None:
+            payload.snapshot.close()
+        raise
+
+
+def _open_snapshot(eng: ZeroEngine, payload: RankPayload) -> str | None:
+    """Open the store's snapshot of the payload's SnapRefs on every rank; when a rank cannot
+    (no swap space for the kept regions), every rank releases its own and the reason is
+    returned (a collective: the ranks agree, then all save synchronously)."""
+    error: str | None = None
+    try:
+        payload.snapshot = eng.store.open_snapshot(payload.snapshot_keys(),
+                                                   eng.config.outputs.background_save_copy_bytes)
+    except SnapshotSpaceError as exc:
+        error = str(exc)
+    errors = [(r, e) for r, e in enumerate(gather_objects(eng, error)) if e is not None]
+    if not errors:
+        return None
+    if payload.snapshot is not None:
+        payload.snapshot.close()
+        payload.snapshot = None
+    why = "; ".join(f"rank {r}: {e}" for r, e in errors)
+    log.warning("save_checkpoint(background=True): written synchronously instead, because %s",
+                why)
+    return why
 
 
 @dataclass
@@ -363,6 +428,8 @@ class _SaveJob:
     tag: str
     payload: RankPayload
     modes: OutputModes  # permission bits of the files and the directory (outputs.permissions)
+    stats: SaveStats = field(default_factory=SaveStats)
+    cancel: threading.Event = field(default_factory=threading.Event)  # BackgroundSaver.abandon
 
     def run(self, group: dist.ProcessGroup | None) -> Path:
         temp = self.root / temp_dir_name(self.tag)
@@ -372,6 +439,13 @@ class _SaveJob:
             if self.rank == 0:  # a failed save leaves nothing behind (the tag can be saved again)
                 shutil.rmtree(temp, ignore_errors=True)
             raise
+        finally:
+            snap = self.payload.snapshot
+            if snap is not None:  # kept regions and copies are released, taken or not
+                self.stats.snapshot = snap.stats()
+                snap.close()
+                self.payload.snapshot = None
+            self.stats.finished = time.perf_counter()
 
     def _write_and_publish(self, group: dist.ProcessGroup | None, temp: Path) -> Path:
         final = self.root / self.tag
@@ -379,8 +453,11 @@ class _SaveJob:
         digest: dict[str, int] | None = None
         error: str | None = None
         try:
+            pacer = (Pacer(self.payload.share, self.cancel, self.stats)
+                     if self.payload.snapshot is not None else None)
             digest = _write_rank_file(temp / rank_file(self.rank), self.payload,
-                                      desc=f"save {self.tag}")
+                                      desc=f"save {self.tag}", pacer=pacer)
+            self.stats.written_bytes = digest["bytes"]
             os.chmod(temp / rank_file(self.rank), self.modes.file)  # created 0600
         except (OSError, CheckpointError, ValueError) as exc:
             error = f"writing {temp / rank_file(self.rank)}: {exc}"

@@ -477,6 +477,19 @@ class OutputsConfig:
         metadata=meta("who may read them: private = files 0600 and directories 0700 (like the "
                       "swap files of the same data); group = 0640/0750; world = 0644/0755"),
     )
+    background_save_share: float = field(
+        default=0.5,
+        metadata=meta("a background checkpoint's writer is busy at most this share of the wall "
+                      "time (it pauses between parts), so the training's CPU and disk come "
+                      "first; 1 = never pause", gt=0, le=1),
+    )
+    background_save_copy_bytes: int = field(
+        default=256 << 20,
+        metadata=meta("host bytes a background checkpoint may hold in copies of host- or "
+                      "device-resident state the training changes before the save has written "
+                      "it; past this the step waits for the save to write that state", ge=0,
+                      unit="bytes"),
+    )
 
 
 @dataclass(frozen=True)

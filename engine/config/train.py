@@ -139,6 +139,12 @@ class TrainConfig:
             path=True,
         ),
     )
+    checkpoint_background: bool = field(
+        default=True,
+        metadata=meta("write checkpoints while training goes on: the save records the state "
+                      "(offloaded state: swap regions kept, host state copied only before it "
+                      "changes) and returns; false = every save finishes before the next step"),
+    )
     save_on_interrupt: bool = field(
         default=False,
         metadata=meta("on SIGINT/SIGTERM, save step<N> (into checkpoint_dir) after the step in "

@@ -22,6 +22,7 @@ import yaml
 
 from tierzero.engine.bench.command import results_path
 from tierzero.engine.config import ConfigError
+from tierzero.engine.config.schema import OutputsConfig
 from tierzero.engine.config.values import parse_bytes
 from tierzero.engine.plan.planner import (
     DTYPES,
@@ -195,6 +196,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
               f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
              for p in plans if p.fits]
     out.append(_table(rows))
+    out.append(_background_save_table(plans, machine))
     out += _precision_table(plans, placements or {}, args.state_precision)
     out += _schedule_table(plans, machine, args.grad_accum)
     out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
@@ -304,6 +306,26 @@ def _schedule_table(plans: list[ChoicePlan], machine: Machine, grad_accum: int) 
             "(batch.schedule): layer_major gathers each unit once per pass and sums its "
             "gradient in fp32 while it is gathered; micro_step runs forward and backward per "
             "micro-batch, gathering every unit and moving every gradient each time"]
+
+
+def _background_save_table(plans: list[ChoicePlan], machine: Machine) -> str:
+    """A background checkpoint's room: NVMe kept regions (on top of the swap's own state)
+    and host copies at most (host-homed state: copied only before it changes, within
+    outputs.background_save_copy_bytes; device-resident state: copied whole at the save),
+    and whether the NVMe has it (else saves are synchronous)."""
+    copy_limit = OutputsConfig().background_save_copy_bytes
+    rows = [["offload", "background save: NVMe kept (max)", "swap with it", "host copies (max)",
+             "NVMe room"]]
+    for p in plans:
+        if not p.fits:
+            continue
+        kept = p.checkpoint_bytes("nvme")
+        copies = min(copy_limit, p.checkpoint_bytes("host")) + p.checkpoint_bytes("device")
+        swap = p.total("nvme") + kept
+        rows.append([p.choice, human_bytes(kept), human_bytes(swap), human_bytes(copies),
+                     "yes" if swap <= machine.nvme_bytes else
+                     "no: background saves fall back to synchronous ones"])
+    return _table(rows)
 
 
 def _table(rows: list[list[str]]) -> str:

@@ -125,6 +125,16 @@ class ChoicePlan:
     def total(self, tier: Tier) -> int:
         return sum(self.by_tier.get(tier, {}).values()) + self.overhead.get(tier, 0)
 
+    def checkpoint_bytes(self, tier: Tier) -> int:
+        """The saved state (master and moments; tierzero train saves between steps, so no
+        gradient) homed on `tier`: on NVMe, what a background checkpoint keeps as swap
+        regions at most while it runs ([Note: shard snapshots] in offload/snapshot.py); on
+        host, what it may copy before the steps change it (outputs.
+        background_save_copy_bytes bounds that); on the device, what it copies at the save
+        ([Note: snapshot parts] in engine/shards/snapshot.py)."""
+        return sum(self.by_tier.get(tier, {}).get(c, 0)
+                   for c in ("master", "exp_avg", "exp_avg_sq"))
+
 
 def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
                   nvme_path: str | None, unit_classes: tuple[str, ...] = (),

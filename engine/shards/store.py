@@ -14,7 +14,7 @@ block); `tensor()` is for shards that stay put (the plain store, or device-
 pinned optimizer state).
 
 Callers never test which store they hold: each store says what they may do
-(`keeps_views`, `prefetches`, `snapshot_in_host`, `optimizer_offloaded`) and keeps
+(`keeps_views`, `prefetches`, `snapshot_parts`, `optimizer_offloaded`) and keeps
 the "gradient zeroed" rule itself ([Note: gradients zeroed on first use]).
 
 [Note: gradients zeroed on first use]
@@ -41,11 +41,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierzero.offload.settings import OPTIMIZER_CLASSES, TENSOR_CLASSES, TensorClass
 from tierzero.offload.state_codec import StoredLayout
+
+if TYPE_CHECKING:
+    from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 
 
 @dataclass
@@ -113,11 +117,19 @@ class ShardStore:
         """`set_order()` acts: the store reads ahead of the uses it is told of."""
         return False
 
-    @property
-    def snapshot_in_host(self) -> bool:
-        """A copy of every shard may be taken into host memory (a background checkpoint's
-        snapshot): the shards live within the device's memory, not beyond the host's."""
-        return True
+    def snapshot_parts(self, key: str, kind: TensorClass) -> list[Part] | None:
+        """Where a background checkpoint reads this shard later ([Note: snapshot parts] in
+        engine/shards/snapshot.py); None: copy it at the save. Resident shards live within
+        the device's memory, not beyond the host's: they are copied."""
+        del key, kind
+        return None
+
+    def open_snapshot(self, keys: list[str], copy_limit: int) -> StoreSnapshot | None:
+        """Record the parts `keys` (from snapshot_parts) as they are now; None: no parts."""
+        del copy_limit
+        if keys:
+            raise ValueError(f"this store hands out no snapshot parts; got {keys[:3]}")
+        return None
 
     @property
     def optimizer_offloaded(self) -> bool:

@@ -26,6 +26,7 @@ import torch
 from tierzero import swap
 from tierzero.engine.config import Config
 from tierzero.engine.shards import tier_config
+from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.state_layout import Pieces, RingRequest, StateLayout
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload import TierManager
@@ -75,9 +76,24 @@ class TieredShardStore(ShardStore):
     def prefetches(self) -> bool:
         return True
 
-    @property
-    def snapshot_in_host(self) -> bool:
-        return False  # a copy of the offloaded state is what did not fit in host memory
+    def snapshot_parts(self, key: str, kind: TensorClass) -> list[Part] | None:
+        """The manager keys of every piece, in element order ([Note: snapshot parts]): kept
+        on NVMe or copied just before they change, never all copied into host memory (that
+        is what did not fit there). Device-pinned optimizer state is copied at the save."""
+        self.layout.check(key, kind)
+        if (key, kind) in self._views:
+            return None
+        specs = self._mgr().plan.specs
+        return [(mkey, specs[mkey].numel, specs[mkey].dtype)
+                for mkey, _, _ in self.pieces(key, kind)]
+
+    def open_snapshot(self, keys: list[str], copy_limit: int) -> StoreSnapshot | None:
+        """TierManager.snapshot of `keys`; SnapshotSpaceError when the swap directory
+        cannot hold the regions it keeps."""
+        if not keys:
+            return None
+        mgr = self._mgr()
+        return StoreSnapshot(mgr, mgr.snapshot(keys, copy_limit=copy_limit))
 
     @property
     def optimizer_offloaded(self) -> bool:

@@ -200,15 +200,16 @@ def resume(eng: engine.ZeroEngine, batches: Batches, source: ResumeFrom) -> int:
     return step
 
 
-def save(eng: engine.ZeroEngine, directory: str, step: int, batches: Batches) -> str:
-    """Save `step<step>` in the background (offloaded state is streamed before returning;
-    engine/checkpoint/save.py); every later save and eng.close() waits for it. Returns the
-    checkpoint's path."""
-    eng.save_checkpoint(directory, tag=f"step{step}", background=True,
-                        client_state={"train": {"step": step,
-                                                "batches_drawn": batches.drawn}})
+def save(eng: engine.ZeroEngine, directory: str, step: int, batches: Batches, *,
+         background: bool) -> tuple[str, Path | engine.PendingSave]:
+    """Save `step<step>`, in the background when `background` (train.checkpoint_background:
+    [Note: background save] in engine/checkpoint/background.py); every later save and
+    eng.close() waits for it. Returns the checkpoint's path and save_checkpoint's result."""
+    result = eng.save_checkpoint(directory, tag=f"step{step}", background=background,
+                                 client_state={"train": {"step": step,
+                                                         "batches_drawn": batches.drawn}})
     log.info("checkpoint step%d -> %s", step, directory)
-    return str(Path(directory) / f"step{step}")
+    return str(Path(directory) / f"step{step}"), result
 
 
 def resolved_path(source: ResumeFrom) -> str:

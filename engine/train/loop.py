@@ -36,6 +36,7 @@ from tierzero.engine.hf import apply_lora, export_hf
 from tierzero.engine.hf.export import is_hf_model
 from tierzero.engine.models import SIZES
 from tierzero.engine.train import checkpoints, disk_full
+from tierzero.engine.train.bg_saves import SaveTracker
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import IGNORE, Batch, Batches, check_data_settings, load_data
 from tierzero.engine.train.interrupt import StopSignals
@@ -106,21 +107,43 @@ class _Progress:
     checkpoint: str | None = None  # the newest complete checkpoint this run saved or resumed
     checkpoint_dir: str | None = None  # where this run saves
     saving: bool = False  # a checkpoint of step `done` is being written
+    saves: SaveTracker | None = None  # background saves: started, finished, their cost
+    saved: str | None = None  # the newest checkpoint this run began to save (complete or not)
+    pending: tuple[str, engine.PendingSave] | None = None  # a background save not yet seen done
 
-    def save(self, eng: engine.ZeroEngine, ckpt_dir: str, batches: Batches) -> None:
+    def save(self, eng: engine.ZeroEngine, ckpt_dir: str, batches: Batches,
+             background: bool) -> None:
         """Save step `done`; an interrupt while writing is reported as the save abandoned
         (the partial directory is removed, the previous checkpoint stays the newest)."""
         self.saving = True
-        self.checkpoint = checkpoints.save(eng, ckpt_dir, self.done, batches)
+        path, result = checkpoints.save(eng, ckpt_dir, self.done, batches,
+                                        background=background)
         self.saving = False
+        self.newest()  # the previous background save is complete (the call waited for it)
+        self.saved = path
+        if isinstance(result, engine.PendingSave) and not result.done():
+            self.pending = (path, result)  # the newest complete one once it succeeds
+        else:
+            self.checkpoint = path
+        if self.saves is not None:
+            self.saves.started(result, f"step{self.done}", self.done)
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint: a background save counts once it succeeded."""
+        if self.pending is not None and self.pending[1].done():
+            path, pending = self.pending
+            self.pending = None
+            if pending.future.exception() is None:
+                self.checkpoint = path
+        return self.checkpoint
 
     def last_good(self) -> str:
-        if self.checkpoint is None:
+        if self.newest() is None:
             return "no checkpoint was saved or resumed from (set train.checkpoint_interval)"
         return f"the last good checkpoint is {self.checkpoint}"
 
     def resume_hint(self, tc: TrainConfig) -> str:
-        if self.checkpoint is None:
+        if self.newest() is None or self.checkpoint is None:
             return ("nothing to resume from: no checkpoint was saved (set "
                     "train.checkpoint_interval, or train.save_on_interrupt: true)")
         where = Path(self.checkpoint)
@@ -339,6 +362,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
     modes = output_modes(config.outputs.permissions)
     writer = MetricsWriter(metrics_path, modes, also=_tensorboard(tc, run_dir, modes)) \
         if rank0 else None
+    progress.saves = SaveTracker(writer.write if writer else None, rank0)
     try:
         if writer:
             writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),
@@ -367,6 +391,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                 window.after(step)
                 progress.done = stop.done = step
                 result.records.append(record)
+                progress.saves.after_step(record.step_s)
                 bar.set_postfix(loss=f"{record.loss:.3f}")
                 if writer:
                     writer.write(record.as_json())
@@ -379,7 +404,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                         f"train.max_nonfinite_steps: {tc.max_nonfinite_steps}); "
                         f"{progress.last_good()}")
                 if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
-                    progress.save(eng, ckpt_dir, batches)
+                    progress.save(eng, ckpt_dir, batches, tc.checkpoint_background)
                     if tc.export.at_checkpoints:
                         _export(eng, tc, os.path.join(export_dir, f"step{step}"))
                 stop.step_done()
@@ -388,16 +413,19 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
         if signum:
             stop.signum = stop.signum or signum
             if tc.save_on_interrupt and progress.done > start and (
-                    progress.checkpoint is None
-                    or Path(progress.checkpoint).name != f"step{progress.done}"):
-                progress.save(eng, ckpt_dir, batches)
+                    progress.saved is None
+                    or Path(progress.saved).name != f"step{progress.done}"):
+                progress.save(eng, ckpt_dir, batches, tc.checkpoint_background)
         elif tc.export.at_end and is_hf_model(eng.module):  # (a stopped run exports nothing)
             result.export_path = _export(eng, tc, os.path.join(export_dir, "final"))
+        progress.saves.finish()  # the last background save, reported before the summary
         if writer:
             writer.write(_summary(result.records, result.evals,
                                   stop.name if signum else None))
     finally:
         window.close()
+        if stop.abandoned:
+            progress.saves.abandon()
         eng.close(restore_params=False)  # nothing reads the model after the run
         if writer:
             writer.close()

@@ -29,10 +29,12 @@ RUNS = 4
 
 
 def _start_child(ckpt: Path, ready: Path, offload: str = "none",
-                 swap: Path | None = None) -> subprocess.Popen[bytes]:
+                 swap: Path | None = None, background: bool = False
+                 ) -> subprocess.Popen[bytes]:
     where = str(swap) if swap is not None else None
     code = ("import sys; sys.path[:0] = ['tests', '.']; from ckpt_helpers import crash_child; "
-            f"crash_child({str(ckpt)!r}, {str(ready)!r}, {offload!r}, {where!r})")
+            f"crash_child({str(ckpt)!r}, {str(ready)!r}, {offload!r}, {where!r}, "
+            f"{background!r})")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -69,16 +71,19 @@ def _check_survivor(ckpt: Path) -> tuple[int, bool]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("offload", ["none", "nvme"])
-def test_kill9_during_save_keeps_last_good_checkpoint(tmp_path: Path, offload: str) -> None:
+@pytest.mark.parametrize(("offload", "background"),
+                         [("none", False), ("nvme", False), ("nvme", True)])
+def test_kill9_during_save_keeps_last_good_checkpoint(tmp_path: Path, offload: str,
+                                                      background: bool) -> None:
     """offload nvme: the save streams shards out of the tier manager (and the kill may land
-    inside a swap read): the same guarantees."""
+    inside a swap read): the same guarantees. background: the kill lands while a
+    background writer copies kept swap regions out as the next step runs."""
     rng = random.Random(1234)
     dirs = [(tmp_path / f"run{r}", tmp_path / f"ready{r}") for r in range(RUNS)]
     swaps = [tmp_path / f"swap{r}" for r in range(RUNS)]
     for s in swaps:
         s.mkdir()
-    procs = [_start_child(ckpt, ready, offload, swap)  # start-up overlaps
+    procs = [_start_child(ckpt, ready, offload, swap, background)  # start-up overlaps
              for (ckpt, ready), swap in zip(dirs, swaps, strict=True)]
     partial_seen = 0
     for proc, (ckpt, ready) in zip(procs, dirs, strict=True):

@@ -174,7 +174,8 @@ def test_background_save_error_surfaces(tmp_path: Path, monkeypatch: pytest.Monk
     eng, _ = _trained()
     eng.save_checkpoint(tmp_path, tag="x", background=True)
 
-    def failing(path: Path, payload: object, desc: str) -> dict[str, int]:
+    def failing(path: Path, payload: object, desc: str, pacer: object = None
+                ) -> dict[str, int]:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt_mod, "_write_rank_file", failing)

@@ -58,6 +58,13 @@ def test_interrupted_run_resumes_to_the_same_losses(tmp_path: Path,
     assert first == {s: full[s] for s in range(1, 5)}
     assert rest == {5: full[5], 6: full[6]}  # step count, lr schedule, data position resumed
     assert tag == {3: full[3]}
+    # the first run saved in the background (the default): metrics say when each save
+    # started and finished, and what it cost the steps it overlapped
+    (metrics,) = (tmp_path / "runs-first").glob("*/metrics.jsonl")
+    saves = [json.loads(line) for line in metrics.read_text().splitlines()]
+    saves = [(r["phase"], r["tag"]) for r in saves if r["event"] == "checkpoint"]
+    assert saves == [("started", "step2"), ("finished", "step2"), ("started", "step4"),
+                     ("finished", "step4")]
     assert (Path(ck) / "latest").read_text() == "step6"
     assert head["config"]["offload"]["optimizer"]["device"] == "nvme"
     # resuming at step 2 with saves every 2 steps would save step4 again: refused up front

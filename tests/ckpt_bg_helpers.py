@@ -1,0 +1,112 @@
+"""Runs for the background-save tests (tests/engine/checkpoint/test_ckpt_background.py),
+module-level so that two spawned gloo ranks can run them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from ckpt_helpers import resume_config
+from engine_helpers import full_params, make_batches, make_model
+
+from tierzero import engine
+from tierzero.engine.checkpoint import save as save_mod
+from tierzero.engine.config import Config
+
+
+def bg_config(offload: str, swap: str | None, gas: int = 1, **outputs: Any) -> Config:
+    cfg = resume_config("bf16", gas, offload, swap)
+    return replace(cfg, outputs=replace(cfg.outputs, **outputs))
+
+
+def gate_writer(gate: threading.Event) -> None:
+    """Background writers of this process take no snapshot part until `gate` is set (or
+    their save is abandoned): the training's next steps surely change the state before
+    any of it is written."""
+    original = save_mod.write_snapshot_entry
+
+    def gated(w: Any, name: str, ref: Any, snapshot: Any, pacer: Any) -> None:
+        while not gate.wait(0.02) and not pacer.cancel.is_set():  # whichever comes first
+            pass
+        original(w, name, ref, snapshot, pacer)
+
+    save_mod.write_snapshot_entry = gated  # type: ignore[assignment]
+
+
+def swap_stats(eng: engine.ZeroEngine) -> Any:
+    swap = getattr(eng.store, "swap", None)
+    return swap.stats() if swap is not None else None
+
+
+def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: int,
+           background: bool, gate: bool = False, load: bool = False, gas: int = 1,
+           **outputs: Any) -> dict[str, Any]:
+    """Train n micro-steps (`gas` per optimizer step), save (in the background or not;
+    `gate`: its writer held until the m following micro-steps are done), train m more.
+    `load`: resume from `ckpt` first and train the m micro-steps only. Returns final
+    params, the save's stats and swap stats."""
+    where = None if swap is None else f"{swap}/rank{rank}"
+    if where is not None:
+        Path(where).mkdir(parents=True, exist_ok=True)
+    model = make_model()
+    eng, _, _, _ = engine.initialize(model=model, config=bg_config(offload, where, gas,
+                                                                   **outputs), device="cpu")
+    batches = make_batches(n + m, seed=1 + rank)
+    out: dict[str, Any] = {}
+    released = threading.Event()
+    if gate:
+        gate_writer(released)
+    if load:
+        eng.load_checkpoint(ckpt)
+    for i in range(eng.micro_steps, n + m):
+        ids, tg = batches[i]
+        eng.backward(eng(ids, tg))
+        eng.step()
+        if i + 1 == n and not load:
+            pending = eng.save_checkpoint(ckpt, tag="s", background=background)
+            out["swap_during"] = swap_stats(eng)
+    if not load:
+        released.set()
+        if isinstance(pending, engine.PendingSave):
+            pending.wait()
+            out["stats"] = pending.stats
+            out["fallback"] = pending.fallback
+        out["swap_after"] = swap_stats(eng)
+        out["outside"] = dict(eng.memory_report()["tiers"]["outside"]) if offload != "none" \
+            else {}
+    out["params"] = full_params(eng, model)
+    eng.close()
+    return out
+
+
+def saved_tensors(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(path / f"rank{rank:05d}.safetensors"))
+
+
+def many_saves(ckpt: str, swap: str, saves: int) -> dict[str, Any]:
+    """NVMe offload: a background save after every step; swap file size and kept regions
+    after each save completed."""
+    Path(swap).mkdir(parents=True, exist_ok=True)
+    model = make_model()
+    eng, _, _, _ = engine.initialize(model=model, config=bg_config("nvme", swap), device="cpu")
+    batches = make_batches(saves + 1)
+    sizes, kept, retired = [], [], []
+    pending = None
+    for i in range(saves + 1):
+        ids, tg = batches[i]
+        eng.backward(eng(ids, tg))
+        eng.step()
+        if pending is not None:
+            pending.wait()
+            st = swap_stats(eng)
+            sizes.append(st.file_bytes)
+            kept.append(st.kept_regions)
+            retired.append(st.kept_retired_bytes)
+        if i < saves:
+            pending = eng.save_checkpoint(ckpt, tag=f"t{i}", background=True)
+    eng.close()
+    return {"sizes": sizes, "kept": kept, "retired": retired}

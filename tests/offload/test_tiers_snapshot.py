@@ -1,0 +1,116 @@
+"""TierManager snapshots ([Note: shard snapshots] in offload/snapshot.py): the data at the
+call is what snapshot_take returns, whatever the shards became meanwhile, on every home
+tier; copies of host/device homes stay under copy_limit (writers wait instead); nothing
+is left kept or counted once the snapshot is taken or closed."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from tiers_util import cpu_settings, data_for, store
+
+from tierzero.offload import OffloadError, ShardSpec, TierManager
+from tierzero.offload.snapshot import SNAPSHOT_PURPOSE
+from tierzero.swap import aligned_empty
+
+N = 1024
+HOMES = {"param": "nvme", "grad": "cpu", "master": "none"}  # nvme, host, device homes
+
+
+def _make(tmp_path: Path) -> tuple[TierManager, dict[str, torch.Tensor]]:
+    sp = ([ShardSpec(f"p{i}", "param", N, torch.float32) for i in range(3)]
+          + [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(3)]
+          + [ShardSpec("m0", "master", N, torch.float32)])
+    mgr = TierManager(sp, cpu_settings(HOMES, device=8 * 4 * N, host=64 * 4 * N,
+                                       buffer_count=4), swap=store(tmp_path))
+    data = {x.key: data_for(x, i) for i, x in enumerate(sp)}
+    for k, v in data.items():
+        mgr.place(k, v).wait()
+    mgr.synchronize()
+    return mgr, data
+
+
+def _modify(mgr: TierManager, key: str, tier: str, value: float) -> None:
+    view = mgr.fetch(key, tier, writable=True).wait()  # type: ignore[arg-type]
+    view.fill_(value)
+    mgr.release(key, tier)  # type: ignore[arg-type]
+
+
+def test_snapshot_holds_the_data_at_the_call_on_every_home(tmp_path: Path) -> None:
+    mgr, data = _make(tmp_path)
+    try:
+        _modify(mgr, "p1", "host", 7.0)  # a dirty host cache: written down by snapshot()
+        data["p1"] = torch.full((N,), 7.0)
+        keys = sorted(data)
+        snap = mgr.snapshot(keys, copy_limit=1 << 20)
+        assert set(snap.kept) == {"p0", "p1", "p2"} and snap.pending == {"g0", "g1", "g2", "m0"}
+        mgr.write_from("p0", torch.full((N,), 1.0)).wait()  # NVMe: copy-on-write in swap
+        _modify(mgr, "p1", "host", 2.0)
+        mgr.evict("p1")
+        _modify(mgr, "g0", "host", 3.0)  # host home: copied before the change
+        _modify(mgr, "m0", "device", 4.0)  # device home
+        mgr.synchronize()
+        assert mgr.memory_report().outside[SNAPSHOT_PURPOSE] == 2 * 4 * N
+        for key in keys:
+            out = aligned_empty(N, torch.float32)
+            mgr.snapshot_take(snap, key, out)
+            assert torch.equal(out, data[key]), key
+        with pytest.raises(OffloadError, match="taken already"):
+            mgr.snapshot_take(snap, "p0", aligned_empty(N, torch.float32))
+        mgr.snapshot_close(snap)
+        assert mgr.memory_report().outside[SNAPSHOT_PURPOSE] == 0
+        st = mgr._mover.swap.stats()  # type: ignore[union-attr]
+        assert st.kept_regions == 0 and st.kept_retired_bytes == 0
+        got = torch.empty(N)
+        mgr.read_into("p0", got).wait()
+        assert float(got[0]) == 1.0  # the training's data moved on
+    finally:
+        mgr.close()
+
+
+def test_writers_wait_for_the_reader_past_copy_limit(tmp_path: Path) -> None:
+    """copy_limit one shard: the first changed host shard is copied, the second writer
+    waits until the reader has taken a shard (freeing the copy), then copies its own."""
+    mgr, data = _make(tmp_path)
+    try:
+        snap = mgr.snapshot(["g0", "g1", "g2"], copy_limit=4 * N)
+        _modify(mgr, "g0", "host", 1.0)
+        done = threading.Event()
+
+        def writer() -> None:
+            _modify(mgr, "g1", "host", 2.0)
+            done.set()
+
+        t = threading.Thread(target=writer)
+        t.start()
+        assert not done.wait(0.3)  # blocked: no room for a second copy
+        out = aligned_empty(N, torch.float32)
+        mgr.snapshot_take(snap, "g0", out)  # frees g0's copy
+        t.join(10)
+        assert done.is_set()
+        assert torch.equal(out, data["g0"])
+        for key in ("g1", "g2"):
+            mgr.snapshot_take(snap, key, out)
+            assert torch.equal(out, data[key]), key
+        assert snap.copies_made == 2 and snap.copy_waits >= 1
+        mgr.snapshot_close(snap)
+    finally:
+        mgr.close()
+
+
+def test_close_releases_what_was_not_taken(tmp_path: Path) -> None:
+    mgr, _ = _make(tmp_path)
+    try:
+        snap = mgr.snapshot(["p0", "g0"], copy_limit=1 << 20)
+        mgr.write_from("p0", torch.zeros(N)).wait()
+        _modify(mgr, "g0", "host", 5.0)
+        mgr.snapshot_close(snap)
+        mgr.snapshot_close(snap)  # idempotent
+        assert mgr.memory_report().outside[SNAPSHOT_PURPOSE] == 0
+        assert mgr._mover.swap.stats().kept_regions == 0  # type: ignore[union-attr]
+        mgr.snapshot(["p0"], copy_limit=0)  # a new one may open
+    finally:
+        mgr.close()
