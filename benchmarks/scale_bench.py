@@ -680,8 +680,9 @@ def main() -> None:
         for line in result["table"]:
             sys.stderr.write(line + "\n")
         result["state_precision_table"] = precision_table(result["rows"])
-        for line in result["state_precision_table"]:
-            sys.stderr.write(line + "\n")
+        if len(result["state_precision_table"]) > 2:  # some tierzero row has a step
+            for line in result["state_precision_table"]:
+                sys.stderr.write(line + "\n")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     result["parent_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
