@@ -245,6 +245,10 @@ def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
     zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme),
             # DeepSpeed's NVMe parameter swapper without a GPU (see ds_runner.py)
             "stage3_prefetch_bucket_size": 0}
+    if args.ds_sub_group_size:
+        # DeepSpeed sizes its optimizer swap buffers (4 by default, fp32) and a gradient
+        # buffer to the largest sub-group: 1e9 elements by default, ~20 GB at 2.07B
+        zero["sub_group_size"] = args.ds_sub_group_size
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
@@ -426,7 +430,7 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
            "--config", config or paths["config"],
            "--swap-dir", swap_dir, "--steps", str(args.steps), "--ds-build", ds_build,
            "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(args.threads),
-           "--clip", str(args.clip),
+           "--clip", str(args.clip), "--ds-sub-group-size", str(args.ds_sub_group_size),
            "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -580,6 +584,9 @@ def main() -> None:
                     "memory, then deepspeed.initialize) and/or zero_init (under "
                     "deepspeed.zero.Init); default both")
     ap.add_argument("--ds-build", default="whole", help=argparse.SUPPRESS)
+    ap.add_argument("--ds-sub-group-size", type=int, default=0, metavar="ELEMENTS",
+                    help="zero_optimization.sub_group_size of the DeepSpeed rows (default: "
+                    "unset, DeepSpeed's 1e9 elements; its swap buffers are sized to it)")
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
     ap.add_argument("--plan-only", action="store_true",
@@ -612,6 +619,9 @@ def main() -> None:
         ap.error(f"--ds-builds: unknown {sorted(bad)}; allowed: whole, zero_init")
     if args.child_max_rss is None:
         args.child_max_rss = min(14 * GiB, int(0.6 * psutil.virtual_memory().available))
+    if args.ds_sub_group_size < 0:
+        ap.error(f"--ds-sub-group-size {args.ds_sub_group_size}: allowed: elements > 0, "
+                 "or 0 for DeepSpeed's default")
     if args.child_max_rss <= 0:
         ap.error(f"--child-max-rss {args.child_max_rss}: allowed: a byte count > 0")
 
@@ -644,7 +654,9 @@ def main() -> None:
                          f"(--child-max-rss)\n")
         for n, (which, variant) in enumerate(runs):
             # tierzero rows: one per state precision; DeepSpeed rows: one per model build
-            name = (f"deepspeed:{variant}" if which == "deepspeed" else
+            sub_group = (f":sub_group_size={args.ds_sub_group_size}"
+                         if args.ds_sub_group_size else "")
+            name = (f"deepspeed:{variant}{sub_group}" if which == "deepspeed" else
                     which if variant == "fp32" else f"{which}:{variant}")
             prec = "fp32" if which == "deepspeed" else variant
             if which == "deepspeed" and not args.deepspeed_python:
