@@ -15,6 +15,8 @@ tierzero configs; DeepSpeed picks the optimizer kernel from its config as a user
                defaults, whose `max_in_cpu` keeps the params in host memory after their
                first read at these model sizes (see [Note: DeepSpeed max_in_cpu])
   ds_all_nvme_nocache  ds_all_nvme with `max_in_cpu: 0`: params read from NVMe at each use
+Each may carry `:clip` (e.g. ds_cpu:clip): `gradient_clipping` = --clip (default 1.0), the
+twin of step_bench's `:clip` rows; without it, no clipping (tierzero's default).
 The models are step_bench's own builders (imported), so they are identical parameter for
 parameter. World size 1 over gloo (DeepSpeed's CPU accelerator falls back to gloo when
 oneCCL's bindings are not installed), `DS_ACCELERATOR=cpu`.
@@ -55,11 +57,18 @@ import step_bench  # benchmarks/step_bench.py: its model builders and RSS probes
 CONFIGS = ("ds_none", "ds_cpu", "ds_opt_nvme", "ds_all_nvme", "ds_all_nvme_nocache")
 
 
-def zero_config(config: str, path: str, model: nn.Module) -> dict[str, Any]:
-    """DeepSpeed `zero_optimization` section for one of CONFIGS."""
-    if config not in CONFIGS:
+def split_config(config: str) -> tuple[str, bool]:
+    """"ds_cpu:clip" -> ("ds_cpu", True); anything else than CONFIGS[:clip] is an error."""
+    base, *flags = config.split(":")
+    if base not in CONFIGS or set(flags) - {"clip"} or len(flags) > 1:
         raise ValueError(f"--config {config!r} is not a DeepSpeed configuration; allowed: "
-                         f"{', '.join(CONFIGS)}")
+                         f"{', '.join(CONFIGS)}, each optionally with :clip")
+    return base, bool(flags)
+
+
+def zero_config(config: str, path: str, model: nn.Module) -> dict[str, Any]:
+    """DeepSpeed `zero_optimization` section for one of CONFIGS (`:clip` aside)."""
+    config, _ = split_config(config)
     # persistence 0: every parameter is partitioned, as step_bench's tierzero configs do
     zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
     nvme = {"device": "nvme", "nvme_path": path, "pin_memory": False}
@@ -144,9 +153,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         zero = zero_config(args.config, path, model)
         cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
                "bf16": {"enabled": True}, "zero_optimization": zero,
-               # weight decay 0 and no clipping: tierzero's defaults, which step_bench uses
+               # weight decay 0 as step_bench's tierzero rows; clipping as their :clip rows
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-               "gradient_clipping": 0.0, "steps_per_print": 1 << 30}
+               "gradient_clipping": args.clip if split_config(args.config)[1] else 0.0,
+               "steps_per_print": 1 << 30}
         eng, opt, _, _ = deepspeed.initialize(model=model, config=cfg,
                                               model_parameters=model.parameters())
         inner = opt.optimizer  # the AdamW DeepSpeed built (FusedAdam / DeepSpeedCPUAdam)
@@ -185,6 +195,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 "peak_rss_train": step_bench._hwm(),
                 "nvme_bytes_source": "/proc/self/io", "swap_file_bytes": swap_bytes,
                 "deepspeed": deepspeed.__version__, "ds_optimizer": type(inner).__name__,
+                "gradient_clipping": cfg["gradient_clipping"],
                 "ds_zero": json.loads(json.dumps(zero).replace(path, "<swap>/ds_runner-*"))}
     finally:
         shutil.rmtree(path, ignore_errors=True)  # the directory mkdtemp made above
@@ -195,7 +206,10 @@ def main() -> None:
     # the same flags step_bench gives its own children (run_child), so it can start either
     ap.add_argument("--child", action="store_true", help="accepted; this script is a child")
     ap.add_argument("--model", choices=("mlp", "hf"), default="mlp")
-    ap.add_argument("--config", choices=CONFIGS, default="ds_none")
+    ap.add_argument("--config", default="ds_none",
+                    help=f"one of {', '.join(CONFIGS)}, optionally with :clip")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="gradient_clipping of a :clip configuration (default 1.0)")
     ap.add_argument("--swap", default=tempfile.gettempdir(), help="NVMe directory")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
@@ -206,6 +220,12 @@ def main() -> None:
     ns = ap.parse_args()
     if not os.path.isdir(ns.swap) or not os.access(ns.swap, os.W_OK):
         ap.error(f"--swap {ns.swap!r} is not a writable directory; pass one you own")
+    try:
+        split_config(ns.config)
+    except ValueError as e:
+        ap.error(str(e))
+    if ns.clip <= 0:
+        ap.error(f"--clip {ns.clip} is not allowed; allowed: a norm > 0")
     for flag in ("steps", "warmup", "batch", "seq", "threads"):
         if getattr(ns, flag) < (0 if flag == "warmup" else 1):
             ap.error(f"--{flag} {getattr(ns, flag)} is not allowed; allowed: a positive integer")

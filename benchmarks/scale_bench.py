@@ -28,9 +28,12 @@ virtual disk drifts between minutes) and reports against its own measurement; ea
 bytes per direction and tensor class (the tier manager's `moved_by_class`) are in the row.
 
 DeepSpeed ZeRO-Infinity on the same config.json (`offload_param` and `offload_optimizer` on
-NVMe, `stage3_prefetch_bucket_size: 0`, clipping 1.0, bf16, AdamW) runs the same child
+NVMe, `stage3_prefetch_bucket_size: 0`, clipping as --clip, bf16, AdamW) runs the same child
 in DeepSpeed's own virtualenv when --deepspeed-python is given
-(benchmarks/install_deepspeed.sh builds it).
+(benchmarks/install_deepspeed.sh builds it), once per --ds-builds: `whole` builds the model
+in host memory and hands it to `deepspeed.initialize` (a user's script without zero.Init),
+`zero_init` builds it under `deepspeed.zero.Init` with the same config (each module's
+parameters partitioned and swapped to NVMe as they are made: DeepSpeed's best case).
 
 `--grad-accum K` trains K micro-batches per optimizer step (gradient_accumulation_steps)
 through `eng.train_batch`, as `tierzero train` does, and `--schedules layer_major,micro_step`
@@ -38,13 +41,19 @@ runs the tierzero child once per `batch.schedule` ([Note: layer-major schedule])
 same run; a table compares each schedule's NVMe bytes, step time and tokens/s with the
 first's.
 
-A watchdog in the parent kills a child when the machine's available memory falls below
---min-available (default 1.5 GiB): on a shared machine without swap an OOM kill could hit
-someone else's process. A killed row says so and is not a measurement.
+A watchdog in the parent samples each child's RSS (with its subprocesses) every 0.2 s and
+kills it when it passes --child-max-rss (default min(14 GiB, 0.6 x the memory available at
+the start)), when the machine's available memory falls below --min-available (default
+1.5 GiB), or after --child-timeout: on a shared machine without swap an OOM kill could hit
+someone else's process. A killed row says "stopped at N GB during <phase>" (N: the child's
+peak RSS from wait4; the phase from the marks each child prints as a phase starts), keeps
+the phases it finished, and is not a measurement of the step.
 
     .venv/bin/python benchmarks/scale_bench.py --swap /var/tmp --steps 3
     .venv/bin/python benchmarks/scale_bench.py --quick            # a 30M model, ~1 minute
     .venv/bin/python benchmarks/scale_bench.py --engines tierzero --state-precisions fp32,bf16,int8
+    .venv/bin/python benchmarks/scale_bench.py --engines deepspeed \
+        --deepspeed-python /work/dsvenv/bin/python --ds-builds whole,zero_init
 
 Everything is written inside one directory this script creates under --swap (0700) and
 removed at the end.
@@ -73,6 +82,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
+PHASE_MARK = "scale_bench-phase:"  # a child's stderr line as each phase starts
 
 # Llama-shaped, 2,067,130,880 parameters: hidden 2560, 24 layers, 20 heads of 128, SwiGLU
 # 6912, vocab 32000 untied (embeddings + lm_head 164M); the issue's 2.07B model
@@ -152,7 +162,11 @@ class Phases:
         self.base = status_bytes("VmRSS")
         self.rows: list[dict[str, Any]] = []
 
-    def start(self) -> float:
+    def start(self, name: str) -> float:
+        """Reset VmHWM; tell the parent which phase runs now (its watchdog names it when it
+        stops the child)."""
+        sys.stderr.write(f"{PHASE_MARK} {name}\n")
+        sys.stderr.flush()
         reset_hwm()
         return time.perf_counter()
 
@@ -187,13 +201,13 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
         build_model(args.model, args.seq)
     ph = Phases()
     torch.manual_seed(0)
-    t = ph.start()
+    t = ph.start("build")
     with engine.Init(config=config):  # as `tierzero train` builds a stage-3 model
         model = build_model(args.model, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     ph.end("build", t, model_bytes=sum(p.numel() * p.element_size()
                                        for p in model.parameters()))
-    t = ph.start()
+    t = ph.start("initialize")
     eng, _, _, _ = engine.initialize(model=model, config=config)
     store = eng.store
 
@@ -219,7 +233,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
 
     for step in range(1, args.steps + 1):
         io0 = io_bytes()
-        t = ph.start()
+        t = ph.start(f"step {step}")
         # one optimizer step of --grad-accum micro-batches, in the config's batch.schedule
         losses = eng.train_batch([(ids, labels)] * args.grad_accum, loss_fn)
         io1 = io_bytes()
@@ -236,7 +250,31 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer_step": report.get("optimizer_step")}
 
 
+def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
+    """ZeRO-Infinity for the same run: params and optimizer state on NVMe, bf16, AdamW."""
+    nvme = {"device": "nvme", "nvme_path": args.swap_dir, "pin_memory": False}
+    zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme),
+            # DeepSpeed's NVMe parameter swapper without a GPU (see ds_runner.py)
+            "stage3_prefetch_bucket_size": 0}
+    if args.ds_sub_group_size:
+        # DeepSpeed sizes its optimizer swap buffers (4 by default, fp32) and a gradient
+        # buffer to the largest sub-group: 1e9 elements by default, ~20 GB at 2.07B
+        zero["sub_group_size"] = args.ds_sub_group_size
+    return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+            "gradient_clipping": args.clip, "steps_per_print": 1 << 30}
+
+
 def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
+    """DeepSpeed's run of the same config.json. --ds-build whole: the model built whole in
+    host memory, then `deepspeed.initialize` (a user's script without zero.Init);
+    zero_init: built under `deepspeed.zero.Init(config_dict_or_path=<the same config>)`,
+    which partitions each module's parameters as it is constructed and, with
+    offload_param on NVMe, swaps them out (DeepSpeed's own way to build a model larger than
+    host memory: its best case here). Under zero.Init the Hugging Face weight init runs on
+    the already-partitioned (empty) tensors, so weights keep torch's module defaults: the
+    step's time, bytes and memory are what is measured, not the loss."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import logging
     import socket
@@ -258,30 +296,29 @@ def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     hf = transformers.AutoConfig.from_pretrained(args.model)
     with torch.device("meta"):  # imports the model's code first, as the tierzero child does
         transformers.AutoModelForCausalLM.from_config(hf)
+    cfg = deepspeed_config(args)
+    # zero.Init needs the process group; the whole build does not, but both start it here
+    # so the two rows time the same work per phase
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     ph = Phases()
     torch.manual_seed(0)
-    t = ph.start()
-    model = transformers.AutoModelForCausalLM.from_config(hf)  # built as tierzero's child does
-    n_params = sum(p.numel() for p in model.parameters())
+    t = ph.start("build")
+    init = (deepspeed.zero.Init(config_dict_or_path=cfg) if args.ds_build == "zero_init"
+            else contextlib.nullcontext())
+    with init:
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    # under zero.Init a parameter's full size is its ds_numel (its .numel() is 0)
+    n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     ph.end("build", t, model_bytes=sum(p.numel() * p.element_size()
                                        for p in model.parameters()))
-    t = ph.start()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    nvme = {"device": "nvme", "nvme_path": args.swap_dir, "pin_memory": False}
-    zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme),
-            # DeepSpeed's NVMe parameter swapper without a GPU (see ds_runner.py)
-            "stage3_prefetch_bucket_size": 0}
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-           "bf16": {"enabled": True}, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-           "gradient_clipping": args.clip, "steps_per_print": 1 << 30}
+    t = ph.start("initialize")
     eng, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                         model_parameters=model.parameters())
     ph.end("initialize", t)
     ids, labels = _batch(args.vocab, args.batch, args.seq)
     for step in range(1, args.steps + 1):
         io0 = io_bytes()
-        t = ph.start()
+        t = ph.start(f"step {step}")
         loss = eng(input_ids=ids, labels=labels).loss
         eng.backward(loss)
         eng.step()
@@ -290,9 +327,11 @@ def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
                nvme_written=io1[1] - io0[1])
     swap_bytes = sum(os.path.getsize(f) for f in files_under(args.swap_dir))
     eng.destroy()
-    return {"engine": f"deepspeed {deepspeed.__version__}", "params": n_params,
-            "base_rss": ph.base, "phases": ph.rows, "swap_file_bytes": swap_bytes,
-            "swap_files_left": files_under(args.swap_dir), "zero": zero}
+    return {"engine": f"deepspeed {deepspeed.__version__}", "ds_build": args.ds_build,
+            "params": n_params, "base_rss": ph.base, "phases": ph.rows,
+            "swap_file_bytes": swap_bytes, "swap_files_left": files_under(args.swap_dir),
+            "zero": json.loads(json.dumps(cfg["zero_optimization"]).replace(
+                args.swap_dir, "<swap>"))}
 
 
 # -- the parent -----------------------------------------------------------------------------
@@ -338,37 +377,80 @@ def plan_prediction(model_dir: str, config_path: str, seq: int, batch: int) -> d
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
+def tree_rss(pid: int) -> int:
+    """RSS of a process and its descendants (DeepSpeed JIT-builds ops in subprocesses)."""
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for kid in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += kid.memory_info().rss
+    return int(total)
+
+
+class Watchdog:
+    """Samples a child's RSS every `period` s and kills it when the machine's available
+    memory falls below `min_available`, when the child's own RSS (with its descendants)
+    passes `max_rss`, or after `timeout` s (0: never). On a shared machine without swap an
+    OOM kill could hit someone else's process, so the bench stops its own child first."""
+
+    def __init__(self, proc: subprocess.Popen[str], *, max_rss: int, min_available: int,
+                 timeout: float, period: float = 0.2) -> None:
+        self.proc, self.max_rss, self.min_available = proc, max_rss, min_available
+        self.timeout, self.period = timeout, period
+        self.t0 = time.perf_counter()
+        self.trace: list[tuple[float, int]] = []  # (s since start, child RSS), every ~1 s
+        self.rss_max = 0
+        self.why: str | None = None  # set when this watchdog killed the child
+        self.phase = "startup"  # the child's current phase (its PHASE_MARK lines)
+        self.killed_phase: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _kill(self, why: str) -> None:
+        self.why, self.killed_phase = why, self.phase
+        self.proc.kill()
+
+    def _run(self) -> None:
+        last_trace = -1.0
+        while self.proc.poll() is None:
+            now = time.perf_counter() - self.t0
+            try:
+                rss = tree_rss(self.proc.pid)
+            except psutil.Error:  # gone between poll() and the read
+                return
+            self.rss_max = max(self.rss_max, rss)
+            if now - last_trace >= 1.0:
+                self.trace.append((now, rss))
+                last_trace = now
+            avail = psutil.virtual_memory().available
+            if rss > self.max_rss:
+                return self._kill(f"child RSS {rss / 1e9:.1f} GB passed --child-max-rss "
+                                  f"{self.max_rss / 1e9:.1f} GB; not a measurement")
+            if avail < self.min_available:
+                return self._kill(f"machine's available memory fell to {avail / GiB:.2f} GiB "
+                                  "(< --min-available); not a measurement")
+            if self.timeout and now > self.timeout:
+                return self._kill(f"ran past --child-timeout ({now:.0f} s); not a measurement")
+            time.sleep(self.period)
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
-              args: argparse.Namespace, *, config: str | None = None) -> dict[str, Any]:
+              args: argparse.Namespace, *, config: str | None = None,
+              ds_build: str = "whole") -> dict[str, Any]:
     cmd = [python, str(Path(__file__).resolve()), "--child", which, "--model", paths["model"],
            "--config", config or paths["config"],
-           "--swap-dir", swap_dir, "--steps", str(args.steps),
+           "--swap-dir", swap_dir, "--steps", str(args.steps), "--ds-build", ds_build,
            "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(args.threads),
            "--grad-accum", str(args.grad_accum),
+           "--clip", str(args.clip), "--ds-sub-group-size", str(args.ds_sub_group_size),
            "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    low: list[float] = []
-    late: list[float] = []
-    trace: list[tuple[float, int]] = []  # (s since start, child RSS) every ~0.5 s
-
-    def watch() -> None:
-        while proc.poll() is None:
-            avail = psutil.virtual_memory().available
-            with contextlib.suppress(OSError, ValueError):  # the child may be gone
-                trace.append((time.perf_counter() - t0, status_bytes("VmRSS", proc.pid)))
-            if avail < args.min_available:
-                low.append(avail / GiB)
-                proc.kill()
-                return
-            if args.child_timeout and time.perf_counter() - t0 > args.child_timeout:
-                late.append(time.perf_counter() - t0)
-                proc.kill()
-                return
-            time.sleep(0.5)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    dog = Watchdog(proc, max_rss=args.child_max_rss, min_available=args.min_available,
+                   timeout=args.child_timeout)
     stderr_lines: list[str] = []
 
     def pump() -> None:
@@ -376,7 +458,9 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
             return
         for line in proc.stderr:
             stderr_lines.append(line)
-            if line.startswith("scale_bench:"):
+            if line.startswith(PHASE_MARK):
+                dog.phase = line[len(PHASE_MARK):].strip()
+            elif line.startswith("scale_bench:"):
                 sys.stderr.write(f"  [{which}] {line}")
 
     pumper = threading.Thread(target=pump, daemon=True)
@@ -389,22 +473,20 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
         raise
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    watcher.join()
+    dog.join()
     pumper.join()
     row: dict[str, Any] = {"wall_s": time.perf_counter() - t0,
                            "peak_rss_wait4": usage.ru_maxrss * 1024,
-                           "rss_trace_max": max((r for _, r in trace), default=0)}
-    if low:
-        row["killed"] = (f"machine's available memory fell to {low[0]:.2f} GiB "
-                         f"(< --min-available); not a measurement")
-        return row
-    if late:
-        row["killed"] = f"ran past --child-timeout ({late[0]:.0f} s); not a measurement"
+                           "rss_trace_max": dog.rss_max, "rss_trace": dog.trace,
+                           "child_max_rss": args.child_max_rss}
+    if dog.why is not None:
+        row["killed"], row["killed_phase"] = dog.why, dog.killed_phase
+        # the phases the child finished before it was stopped
         row["partial"] = [json.loads(line.split(" GiB ", 1)[1]) for line in stderr_lines
                           if line.startswith("scale_bench:") and " GiB {" in line]
         return row
     if proc.returncode != 0:
-        row["failed"] = "".join(stderr_lines)[-3000:]
+        row["failed"] = "".join(x for x in stderr_lines if not x.startswith(PHASE_MARK))[-3000:]
         return row
     row.update(json.loads(stdout.strip().splitlines()[-1]))
     return row
@@ -520,6 +602,10 @@ def main() -> None:
                     help="size of the O_DIRECT bandwidth file (default 4 GiB)")
     ap.add_argument("--min-available", type=int, default=3 * GiB // 2,
                     help="kill a child when the machine's available memory falls below this")
+    ap.add_argument("--child-max-rss", type=int, default=None, metavar="BYTES",
+                    help="kill a child whose RSS (with its subprocesses) passes this and record "
+                    "the phase it reached; default min(14 GiB, 0.6 x the memory available "
+                    "when the run starts)")
     ap.add_argument("--host-bytes", type=int, default=0,
                     help="offload.budgets.host_bytes of the tierzero run (default: unset)")
     ap.add_argument("--child-timeout", type=float, default=0,
@@ -537,6 +623,14 @@ def main() -> None:
                     help="batch.schedule of each tierzero row: auto, layer_major, micro_step "
                     "(comma-separated: one row each, in the same run)")
     ap.add_argument("--deepspeed-python", help="python of the DeepSpeed virtualenv")
+    ap.add_argument("--ds-builds", default="whole,zero_init",
+                    help="DeepSpeed rows, one per way to build the model: whole (in host "
+                    "memory, then deepspeed.initialize) and/or zero_init (under "
+                    "deepspeed.zero.Init); default both")
+    ap.add_argument("--ds-build", default="whole", help=argparse.SUPPRESS)
+    ap.add_argument("--ds-sub-group-size", type=int, default=0, metavar="ELEMENTS",
+                    help="zero_optimization.sub_group_size of the DeepSpeed rows (default: "
+                    "unset, DeepSpeed's 1e9 elements; its swap buffers are sized to it)")
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
     ap.add_argument("--plan-only", action="store_true",
@@ -568,9 +662,20 @@ def main() -> None:
                  "micro_step")
     if args.quick:
         args.bw_bytes = min(args.bw_bytes, 512 << 20)
+    args.ds_builds = args.ds_builds.split(",")
+    if bad := set(args.ds_builds) - {"whole", "zero_init"}:
+        ap.error(f"--ds-builds: unknown {sorted(bad)}; allowed: whole, zero_init")
+    if args.child_max_rss is None:
+        args.child_max_rss = min(14 * GiB, int(0.6 * psutil.virtual_memory().available))
+    if args.ds_sub_group_size < 0:
+        ap.error(f"--ds-sub-group-size {args.ds_sub_group_size}: allowed: elements > 0, "
+                 "or 0 for DeepSpeed's default")
+    if args.child_max_rss <= 0:
+        ap.error(f"--child-max-rss {args.child_max_rss}: allowed: a byte count > 0")
 
     sys.path.insert(0, str(HERE))
     import machine  # benchmarks/machine.py
+    from bench_report import scale_result, scale_table  # benchmarks/bench_report.py
 
     # SIGTERM unwinds like Ctrl-C, so the finally below removes the run directory (and
     # run_child's kills its child)
@@ -593,13 +698,22 @@ def main() -> None:
                                              args.batch)
         runs = [("tierzero", p, s) for p in args.state_precisions for s in args.schedules
                 if "tierzero" in engines]
-        runs += [("deepspeed", "fp32", "micro_step")] if "deepspeed" in engines else []
-        for n, (which, prec, schedule) in enumerate(runs):
-            name = which if prec == "fp32" else f"{which}:{prec}"
+        runs += ([("deepspeed", b, "micro_step") for b in args.ds_builds]
+                 if "deepspeed" in engines else [])
+        sys.stderr.write(f"children stop at {args.child_max_rss / 1e9:.1f} GB of RSS "
+                         f"(--child-max-rss)\n")
+        for n, (which, variant, schedule) in enumerate(runs):
+            # tierzero rows: one per state precision and batch.schedule; DeepSpeed rows: one
+            # per model build
+            sub_group = (f":sub_group_size={args.ds_sub_group_size}"
+                         if args.ds_sub_group_size else "")
+            name = (f"deepspeed:{variant}{sub_group}" if which == "deepspeed" else
+                    which if variant == "fp32" else f"{which}:{variant}")
             if which == "tierzero" and len(args.schedules) > 1:
                 name += f"@{schedule}"
+            prec = "fp32" if which == "deepspeed" else variant
             if which == "deepspeed" and not args.deepspeed_python:
-                result["rows"]["deepspeed"] = {"skipped": "no --deepspeed-python"}
+                result["rows"][name] = {"skipped": "no --deepspeed-python"}
                 continue
             python = sys.executable if which == "tierzero" else args.deepspeed_python
             swap_dir = os.path.join(run_dir, f"swap-{which}")
@@ -609,7 +723,8 @@ def main() -> None:
             sys.stderr.write(f"{name}: running (disk: write {bw['write_gbps']:.2f}, read "
                              f"{bw['read_gbps']:.2f} GB/s)\n")
             row = run_child(python, which, paths, swap_dir, args,
-                            config=paths.get(f"config:{prec}:{schedule}"))
+                            config=paths.get(f"config:{prec}:{schedule}"),
+                            ds_build=variant if which == "deepspeed" else "whole")
             row["state_precision"], row["disk"] = prec, bw
             row["schedule"] = schedule if which == "tierzero" else "micro_step"
             params = int(row.get("params", 0))
@@ -631,11 +746,17 @@ def main() -> None:
                                                           + s["nvme_written_per_step"])
             result["rows"][name] = row
             shutil.rmtree(swap_dir, ignore_errors=True)  # ours: made by write_inputs
-            sys.stderr.write(f"{name}: {json.dumps(row.get('summary') or row)[:1500]}\n")
-        result["state_precision_table"] = precision_table(result["rows"])
+            brief = {k: v for k, v in row.items() if k not in ("rss_trace", "phases")}
+            sys.stderr.write(f"{name}: {scale_result(row)}; "
+                             f"{json.dumps(row.get('summary') or brief)[:1500]}\n")
+        result["table"] = scale_table(result["rows"])
         result["schedule_table"] = schedule_table(result["rows"])
-        for line in result["state_precision_table"] + result["schedule_table"]:
+        for line in result["table"] + result["schedule_table"]:
             sys.stderr.write(line + "\n")
+        result["state_precision_table"] = precision_table(result["rows"])
+        if len(result["state_precision_table"]) > 2:  # some tierzero row has a step
+            for line in result["state_precision_table"]:
+                sys.stderr.write(line + "\n")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     result["parent_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

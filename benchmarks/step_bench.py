@@ -17,7 +17,7 @@ the configurations, the median over `--repeats` rounds is reported):
             tierzero row is compared with DeepSpeed's same placement (ds_pairs.py): all_nvme
             with ds_all_nvme_nocache (`max_in_cpu: 0`), all_nvme_cache with ds_all_nvme
             (DeepSpeed's default, parameters kept in host memory); both DeepSpeed rows run
-            whenever either tierzero row does
+            whenever either tierzero row does; a :clip row's DeepSpeed twin clips too
 Variants: a configuration may carry suffixes, run as rows of their own in the same rounds:
   :clip     gradient clipping at --clip (default 1.0; plain: torch's clip_grad_norm_)
   :noover   offload.optimizer.overlap_step off (tierzero rows; else --overlap-step decides)
@@ -77,6 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import machine  # noqa: E402  (benchmarks/machine.py)
 from bench_models import MLPModel  # noqa: E402  (benchmarks/bench_models.py)
+from bench_report import median_row, step_line  # noqa: E402  (benchmarks/bench_report.py)
 from ds_pairs import deepspeed_configs, report_deepspeed  # noqa: E402  (benchmarks/ds_pairs.py)
 
 from tierzero import engine, swap  # noqa: E402
@@ -297,15 +298,32 @@ def io_seconds(read: float, write: float, bw: dict[str, float]) -> float:
                (read + write) / (bw["mixed_gbs"] * 1e9))
 
 
+def add_overlap(runs: dict[str, list[dict[str, Any]]], bw: dict[str, float]) -> None:
+    """Each measured run's NVMe I/O bound and overlap efficiency against plain PyTorch's
+    forward+backward of the same round (rows of a failed child have neither)."""
+    compute_runs = [r.get("fwd_bwd_s") for r in runs.get("plain", [])]
+    for rs in runs.values():
+        for i, r in enumerate(rs):
+            if "step_s" not in r:
+                continue
+            io_s = io_seconds(r.get("nvme_read_per_step", 0.0), r.get("nvme_write_per_step",
+                                                                       0.0), r.get("disk", bw))
+            compute = compute_runs[i] if i < len(compute_runs) else None
+            parts = [x for x in (compute, io_s, r.get("adam_s")) if x]
+            r["nvme_io_s"] = io_s
+            r["overlap_eff"] = max(parts) / r["step_s"] if parts else None
+
+
 def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]:
     ds = config.startswith("ds_")  # DeepSpeed runs in its own virtualenv (ds_runner.py)
     cmd = [ns.deepspeed_python if ds else sys.executable, str(DS_RUNNER) if ds else __file__,
            "--child", "--model", model, "--config", config,
            "--swap", ns.swap, "--steps", str(ns.steps), "--warmup", str(ns.warmup),
-           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads)]
+           "--batch", str(ns.batch), "--seq", str(ns.seq), "--threads", str(ns.threads),
+           "--clip", str(ns.clip)]
     if not ds:
         cmd += ["--overlap-step", ns.overlap_step, "--cache-bytes", str(ns.cache_bytes),
-                "--device", ns.device, "--clip", str(ns.clip)]
+                "--device", ns.device]
         if ns.buffer_count:
             cmd += ["--buffer-count", str(ns.buffer_count)]
     if ns.quick:
@@ -314,8 +332,11 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
     if ns.mmap_threshold is not None:  # glibc: blocks above it are mmapped, freed at once
         env["MALLOC_MMAP_THRESHOLD_"] = str(ns.mmap_threshold)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{model}/{config} failed:\n{proc.stderr[-4000:]}")
+    if proc.returncode != 0:  # kept as a row: the other rows of the run still count
+        sys.stderr.write(f"{model}/{config} failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-4000:]}\n")
+        return {"config": config, "model": model,
+                "failed": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
@@ -401,34 +422,15 @@ def main() -> None:
                     disks.append(disk)
                     r["disk"] = disk
                 runs[c].append(r)
-        compute_runs = [r["fwd_bwd_s"] for r in runs.get("plain", [])]
-        for rs in runs.values():
-            for i, r in enumerate(rs):
-                io_s = io_seconds(r["nvme_read_per_step"], r["nvme_write_per_step"],
-                                  r.get("disk", bw))
-                parts = [x for x in (compute_runs[i] if compute_runs else None, io_s,
-                                     r["adam_s"]) if x]
-                r["nvme_io_s"] = io_s
-                r["overlap_eff"] = max(parts) / r["step_s"] if parts else None
-        med = {c: {k: (statistics.median(r[k] for r in rs)
-                       if isinstance(rs[0][k], float | int) and rs[0][k] is not None
-                       else rs[0][k]) for k in rs[0] if k != "disk"} for c, rs in runs.items()}
-        plain_step = med["plain"]["step_s"] if "plain" in med else None
+        add_overlap(runs, bw)
+        med = {c: median_row(rs) for c, rs in runs.items()}
+        plain_step = med.get("plain", {}).get("step_s")
         for c, m in med.items():
-            m["vs_plain"] = m["step_s"] / plain_step if plain_step else None
-            m["step_s_rounds"] = [r["step_s"] for r in runs[c]]  # the spread behind the median
+            m["vs_plain"] = m["step_s"] / plain_step if plain_step and "step_s" in m else None
+            # the spread behind the median
+            m["step_s_rounds"] = [r["step_s"] for r in runs[c] if "step_s" in r]
             rows.append(m)
-            sys.stdout.write(
-                f"{model:4s} {c:9s} step {m['step_s']:.3f}s (x{m['vs_plain'] or 0:.2f} plain)"
-                f" fwd+bwd {m['fwd_bwd_s']:.3f}s opt {m['opt_s']:.3f}s adam {m['adam_s']:.3f}s"
-                f" hidden {m['hidden_s']:.3f}s"
-                f" nvme r/w {m['nvme_read_per_step'] / 1e6:.0f}/"
-                f"{m['nvme_write_per_step'] / 1e6:.0f} MB/step io {m['nvme_io_s']:.3f}s"
-                f" overlap {m['overlap_eff'] or 0:.2f} peakRSS {m['peak_rss_process'] / 2**20:.0f}"
-                f"/{m['peak_rss_train'] / 2**20:.0f} MiB"
-                + (f" peakGPU {m['peak_gpu_bytes'] / 2**20:.0f} MiB" if ns.device == "cuda"
-                   else "")
-                + " rounds " + "/".join(f"{x:.3f}" for x in m["step_s_rounds"]) + "\n")
+            sys.stdout.write(step_line(model, c, m, gpu=ns.device == "cuda") + "\n")
         report_deepspeed(model, med)
     spread = {k: (min(d[k] for d in disks), max(d[k] for d in disks)) for k in bw}
     sys.stdout.write("disk GB/s over the run (min, max): " + ", ".join(
@@ -438,6 +440,9 @@ def main() -> None:
     out.write_text(json.dumps({"machine": info, "disk": bw, "disks": disks, "args": vars(ns),
                                "rows": rows}, indent=1))
     sys.stdout.write(f"wrote {out}\n")
+    if failed := [f"{r['model']}/{r['config']}" for r in rows if "failed" in r]:
+        raise SystemExit(f"step_bench: {len(failed)} configuration(s) failed in some round: "
+                         f"{', '.join(failed)} (their errors are above and in {out})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""The benchmarks' report code on rows of both engines' shapes, without DeepSpeed.
+
+step_bench once stopped at its first DeepSpeed row (`KeyError: 'hidden_s'`): tierzero's and
+DeepSpeed's children write different fields. These rows carry the keys each child really
+writes (step_bench.child, ds_runner.child, scale_bench's run_child), with made-up numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from benchmarks import bench_report, ds_pairs
+
+
+def _tierzero(config: str, step_s: float) -> dict[str, Any]:
+    return {"config": config, "model": "mlp", "params": 1000, "step_s": step_s,
+            "mean_step_s": step_s, "fwd_bwd_s": 0.2, "opt_s": 0.1, "adam_s": 0.05,
+            "hidden_s": 0.12, "nvme_read_per_step": 3e6, "nvme_write_per_step": 2e6,
+            "peak_rss_process": 900 << 20, "peak_rss_train": 800 << 20,
+            "peak_gpu_bytes": 0, "nvme_io_s": 0.01, "overlap_eff": 0.9}
+
+
+def _deepspeed(config: str, step_s: float) -> dict[str, Any]:
+    return {"config": config, "model": "mlp", "params": 1000, "step_s": step_s,
+            "mean_step_s": step_s, "fwd_bwd_s": 0.4, "opt_s": 0.3, "adam_s": 0.2,
+            "nvme_read_per_step": 0.0, "nvme_write_per_step": 4096.0,
+            "peak_rss_process": 1800 << 20, "peak_rss_train": 1600 << 20,
+            "nvme_bytes_source": "/proc/self/io", "swap_file_bytes": 0,
+            "deepspeed": "0.19.8", "ds_optimizer": "DeepSpeedCPUAdam",
+            "gradient_clipping": 0.0, "ds_zero": {"stage": 3}, "nvme_io_s": 0.0,
+            "overlap_eff": 0.5}
+
+
+def test_median_row_keeps_each_engines_own_fields() -> None:
+    rounds = [_deepspeed("ds_cpu", 0.9), _deepspeed("ds_cpu", 0.7), _deepspeed("ds_cpu", 0.8)]
+    rounds[1]["overlap_eff"] = None  # an overlap without a bound in one round
+    m = bench_report.median_row(rounds)
+    assert m["step_s"] == pytest.approx(0.8)
+    assert m["overlap_eff"] == pytest.approx(0.5)
+    assert m["ds_zero"] == {"stage": 3} and m["ds_optimizer"] == "DeepSpeedCPUAdam"
+    assert "hidden_s" not in m
+
+
+def test_step_lines_and_ratios_for_both_shapes() -> None:
+    med = {"plain": _tierzero("plain", 0.5), "cpu": _tierzero("cpu", 0.4),
+           "cpu:clip": _tierzero("cpu:clip", 0.5), "ds_cpu": _deepspeed("ds_cpu", 1.0),
+           "ds_cpu:clip": _deepspeed("ds_cpu:clip", 1.5)}
+    ds_pairs.report_deepspeed("mlp", med)
+    assert med["ds_cpu"]["vs_tierzero"] == pytest.approx(2.5)
+    assert med["ds_cpu:clip"]["vs_tierzero"] == pytest.approx(3.0)
+    assert med["ds_cpu:clip"]["tierzero_twin"] == "cpu:clip"
+    assert med["ds_cpu"]["rss_vs_tierzero"] == pytest.approx(2.0)
+    ds_line = bench_report.step_line("mlp", "ds_cpu", med["ds_cpu"])
+    assert "hidden n/a" in ds_line and "step 1.000s" in ds_line
+    tz_line = bench_report.step_line("mlp", "cpu", med["cpu"], gpu=True)
+    assert "hidden 0.120" in tz_line and "peakGPU 0 MiB" in tz_line
+    assert "peakGPU n/a" in bench_report.step_line("mlp", "ds_cpu", med["ds_cpu"], gpu=True)
+    json.dumps(list(med.values()))  # what step_bench writes
+
+
+def test_failed_deepspeed_row_is_reported_not_raised() -> None:
+    med = {"cpu": _tierzero("cpu", 0.4),
+           "ds_cpu": {"config": "ds_cpu", "model": "hf",
+                      "failed": "exit 1: Traceback ...\nRuntimeError: no cpu_adam"}}
+    ds_pairs.report_deepspeed("hf", med)
+    assert "vs_tierzero" not in med["ds_cpu"]
+    line = bench_report.step_line("hf", "ds_cpu", med["ds_cpu"])
+    assert "step n/a" in line and "FAILED: RuntimeError: no cpu_adam" in line
+
+
+def test_ds_twins_pair_clip_variants_and_both_nvme_rows() -> None:
+    configs = ["plain", "cpu", "cpu:clip", "cpu:noover", "all_nvme:clip", "all_nvme_noverify"]
+    assert ds_pairs.ds_twins(configs) == ["ds_cpu", "ds_cpu:clip", "ds_all_nvme:clip",
+                                          "ds_all_nvme_nocache:clip"]
+    # the twin that ran is preferred; the other all-NVMe row is a marked fallback
+    med = {"all_nvme:clip": _tierzero("all_nvme:clip", 1.0),
+           "ds_all_nvme:clip": _deepspeed("ds_all_nvme:clip", 2.0),
+           "ds_all_nvme_nocache:clip": _deepspeed("ds_all_nvme_nocache:clip", 3.0)}
+    ds_pairs.report_deepspeed("hf", med)
+    assert med["ds_all_nvme_nocache:clip"]["twin_placement"] == "same placement"
+    assert med["ds_all_nvme:clip"]["twin_placement"].startswith("DIFFERENT")
+
+
+def test_scale_table_for_finished_killed_and_skipped_rows() -> None:
+    tierzero = {"params": 2_067_130_880, "peak_rss_wait4": 2.7e9,
+                "phases": [{"phase": "build", "s": 3.0, "peak_growth": 0.5e9},
+                           {"phase": "initialize", "s": 60.0, "peak_growth": 1.2e9},
+                           {"phase": "step 1", "s": 57.0, "peak_growth": 2.0e9, "loss": 10.4,
+                            "nvme_read": 40e9, "nvme_written": 30e9}],
+                "summary": {"step_s": 57.0, "nvme_read_per_step": 40e9,
+                            "nvme_written_per_step": 30e9}}
+    killed = {"wall_s": 200.0, "peak_rss_wait4": 15.1e9, "rss_trace_max": 14.9e9,
+              "killed": "child RSS 15.0 GB over --child-max-rss 15.0 GB; not a measurement",
+              "killed_phase": "initialize",
+              "partial": [{"phase": "build", "s": 30.0, "peak_growth": 8.3e9}]}
+    rows = {"tierzero": tierzero, "deepspeed:whole": killed,
+            "deepspeed:zero_init": {"skipped": "no --deepspeed-python"}}
+    table = bench_report.scale_table(rows)
+    assert len(table) == 2 + len(rows)
+    assert "| finished 1 step(s) | 2.70 GB | 0.50 GB | 1.20 GB | 57.0 | 40.00 / 30.00 GB |" \
+        in table[2]
+    assert "stopped at 15.1 GB during initialize" in table[3]
+    assert "| 8.30 GB | n/a GB | n/a |" in table[3]
+    assert "skipped: no --deepspeed-python" in table[4]
+
+
+def test_scale_bench_watchdog_stops_a_child_over_its_rss_cap() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks import scale_bench
+
+    # a child that touches 256 MiB and then waits; the cap is far below that
+    code = "import time; b = bytearray(256 << 20); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], text=True)
+    try:
+        dog = scale_bench.Watchdog(proc, max_rss=64 << 20, min_available=0, timeout=30,
+                                   period=0.05)
+        dog.phase = "initialize"  # run_child sets it from the child's phase marks
+        proc.wait(timeout=30)
+        dog.join()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert dog.why is not None and "--child-max-rss" in dog.why
+    assert dog.killed_phase == "initialize"
+    assert dog.rss_max > 64 << 20
+    row = {"killed": dog.why, "killed_phase": dog.killed_phase, "peak_rss_wait4": dog.rss_max}
+    assert bench_report.stopped_text(row).startswith(
+        f"stopped at {dog.rss_max / 1e9:.1f} GB during initialize")
