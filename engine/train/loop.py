@@ -8,6 +8,7 @@ steps and writes the metrics file, the trace and the plot.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -137,7 +138,13 @@ class _Progress:
                 self.checkpoint = path
         return self.checkpoint
 
-    def last_good(self) -> str:
+    def last_good(self, *, wait: bool = False) -> str:
+        """The newest complete checkpoint, for an error message. `wait`: the run stops with
+        its state intact (a non-finite loss or norm, caught before it reached the model),
+        so a background save still writing finishes first and counts if it succeeds."""
+        if wait and self.pending is not None:
+            with contextlib.suppress(Exception):  # a failed save is simply not counted
+                self.pending[1].wait()
         if self.newest() is None:
             return "no checkpoint was saved or resumed from (set train.checkpoint_interval)"
         return f"the last good checkpoint is {self.checkpoint}"
@@ -382,7 +389,8 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                     record = _one_step(eng, batches, disk=disk, moves=moves, step=step,
                                        accum=accum, world=world)
                 except _NonFinite as exc:
-                    raise TrainError(f"step {step}: {exc}; {progress.last_good()}") from None
+                    raise TrainError(f"step {step}: {exc}; "
+                                     f"{progress.last_good(wait=True)}") from None
                 if data.eval and (step == tc.steps or (
                         tc.eval_interval and step % tc.eval_interval == 0)):
                     # (inside the traced step, so every trace event lies in a step span)
@@ -402,7 +410,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                         f"step {step}: the gradient norm was not finite in "
                         f"{eng.nonfinite_steps_in_row} optimizer steps in a row (each skipped, "
                         f"train.max_nonfinite_steps: {tc.max_nonfinite_steps}); "
-                        f"{progress.last_good()}")
+                        f"{progress.last_good(wait=True)}")
                 if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
                     progress.save(eng, ckpt_dir, batches, tc.checkpoint_background)
                     if tc.export.at_checkpoints:
