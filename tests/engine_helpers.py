@@ -323,3 +323,20 @@ def fp16_overlap_runs(cfg_of: Callable[[bool], Config], n: int
     for k, v in p_off.items():
         assert torch.equal(p_on[k], v), k
     return s_on, k_on, p_on
+
+
+def record_grad_stats(monkeypatch: Any) -> tuple[list[tuple[str, bool]], list[bool]]:
+    """Every gradient measurement the streamed step takes, as (group key, whether the test
+    had flagged backward as running: set flag[0] around eng.backward)."""
+    from tierzero.engine.step import streamed as streamed_mod
+
+    calls: list[tuple[str, bool]] = []
+    in_backward = [False]
+    real_stat = streamed_mod.grad_stat
+
+    def stat(store: object, key: str) -> object:
+        calls.append((key, in_backward[0]))
+        return real_stat(store, key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(streamed_mod, "grad_stat", stat)
+    return calls, in_backward

@@ -22,13 +22,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batches, make_config, make_model, offload_config
+from engine_helpers import (
+    make_batches,
+    make_config,
+    make_model,
+    offload_config,
+    record_grad_stats,
+)
 
 from tierzero import engine
 from tierzero.engine import engine as engine_mod
 from tierzero.engine.config import Config
 from tierzero.engine.step import in_place as in_place_mod
-from tierzero.engine.step import streamed as streamed_mod
 
 STEPS = 5
 NORM_RTOL = 1e-6
@@ -124,18 +129,11 @@ def test_unclipped_nvme_norm_is_taken_during_backward(
     cfg = config_for("nvme" if overlap else "nvme-serial", tmp_path, clip=0.0)
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
     try:
-        calls: list[tuple[str, bool]] = []  # (group key, during backward)
-        in_backward = [False]
-        real_stat = streamed_mod.grad_stat
-
-        def stat(store: object, key: str) -> object:
-            calls.append((key, in_backward[0]))
-            return real_stat(store, key)  # type: ignore[arg-type]
+        calls, in_backward = record_grad_stats(monkeypatch)  # (group key, in backward)
 
         def no_stat(store: object, key: str) -> object:
             raise AssertionError(f"step() measured {key} again")
 
-        monkeypatch.setattr(streamed_mod, "grad_stat", stat)
         monkeypatch.setattr(engine_mod, "grad_stat", no_stat)
         for ids, tg in make_batches(2):
             calls.clear()

@@ -20,13 +20,13 @@ from engine_helpers import (
     make_config,
     make_model,
     offload_config,
+    record_grad_stats,
 )
 
 from tierzero import engine
 from tierzero.engine.config import Config
 from tierzero.engine.config.schema import LossScaleConfig, PrecisionConfig
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.step import streamed as streamed_mod
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
 from tierzero.engine.step.streamed import StreamedStep
 
@@ -67,15 +67,7 @@ def test_every_group_is_measured_during_backward_and_none_again_in_step(
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
                                      config=nvme_config(tmp_path, overlap=True, clip=1e-3))
     try:
-        calls: list[tuple[str, bool]] = []  # (group key, during backward)
-        in_backward = [False]
-        real_stat = streamed_mod.grad_stat
-
-        def stat(store: object, key: str) -> object:
-            calls.append((key, in_backward[0]))
-            return real_stat(store, key)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(streamed_mod, "grad_stat", stat)
+        calls, in_backward = record_grad_stats(monkeypatch)  # (group key, in backward)
         ids, tg = make_batches(1)[0]
         loss = eng(ids, tg)
         in_backward[0] = True
