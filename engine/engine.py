@@ -32,7 +32,12 @@ from tierzero.engine.config import Config
 from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_defaults import gather_bounds
 from tierzero.engine.host_heap import release_free_heap
-from tierzero.engine.layer_major import LayerMajorFallback, LayerMajorPass, train_schedule
+from tierzero.engine.layer_major import (
+    LayerMajorFallback,
+    LayerMajorPass,
+    RngState,
+    train_schedule,
+)
 from tierzero.engine.schedule import Scheduler, Unit
 from tierzero.engine.shards.flat import (
     FlatGroup,
@@ -364,11 +369,11 @@ class ZeroEngine:
                 "accumulation were run with backward(); finish it with step() first")
         fn = loss_fn or self._default_loss
         if self.schedule == "layer_major":
-            rng = torch.get_rng_state()
+            rng = RngState.capture(self.device)  # CPU and, on a GPU, the device's
             try:
                 return self._layer_major(micro_batches, fn, check_losses, phase)
             except LayerMajorFallback as exc:
-                torch.set_rng_state(rng)
+                rng.restore()  # the micro-steps draw what the pass drew
                 self.schedule = "micro_step"
                 log.warning("batch.schedule layer_major: %s; running micro_step from now on",
                             exc.reason)

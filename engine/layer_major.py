@@ -127,7 +127,7 @@ def _unpack(_saved: _Saved) -> torch.Tensor:
 
 
 @dataclass
-class _Rng:
+class RngState:
     """The generator states a unit call ran with (CPU, and the CUDA device's)."""
 
     cpu: torch.Tensor
@@ -135,7 +135,7 @@ class _Rng:
     device: int | None
 
     @classmethod
-    def capture(cls, device: torch.device) -> _Rng:
+    def capture(cls, device: torch.device) -> RngState:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
@@ -148,9 +148,9 @@ class _Rng:
 
 
 @contextlib.contextmanager
-def _rng_as(state: _Rng, device: torch.device) -> Iterator[None]:
+def _rng_as(state: RngState, device: torch.device) -> Iterator[None]:
     """Run with the generators at `state`; put them back afterwards."""
-    before = _Rng.capture(device)
+    before = RngState.capture(device)
     state.restore()
     try:
         yield
@@ -165,7 +165,7 @@ class _Call:
     unit: Unit
     args: tuple[Any, ...]  # as the model passed them (graphs back to earlier leaves)
     kwargs: dict[str, Any]
-    rng: _Rng
+    rng: RngState
     autocast: tuple[bool, torch.dtype]
     leaves: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (flat index, leaf)
     saved: list[weakref.ref[_Saved]] = field(default_factory=list)
@@ -279,7 +279,7 @@ class LayerMajorPass:
         Returns whether this is micro-batch 0 (the one whose unit order is the trace)."""
         j = self._local.index
         self._arrive(j, unit.index, unit.label)
-        call = _Call(unit, args, dict(kwargs), _Rng.capture(self.device),
+        call = _Call(unit, args, dict(kwargs), RngState.capture(self.device),
                      _autocast_state(self.device))
         r = self._arrivals[j] - 1
         self._calls[r][j] = call
