@@ -510,14 +510,14 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
         return token_loss(logits, y)  # (IGNORE labels carry no loss)
 
-    checked = [0]  # micro-batches whose loss was checked so far
+    losses: list[float] = []  # each micro-batch's loss, read once (a device sync each)
 
-    def check(losses: list[torch.Tensor]) -> None:
+    def check(new: list[torch.Tensor]) -> None:
         # before any of their gradients reach a shard: the model state stays unchanged
-        values = [float(v.item()) for v in losses]
+        values = [float(v.item()) for v in new]
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        first = checked[0]
-        checked[0] += len(values)
+        first = len(losses)
+        losses.extend(values)
         if _any_over_ranks(0.0 if bad is None else 1.0, world):
             where = (f"the loss is {values[bad]} (not finite) at micro-step {first + bad}"
                      if bad is not None else "a loss is not finite on another rank")
@@ -525,8 +525,7 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
                              "the model state is unchanged")
 
     # one optimizer step: layer-major or per micro-step (batch.schedule)
-    losses = [float(v.item()) for v in eng.train_batch(micro_batches, loss_fn,
-                                                        check_losses=check)]
+    eng.train_batch(micro_batches, loss_fn, check_losses=check)
     optimizer_s = eng.optimizer_step_s - step_before
     step_s = time.perf_counter() - start
     wait_s = eng.scheduler.gather_s - wait_before
