@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from tierzero.engine import boundary
 from tierzero.engine.access import AccessGuard, register_owner, unregister_owner
 from tierzero.engine.activations import HostActivations, HostActivationStats
 from tierzero.engine.checkpoint import load as checkpoint_load
@@ -416,7 +417,8 @@ class ZeroEngine:
             scale *= self.loss_scaler.scale
         self._settle_optimizer(deferred=False)
         sched = self.scheduler
-        lm = LayerMajorPass(sched, len(micro_batches), self.device)
+        lm = LayerMajorPass(sched, len(micro_batches), self.device,
+                            boundary.store_for(self, sched.boundary_stats))
         with self._wall.phase("forward"), trace.span("forward", "forward (layer-major)"):
             sched.begin_forward(self.root)
             sched.layer_major = lm
@@ -428,6 +430,7 @@ class ZeroEngine:
                 sched.layer_major = None
                 sched.drop_sums()
                 sched.abort()
+                lm.close()
                 raise
             sched.end_forward(self.root, True)
         phase("forward")
@@ -445,6 +448,7 @@ class ZeroEngine:
                 if not ok:
                     sched.drop_sums()
                     self.step_driver.abandon()
+                lm.close()
                 try:
                     sched.end_backward()
                 except BaseException:
@@ -622,6 +626,8 @@ class ZeroEngine:
             # fp32 gradient sums of a layer-major pass held at once ([Note: layer-major
             # schedule]): the root's groups and the unit in backward
             "layer_major_accum_peak_bytes": self.scheduler.accum_peak_bytes,
+            # where its unit-boundary tensors waited ([Note: boundary tensors])
+            "layer_major_boundary": self.scheduler.boundary_stats.as_dict(),
             "loss_scale": self.loss_scaler.scale if self.loss_scaler else None,
             "skipped_steps": self.skipped_steps,
             # offload: the tier manager's bytes per tier, peaks, moved bytes (None: no offload)

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from tierzero.engine.boundary import BoundaryStore
 from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.shards.tier_config import grad_home, offload_wanted
 from tierzero.swap import trace
@@ -236,6 +237,19 @@ def _leaves_reached(outputs: list[torch.Tensor]) -> set[int]:
     return out
 
 
+def _glue_hooks(store: BoundaryStore) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks for a micro-batch thread outside its units: a tensor the glue
+    between units saves is read in backward, so a boundary leaf among them stays put."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        store.saved_by_glue(t)
+        # a detached alias: the saved values without the tensor object, so an op that saves
+        # its own output forms no reference cycle through its graph
+        return t.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
     """Whether autocast is on for `device`'s type, and its dtype (off where autocast has no
     such device: meta, in tierzero plan's dry run)."""
@@ -254,10 +268,14 @@ class LayerMajorPass:
     """One optimizer step's micro-batches through the model layer-major ([Note:
     layer-major schedule]): `forward` on micro-batch threads, then `backward` here."""
 
-    def __init__(self, scheduler: Scheduler, n: int, device: torch.device) -> None:
+    def __init__(self, scheduler: Scheduler, n: int, device: torch.device,
+                 boundary: BoundaryStore | None = None) -> None:
         self.scheduler = scheduler
         self.n = n
         self.device = device
+        # where the unit-boundary leaves wait for backward ([Note: boundary tensors] in
+        # boundary.py); None: where they were made
+        self.boundary = boundary
         self._baton = _Baton(n)
         self._local = threading.local()  # .index: the micro-batch this thread runs
         self._labels: list[int] = []  # per round: the unit index micro-batch 0 reached
@@ -319,6 +337,8 @@ class LayerMajorPass:
                 leaf = t.detach().requires_grad_()
                 new[i] = leaf
                 call.leaves.append((i, leaf))
+                if self.boundary is not None:
+                    self.boundary.track(leaf)
         last = j == max(self._baton.live)
         return (tree_unflatten(new, spec) if call.leaves else None), last
 
@@ -326,6 +346,10 @@ class LayerMajorPass:
         """Micro-batch j reached `label` (a unit's index, or _END): check it against
         micro-batch 0's order and its last unit's graph, then wait for its turn."""
         self._check_freed(j)
+        done = self._last[j]
+        if self.boundary is not None and done is not None:
+            # j's last unit call has run: its inputs wait only for backward now
+            self.boundary.consumed(done.args, done.kwargs)
         r = self._arrivals[j]
         self._arrivals[j] += 1
         if r == len(self._labels):
@@ -378,6 +402,8 @@ class LayerMajorPass:
                 self._local.index = j
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(torch.set_grad_enabled(grad))
+                    if self.boundary is not None:  # what glue between units saves stays put
+                        stack.enter_context(_glue_hooks(self.boundary))
                     for dev, state in autocast.items():
                         stack.enter_context(_autocast(torch.device(dev), state))
                     loss = loss_fn(micro_batches[j])
@@ -415,8 +441,12 @@ class LayerMajorPass:
             release_free_heap("a layer-major forward")
         if self._baton.error is not None:
             raise self._baton.error
-        held = sum(leaf.nbytes for calls in self._calls for c in calls if c is not None
-                   for _, leaf in c.leaves)
+        if self.boundary is not None:
+            self.boundary.forward_done()
+            held = self.boundary.stats.held_peak_bytes
+        else:
+            held = sum(leaf.nbytes for calls in self._calls for c in calls if c is not None
+                       for _, leaf in c.leaves)
         self.scheduler.boundary_peak_bytes = max(self.scheduler.boundary_peak_bytes, held)
         return [x for x in losses if x is not None]
 
@@ -429,22 +459,36 @@ class LayerMajorPass:
         self.scheduler.reduce_root_groups_but(self._reached)
         rounds = [r for r, label in enumerate(self._labels) if label != _END]
         remaining = Counter(self._labels[r] for r in rounds)
-        for r in reversed(rounds):
+        order = list(reversed(rounds))
+        for at, r in enumerate(order):
             unit = units[self._labels[r]]
+            if self.boundary is not None and at + 1 < len(order):
+                # the next round's parked inputs come back while this one runs
+                self.boundary.prefetch((c.args, c.kwargs) for c in self._calls[order[at + 1]]
+                                       if c is not None)
             with trace.span("compute", unit.label, phase="backward"):
                 for j in range(self.n):
                     call = self._calls[r][j]
                     self._calls[r][j] = None
                     if call is not None:
+                        if self.boundary is not None:
+                            self.boundary.restore(call.args, call.kwargs)
                         self._backward_call(call)
             remaining[unit.index] -= 1
             if remaining[unit.index] == 0:
                 self.scheduler.reduce_unit(unit)
         self._calls.clear()
 
+    def close(self) -> None:
+        """The pass ended, finished or failed: the boundary store's swap keys deleted."""
+        if self.boundary is not None:
+            self.boundary.close()
+
     def _backward_call(self, call: _Call) -> None:
         """Recompute the call's unit and backpropagate its output leaves' gradients."""
         pairs = [(i, leaf.grad) for i, leaf in call.leaves if leaf.grad is not None]
+        if self.boundary is not None:  # the leaves' last use
+            self.boundary.done(leaf for _, leaf in call.leaves)
         call.leaves.clear()
         if not pairs:
             return

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tierzero.engine.boundary import BoundaryStats
 from tierzero.engine.collectives import Comm, PendingReduce
 from tierzero.engine.hooks import output_tensors, register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
@@ -178,6 +179,7 @@ class Scheduler:
         self._accum: dict[str, torch.Tensor] = {}
         self.accum_peak_bytes = 0  # most bytes of those sums held at once
         self.boundary_peak_bytes = 0  # most unit-output leaves a pass kept for backward
+        self.boundary_stats = BoundaryStats()  # where they waited ([Note: boundary tensors])
         self._slot_of = {id(s.param): s for u in units for g in u.groups for s in g.slots}
 
     def subscribe(self, driver: StepDriver) -> None:

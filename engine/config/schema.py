@@ -443,7 +443,8 @@ class ActivationsConfig:
     cpu_offload: bool = field(
         default=False,
         metadata=meta("keep tensors saved for backward (checkpointed blocks' inputs included) "
-                      "in pinned host memory until backward; CUDA only, a no-op on CPU"),
+                      "in pinned host memory until backward, and a layer-major pass's "
+                      "unit-boundary tensors too; CUDA only, a no-op on CPU"),
     )
 
 
