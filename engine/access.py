@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from tierzero.engine.schedule import Scheduler, Unit
+    from tierzero.engine.schedule import Scheduler
+    from tierzero.engine.unit import Unit
 
 
 class ParameterNotGatheredError(RuntimeError):
@@ -139,7 +140,7 @@ class GatheredParameters:
             if id(o.unit) not in seen:
                 seen.add(id(o.unit))
                 self._units.append(o.unit)
-                if not o.unit.gathered or o.unit.stale:
+                if not o.unit.current:
                     self._opened.append(o.unit)
                 o.scheduler.ensure_gathered(o.unit)
         return self

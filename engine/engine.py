@@ -39,7 +39,7 @@ from tierzero.engine.layer_major import (
     RngState,
     train_schedule,
 )
-from tierzero.engine.schedule import Scheduler, Unit
+from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shards.flat import (
     FlatGroup,
     build_group,
@@ -54,6 +54,7 @@ from tierzero.engine.step.lr_schedules import build_scheduler
 from tierzero.engine.step.offloaded import OffloadedStep
 from tierzero.engine.step.offloaded_adam import OffloadedAdam, threads_per_rank
 from tierzero.engine.step.precision import LossScaler, compute_dtype, grad_stat
+from tierzero.engine.unit import Unit
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
 from tierzero.engine.wall_clock import WallClock
 from tierzero.offload.step_seam import GradMeasure, StepDriver, StepOrder, TrainingStateError

@@ -17,7 +17,8 @@ from tierzero.engine.access import check_state_dict
 from tierzero.swap import trace
 
 if TYPE_CHECKING:
-    from tierzero.engine.schedule import Scheduler, Unit
+    from tierzero.engine.schedule import Scheduler
+    from tierzero.engine.unit import Unit
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

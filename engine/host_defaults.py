@@ -46,7 +46,7 @@ import torch
 from tierzero.engine.config import Config
 
 if TYPE_CHECKING:  # schedule.py imports the shard store, which imports this module
-    from tierzero.engine.schedule import Unit
+    from tierzero.engine.unit import Unit
 
 # Default gather bounds with CUDA: DeepSpeed's 1e9 elements of a 2-byte compute dtype.
 GPU_GATHER_BYTES = 2_000_000_000

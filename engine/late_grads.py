@@ -50,7 +50,7 @@ from torch import nn
 from tierzero.engine.shards.flat import FlatGroup
 
 if TYPE_CHECKING:
-    from tierzero.engine.schedule import Unit
+    from tierzero.engine.unit import Unit
 
 log = logging.getLogger(__name__)
 

@@ -80,7 +80,8 @@ from tierzero.swap import trace
 
 if TYPE_CHECKING:
     from tierzero.engine.config import Config
-    from tierzero.engine.schedule import Scheduler, Unit
+    from tierzero.engine.schedule import Scheduler
+    from tierzero.engine.unit import Unit
 
 _END = -1  # the label of a micro-batch's arrival at the end of its forward
 

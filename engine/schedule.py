@@ -33,7 +33,6 @@ import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,12 +47,11 @@ from tierzero.engine.shards.flat import (
     FlatGroup,
     ParamSlot,
     add_upcast,
-    gather_group,
     reduce_flat_grad,
     reduce_group_grads,
-    release_group,
 )
 from tierzero.engine.shards.store import ShardStore
+from tierzero.engine.unit import Unit
 from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace
@@ -62,43 +60,6 @@ if TYPE_CHECKING:
     from tierzero.engine.layer_major import LayerMajorPass
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Unit:
-    """Runtime state of one unit (engine-owned; nothing is stored on the user's module)."""
-
-    index: int
-    name: str  # qualified module name; "" for the root
-    module: nn.Module
-    is_root: bool
-    persistent: bool  # stays gathered (small, or stage 1/2)
-    groups: list[FlatGroup]
-    trainable: tuple[nn.Parameter, ...]
-    has_frozen: bool
-    # holds a leaf module (MoE): which parameters get gradients may differ across ranks, so
-    # its gradients are reduced at the end of backward ([Note: units and rank divergence])
-    dynamic: bool = False
-    stale: bool = False  # gathered copy predates the last optimizer step
-    fired: set[int] = field(default_factory=set)  # ids of params whose grad arrived this backward
-    reduced: bool = False  # grads of this backward already reduce-scattered (every group)
-    reduced_groups: set[str] = field(default_factory=set)  # the root's, reduced one by one
-    # id of each trainable parameter -> its group (which group a late gradient belongs to)
-    group_of: dict[int, FlatGroup] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.group_of = {id(s.param): g for g in self.groups if g.trainable for s in g.slots}
-
-    @property
-    def gathered(self) -> bool:
-        return all(g.gathered for g in self.groups)
-
-    def gathered_bytes(self) -> int:
-        return sum(g.padded_numel * g.full.element_size() for g in self.groups if g.gathered)
-
-    @property
-    def label(self) -> str:
-        return self.name or "<root>"
 
 
 class PassState(enum.Enum):
@@ -213,25 +174,20 @@ class Scheduler:
 
     def ensure_gathered(self, unit: Unit) -> None:
         self.wait_updates(unit)  # before the shard is read, and before its old copy is used
-        if unit.gathered and not unit.stale:
+        if unit.current:
             return
         start = time.perf_counter()
         with trace.span("gather", unit.label):
-            for g in unit.groups:
-                gather_group(g, self.comm, self.store)
+            unit.gather(self.comm, self.store)
         self.gather_s += time.perf_counter() - start
-        unit.stale = False
         self.gathers += 1
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes())
 
     def release(self, unit: Unit) -> None:
-        if unit.persistent or not any(g.gathered for g in unit.groups):
+        if unit.persistent or not unit.gathered_bytes():
             return
-        nbytes = unit.gathered_bytes()
         with trace.span("release", unit.label):
-            for g in unit.groups:
-                if g.gathered:
-                    release_group(g)
+            nbytes = unit.release()
         self._heap_freed(unit, nbytes)
 
     def _heap_freed(self, unit: Unit, nbytes: int) -> None:
@@ -268,7 +224,7 @@ class Scheduler:
         by_index = {u.index: u for u in self.units}
         fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
         entries: list[tuple[str, TensorClass]] = []
-        if not (root.gathered and not root.stale):
+        if not root.current:
             entries += [(g.key, "param") for g in root.groups]
         entries += [(g.key, "param") for u in fwd for g in u.groups]
         kept = self._predict_kept(root, fwd)
@@ -328,16 +284,16 @@ class Scheduler:
 
     def _predict_kept(self, root: Unit, fwd: list[Unit]) -> set[int]:
         """The units post_forward will keep gathered this step, by the same rule."""
-        live = sum(g.padded_numel * g.full.element_size() for g in root.groups)
+        live = root.full_bytes()
         live += sum(u.gathered_bytes() for u in self.units if u.persistent and not u.is_root)
         kept: set[int] = set()
         for u in fwd:
-            live += sum(g.padded_numel * g.full.element_size() for g in u.groups)
+            live += u.full_bytes()
             distance = self._reuse.get(u.index)
             if distance is not None and distance <= self._max_reuse and live <= self._max_live:
                 kept.add(u.index)
             else:
-                live -= sum(g.padded_numel * g.full.element_size() for g in u.groups)
+                live -= u.full_bytes()
         return kept
 
     def _reuse_distances(self, trace: list[int]) -> dict[int, int]:
@@ -351,7 +307,7 @@ class Scheduler:
             if u.persistent or u.is_root:
                 continue
             out.setdefault(i, 2 * later)
-            later += sum(g.padded_numel * g.full.element_size() for g in u.groups)
+            later += u.full_bytes()
         return out
 
     def end_forward(self, root: Unit, grad_enabled: bool) -> None:
@@ -388,18 +344,17 @@ class Scheduler:
         if self.layer_major is not None:
             self.fold_grad(unit, param)
             return
-        if unit.reduced_groups:
-            group = unit.group_of[id(param)]
-            if group.key in unit.reduced_groups:
-                self.late.arrive(unit, group, param)  # [Note: late gradients]
-                return
-        unit.fired.add(id(param))
+        late = unit.late_group(param)
+        if late is not None:
+            self.late.arrive(unit, late, param)  # [Note: late gradients]
+            return
+        complete = unit.fire(param)
         if unit.has_frozen or unit.dynamic or unit.reduced:
             return  # units with frozen params or a leaf module wait for end_backward
         if unit.is_root:
             self._reduce_root_groups(unit)
             return
-        if len(unit.fired) == len(unit.trainable):
+        if complete:
             trace.end("compute", unit.label)
             with trace.span("reduce", unit.label, groups=_trainable_keys(unit.groups)):
                 self._reduce(unit)
@@ -431,7 +386,7 @@ class Scheduler:
     def reduce_unit(self, unit: Unit) -> None:
         """A layer-major pass is done with `unit`: reduce its trainable groups' sums into
         their shards (once per step) and release it."""
-        rest = [g for g in unit.groups if g.trainable and g.key not in unit.reduced_groups]
+        rest = unit.unreduced(trainable_only=True)
         if rest:
             with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
                 self._reduce(unit, rest)
@@ -461,8 +416,7 @@ class Scheduler:
         in it has its gradient: reduce that group then, so the optimizer step begun during
         backward can take it while backward goes on (the head's gradient is among the
         first of backward, the embedding's the last)."""
-        ready = [g for g in root.groups if g.trainable and g.key not in root.reduced_groups
-                 and all(id(s.param) in root.fired for s in g.slots)]
+        ready = root.groups_complete()
         if ready:
             with trace.span("reduce", root.label, groups=_trainable_keys(ready)):
                 self._reduce(root, ready)
@@ -473,7 +427,7 @@ class Scheduler:
             for unit in self.units:
                 if unit.trainable and not unit.reduced:
                     trace.end("compute", unit.label)
-                    rest = [g for g in unit.groups if g.key not in unit.reduced_groups]
+                    rest = unit.unreduced()
                     with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
                         self._reduce(unit, rest)
             for unit, groups in self.late.take(self.units):  # [Note: late gradients]
@@ -485,9 +439,7 @@ class Scheduler:
             self.final_order = list(self._finals)
             for unit in self.units:
                 self.release(unit)
-                unit.fired.clear()
-                unit.reduced = False
-                unit.reduced_groups.clear()
+                unit.reset_for_pass()
         finally:
             self.late.end_backward()
             for h in self._backward_hooks:
@@ -506,9 +458,7 @@ class Scheduler:
         self.late.reset()
         for unit in self.units:
             self.release(unit)
-            unit.fired.clear()
-            unit.reduced = False
-            unit.reduced_groups.clear()
+            unit.reset_for_pass()
 
     def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None) -> None:
         """Reduce `groups` of `unit` (default: all), then tell the listening driver."""
@@ -516,8 +466,7 @@ class Scheduler:
         for g in groups:
             self._issue(g)
         self._heap_freed(unit, sum(g.numel * g.full.element_size() for g in groups))  # .grad
-        unit.reduced_groups.update(g.key for g in groups)
-        unit.reduced = all(g.key in unit.reduced_groups for g in unit.groups if g.trainable)
+        unit.mark_reduced(groups)
         if self._driver is not None and self._driver.listening:
             final = self.late.hand_over(groups)  # not those that may get late gradients
             if final:
@@ -599,25 +548,21 @@ class Scheduler:
     def mark_stale(self) -> None:
         """Shards changed: every gathered copy predates them."""
         for unit in self.units:
-            if unit.gathered:
-                unit.stale = True
+            unit.mark_stale()
 
     def refresh(self) -> None:
         """Gather every stale unit again, in unit order (a collective)."""
         for unit in self.units:
-            if unit.stale and unit.gathered:
+            if unit.stale:
                 self.ensure_gathered(unit)
 
     def drop_stale(self) -> None:
         """Release every stale gathered copy, persistent or not (local, no collective); the
         next forward gathers them ([Note: persistent units after the step])."""
         for unit in self.units:
-            if unit.stale and unit.gathered:
+            if unit.stale:
                 with trace.span("release", unit.label):
-                    for g in unit.groups:
-                        if g.gathered:
-                            release_group(g)
-                unit.stale = False
+                    unit.drop()
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)

@@ -234,7 +234,7 @@ def load_pretrained(model_or_engine: nn.Module | ZeroEngine, path: str | Path, *
                                             rank=owner.scheduler.comm.rank,
                                             store=owner.scheduler.store)
                 if owner.unit.gathered:
-                    owner.unit.stale = True  # its gathered copy predates the new values
+                    owner.unit.mark_stale()  # its gathered copy predates the new values
                     stale.append(owner.scheduler)
                 continue
             with local_slice(p) as part:  # written back to NVMe on exit when it lives there

@@ -49,9 +49,9 @@ from tierzero.engine.config.schema import (
     PrecisionConfig,
 )
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.schedule import Unit
 from tierzero.engine.step.in_place import InPlaceStep, OverlapClock
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.unit import Unit
 
 
 def cpu_config(*, overlap: bool, clip: float = 0.0, gas: int = 1, precision: str = "fp32",
