@@ -152,7 +152,7 @@ class GatheredParameters:
         sched = {id(o.unit): o.scheduler for o in self._owners}
         if self.modifier_rank is not None and exc_type is None:
             for unit in self._units:
-                sched[id(unit)].write_back(unit, self.modifier_rank)
+                unit.write_back(sched[id(unit)].comm, sched[id(unit)].store, self.modifier_rank)
         if torch.is_grad_enabled() and _in_engine_forward():
             # Inside a training forward autograd may have saved views of these
             # parameters: the scheduler releases the units after their gradients are

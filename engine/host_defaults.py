@@ -15,7 +15,7 @@ schedule needs instead:
                                 unit: one unit may stay gathered for its backward.
   zero.max_reuse_distance_bytes the largest unit's gathered bytes: a unit is kept only when
                                 at most half a unit is gathered between its forward and its
-                                backward ([Note: reuse distance] in schedule.py counts both
+                                backward ([Note: reuse distance] in reuse.py counts both
                                 directions), which is the last unit of forward, the first
                                 of backward: the one FSDP2 also keeps (it does not reshard
                                 the root, and its last block's backward follows at once).

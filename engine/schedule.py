@@ -43,6 +43,7 @@ from tierzero.engine.collectives import Comm, PendingReduce
 from tierzero.engine.hooks import output_tensors, register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
+from tierzero.engine.reuse import KeepRule, step_uses
 from tierzero.engine.shards.flat import (
     FlatGroup,
     ParamSlot,
@@ -52,7 +53,6 @@ from tierzero.engine.shards.flat import (
 )
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.unit import Unit
-from tierzero.offload.settings import TensorClass
 from tierzero.offload.step_seam import StepDriver, transition
 from tierzero.swap import trace
 
@@ -85,16 +85,9 @@ class Scheduler:
         self.units = units
         self.comm = comm
         self.store = store
-        # [Note: reuse distance] From the second forward on (a trace exists), a unit
-        # whose next use (its backward) comes within `max_reuse_distance_bytes` of
-        # parameter bytes gathered in between stays gathered after its forward instead
-        # of being released and gathered again, as long as the gathered bytes stay
-        # within `max_live_bytes` (zero.max_reuse_distance_bytes, zero.max_live_bytes):
-        # the last units of forward are the first of backward.
-        self._max_live = max_live_bytes
+        self._keep = KeepRule(max_live_bytes, max_reuse_distance_bytes)  # [Note: reuse
+        # distance] in reuse.py
         self._trim = HeapTrim(64 << 20, "step")
-        self._max_reuse = max_reuse_distance_bytes
-        self._reuse: dict[int, int] = {}  # unit index -> bytes gathered before its reuse
         self.kept = 0  # forwards after which a unit stayed gathered for its backward
         # Gradient reductions run asynchronously behind backward (overlap_comm); their
         # buffers (the full fp32 gradient of a group) stay alive until waited, so the
@@ -221,21 +214,7 @@ class Scheduler:
         byte windows (zero.prefetch_bytes) ahead of each use ([Note: unit order trace])."""
         if self.trace is None or not self.store.prefetches:
             return
-        by_index = {u.index: u for u in self.units}
-        fwd = [by_index[i] for i in self.trace if not by_index[i].persistent]
-        entries: list[tuple[str, TensorClass]] = []
-        if not root.current:
-            entries += [(g.key, "param") for g in root.groups]
-        entries += [(g.key, "param") for u in fwd for g in u.groups]
-        kept = self._predict_kept(root, fwd)
-        for u in fwd[::-1]:  # backward: re-gather, then the gradient shard is accumulated
-            if u.index not in kept:
-                entries += [(g.key, "param") for g in u.groups]
-            if not (u.has_frozen or u.dynamic):  # those reduce at the end of backward
-                # (the store leaves out a fresh shard's read: [Note: gradients zeroed on
-                # first use] in shards/store.py)
-                entries += [(g.key, "grad") for g in u.groups if g.trainable]
-        self.store.set_order(entries)
+        self.store.set_order(step_uses(self.units, self.trace, root, self._keep))
 
     def pre_forward(self, unit: Unit, args: tuple[Any, ...] = (),
                     kwargs: dict[str, Any] | None = None) -> None:
@@ -275,40 +254,10 @@ class Scheduler:
     def _release_or_keep(self, unit: Unit) -> None:
         """After the forward of a unit whose backward follows: release it, unless its
         backward comes soon enough to keep it gathered ([Note: reuse distance])."""
-        distance = self._reuse.get(unit.index)
-        if (not unit.persistent and distance is not None and distance <= self._max_reuse
-                and self.gathered_bytes() <= self._max_live):
+        if self._keep.keeps(unit, self.gathered_bytes()):
             self.kept += 1
             return
         self.release(unit)
-
-    def _predict_kept(self, root: Unit, fwd: list[Unit]) -> set[int]:
-        """The units post_forward will keep gathered this step, by the same rule."""
-        live = root.full_bytes()
-        live += sum(u.gathered_bytes() for u in self.units if u.persistent and not u.is_root)
-        kept: set[int] = set()
-        for u in fwd:
-            live += u.full_bytes()
-            distance = self._reuse.get(u.index)
-            if distance is not None and distance <= self._max_reuse and live <= self._max_live:
-                kept.add(u.index)
-            else:
-                live -= u.full_bytes()
-        return kept
-
-    def _reuse_distances(self, trace: list[int]) -> dict[int, int]:
-        """Per traced unit: parameter bytes gathered between its forward and its backward
-        (every later unit's forward and backward)."""
-        by_index = {u.index: u for u in self.units}
-        out: dict[int, int] = {}
-        later = 0
-        for i in reversed(trace):
-            u = by_index[i]
-            if u.persistent or u.is_root:
-                continue
-            out.setdefault(i, 2 * later)
-            later += u.full_bytes()
-        return out
 
     def end_forward(self, root: Unit, grad_enabled: bool) -> None:
         self._to(PassState.IDLE, "end_forward()")
@@ -322,10 +271,10 @@ class Scheduler:
             log.info("unit order changed at position %d (recorded %d units, now %d); "
                      "re-recording the trace", first, len(self.trace), len(order))
             self.trace = order
-            self._reuse = self._reuse_distances(order)
+            self._keep.learn(self.units, order)
             self.late.retraced()
-        if len(self._reuse) == 0 and self.trace:
-            self._reuse = self._reuse_distances(self.trace)
+        if not self._keep.distance and self.trace:
+            self._keep.learn(self.units, self.trace)
         if not grad_enabled:
             for unit in self.units:  # no backward will follow this forward
                 self.release(unit)
@@ -500,29 +449,6 @@ class Scheduler:
         """Every gradient reduction started so far has landed in its shard."""
         while self._inflight:
             self._inflight.popleft().wait()
-
-    def write_back(self, unit: Unit, src: int) -> None:
-        """Full params edited on rank `src` (GatheredParameters) -> every rank's shards."""
-        with torch.no_grad():
-            for g in unit.groups:
-                if g.base is None:
-                    raise RuntimeError(f"write_back: unit {unit.label!r} is not gathered")
-                self.comm.broadcast(g.base, src, g.key)
-                lo = self.comm.rank * g.shard_numel
-                mine = g.base[lo:lo + g.shard_numel]  # may alias param (one rank)
-                with self.store.use(g.key, "param", writable=True) as param:
-                    if g.trainable:
-                        with self.store.use(g.key, "master", writable=True) as master:
-                            if master.data_ptr() != param.data_ptr():
-                                # Only edited elements replace the fp32 master (param is
-                                # always master rounded, so a difference is an edit); the
-                                # rest keep full precision instead of a round trip through
-                                # the compute dtype.
-                                m = mine.to(master.device)
-                                changed = m != master.to(m.dtype)
-                                master.copy_(torch.where(changed, m.float(), master))
-                    if mine.data_ptr() != param.data_ptr():
-                        param.copy_(mine)
 
     # -- step ------------------------------------------------------------------
     # [Note: persistent units after the step]

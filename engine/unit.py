@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from tierzero.engine.collectives import Comm
@@ -124,6 +125,30 @@ class Unit:
                 release_group(g)
         self.residency = new
         return nbytes
+
+    def write_back(self, comm: Comm, store: ShardStore, src: int) -> None:
+        """Full parameters edited on rank `src` (GatheredParameters) -> every rank's shards
+        (a collective)."""
+        with torch.no_grad():
+            for g in self.groups:
+                if g.base is None:
+                    raise RuntimeError(f"write_back: unit {self.label!r} is not gathered")
+                comm.broadcast(g.base, src, g.key)
+                lo = comm.rank * g.shard_numel
+                mine = g.base[lo:lo + g.shard_numel]  # may alias param (one rank)
+                with store.use(g.key, "param", writable=True) as param:
+                    if g.trainable:
+                        with store.use(g.key, "master", writable=True) as master:
+                            if master.data_ptr() != param.data_ptr():
+                                # Only edited elements replace the fp32 master (param is
+                                # always master rounded, so a difference is an edit); the
+                                # rest keep full precision instead of a round trip through
+                                # the compute dtype.
+                                m = mine.to(master.device)
+                                changed = m != master.to(m.dtype)
+                                master.copy_(torch.where(changed, m.float(), master))
+                    if mine.data_ptr() != param.data_ptr():
+                        param.copy_(mine)
 
     def mark_stale(self) -> None:
         """The shards changed: a gathered copy predates them."""
