@@ -11,9 +11,10 @@ from tierzero.engine.train.data import (
     load_data,
     load_tokenizer,
 )
-from tierzero.engine.train.loop import TrainOptions, TrainResult, evaluate, run, token_loss
+from tierzero.engine.train.loop import TrainResult, evaluate, run, token_loss
 from tierzero.engine.train.metrics import StepRecord
 from tierzero.engine.train.model_source import ModelError, build_model
+from tierzero.engine.train.setup import TrainOptions
 from tierzero.engine.train.timeline import TraceWindow
 from tierzero.swap.trace import KINDS
 

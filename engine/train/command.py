@@ -12,9 +12,10 @@ from tierzero.engine.config import ConfigError, load_config
 from tierzero.engine.hf import ExportError, LoraError
 from tierzero.engine.train.checkpoints import TrainError
 from tierzero.engine.train.data import DataError
-from tierzero.engine.train.loop import TrainOptions, TrainStopped, run, with_steps
+from tierzero.engine.train.loop import TrainStopped, run, with_steps
 from tierzero.engine.train.model_source import ModelError
 from tierzero.engine.train.plot import PlotError
+from tierzero.engine.train.setup import TrainOptions
 from tierzero.offload import PlanError
 
 Subparsers = Any  # argparse's _SubParsersAction is private

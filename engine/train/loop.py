@@ -9,15 +9,12 @@ steps and writes the metrics file, the trace and the plot.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import math
 import os
 import platform
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,11 +32,10 @@ from tierzero.engine.config.native import as_dict
 from tierzero.engine.config.train import TrainConfig
 from tierzero.engine.hf import apply_lora, export_hf
 from tierzero.engine.hf.export import is_hf_model
-from tierzero.engine.models import SIZES
 from tierzero.engine.train import checkpoints, disk_full
 from tierzero.engine.train.bg_saves import SaveTracker
 from tierzero.engine.train.checkpoints import TrainError
-from tierzero.engine.train.data import IGNORE, Batch, Batches, check_data_settings, load_data
+from tierzero.engine.train.data import IGNORE, Batch, Batches, load_data
 from tierzero.engine.train.interrupt import StopSignals
 from tierzero.engine.train.metrics import (
     DiskCounter,
@@ -50,22 +46,20 @@ from tierzero.engine.train.metrics import (
     tier_bytes,
 )
 from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
-from tierzero.engine.train.run_lock import RunLock
-from tierzero.engine.train.tensorboard import TensorBoardSink, require_tensorboard
+from tierzero.engine.train.setup import (
+    TrainOptions,
+    any_over_ranks,
+    check_settings,
+    init_process_group,
+    mean_over_ranks,
+    run_dir_for,
+    run_locks,
+    tensorboard_sink,
+)
 from tierzero.engine.train.timeline import TraceWindow
-from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
+from tierzero.swap.safe_files import output_modes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """Command-line additions to config.train."""
-
-    trace_path: str | None = None  # Chrome trace-event JSON of the traced steps
-    trace_steps: tuple[int, int] = (2, 2)  # (first step, count), 1-based
-    plot_path: str | None = None
-    progress: bool = True
 
 
 @dataclass
@@ -160,113 +154,14 @@ class _Progress:
         return f"resume with train.resume: {where}"
 
 
-def check_settings(config: Config, options: TrainOptions) -> None:
-    """Refuse what cannot be done, before any work starts."""
-    tc = config.train
-    checkpoints.check_checkpoint_settings(tc)
-    check_data_settings(tc)
-    first, count = options.trace_steps
-    if options.trace_path and (first < 1 or count < 1 or first > tc.steps):
-        raise TrainError(f"--trace-steps {first},{count}: needs FIRST >= 1, COUNT >= 1 and FIRST "
-                         f"<= train.steps ({tc.steps})")
-    for flag, path in (("--trace", options.trace_path), ("--plot", options.plot_path)):
-        parent = os.path.dirname(os.path.abspath(path)) if path else None
-        if parent is not None and not os.path.isdir(parent):
-            raise TrainError(f"{flag} {path}: directory {parent} does not exist; create it first")
-    if options.plot_path:
-        from tierzero.engine.train.plot import require_matplotlib
-        require_matplotlib()
-    if tc.report_to == "tensorboard":
-        require_tensorboard()
-    _check_hf_settings(tc)
-
-
-def _tensorboard(tc: TrainConfig, run_dir: str, modes: OutputModes) -> TensorBoardSink | None:
-    """train.report_to: the TensorBoard writer of this run (rank 0), or None."""
-    if tc.report_to != "tensorboard":
-        return None
-    return TensorBoardSink(os.path.join(run_dir, "tensorboard"), modes)
-
-
-def _check_hf_settings(tc: TrainConfig) -> None:
-    """train.lora and train.export: what they need is there, nothing would be overwritten."""
-    hf_model = not (tc.model.startswith("builtin:") or tc.model in SIZES)
-    if tc.lora.r and importlib.util.find_spec("peft") is None:
-        raise TrainError("train.lora.r > 0 needs the peft package: pip install 'tierzero[hf]'")
-    if tc.lora.r and not hf_model and not tc.lora.target_modules:
-        raise TrainError(f"train.lora on the built-in model {tc.model!r} needs "
-                         "train.lora.target_modules (peft knows defaults for Hugging Face "
-                         "architectures only), e.g. [qkv, proj]")
-    if tc.export.at_checkpoints and not hf_model:
-        raise TrainError(f"train.export.at_checkpoints: the built-in model {tc.model!r} has no "
-                         "Hugging Face format; use a Hugging Face model or set it to false")
-    if tc.export.at_checkpoints and not tc.checkpoint_interval:
-        raise TrainError("train.export.at_checkpoints needs train.checkpoint_interval > 0 "
-                         "(exports are written at checkpoints)")
-    if tc.export.dir is not None and tc.export.at_end and hf_model:
-        final = Path(tc.export.dir) / "final"
-        if final.exists():
-            raise TrainError(f"train.export.dir '{tc.export.dir}' already holds {final}; "
-                             "exports are never overwritten: pick another directory")
-
-
-def _init_process_group() -> bool:
-    """Join the torchrun group when launched by torchrun; True if this call created it."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return False
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return True
-
-
-def _mean_over_ranks(value: float, world_size: int) -> float:
-    if world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item()) / world_size
-
-
-def _run_dir(config: Config, rank0: bool) -> str:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(config.train.out_dir, f"{stamp}-{os.getpid()}")
-    if rank0:
-        modes = output_modes(config.outputs.permissions)
-        make_output_dir(config.train.out_dir, modes)
-        os.mkdir(path, modes.dir)  # a new run directory: never an existing one
-        os.chmod(path, modes.dir)
-    return path
-
-
-@contextmanager
-def _run_locks(tc: TrainConfig) -> Iterator[None]:
-    """Hold this run's locks ([Note: run locks] in run_lock.py): the checkpoint directory,
-    whose leftovers of interrupted saves are then ours to remove, and the metrics file.
-    Taken by rank 0 (every rank of one job shares them), before any work."""
-    with ExitStack() as stack:
-        if int(os.environ.get("RANK", "0")) == 0:
-            if tc.checkpoint_dir is not None:
-                os.makedirs(tc.checkpoint_dir, exist_ok=True)
-                stack.enter_context(RunLock(Path(tc.checkpoint_dir) / ".lock",
-                                            f"train.checkpoint_dir '{tc.checkpoint_dir}'"))
-                checkpoints.remove_partial_saves(tc.checkpoint_dir)
-            if tc.metrics_path is not None:
-                where = Path(os.path.abspath(tc.metrics_path))
-                where.parent.mkdir(parents=True, exist_ok=True)  # as MetricsWriter would
-                stack.enter_context(RunLock(where.parent / f".{where.name}.lock",
-                                            f"train.metrics_path '{tc.metrics_path}'"))
-        yield
-
-
 def run(config: Config, options: TrainOptions) -> TrainResult:
     """Train; raises TrainStopped after a SIGINT/SIGTERM stopped the run (cleaned up)."""
     progress = _Progress()
     with StopSignals() as stop:
         try:
-            with _run_locks(config.train):  # first: a second run hears why it cannot start
+            with run_locks(config.train):  # first: a second run hears why it cannot start
                 check_settings(config, options)
-                created_group = _init_process_group()
+                created_group = init_process_group()
                 try:
                     return _train(config, options, stop, progress)
                 finally:
@@ -292,15 +187,6 @@ def run(config: Config, options: TrainOptions) -> TrainResult:
 
 class _Stopped(Exception):
     """Internal: the loop stopped at a step boundary on a signal (engine already closed)."""
-
-
-def _any_over_ranks(flag: float, world: int) -> float:
-    """The largest of every rank's `flag` (so all ranks take the same branch)."""
-    if world == 1:
-        return flag
-    t = torch.tensor([flag], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _train(config: Config, options: TrainOptions, stop: StopSignals,
@@ -355,7 +241,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
              tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
 
     rank0 = rank == 0
-    run_dir = _run_dir(config, rank0)
+    run_dir = run_dir_for(config, rank0)
     metrics_path = tc.metrics_path or os.path.join(run_dir, "metrics.jsonl")
     ckpt_dir = progress.checkpoint_dir = checkpoints.checkpoint_dir(tc, run_dir)
     export_dir = tc.export.dir or os.path.join(run_dir, "hf")
@@ -367,7 +253,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
     disk = DiskCounter()
     moves = TierCounter(eng.memory_report())
     modes = output_modes(config.outputs.permissions)
-    writer = MetricsWriter(metrics_path, modes, also=_tensorboard(tc, run_dir, modes)) \
+    writer = MetricsWriter(metrics_path, modes, also=tensorboard_sink(tc, run_dir, modes)) \
         if rank0 else None
     progress.saves = SaveTracker(writer.write if writer else None, rank0)
     try:
@@ -382,7 +268,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
             bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
                        initial=start, total=tc.steps, disable=not (rank0 and options.progress))
             for step in bar:
-                if _any_over_ranks(stop.signum or 0, world):  # every rank stops at one step
+                if any_over_ranks(stop.signum or 0, world):  # every rank stops at one step
                     break
                 window.before(step)
                 try:
@@ -417,7 +303,7 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                         _export(eng, tc, os.path.join(export_dir, f"step{step}"))
                 stop.step_done()
             bar.close()
-        signum = int(_any_over_ranks(stop.signum or 0, world))
+        signum = int(any_over_ranks(stop.signum or 0, world))
         if signum:
             stop.signum = stop.signum or signum
             if tc.save_on_interrupt and progress.done > start and (
@@ -518,7 +404,7 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         first = len(losses)
         losses.extend(values)
-        if _any_over_ranks(0.0 if bad is None else 1.0, world):
+        if any_over_ranks(0.0 if bad is None else 1.0, world):
             where = (f"the loss is {values[bad]} (not finite) at micro-step {first + bad}"
                      if bad is not None else "a loss is not finite on another rank")
             raise _NonFinite(f"{where}; stopped before its gradients reached the model, so "
@@ -537,7 +423,7 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
     moved, stall = moves.delta(report)
     total_tokens = n_tokens * world
     return StepRecord(
-        step=step, loss=_mean_over_ranks(sum(losses) / len(losses), world),
+        step=step, loss=mean_over_ranks(sum(losses) / len(losses), world),
         lr=eng.get_lr()[0], grad_norm=eng.get_global_grad_norm(),
         clip_coef=eng.get_clip_coef(), tokens=total_tokens, tokens_per_s=total_tokens / step_s,
         step_s=step_s, compute_s=max(0.0, step_s - optimizer_s - wait_s), wait_s=wait_s,

@@ -18,7 +18,7 @@ from tierzero.engine.cli import main
 from tierzero.engine.config.train import LoraConfig
 from tierzero.engine.hf import apply_lora
 from tierzero.engine.train.checkpoints import TrainError
-from tierzero.engine.train.loop import TrainOptions, check_settings
+from tierzero.engine.train.setup import TrainOptions, check_settings
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
