@@ -260,6 +260,14 @@ def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
         # DeepSpeed sizes its optimizer swap buffers (4 by default, fp32) and a gradient
         # buffer to the largest sub-group: 1e9 elements by default, ~20 GB at 2.07B
         zero["sub_group_size"] = args.ds_sub_group_size
+    if args.ds_param_buffers:
+        # its parameter swapper holds one buffer per parameter in flight; with the
+        # defaults (5 of 1e8 elements, max_in_cpu 1e9 elements kept in host memory after
+        # their first read) the second step at 2.07B fails ("Not enough buffers 0 for
+        # swapping 1"). As ds_runner's ds_all_nvme_nocache: every parameter read from NVMe
+        # for each use (as tierzero's are), N buffers the size of the largest parameter
+        zero["offload_param"].update(buffer_count=args.ds_param_buffers,
+                                     buffer_size=args.ds_param_buffer_elements, max_in_cpu=0)
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
@@ -437,6 +445,12 @@ class Watchdog:
         self._thread.join()
 
 
+def _largest_param(args: argparse.Namespace) -> int:
+    """Elements of the model's largest parameter: the embedding (vocab x hidden)."""
+    cfg = LLAMA_QUICK if args.quick else LLAMA_2B
+    return int(cfg["vocab_size"]) * int(cfg["hidden_size"])
+
+
 def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
               args: argparse.Namespace, *, config: str | None = None,
               ds_build: str = "whole") -> dict[str, Any]:
@@ -446,6 +460,8 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
            "--seq", str(args.seq), "--batch", str(args.batch), "--threads", str(args.threads),
            "--grad-accum", str(args.grad_accum),
            "--clip", str(args.clip), "--ds-sub-group-size", str(args.ds_sub_group_size),
+           "--ds-param-buffers", str(args.ds_param_buffers),
+           "--ds-param-buffer-elements", str(_largest_param(args)),
            "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -631,6 +647,11 @@ def main() -> None:
     ap.add_argument("--ds-sub-group-size", type=int, default=0, metavar="ELEMENTS",
                     help="zero_optimization.sub_group_size of the DeepSpeed rows (default: "
                     "unset, DeepSpeed's 1e9 elements; its swap buffers are sized to it)")
+    ap.add_argument("--ds-param-buffers", type=int, default=0, metavar="N",
+                    help="zero_optimization.offload_param.buffer_count of the DeepSpeed rows, "
+                    "each buffer the size of the largest parameter, and max_in_cpu 0 "
+                    "(default: unset, DeepSpeed's 5 of 1e8 elements and max_in_cpu 1e9)")
+    ap.add_argument("--ds-param-buffer-elements", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
     ap.add_argument("--plan-only", action="store_true",
@@ -707,6 +728,8 @@ def main() -> None:
             # per model build
             sub_group = (f":sub_group_size={args.ds_sub_group_size}"
                          if args.ds_sub_group_size else "")
+            if args.ds_param_buffers:
+                sub_group += f":param_buffers={args.ds_param_buffers}"
             name = (f"deepspeed:{variant}{sub_group}" if which == "deepspeed" else
                     which if variant == "fp32" else f"{which}:{variant}")
             if which == "tierzero" and len(args.schedules) > 1:
