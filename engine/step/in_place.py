@@ -64,7 +64,8 @@ unit needs this most: it holds the embedding and the head, is measured last in
 backward and updated first before forward, so its work cannot hide under compute.
 
 The split of the worker's time into hidden and exposed that `tierzero train` logs
-comes from OverlapClock below: measured intervals, not the phase a job was queued in.
+comes from OverlapClock (engine/step/worker_time.py): measured intervals, not the phase
+a job was queued in.
 
 State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
 its gradients are measured during backward as here ([Note: gradients measured where they
@@ -82,100 +83,19 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.precision import GradStat, grad_stat
+from tierzero.engine.step.worker_time import OverlapClock, threads_during_backward
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
 from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
-
-
-def threads_during_backward(threads: int) -> int:
-    """Kernel threads for a group updated while backward runs: the rank's CPUs (`threads`)
-    less those torch's intra-op pool computes backward on, at least one.
-
-    Why: backward and the worker run at the same time; kernel threads beyond the cores
-    backward leaves idle slow backward down by more than they speed the kernel up (both
-    are memory-bound loops). Once backward is over (`finish()`) the kernel takes all of
-    `threads` again (benchmarks/RESULTS.md, "Measurements behind design choices")."""
-    return max(1, min(threads, threads - torch.get_num_threads()))
-
-
-class OverlapClock:
-    """How much of the optimizer worker's time ran hidden under compute, measured.
-
-    The worker records each interval it runs optimizer work (a group's update or
-    measurement); the training thread records each interval it blocks on the worker
-    (finish, settle, a deferred group before its gather, drain). Worker seconds that
-    fall inside no such wait ran while the training thread did something else
-    (forward, backward, data): hidden. The rest were waited for: exposed. The split is
-    the intersection of the two sets of intervals, not an assumption about which phase
-    the worker ran in.
-    """
-
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self._now = now
-        self._lock = threading.Lock()
-        self._busy: list[tuple[float, float]] = []  # closed worker intervals, not counted yet
-        self._waits: list[tuple[float, float]] = []  # closed waits that may still overlap
-        self._running: float | None = None  # start of the worker interval in progress
-        self._depth = 0  # nested waits count once
-        self._wait_t0 = 0.0
-        self.busy_s = 0.0  # worker seconds counted so far (cumulative)
-        self.waited_busy_s = 0.0  # of those, seconds the training thread waited through
-
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Around optimizer work on the worker thread."""
-        t0 = self._now()
-        with self._lock:
-            self._running = t0
-        try:
-            yield
-        finally:
-            t1 = self._now()
-            with self._lock:
-                self._running = None
-                self._busy.append((t0, t1))
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Around the training thread blocking on the worker."""
-        with self._lock:
-            self._depth += 1
-            if self._depth == 1:
-                self._wait_t0 = self._now()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._waits.append((self._wait_t0, self._now()))
-
-    def totals(self) -> tuple[float, float]:
-        """(worker seconds, of which hidden under compute), cumulative over the closed
-        worker intervals; one still running is counted once it ends."""
-        with self._lock:
-            busy, self._busy = self._busy, []
-            waits = list(self._waits)
-            if self._depth:  # a wait in progress (another thread asks) counts up to now
-                waits.append((self._wait_t0, self._now()))
-            for b0, b1 in busy:
-                self.busy_s += b1 - b0
-                self.waited_busy_s += sum(max(0.0, min(b1, w1) - max(b0, w0))
-                                          for w0, w1 in waits if w1 > b0 and w0 < b1)
-            # a wait can still overlap the interval running now, never an earlier one
-            keep_from = self._running
-            self._waits = ([] if keep_from is None
-                           else [w for w in self._waits if w[1] > keep_from])
-            return self.busy_s, self.busy_s - self.waited_busy_s
 
 
 class InPlaceStep:

@@ -211,7 +211,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     def worker_times(self) -> tuple[float, float]:
         """(seconds the optimizer's worker thread ran, of which hidden under compute),
         cumulative: measured as the worker's time outside every wait of the training
-        thread on it (OverlapClock in engine/step/in_place.py). (0, 0) for the streamed
+        thread on it (OverlapClock in engine/step/worker_time.py). (0, 0) for the streamed
         step, which updates shards on the training thread."""
         return self._runner.worker_times()
 
