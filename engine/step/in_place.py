@@ -55,7 +55,9 @@ gathers it (Scheduler.wait_updates), so no forward reads a shard before its upda
 and the update of unit k runs while forward computes the units before it. Whoever
 else reads or writes shards drains first (ZeroEngine: backward, step(),
 save/load_checkpoint, close, module.state_dict(); load_pretrained and
-GatheredParameters wait for their units): nothing observes a half-updated step.
+GatheredParameters wait for their units): nothing observes a half-updated step. A
+background save waits for nothing: it reads each group once its update has ended
+(`watch_deferred`, [Note: saving a deferred step] in engine/checkpoint/deferred.py).
 The lr and other hyper-parameters are those of step(), as without deferral.
 A training thread that waits (for the measurements in step(), for a unit's update
 before its gather) takes over the groups the worker has not started, from the back
@@ -93,6 +95,7 @@ from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.engine.step.worker_time import OverlapClock, threads_during_backward
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
 from tierzero.offload.settings import MOMENT_CLASSES
+from tierzero.offload.step_seam import DeferredEnds, DeferredWatch
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
@@ -137,6 +140,7 @@ class InPlaceStep:
         self._in_deferred = False
         self._deferred_compute = 0.0  # kernel seconds of the deferred step so far
         self._deferred_failure: BaseException | None = None
+        self._ends = DeferredEnds()  # groups whose deferred update ended; a save's watch
         self.clock = OverlapClock()  # the worker's seconds, hidden under compute or waited for
 
     # -- the whole step after backward -------------------------------------------------
@@ -382,21 +386,29 @@ class InPlaceStep:
         self._deferred_failure = None
         with self._lock:
             self._finishing = False
+        self._ends.begin(keys)
         for key in keys:
             self._deferred[key] = worker.submit(self._run_deferred, key, hyper, step,
                                                 grad_scale)
+
+    def watch_deferred(self) -> DeferredWatch | None:
+        """A watch on the groups whose deferred update has not ended (DeferredWatch)."""
+        return self._ends.watch()
 
     def _run_deferred(self, key: str, hyper: AdamHyper, step: float,
                       grad_scale: float, *, on_worker: bool = True) -> float:
         """One group of the deferred step: on the worker, or (`on_worker` False) taken over
         by the training thread waiting for it (see wait_groups); skipped after a failure,
-        which is kept (naming the group) for the next wait."""
+        which is kept (naming the group) for the next wait. Either way its end is reported
+        (DeferredEnds) before this returns, so before any wait for the group is over."""
         with self._lock:
-            if self._deferred_failure is not None:
-                return 0.0
+            failed = self._deferred_failure
             beside = not self._finishing  # nobody is waiting for the whole step yet
             # taken over: the worker may be running another group at the same time
             threads = self._during if beside or not on_worker else self._threads
+        if failed is not None:
+            self._ends.ended(key, f"not updated after an earlier failure: {failed}")
+            return 0.0
         try:
             with self.clock.busy() if on_worker else contextlib.nullcontext():
                 seconds = self.update(key, hyper, step, grad_scale, threads)
@@ -409,9 +421,11 @@ class InPlaceStep:
             err.__cause__ = exc
             with self._lock:
                 self._deferred_failure = err
+            self._ends.ended(key, str(err))
             return 0.0
         with self._lock:
             self._deferred_compute += seconds
+        self._ends.ended(key, None)
         return seconds
 
     def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
@@ -435,6 +449,7 @@ class InPlaceStep:
         if self._deferred_failure is not None:
             self._drain_jobs()
             err, self._deferred_failure = self._deferred_failure, None
+            self._ends.raised()
             raise err
         if self._deferred:
             return None
