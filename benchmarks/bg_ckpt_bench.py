@@ -197,8 +197,8 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=4, help="undisturbed steps per repeat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-overlap-step", action="store_true",
-                    help="offload.optimizer.overlap_step: false (no optimizer update deferred "
-                         "into the next forward)")
+                    help="offload.optimizer.overlap_step: false (no deferred optimizer update "
+                         "for the save to finish first)")
     ap.add_argument("--share", type=float, default=None,
                     help="outputs.background_save_share (default: the config default)")
     ap.add_argument("--min-available", type=float, default=1.5 * GiB)
