@@ -105,7 +105,7 @@ def _measure(eng: Any, step: Any, args: argparse.Namespace, note: Any) -> dict[s
     base: list[float] = []
     sync: list[float] = []
     held: list[float] = []
-    settle: list[float] = []  # of held: the deferred optimizer update run to its end
+    settle: list[float] = []  # of held: waiting for optimizer work (SaveStats.settle_s)
     over: list[float] = []
     saves: list[dict[str, Any]] = []
     for r in range(args.repeats):
@@ -123,8 +123,8 @@ def _measure(eng: Any, step: Any, args: argparse.Namespace, note: Any) -> dict[s
             raise RuntimeError("save_checkpoint(background=True) returned no PendingSave")
         held.append(pending.stats.held_s)
         settle.append(pending.stats.settle_s)
-        note(f"background save held {held[-1]:.3f} s, of which {settle[-1]:.3f} s the step's "
-             "deferred optimizer update")
+        note(f"background save held {held[-1]:.3f} s, of which {settle[-1]:.3f} s waiting "
+             "for optimizer work")
         n = 0
         while not pending.done() or n == 0:
             over.append(step())
@@ -258,8 +258,8 @@ def main() -> None:
               f"synchronous save {med['sync_save_s']:.3f} s, background save held the "
               f"training thread {med['held_s']:.4f} s ({100 * med['held_over_sync']:.1f} %; "
               f"{med['held_without_settle_s']:.4f} s = "
-              f"{100 * med['held_without_settle_over_sync']:.1f} % without finishing the "
-              "step's deferred optimizer update); "
+              f"{100 * med['held_without_settle_over_sync']:.1f} % without waiting for "
+              "optimizer work); "
               f"step {med['undisturbed_step_s']:.3f} s undisturbed, "
               f"{med['overlapped_step_s']:.3f} s during the save "
               f"({med['overlapped_over_undisturbed']:.2f}x)")

@@ -645,11 +645,12 @@ class ZeroEngine:
         `background`: record the state now, write it while training goes on ([Note:
         background save] in engine/checkpoint/background.py); returns a PendingSave whose
         `stats.held_s` is the time this call held the caller (waiting for an earlier save
-        included), `stats.settle_s` the part of it spent finishing the step's deferred
-        optimizer update (which the next forward would otherwise wait for)."""
+        included), `stats.settle_s` the part spent waiting for optimizer work (for a
+        deferred update only when the ranks fell back to a synchronous save: it is read as
+        it lands, [Note: saving a deferred step] in engine/checkpoint/deferred.py)."""
         start = time.perf_counter()
         self._check_open()
-        self._check_checkpointable("save_checkpoint")
+        self._check_checkpointable("save_checkpoint", deferred=not background)
         settled = time.perf_counter()
         self._saver.wait()
         out = checkpoint.save_checkpoint(self, directory, tag, client_state,
@@ -657,7 +658,7 @@ class ZeroEngine:
         if isinstance(out, PendingSave):
             out.stats.started = time.perf_counter()
             out.stats.held_s = out.stats.started - start
-            out.stats.settle_s = settled - start
+            out.stats.settle_s += settled - start
         return out
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None,
@@ -677,10 +678,9 @@ class ZeroEngine:
         self._saver.wait()
         self._settle_optimizer()
 
-    def _check_checkpointable(self, what: str) -> None:
-        # a deferred update runs to the end first: nothing saves or overwrites a shard
-        # half-way through its step ([Note: deferred step])
-        self._settle_optimizer()
+    def _check_checkpointable(self, what: str, *, deferred: bool = True) -> None:
+        # deferred updates end first (False: a background save reads each group as it lands)
+        self._settle_optimizer(deferred=deferred)
         if what == "load_checkpoint":
             self.step_driver.gradients_zeroed()  # the gradients measured in backward are replaced
         if self.step_driver.step_open:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from .adam_math import AdamHyper
-from .step_seam import GradMeasure, TrainingStateError
+from .step_seam import DeferredWatch, GradMeasure, TrainingStateError
 from .stream_parts import PipelineStats
 
 
@@ -30,9 +30,9 @@ from .stream_parts import PipelineStats
 # `has_order`) that the caller asks before relying on it; the operation itself then
 # raises TrainingStateError naming the runner, the call and the capability. Operations
 # whose meaning holds without the capability are no-ops by definition: `settle` with no
-# worker, `wait_groups` / `drain` with nothing deferred, `forget_measured` with nothing
-# measured, `set_order` without an order (False: nothing changed), `worker_times` (0, 0)
-# without a worker, `flush` with no write in flight.
+# worker, `wait_groups` / `drain` / `watch_deferred` with nothing deferred,
+# `forget_measured` with nothing measured, `set_order` without an order (False: nothing
+# changed), `worker_times` (0, 0) without a worker, `flush` with no write in flight.
 class ShardUpdater(Protocol):
     """The CPU Adam update over every trainable group; see [Note: shard updaters].
 
@@ -120,6 +120,10 @@ class ShardUpdater(Protocol):
 
     def drain(self) -> PipelineStats | None:
         """Every deferred update has run; its stats (None when nothing was deferred)."""
+        ...
+
+    def watch_deferred(self) -> DeferredWatch | None:
+        """A watch on the groups whose deferred update has not ended (None: none)."""
         ...
 
     # -- gradient measurement beside backward (clipping, fp16) ------------------------------

@@ -19,12 +19,20 @@ of the state in host memory. `TierManager.snapshot(keys)` records, per shard:
 `snapshot_take(snap, key, out)` copies one shard's snapshot data into `out` and releases
 it (once per key); `snapshot_close(snap)` releases whatever was not taken (a failed or
 abandoned save). One snapshot at a time.
+
+A key may also be recorded as *awaiting* (`snapshot(awaiting=...)`): its snapshot data is
+not the data now but what an update in progress leaves (a background save of a step whose
+optimizer update is still deferred: [Note: saving a deferred step] in
+engine/checkpoint/deferred.py). Until `snapshot_landed` says that update ended, writes to
+the key are the update's own and are not preserved, and `snapshot_take` of it waits; from
+then on it is like any other host- or device-homed key. An update that failed makes the
+take fail with its reason. Awaiting keys must be homed in host or device memory.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +61,8 @@ class ShardSnapshot:
     pending: set[str] = field(default_factory=set)  # host/device homes, still the snapshot's
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # copied before a change
     reading: set[str] = field(default_factory=set)  # being read from the home copy now
+    awaiting: set[str] = field(default_factory=set)  # their update has not ended yet
+    failed: dict[str, str] = field(default_factory=dict)  # key -> why it was not updated
     taken: set[str] = field(default_factory=set)
     closed: bool = False
     copy_bytes: int = 0  # in `copies` now
@@ -60,6 +70,7 @@ class ShardSnapshot:
     copies_made: int = 0  # copy-on-write copies taken
     copy_waits: int = 0  # writers that waited for the reader (copy_limit reached)
     wait_s: float = 0.0  # seconds writers waited in all
+    await_s: float = 0.0  # seconds the reader waited for awaiting keys' updates
 
     @property
     def kept_bytes(self) -> int:
@@ -71,17 +82,28 @@ class SnapshotCore(ResidencyCore):
 
     _snap: ShardSnapshot | None = None
 
-    def snapshot(self, keys: Sequence[str], *, copy_limit: int) -> ShardSnapshot:
+    def snapshot(self, keys: Sequence[str], *, copy_limit: int,
+                 awaiting: Collection[str] = ()) -> ShardSnapshot:
         """Record the current data of `keys` ([Note: shard snapshots]); cheap: dirty caches
-        are written down and swap regions kept, nothing else is copied."""
+        are written down and swap regions kept, nothing else is copied. `awaiting` (a
+        subset of `keys`): recorded once `snapshot_landed` names them (see the Note)."""
         with self._lock:
             if self._snap is not None:
                 raise OffloadError("a snapshot is open already; close it first (one at a time)")
+            unknown = sorted(set(awaiting) - set(keys))
+            if unknown:
+                raise OffloadError(f"snapshot: awaiting keys {unknown[:3]} are not among its keys")
             self._settle_all()
             snap = ShardSnapshot(frozenset(keys), copy_limit)
             try:
                 for key in keys:
                     rec = self._rec(key)
+                    if key in awaiting:
+                        if rec.home == "nvme":
+                            raise OffloadError(f"snapshot: shard {key!r} is homed on NVMe and "
+                                               "cannot await an update (host or device only)")
+                        snap.awaiting.add(key)  # the update in progress may hold it writable
+                        continue
                     self._flush_above(rec, rec.home, drop=False)
                     self._wait_settled(rec, rec.home)
                     if rec.copies[rec.home].write_held:
@@ -107,14 +129,47 @@ class SnapshotCore(ResidencyCore):
             self._snap = snap
             return snap
 
+    def snapshot_landed(self, snap: ShardSnapshot, keys: Sequence[str],
+                        error: str | None) -> None:
+        """The update `keys` awaited has ended (`error`: why it did not update them): from
+        now on their home data is the snapshot's, preserved before it changes. Runs on the
+        thread that ran the update, before anyone else may write the keys."""
+        with self._lock:
+            for key in keys:
+                if snap.closed or key not in snap.awaiting:
+                    continue
+                if error is None:
+                    rec = self._rec(key)
+                    self._flush_above(rec, rec.home, drop=False)
+                    self._wait_settled(rec, rec.home)
+                    if snap.closed:  # closed while the write-down settled
+                        break
+                    snap.pending.add(key)
+                else:
+                    snap.failed[key] = error
+                snap.awaiting.discard(key)
+            self._cond.notify_all()
+
     def snapshot_take(self, snap: ShardSnapshot, key: str, out: torch.Tensor) -> None:
         """Copy `key`'s snapshot data into the host buffer `out` (the shard's numel and
         dtype; page-aligned for a direct read) and release it. Runs on the reader's thread;
-        an NVMe region is read behind the training's I/O (SwapStore.read_kept)."""
+        an NVMe region is read behind the training's I/O (SwapStore.read_kept). An awaiting
+        key is waited for until its update has ended."""
         with self._lock:
             if snap.closed or key not in snap.keys or key in snap.taken:
                 raise OffloadError(f"snapshot_take({key!r}): not in this open snapshot, or "
                                    "taken already")
+            start = time.perf_counter()
+            while key in snap.awaiting and not snap.closed:
+                self._cond.wait()
+            snap.await_s += time.perf_counter() - start
+            if snap.closed:
+                raise OffloadError(f"snapshot_take({key!r}): the snapshot was closed while "
+                                   "waiting for its update")
+            if key in snap.failed:
+                raise OffloadError(f"snapshot of {key!r}: its update did not complete "
+                                   f"({snap.failed[key]}); the state of that step cannot be "
+                                   "saved")
             rec = self._rec(key)
             if out.numel() != rec.spec.numel or out.dtype != rec.spec.dtype:
                 raise OffloadError(f"snapshot_take({key!r}): got {out.numel()} x {out.dtype}, "
@@ -159,6 +214,7 @@ class SnapshotCore(ResidencyCore):
             self._drop_copy(snap, buf)
         snap.copies.clear()
         snap.pending.clear()
+        snap.awaiting.clear()
         self._cond.notify_all()
 
     def _drop_copy(self, snap: ShardSnapshot, buf: torch.Tensor) -> None:

@@ -23,6 +23,8 @@ A training step, as the engine calls it:
                finish(grad_scale)             the update (or hand it to the next forward)
     forward    settle(deferred=False)         wait_groups(keys) before each unit's gather
     zero_grad  settle(deferred=False); gradients_zeroed()
+    save       watch_deferred()               a background save of a deferred update
+                                              (DeferredWatch below)
 
 Checkpoints ask the driver for its state (`state_dict`) and hand it back
 (`load_state_dict`) in one form for both drivers: per group, the per-element state
@@ -42,7 +44,8 @@ nothing of modules, units or ranks.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -137,6 +140,87 @@ class GradMeasure(Protocol):
     def finite(self) -> bool: ...
 
 
+class DeferredWatch:
+    """The end of each group's deferred update, reported to one listener ([Note: saving a
+    deferred step] in engine/checkpoint/deferred.py).
+
+    `keys`: the groups whose update had not ended when the watch was made (or had failed,
+    the failure not raised yet: reported at once). Each is reported once,
+    `listener(key, error)`, by the thread that ran its update: after its writes, before
+    anyone waiting for the group sees it done; `error` None, or why the group was not
+    updated (its update failed, or an earlier group's did). Reports made before `attach`
+    are handed to the listener when it attaches."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = frozenset(keys)
+        self._lock = threading.Lock()  # reports come from the worker and the training thread
+        self._ended: dict[str, str | None] = {}
+        self._listener: Callable[[str, str | None], None] | None = None
+
+    def ended(self, key: str, error: str | None) -> None:
+        """Group `key`'s update ended (`error`: why it did not update the group)."""
+        with self._lock:
+            if key not in self.keys or key in self._ended:
+                return
+            self._ended[key] = error
+            listener = self._listener
+        if listener is not None:
+            listener(key, error)
+
+    def attach(self, listener: Callable[[str, str | None], None]) -> None:
+        """Report to `listener` from now on, and at once what was reported before."""
+        with self._lock:
+            if self._listener is not None:
+                raise RuntimeError("DeferredWatch.attach: a listener is attached already")
+            self._listener = listener
+            ended = dict(self._ended)
+        for key, error in ended.items():
+            listener(key, error)
+
+
+class DeferredEnds:
+    """Which groups of the pending deferred update have ended, and how, and the watch on
+    the rest (at most one: each background save makes a new one after the last ended)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: list[str] = []  # every group of the deferred update
+        self._ended: dict[str, str | None] = {}  # group -> None, or why it was not updated
+        self._watch: DeferredWatch | None = None
+
+    def begin(self, keys: Sequence[str]) -> None:
+        """A deferred update of `keys` starts (none of them has ended)."""
+        with self._lock:
+            self._keys, self._ended, self._watch = list(keys), {}, None
+
+    def ended(self, key: str, error: str | None) -> None:
+        """By the thread that ran (or skipped) `key`'s update, after its writes."""
+        with self._lock:
+            self._ended[key] = error
+            watch = self._watch
+        if watch is not None:
+            watch.ended(key, error)
+
+    def raised(self) -> None:
+        """The update's failure was raised to the training thread: from now on the groups
+        it left are the state as it is (a synchronous save writes them so), not failed."""
+        with self._lock:
+            self._ended = dict.fromkeys(self._ended)
+
+    def watch(self) -> DeferredWatch | None:
+        """A watch on the groups whose update has not ended, or failed without the failure
+        being raised yet (reported to it at once); None when there are none."""
+        with self._lock:
+            left = [k for k in self._keys if k not in self._ended or self._ended[k] is not None]
+            self._watch = DeferredWatch(left) if left else None
+            failed = {k: e for k, e in self._ended.items() if e is not None}
+            watch = self._watch
+        if watch is not None:
+            for key, error in failed.items():
+                watch.ended(key, error)
+        return watch
+
+
 class StepDriver(Protocol):
     """The optimizer step over every trainable group; see [Note: the optimizer-step seam]."""
 
@@ -197,6 +281,12 @@ class StepDriver(Protocol):
 
     def drain(self) -> None:
         """Every deferred update has run."""
+        ...
+
+    def watch_deferred(self) -> DeferredWatch | None:
+        """A watch on the groups whose deferred update has not ended yet (None: nothing is
+        pending): a background save reads each once it has ([Note: saving a deferred
+        step] in engine/checkpoint/deferred.py)."""
         ...
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from ckpt_helpers import resume_config
-from engine_helpers import full_params, make_batches, make_model
+from engine_helpers import full_params, in_place_of, make_batches, make_model
 
 from tierzero import engine
 from tierzero.engine.checkpoint import save as save_mod
@@ -36,6 +36,39 @@ def gate_writer(gate: threading.Event) -> None:
     save_mod.write_snapshot_entry = gated  # type: ignore[assignment]
 
 
+class DeferredHold:
+    """Holds the in-place CPU Adam's worker in its first group of the deferred updates
+    that begin while `holding` is set, until `release` is set; counts the groups whose
+    update ran to its end meanwhile on any thread (`ended`). Taking a held group over is
+    impossible (the worker runs it), so a caller that waited for the whole update would
+    wait until `release`."""
+
+    def __init__(self, eng: engine.ZeroEngine) -> None:
+        step = in_place_of(eng.optimizer)
+        if step is None:
+            raise AssertionError("DeferredHold needs the in-place CPU Adam (offload cpu)")
+        self.step = step
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        self.ended: list[str] = []
+        real = step.update
+
+        def held(key: str, *args: Any) -> float:
+            on_worker = threading.current_thread().name.startswith("tierzero-adam-early")
+            if self.holding.is_set() and on_worker:
+                assert self.release.wait(60), "the held deferred update was never released"
+            seconds = real(key, *args)
+            if self.holding.is_set():
+                self.ended.append(key)
+            return seconds
+
+        step.update = held  # type: ignore[method-assign]
+
+    def stop(self) -> None:
+        self.holding.clear()
+        self.release.set()
+
+
 def swap_stats(eng: engine.ZeroEngine) -> Any:
     swap = getattr(eng.store, "swap", None)
     return swap.stats() if swap is not None else None
@@ -43,11 +76,13 @@ def swap_stats(eng: engine.ZeroEngine) -> Any:
 
 def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: int,
            background: bool, gate: bool = False, load: bool = False, gas: int = 1,
-           **outputs: Any) -> dict[str, Any]:
+           hold: bool = False, **outputs: Any) -> dict[str, Any]:
     """Train n micro-steps (`gas` per optimizer step), save (in the background or not;
     `gate`: its writer held until the m following micro-steps are done), train m more.
-    `load`: resume from `ckpt` first and train the m micro-steps only. Returns final
-    params, the save's stats and swap stats."""
+    `load`: resume from `ckpt` first and train the m micro-steps only. `hold` (offload
+    cpu, clipping, overlap_step): the update that step n defers is held on its worker
+    until the save call has returned (DeferredHold; "held_ended" and "held_pending" say
+    how it stood then). Returns final params, the save's stats and swap stats."""
     where = None if swap is None else f"{swap}/rank{rank}"
     if where is not None:
         Path(where).mkdir(parents=True, exist_ok=True)
@@ -61,13 +96,20 @@ def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: i
         gate_writer(released)
     if load:
         eng.load_checkpoint(ckpt)
+    held = DeferredHold(eng) if hold else None
     for i in range(eng.micro_steps, n + m):
         ids, tg = batches[i]
         eng.backward(eng(ids, tg))
+        if held is not None and i + 1 == n:
+            held.holding.set()  # (backward waited for the updates of the steps before)
         eng.step()
         if i + 1 == n and not load:
             pending = eng.save_checkpoint(ckpt, tag="s", background=background)
             out["swap_during"] = swap_stats(eng)
+            if held is not None:
+                out["held_ended"] = list(held.ended)
+                out["held_pending"] = held.step.deferred
+                held.stop()
     if not load:
         released.set()
         if isinstance(pending, engine.PendingSave):

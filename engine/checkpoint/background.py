@@ -7,7 +7,10 @@ by the tier manager (offload cpu / nvme) are *not* copied: the store's snapshot 
 ([Note: snapshot parts] in engine/shards/snapshot.py: NVMe regions kept from release, host
 state copied only just before the training changes it, within
 outputs.background_save_copy_bytes). Then this module's single worker thread writes the
-rank file part by part, fsyncs and publishes, and the call returns a PendingSave.
+rank file part by part, fsyncs and publishes, and the call returns a PendingSave. A step
+whose optimizer update is still deferred into the next forward is not waited for: its
+groups are read as their update lands ([Note: saving a deferred step] in
+engine/checkpoint/deferred.py).
 
 The worker stays behind the training: its reads of kept NVMe regions are served after
 every other swap request (swap/queues.py), it is busy at most
@@ -54,8 +57,9 @@ class SaveStats:
     """What one background save did; the worker fills it in as it goes."""
 
     held_s: float = 0.0  # the caller's thread inside save_checkpoint
-    # of which: the step's deferred optimizer update run to its end first (work the next
-    # forward would otherwise wait for: not the save's cost)
+    # of which: waiting for optimizer work to end (the step's deferred update only when
+    # the save fell back to a synchronous one: [Note: saving a deferred step] in
+    # engine/checkpoint/deferred.py)
     settle_s: float = 0.0
     started: float = 0.0  # time.perf_counter() when the call returned
     finished: float | None = None  # time.perf_counter() when `latest` named it (or it failed)
@@ -97,9 +101,11 @@ class Pacer:
 def write_snapshot_entry(w: SafetensorsWriter, name: str, ref: SnapRef,
                          snapshot: StoreSnapshot, pacer: Pacer) -> None:
     """Write entry `name` from the store's snapshot, one part at a time (each released
-    once written: the kept region freed, the copy dropped)."""
+    once written: the kept region freed, the copy dropped). Waiting for a part's deferred
+    optimizer update to land is not the writer's work: the Pacer does not count it."""
     for part in ref.parts:
         start = time.perf_counter()
+        awaited = snapshot.await_s
         buf = snapshot.take(part)
         try:
             w.write_part(name, buf)
@@ -107,7 +113,7 @@ def write_snapshot_entry(w: SafetensorsWriter, name: str, ref: SnapRef,
         finally:
             snapshot.free(buf)
         pacer.stats.read_bytes += n
-        pacer.after(time.perf_counter() - start)
+        pacer.after(time.perf_counter() - start - (snapshot.await_s - awaited))
 
 
 @dataclass

@@ -41,7 +41,12 @@ from tierzero.engine.checkpoint.save import (
     raise_if_any_failed,
     shard_use,
 )
-from tierzero.engine.checkpoint.state import OPTIM_PREFIX, restore_engine_state, restore_rng
+from tierzero.engine.checkpoint.state import (
+    OPTIM_PREFIX,
+    persistent_buffers,
+    restore_engine_state,
+    restore_rng,
+)
 from tierzero.engine.progress import progress_bar
 from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.offload.state_codec import StoredLayout
@@ -275,8 +280,7 @@ class _Saved:
 
 
 def _restore_buffers(eng: ZeroEngine, files: RankFiles) -> None:
-    persistent = set(eng.module.state_dict(keep_vars=True))
-    mine = {n: b for n, b in eng.module.named_buffers() if n in persistent}
+    mine = persistent_buffers(eng.module)
     saved = {n.removeprefix(BUFFER_PREFIX) for n in _names(files, 0, BUFFER_PREFIX)}
     if saved != set(mine):
         raise CheckpointError(f"{files.path / rank_file(0)}: module buffers differ; missing "

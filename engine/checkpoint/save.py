@@ -87,6 +87,7 @@ from tierzero.engine.checkpoint.background import (
     SaveStats,
     write_snapshot_entry,
 )
+from tierzero.engine.checkpoint.deferred import capture_deferred
 from tierzero.engine.checkpoint.io import (
     SafetensorsWriter,
     TensorEntry,
@@ -111,12 +112,18 @@ from tierzero.engine.checkpoint.layout import (
     shard_name,
     temp_dir_name,
 )
-from tierzero.engine.checkpoint.state import OPTIM_PREFIX, engine_state, rng_state
+from tierzero.engine.checkpoint.state import (
+    OPTIM_PREFIX,
+    engine_state,
+    hf_config_json,
+    persistent_buffers,
+    rng_state,
+)
 from tierzero.engine.config.native import as_dict
 from tierzero.engine.progress import progress_bar, progress_enabled
 from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.store import ShardStore
-from tierzero.offload import SnapshotSpaceError
+from tierzero.offload import OffloadError, SnapshotSpaceError
 from tierzero.offload.settings import MOMENT_CLASSES
 from tierzero.swap.safe_files import OutputModes, make_output_dir, output_modes
 
@@ -213,12 +220,6 @@ def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
     return out
 
 
-def _buffers(eng: ZeroEngine) -> dict[str, torch.Tensor]:
-    """Persistent module buffers (BatchNorm statistics, ...): replicated, saved by rank 0."""
-    persistent = set(eng.module.state_dict(keep_vars=True))
-    return {n: b for n, b in eng.module.named_buffers() if n in persistent}
-
-
 @dataclass
 class RankPayload:
     """Everything one rank writes, captured at save time: after this, training may go on."""
@@ -269,8 +270,8 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             scalars[lay.key] = split.scalars
     rng_js, rng_t = rng_state(eng.device)
     tensors += list(rng_t.items())
-    if eng.comm.rank == 0:
-        tensors += [(BUFFER_PREFIX + n, b) for n, b in _buffers(eng).items()]
+    buffers = persistent_buffers(eng.module) if eng.comm.rank == 0 else {}
+    tensors += [(BUFFER_PREFIX + n, b) for n, b in buffers.items()]
     if snapshot:
         tensors = [(n, t.detach().to("cpu", copy=True)) if isinstance(t, torch.Tensor) else
                    (n, t) for n, t in tensors]
@@ -285,10 +286,10 @@ def _collect(eng: ZeroEngine, layouts: list[GroupLayout], client_bytes: bytes | 
             "state_precision": eng.config.offload.optimizer.state_precision,
             "groups": [lay.as_json() for lay in layouts],
             # model order (named_parameters, then persistent buffers) for consolidated output
-            "order": [n for n, _ in eng.module.named_parameters()] + list(_buffers(eng)),
+            "order": [n for n, _ in eng.module.named_parameters()] + list(buffers),
             "engine": engine_state(eng),
             "config": as_dict(eng.config),
-            "hf_config": _hf_config_json(eng.module),
+            "hf_config": hf_config_json(eng.module),
         }
     # a background save draws no progress bar: the training's own is on screen
     return RankPayload(tensors, meta, None if snapshot else store, manifest, client_bytes,
@@ -336,12 +337,6 @@ def _client_state_bytes(client_state: Any) -> bytes:
     return data
 
 
-def _hf_config_json(module: torch.nn.Module) -> str | None:
-    cfg = getattr(module, "config", None)
-    to_json = getattr(cfg, "to_json_string", None)
-    return str(to_json()) if callable(to_json) else None
-
-
 def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = None,
                     client_state: Any = None, *,
                     background: BackgroundSaver | None = None) -> Path | PendingSave:
@@ -381,29 +376,36 @@ def save_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
         payload = _collect(eng, layouts, client_bytes, snapshot=False)
         return _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes).run(
             eng.comm.group)
+    # a deferred optimizer update is read as it lands ([Note: saving a deferred step] in
+    # engine/checkpoint/deferred.py)
+    capture = capture_deferred(eng, layouts)
     payload = _collect(eng, layouts, client_bytes, snapshot=True)
-    why = _open_snapshot(eng, payload)
+    why = _open_snapshot(eng, payload, capture.awaiting)
     if why is not None:  # every rank writes now, streaming from the store
+        capture.settle(eng)
         payload = _collect(eng, layouts, client_bytes, snapshot=False)
-        job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
+    job = _SaveJob(eng.comm.rank, eng.comm.world_size, root, tag, payload, modes)
+    job.stats.settle_s = capture.settle_s
+    if why is not None:
         return background.completed(job, job.run(eng.comm.group), why)
     try:
-        return background.submit(_SaveJob(eng.comm.rank, eng.comm.world_size, root, tag,
-                                          payload, modes))
+        capture.attach(payload.snapshot)
+        return background.submit(job)
     except BaseException:  # no writer will release the snapshot: its kept regions and copies
         if payload.snapshot is not None:
             payload.snapshot.close()
         raise
 
 
-def _open_snapshot(eng: ZeroEngine, payload: RankPayload) -> str | None:
-    """Open the store's snapshot of the payload's SnapRefs on every rank; when a rank cannot
-    (no swap space for the kept regions), every rank releases its own and the reason is
-    returned (a collective: the ranks agree, then all save synchronously)."""
+def _open_snapshot(eng: ZeroEngine, payload: RankPayload, awaiting: list[str]) -> str | None:
+    """Open the store's snapshot of the payload's SnapRefs on every rank (`awaiting`: parts
+    read once a deferred update has ended); when a rank cannot (no swap space for the kept
+    regions), every rank releases its own and the reason is returned (a collective: the
+    ranks agree, then all save synchronously)."""
     error: str | None = None
     try:
-        payload.snapshot = eng.store.open_snapshot(payload.snapshot_keys(),
-                                                   eng.config.outputs.background_save_copy_bytes)
+        payload.snapshot = eng.store.open_snapshot(
+            payload.snapshot_keys(), eng.config.outputs.background_save_copy_bytes, awaiting)
     except SnapshotSpaceError as exc:
         error = str(exc)
     errors = [(r, e) for r, e in enumerate(gather_objects(eng, error)) if e is not None]
@@ -459,7 +461,7 @@ class _SaveJob:
                                       desc=f"save {self.tag}", pacer=pacer)
             self.stats.written_bytes = digest["bytes"]
             os.chmod(temp / rank_file(self.rank), self.modes.file)  # created 0600
-        except (OSError, CheckpointError, ValueError) as exc:
+        except (OSError, CheckpointError, ValueError, OffloadError) as exc:
             error = f"writing {temp / rank_file(self.rank)}: {exc}"
         _raise_if_failed(group, self.world, error, what)
         digests = _gather(group, self.world, digest)

@@ -77,3 +77,19 @@ def restore_rng(js: dict[str, Any], tensors: dict[str, torch.Tensor],
     cuda = tensors.get(RNG_PREFIX + "cuda")
     if cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda, device)
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent module buffers (BatchNorm statistics, ...) by name: replicated, saved by
+    rank 0. Found without module.state_dict(), whose engine hook would wait for a deferred
+    optimizer update ([Note: saving a deferred step] in engine/checkpoint/deferred.py)."""
+    skip = {f"{prefix}.{name}" if prefix else name
+            for prefix, mod in module.named_modules() for name in mod._non_persistent_buffers_set}
+    return {n: b for n, b in module.named_buffers() if n not in skip}
+
+
+def hf_config_json(module: torch.nn.Module) -> str | None:
+    """The model's Hugging Face config as JSON, when it has one."""
+    cfg = getattr(module, "config", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    return str(to_json()) if callable(to_json) else None

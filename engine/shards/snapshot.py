@@ -46,8 +46,18 @@ class StoreSnapshot:
     def free(self, buf: torch.Tensor) -> None:
         self.manager.host_free(buf)
 
+    def landed(self, keys: list[str], error: str | None) -> None:
+        """The update these awaiting parts waited for has ended (`error`: it failed)."""
+        self.manager.snapshot_landed(self.snap, keys, error)
+
     def close(self) -> None:
         self.manager.snapshot_close(self.snap)
+
+    @property
+    def await_s(self) -> float:
+        """Seconds `take` waited so far for awaited updates to land ([Note: shard
+        snapshots] in offload/snapshot.py)."""
+        return self.snap.await_s
 
     @property
     def kept_bytes(self) -> int:
@@ -56,7 +66,8 @@ class StoreSnapshot:
 
     def stats(self) -> dict[str, float]:
         """What the snapshot cost the training so far: copies of host/device-homed shards
-        taken before they changed, writers that waited for the save, their wait."""
+        taken before they changed, writers that waited for the save, their wait; the
+        reader's wait for awaited updates to end (not the training's)."""
         s = self.snap
         return {"copies": s.copies_made, "copy_waits": s.copy_waits, "wait_s": s.wait_s,
-                "kept_bytes": s.kept_total}
+                "kept_bytes": s.kept_total, "await_s": s.await_s}

@@ -38,7 +38,7 @@ Every zero written this way is one the eager memset would have written; none is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -124,9 +124,12 @@ class ShardStore:
         del key, kind
         return None
 
-    def open_snapshot(self, keys: list[str], copy_limit: int) -> StoreSnapshot | None:
-        """Record the parts `keys` (from snapshot_parts) as they are now; None: no parts."""
-        del copy_limit
+    def open_snapshot(self, keys: list[str], copy_limit: int,
+                      awaiting: Collection[str] = ()) -> StoreSnapshot | None:
+        """Record the parts `keys` (from snapshot_parts) as they are now, those in
+        `awaiting` once an update in progress has ended (StoreSnapshot.landed); None: no
+        parts."""
+        del copy_limit, awaiting
         if keys:
             raise ValueError(f"this store hands out no snapshot parts; got {keys[:3]}")
         return None

@@ -17,7 +17,7 @@ and `tensor()` hands out those views, which stay valid.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -87,13 +87,16 @@ class TieredShardStore(ShardStore):
         return [(mkey, specs[mkey].numel, specs[mkey].dtype)
                 for mkey, _, _ in self.pieces(key, kind)]
 
-    def open_snapshot(self, keys: list[str], copy_limit: int) -> StoreSnapshot | None:
-        """TierManager.snapshot of `keys`; SnapshotSpaceError when the swap directory
-        cannot hold the regions it keeps."""
+    def open_snapshot(self, keys: list[str], copy_limit: int,
+                      awaiting: Collection[str] = ()) -> StoreSnapshot | None:
+        """TierManager.snapshot of `keys` (`awaiting`: see [Note: shard snapshots] in
+        offload/snapshot.py); SnapshotSpaceError when the swap directory cannot hold the
+        regions it keeps."""
         if not keys:
             return None
         mgr = self._mgr()
-        return StoreSnapshot(mgr, mgr.snapshot(keys, copy_limit=copy_limit))
+        return StoreSnapshot(mgr, mgr.snapshot(keys, copy_limit=copy_limit,
+                                               awaiting=awaiting))
 
     @property
     def optimizer_offloaded(self) -> bool:

@@ -170,6 +170,9 @@ class DeviceStep:
     def drain(self) -> None:
         """Nothing deferred."""
 
+    def watch_deferred(self) -> None:
+        """Nothing deferred."""
+
     def worker_times(self) -> tuple[float, float]:
         return 0.0, 0.0
 

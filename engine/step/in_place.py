@@ -55,7 +55,9 @@ gathers it (Scheduler.wait_updates), so no forward reads a shard before its upda
 and the update of unit k runs while forward computes the units before it. Whoever
 else reads or writes shards drains first (ZeroEngine: backward, step(),
 save/load_checkpoint, close, module.state_dict(); load_pretrained and
-GatheredParameters wait for their units): nothing observes a half-updated step.
+GatheredParameters wait for their units): nothing observes a half-updated step. A
+background save waits for nothing: it reads each group once its update has ended
+(`watch_deferred`, [Note: saving a deferred step] in engine/checkpoint/deferred.py).
 The lr and other hyper-parameters are those of step(), as without deferral.
 A training thread that waits (for the measurements in step(), for a unit's update
 before its gather) takes over the groups the worker has not started, from the back
@@ -64,7 +66,8 @@ unit needs this most: it holds the embedding and the head, is measured last in
 backward and updated first before forward, so its work cannot hide under compute.
 
 The split of the worker's time into hidden and exposed that `tierzero train` logs
-comes from OverlapClock below: measured intervals, not the phase a job was queued in.
+comes from OverlapClock (engine/step/worker_time.py): measured intervals, not the phase
+a job was queued in.
 
 State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
 its gradients are measured during backward as here ([Note: gradients measured where they
@@ -82,100 +85,20 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.precision import GradStat, grad_stat
+from tierzero.engine.step.worker_time import OverlapClock, threads_during_backward
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
 from tierzero.offload.settings import MOMENT_CLASSES
+from tierzero.offload.step_seam import DeferredEnds, DeferredWatch
 from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
-
-
-def threads_during_backward(threads: int) -> int:
-    """Kernel threads for a group updated while backward runs: the rank's CPUs (`threads`)
-    less those torch's intra-op pool computes backward on, at least one.
-
-    Why: backward and the worker run at the same time; kernel threads beyond the cores
-    backward leaves idle slow backward down by more than they speed the kernel up (both
-    are memory-bound loops). Once backward is over (`finish()`) the kernel takes all of
-    `threads` again (benchmarks/RESULTS.md, "Measurements behind design choices")."""
-    return max(1, min(threads, threads - torch.get_num_threads()))
-
-
-class OverlapClock:
-    """How much of the optimizer worker's time ran hidden under compute, measured.
-
-    The worker records each interval it runs optimizer work (a group's update or
-    measurement); the training thread records each interval it blocks on the worker
-    (finish, settle, a deferred group before its gather, drain). Worker seconds that
-    fall inside no such wait ran while the training thread did something else
-    (forward, backward, data): hidden. The rest were waited for: exposed. The split is
-    the intersection of the two sets of intervals, not an assumption about which phase
-    the worker ran in.
-    """
-
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self._now = now
-        self._lock = threading.Lock()
-        self._busy: list[tuple[float, float]] = []  # closed worker intervals, not counted yet
-        self._waits: list[tuple[float, float]] = []  # closed waits that may still overlap
-        self._running: float | None = None  # start of the worker interval in progress
-        self._depth = 0  # nested waits count once
-        self._wait_t0 = 0.0
-        self.busy_s = 0.0  # worker seconds counted so far (cumulative)
-        self.waited_busy_s = 0.0  # of those, seconds the training thread waited through
-
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Around optimizer work on the worker thread."""
-        t0 = self._now()
-        with self._lock:
-            self._running = t0
-        try:
-            yield
-        finally:
-            t1 = self._now()
-            with self._lock:
-                self._running = None
-                self._busy.append((t0, t1))
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Around the training thread blocking on the worker."""
-        with self._lock:
-            self._depth += 1
-            if self._depth == 1:
-                self._wait_t0 = self._now()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._waits.append((self._wait_t0, self._now()))
-
-    def totals(self) -> tuple[float, float]:
-        """(worker seconds, of which hidden under compute), cumulative over the closed
-        worker intervals; one still running is counted once it ends."""
-        with self._lock:
-            busy, self._busy = self._busy, []
-            waits = list(self._waits)
-            if self._depth:  # a wait in progress (another thread asks) counts up to now
-                waits.append((self._wait_t0, self._now()))
-            for b0, b1 in busy:
-                self.busy_s += b1 - b0
-                self.waited_busy_s += sum(max(0.0, min(b1, w1) - max(b0, w0))
-                                          for w0, w1 in waits if w1 > b0 and w0 < b1)
-            # a wait can still overlap the interval running now, never an earlier one
-            keep_from = self._running
-            self._waits = ([] if keep_from is None
-                           else [w for w in self._waits if w[1] > keep_from])
-            return self.busy_s, self.busy_s - self.waited_busy_s
 
 
 class InPlaceStep:
@@ -217,6 +140,7 @@ class InPlaceStep:
         self._in_deferred = False
         self._deferred_compute = 0.0  # kernel seconds of the deferred step so far
         self._deferred_failure: BaseException | None = None
+        self._ends = DeferredEnds()  # groups whose deferred update ended; a save's watch
         self.clock = OverlapClock()  # the worker's seconds, hidden under compute or waited for
 
     # -- the whole step after backward -------------------------------------------------
@@ -462,21 +386,29 @@ class InPlaceStep:
         self._deferred_failure = None
         with self._lock:
             self._finishing = False
+        self._ends.begin(keys)
         for key in keys:
             self._deferred[key] = worker.submit(self._run_deferred, key, hyper, step,
                                                 grad_scale)
+
+    def watch_deferred(self) -> DeferredWatch | None:
+        """A watch on the groups whose deferred update has not ended (DeferredWatch)."""
+        return self._ends.watch()
 
     def _run_deferred(self, key: str, hyper: AdamHyper, step: float,
                       grad_scale: float, *, on_worker: bool = True) -> float:
         """One group of the deferred step: on the worker, or (`on_worker` False) taken over
         by the training thread waiting for it (see wait_groups); skipped after a failure,
-        which is kept (naming the group) for the next wait."""
+        which is kept (naming the group) for the next wait. Either way its end is reported
+        (DeferredEnds) before this returns, so before any wait for the group is over."""
         with self._lock:
-            if self._deferred_failure is not None:
-                return 0.0
+            failed = self._deferred_failure
             beside = not self._finishing  # nobody is waiting for the whole step yet
             # taken over: the worker may be running another group at the same time
             threads = self._during if beside or not on_worker else self._threads
+        if failed is not None:
+            self._ends.ended(key, f"not updated after an earlier failure: {failed}")
+            return 0.0
         try:
             with self.clock.busy() if on_worker else contextlib.nullcontext():
                 seconds = self.update(key, hyper, step, grad_scale, threads)
@@ -489,9 +421,11 @@ class InPlaceStep:
             err.__cause__ = exc
             with self._lock:
                 self._deferred_failure = err
+            self._ends.ended(key, str(err))
             return 0.0
         with self._lock:
             self._deferred_compute += seconds
+        self._ends.ended(key, None)
         return seconds
 
     def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
@@ -515,6 +449,7 @@ class InPlaceStep:
         if self._deferred_failure is not None:
             self._drain_jobs()
             err, self._deferred_failure = self._deferred_failure, None
+            self._ends.raised()
             raise err
         if self._deferred:
             return None

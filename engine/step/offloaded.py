@@ -27,6 +27,7 @@ from tierzero.engine.step.device import (
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
 from tierzero.offload.step_seam import (
     STEP_TRANSITIONS,
+    DeferredWatch,
     GradMeasure,
     GroupState,
     StepState,
@@ -182,6 +183,9 @@ class OffloadedStep:
 
     def drain(self) -> None:
         self.optimizer.drain()
+
+    def watch_deferred(self) -> DeferredWatch | None:
+        return self.optimizer.watch_deferred()
 
     def worker_times(self) -> tuple[float, float]:
         return self.optimizer.worker_times()

@@ -32,7 +32,7 @@ from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
 from tierzero.offload.shard_updater import ShardUpdater
-from tierzero.offload.step_seam import GradMeasure, StepOrder
+from tierzero.offload.step_seam import DeferredWatch, GradMeasure, StepOrder
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +208,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         if done is not None:
             self.last_stats = done
 
+    def watch_deferred(self) -> DeferredWatch | None:
+        """A watch on the groups whose deferred update has not ended (None: none)."""
+        return self._runner.watch_deferred()
+
     def worker_times(self) -> tuple[float, float]:
         """(seconds the optimizer's worker thread ran, of which hidden under compute),
         cumulative: measured as the worker's time outside every wait of the training
-        thread on it (OverlapClock in engine/step/in_place.py). (0, 0) for the streamed
+        thread on it (OverlapClock in engine/step/worker_time.py). (0, 0) for the streamed
         step, which updates shards on the training thread."""
         return self._runner.worker_times()
 

@@ -20,7 +20,7 @@ from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import STEP_CLASSES
 from tierzero.offload.shard_updater import unsupported
-from tierzero.offload.step_seam import GradMeasure
+from tierzero.offload.step_seam import DeferredWatch, GradMeasure
 
 _NAME = "the streamed optimizer step (optimizer state off the host)"
 _FIX = ("ask the capability first (OffloadedAdam.can_defer): with optimizer state off the "
@@ -133,6 +133,10 @@ class StreamedStep:
 
     def drain(self) -> PipelineStats | None:
         """Nothing deferred: None at once."""
+        return None
+
+    def watch_deferred(self) -> DeferredWatch | None:
+        """Nothing deferred: None."""
         return None
 
     # -- clipping / fp16: [Note: gradients measured where they are reduced] ----------------

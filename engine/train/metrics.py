@@ -45,7 +45,7 @@ class StepRecord:
     # seconds the optimizer's worker thread (CPU Adam, gradient measurements) ran during
     # this step while the training thread was not waiting for it: hidden under compute,
     # not part of step_s = compute_s + wait_s + optimizer_s. Measured from the worker's
-    # intervals and the training thread's waits (OverlapClock, engine/step/in_place.py)
+    # intervals and the training thread's waits (OverlapClock, engine/step/worker_time.py)
     optimizer_hidden_s: float
     # every second the worker ran during this step, hidden or waited for (>= hidden)
     optimizer_worker_s: float

@@ -114,3 +114,50 @@ def test_close_releases_what_was_not_taken(tmp_path: Path) -> None:
         mgr.snapshot(["p0"], copy_limit=0)  # a new one may open
     finally:
         mgr.close()
+
+
+def test_awaiting_keys_are_recorded_when_their_update_lands(tmp_path: Path) -> None:
+    """Keys recorded as awaiting ([Note: shard snapshots]): they may be held writable when
+    the snapshot opens; the update's writes before snapshot_landed are not preserved (the
+    snapshot is what the update leaves); a take waits for the landing; a write after it is
+    preserved as for any host/device home; a failed update makes the take fail; NVMe homes
+    cannot await."""
+    mgr, data = _make(tmp_path)
+    try:
+        with pytest.raises(OffloadError, match="homed on NVMe"):
+            mgr.snapshot(["p0"], copy_limit=1 << 20, awaiting=["p0"])
+        held = mgr.fetch("g0", "host", writable=True).wait()  # the update in progress
+        snap = mgr.snapshot(["g0", "g1", "g2", "m0"], copy_limit=1 << 20,
+                            awaiting=["g0", "g1", "m0"])
+        held.fill_(1.0)
+        mgr.release("g0", "host")
+        _modify(mgr, "m0", "device", 2.0)
+        assert snap.copies_made == 0  # the awaited update's own writes
+        got: dict[str, torch.Tensor] = {}
+
+        def reader() -> None:
+            out = aligned_empty(N, torch.float32)
+            mgr.snapshot_take(snap, "g0", out)
+            got["g0"] = out
+
+        t = threading.Thread(target=reader)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()  # waits for the landing
+        mgr.snapshot_landed(snap, ["g0", "m0"], None)
+        t.join(10)
+        assert not t.is_alive() and torch.equal(got["g0"], torch.full((N,), 1.0))
+        _modify(mgr, "m0", "device", 3.0)  # the next change: the landed bytes copied first
+        assert snap.copies_made == 1
+        out = aligned_empty(N, torch.float32)
+        mgr.snapshot_take(snap, "m0", out)
+        assert torch.equal(out, torch.full((N,), 2.0))
+        mgr.snapshot_take(snap, "g2", out)  # not awaiting: the data at the call
+        assert torch.equal(out, data["g2"])
+        mgr.snapshot_landed(snap, ["g1"], "injected failure")
+        with pytest.raises(OffloadError, match="injected failure"):
+            mgr.snapshot_take(snap, "g1", out)
+        mgr.snapshot_close(snap)
+        assert mgr.memory_report().outside[SNAPSHOT_PURPOSE] == 0
+    finally:
+        mgr.close()

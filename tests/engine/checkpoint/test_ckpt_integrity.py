@@ -11,6 +11,7 @@ from engine_helpers import full_params, make_batches, make_config, make_model
 from tierzero import engine
 from tierzero.engine.checkpoint import save as ckpt_mod
 from tierzero.engine.checkpoint.layout import LATEST, rank_file
+from tierzero.engine.checkpoint.state import persistent_buffers
 
 
 def _trained(precision: str = "fp32", n_blocks: int = 4) -> tuple[engine.ZeroEngine,
@@ -147,6 +148,18 @@ def test_module_buffers_round_trip(tmp_path: Path) -> None:
     sd = engine.consolidate(tmp_path)
     assert torch.equal(sd["1.running_mean"], mean)
     assert sd["1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_persistent_buffers_are_the_state_dict_buffers() -> None:
+    """The buffers a checkpoint saves are found without module.state_dict() (whose engine
+    hook waits for a deferred optimizer update), and are exactly those a state_dict holds:
+    nested ones, and none registered persistent=False."""
+    m = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+    m[1].register_buffer("scratch", torch.zeros(3), persistent=False)
+    m.register_buffer("top", torch.ones(1))
+    names = set(persistent_buffers(m))
+    assert names == {k for k in m.state_dict() if k in dict(m.named_buffers())}
+    assert "1.scratch" not in names and {"top", "1.0.running_mean"} <= names
 
 
 def test_background_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
