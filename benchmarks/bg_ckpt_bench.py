@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-overlap-step", action="store_true",
                     help="offload.optimizer.overlap_step: false (no deferred optimizer update "
-                         "for the save to finish first)")
+                         "pending when the save is called)")
     ap.add_argument("--state-precision", choices=("fp32", "bf16", "int8"), default="fp32",
                     help="offload.optimizer.state_precision (int8 fits the 2.07B run, its "
                          "checkpoint and the kept regions on a smaller disk)")
