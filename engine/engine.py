@@ -36,9 +36,9 @@ from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.layer_major import (
     LayerMajorFallback,
     LayerMajorPass,
-    RngState,
     train_schedule,
 )
+from tierzero.engine.replay import RngState
 from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shards.flat import (
     FlatGroup,

@@ -66,7 +66,7 @@ import contextlib
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tierzero.engine.boundary import BoundaryStore
 from tierzero.engine.host_heap import release_free_heap
+from tierzero.engine.replay import RngState, autocast, autocast_state, rng_as
 from tierzero.engine.shards.tier_config import grad_home, offload_wanted
 from tierzero.swap import trace
 
@@ -126,38 +127,6 @@ def _unpack(_saved: _Saved) -> torch.Tensor:
     raise RuntimeError("internal: the forward graph of a unit in a layer-major pass was "
                        "backpropagated; its outputs should have been cut ([Note: "
                        "layer-major schedule])")
-
-
-@dataclass
-class RngState:
-    """The generator states a unit call ran with (CPU, and the CUDA device's)."""
-
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-    device: int | None
-
-    @classmethod
-    def capture(cls, device: torch.device) -> RngState:
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
-        return cls(torch.get_rng_state(), None, None)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None and self.device is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
-
-
-@contextlib.contextmanager
-def _rng_as(state: RngState, device: torch.device) -> Iterator[None]:
-    """Run with the generators at `state`; put them back afterwards."""
-    before = RngState.capture(device)
-    state.restore()
-    try:
-        yield
-    finally:
-        before.restore()
 
 
 @dataclass
@@ -251,20 +220,6 @@ def _glue_hooks(store: BoundaryStore) -> torch.autograd.graph.saved_tensors_hook
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
-    """Whether autocast is on for `device`'s type, and its dtype (off where autocast has no
-    such device: meta, in tierzero plan's dry run)."""
-    if device.type not in ("cpu", "cuda"):
-        return False, torch.float32
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
-def _autocast(device: torch.device, state: tuple[bool, torch.dtype]
-              ) -> contextlib.AbstractContextManager[object]:
-    on, dtype = state
-    return torch.autocast(device.type, dtype=dtype) if on else contextlib.nullcontext()
-
-
 class LayerMajorPass:
     """One optimizer step's micro-batches through the model layer-major ([Note:
     layer-major schedule]): `forward` on micro-batch threads, then `backward` here."""
@@ -299,7 +254,7 @@ class LayerMajorPass:
         j = self._local.index
         self._arrive(j, unit.index, unit.label)
         call = _Call(unit, args, dict(kwargs), RngState.capture(self.device),
-                     _autocast_state(self.device))
+                     autocast_state(self.device))
         r = self._arrivals[j] - 1
         self._calls[r][j] = call
         self._last[j] = call
@@ -393,7 +348,7 @@ class LayerMajorPass:
         LayerMajorFallback included) after every thread has ended."""
         losses: list[torch.Tensor | None] = [None] * self.n
         grad = torch.is_grad_enabled()
-        autocast = {t: _autocast_state(torch.device(t)) for t in ("cpu", "cuda")}
+        autocasts = {t: autocast_state(torch.device(t)) for t in ("cpu", "cuda")}
 
         def run(j: int) -> None:
             try:
@@ -405,8 +360,8 @@ class LayerMajorPass:
                     stack.enter_context(torch.set_grad_enabled(grad))
                     if self.boundary is not None:  # what glue between units saves stays put
                         stack.enter_context(_glue_hooks(self.boundary))
-                    for dev, state in autocast.items():
-                        stack.enter_context(_autocast(torch.device(dev), state))
+                    for dev, state in autocasts.items():
+                        stack.enter_context(autocast(torch.device(dev), state))
                     loss = loss_fn(micro_batches[j])
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                         raise ValueError("train_batch: loss_fn must return a scalar loss "
@@ -493,8 +448,8 @@ class LayerMajorPass:
         call.leaves.clear()
         if not pairs:
             return
-        with _rng_as(call.rng, self.device), torch.enable_grad(), \
-                _autocast(self.device, call.autocast):
+        with rng_as(call.rng, self.device), torch.enable_grad(), \
+                autocast(self.device, call.autocast):
             out = call.unit.module(*call.args, **call.kwargs)
         flat, _ = tree_flatten(out)
         outs = [flat[i] for i, _ in pairs]
