@@ -200,13 +200,13 @@ def test_a_stopped_run_gathers_nothing_to_exit(tmp_path: Path,
     """The issue saw `close()` re-gather every unit after Ctrl-C (~60 s with the model on
     NVMe): a stopped run releases its parameters without reading them back. Counted, not
     timed: gathers after the signal (the rest of the step in progress, then the exit)."""
-    from tierzero.engine import schedule
     from tierzero.engine.cli import main
     from tierzero.engine.train import loop
+    from tierzero.engine.unit import Unit
 
     gathers = {"before": 0, "after": 0}
     signalled = False
-    real_step, real_gather = loop._one_step, schedule.gather_group
+    real_step, real_gather = loop._one_step, Unit.gather
 
     def one_step(*args: Any, step: int, **kwargs: Any) -> Any:
         nonlocal signalled
@@ -216,12 +216,12 @@ def test_a_stopped_run_gathers_nothing_to_exit(tmp_path: Path,
             signalled = True
         return record
 
-    def gather(*args: Any, **kwargs: Any) -> Any:
+    def gather(unit: Unit, *args: Any, **kwargs: Any) -> Any:
         gathers["after" if signalled else "before"] += 1
-        return real_gather(*args, **kwargs)
+        return real_gather(unit, *args, **kwargs)
 
     monkeypatch.setattr(loop, "_one_step", one_step)
-    monkeypatch.setattr(schedule, "gather_group", gather)
+    monkeypatch.setattr(Unit, "gather", gather)
     (tmp_path / "swap").mkdir()
     cfg = _config(tmp_path / "c.yaml", tmp_path / "swap", steps=STEPS,
                   out_dir=str(tmp_path / "runs"))
