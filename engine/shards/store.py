@@ -70,7 +70,10 @@ class ShardStore:
         # shards/grad_precision.py)
         self.grad_dtype = grad_dtype
         self._records: dict[str, _Record] = {}
-        self._warned_low_sum = False  # use_grad_sum logged a sum at compute precision
+        # groups reduced into since their last mark (or creation), and whether a second
+        # reduction into a compute-precision shard was logged ([Note: gradient precision])
+        self._reduced: set[str] = set()
+        self._warned_low_sum = False
         # groups whose gradient shard is logically zero but not written ([Note:
         # gradients zeroed on first use])
         self._zeroed: set[str] = set()
@@ -175,7 +178,9 @@ class ShardStore:
     # -- gradients zeroed on first use ------------------------------------------------
     def mark_grads_zeroed(self, keys: Iterable[str]) -> None:
         """zero_grad(): these gradient shards are zero from now on, without a byte written."""
+        keys = list(keys)
         self._zeroed.update(keys)
+        self._reduced.difference_update(keys)
 
     def grad_zeroed(self, key: str) -> bool:
         """The gradient shard of `key` is marked zero (its bytes are stale until used)."""
@@ -187,7 +192,9 @@ class ShardStore:
         zero, so its contents are undefined (not read) and the caller writes every element
         instead of adding ([Note: gradients zeroed on first use])."""
         fresh = self.grad_zeroed(key)
-        if not fresh and self.grad_dtype != torch.float32 and not self._warned_low_sum:
+        again = key in self._reduced
+        self._reduced.add(key)
+        if again and self.grad_dtype != torch.float32 and not self._warned_low_sum:
             self._warned_low_sum = True
             log.warning(
                 "gradient of %s gets a second contribution in this step (a late gradient, "
