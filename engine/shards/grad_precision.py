@@ -13,13 +13,13 @@ for clipping's norm and the update) every step. So in exactly that case
     batch.schedule not layer_major, precision.grad_dtype auto (the default)
 
 the store keeps the `grad` class in the compute dtype, on whichever store and tier it
-lives (device, host, NVMe; offload none, cpu, nvme; every stage and schedule), and every
-reader upcasts where it uses it: the CPU Adam kernel reads bf16/fp16 gradients and
-converts each element exactly before the same fp32 arithmetic (offload/_adam_kernel.c);
-the norm and overflow measurement upcasts the shard first (precision.grad_stat); the
-torch optimizer over device-resident state gets fp32 copies for its step
-(step/device.py). An exact upcast changes no value, so the results are bit for bit those
-of fp32 gradient shards, and `tierzero plan`, memory_report() and the tier budgets count
+lives (device, host, NVMe; offload none, cpu, nvme; every stage), and every reader
+upcasts where it uses it: the CPU Adam kernel reads bf16/fp16 gradients and converts
+each element exactly before the same fp32 arithmetic (offload/_adam_kernel.c); the norm
+and overflow measurement upcasts the shard first (precision.grad_stat); the torch
+optimizer over device-resident state gets fp32 copies for its step (step/device.py). An
+exact upcast changes no value, so the results are bit for bit those of fp32 gradient
+shards, and `tierzero plan`, memory_report() and the tier budgets count
 the 2-byte shards (the tier manager's specs carry the dtype).
 
 Everywhere else the shards are fp32: with several ranks the reduce-scatter averages in
@@ -28,6 +28,11 @@ is nothing to save. The layer-major schedule sums in an fp32 buffer ([Note: laye
 schedule] in layer_major.py): with several micro-batches anyway, and even with one it
 folds the two parts of a tied weight there separately, an fp32 sum; so a layer_major
 config keeps fp32 shards (auto picks layer-major only with accumulation).
+
+The measurement's upcast is a transient fp32 copy of the shard it measures (beside the
+tiers, freed at once): torch's norm of a bf16/fp16 tensor either rounds its
+result to that dtype or, asked for fp32, makes the same copy, and a norm taken in pieces
+would sum in another order than the fp32 shard's, changing the clipped result.
 
 One exception is left inside the case: a group whose gradient gets a second
 contribution in the same step (a late gradient, [Note: late gradients] in
