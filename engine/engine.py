@@ -46,6 +46,7 @@ from tierzero.engine.shards.flat import (
     release_group,
     shard_numel,
 )
+from tierzero.engine.shards.grad_precision import grad_dtype
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.shards.tier_config import offload_wanted
 from tierzero.engine.shards.tiered import TieredShardStore
@@ -129,9 +130,11 @@ class ZeroEngine:
         # Plain device-resident shards, or the tier manager when anything is offloaded:
         # chosen once; afterwards the store says what callers may do ([Note: shard
         # residency] in shards/store.py).
-        tiered = (TieredShardStore(self.device, self.config)
+        # fp32 gradient shards, or the compute dtype's where exact ([Note: gradient precision])
+        grads = grad_dtype(self.config, self.comm.world_size)
+        tiered = (TieredShardStore(self.device, self.config, grads)
                   if offload_wanted(self.config) else None)
-        self.store: ShardStore = ShardStore(self.device) if tiered is None else tiered
+        self.store: ShardStore = ShardStore(self.device, grads) if tiered is None else tiered
         self._declare_groups(specs)
         # each unit's module tensors (or Init slices) are freed once its shards are placed:
         # back to the system before the next ([Note: returning freed host memory])
@@ -317,7 +320,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss scale);
-        gradients land, averaged over ranks, in this rank's fp32 gradient shards."""
+        gradients land, averaged over ranks, in this rank's gradient shards."""
         self._check_open()
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss; got shape {tuple(loss.shape)}")
@@ -613,6 +616,8 @@ class ZeroEngine:
             "rank": self.comm.rank,
             "world_size": self.comm.world_size,
             "shard_bytes": shards,
+            # the gradient shards' dtype ([Note: gradient precision])
+            "grad_dtype": str(self.store.grad_dtype).removeprefix("torch."),
             "shard_bytes_total": sum(shards.values()),
             "gathered_bytes": self.scheduler.gathered_bytes(),
             "gathered_peak_bytes": self.scheduler.gathered_peak_bytes,

@@ -15,8 +15,10 @@ zero, adds exactly what plain PyTorch would have accumulated.
 Handling, per backward:
 - `arrive()` records the group (per unit, the parameter's `.grad` keeps summing
   any further late parts); `take()` hands the groups to `Scheduler.end_backward`,
-  which re-reduces them into the fp32 gradient shards after the regular
-  end-of-backward reductions, units in index order, groups in unit order. The
+  which re-reduces them into the gradient shards after the regular
+  end-of-backward reductions, units in index order, groups in unit order (a shard
+  kept in the compute dtype adds the late part in that dtype: [Note: gradient
+  precision] in shards/grad_precision.py). The
   set of late groups follows from autograd's execution order, which is the same
   on every rank when the ranks run the same graph ([Note: reduction order]), so
   every rank issues the same late collectives in the same order. Clipping's norm

@@ -65,6 +65,15 @@ def _check_layout(eng: ZeroEngine, path: Path, manifest: dict[str, Any]) -> list
         raise CheckpointError(f"{path} was saved with compute dtype {manifest['compute_dtype']}"
                               f", the engine computes in {eng.dtype}; load with the same "
                               "precision.dtype")
+    partial = [g.key for g in saved if "grad" in g.kinds]
+    if partial and eng.store.grad_dtype != torch.float32:
+        # [Note: gradient precision]: a partial sum is fp32; the shards here hold the
+        # compute dtype, which would round it
+        raise CheckpointError(
+            f"{path} was saved mid-accumulation and holds partial fp32 gradients (groups "
+            f"{partial[:3]}); this engine keeps gradients in {eng.store.grad_dtype} (world "
+            "size 1, no accumulation); load it with the saved "
+            "batch.gradient_accumulation_steps, or set precision.grad_dtype: fp32")
     want = [(g.key, g.trainable, g.params) for g in mine]
     got = [(g.key, g.trainable, g.params) for g in saved]
     if want != got:

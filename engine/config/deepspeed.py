@@ -67,7 +67,7 @@ IGNORED_TOP = {
     "sparse_gradients": "not supported", "zero_allow_untested_optimizer": "only Adam(W)",
     "zero_force_ds_cpu_optimizer": "the CPU optimizer is always tierzero's",
     "communication_data_type": "communication uses the compute dtype",
-    "checkpoint": "tierzero's checkpoint format", "data_types": "grads accumulate in fp32",
+    "checkpoint": "tierzero's checkpoint format", "data_types": "see precision.grad_dtype",
     "elasticity": "not supported", "autotuning": "not supported",
     "compression_training": "not supported", "data_efficiency": "not supported",
     "curriculum_learning": "not supported", "sparse_attention": "not supported",
@@ -226,7 +226,8 @@ def _precision(data: Mapping[str, Any], out: Mapped) -> int:
                       "bf16_master_weights_and_grads", "bf16_optimizer_states"}, bf16_key)
     for ds in bf16:
         if ds != "enabled":
-            out.ignore(f"{bf16_key}.{ds}", "master weights and grads are always fp32")
+            out.ignore(f"{bf16_key}.{ds}", "master weights are fp32; gradients follow "
+                       "precision.grad_dtype")
     return 2 if dtype in ("fp16", "bf16") else 4
 
 

@@ -34,6 +34,7 @@ StatePrecision = Literal["fp32", "bf16", "int8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 Source = Literal["native", "deepspeed"]
 Schedule = Literal["auto", "layer_major", "micro_step"]
+GradDtype = Literal["auto", "fp32"]
 
 MiB = 1 << 20
 
@@ -71,6 +72,18 @@ class PrecisionConfig:
     )
     loss_scale: LossScaleConfig = field(
         default_factory=LossScaleConfig, metadata=meta("fp16 loss scaling")
+    )
+    # [Note: gradient precision] in engine/shards/grad_precision.py
+    grad_dtype: GradDtype = field(
+        default="auto",
+        metadata=meta(
+            "dtype the gradient shards are kept and moved in: auto = the compute dtype "
+            "where that is exact (world size 1, gradient_accumulation_steps 1, bf16 or "
+            "fp16, batch.schedule not layer_major: 2 B/param instead of 4, the same "
+            "results), fp32 otherwise; fp32 = "
+            "always fp32 (a gradient summed from several backward contributions in one "
+            "step, such as a late gradient, is then summed in fp32)"
+        ),
     )
 
 
@@ -281,7 +294,7 @@ class OptimizerOffloadConfig(_TierHomeConfig):
     grad_device: GradDevice = field(
         default="auto",
         metadata=meta(
-            "home of the fp32 gradient shards: cpu = host memory; nvme = swap files (a "
+            "home of the gradient shards: cpu = host memory; nvme = swap files (a "
             "gradient is accumulated in a staging-pool buffer and dropped unwritten once the "
             "optimizer step has consumed it); auto = host memory while an explicit "
             "offload.budgets.host_bytes has room for it, else nvme (with optimizer device "

@@ -378,7 +378,8 @@ def run_plan(args: argparse.Namespace) -> int:
                          state_precision=args.state_precision, grad_accum=args.grad_accum)
         placements = precision_placements(shape, machine, plans, world_size=args.world_size,
                                           precision=args.precision, nvme_path=args.nvme_path,
-                                          max_in_cpu_bytes=cache, chosen=args.state_precision)
+                                          max_in_cpu_bytes=cache, chosen=args.state_precision,
+                                          grad_accum=args.grad_accum)
     except (ConfigError, ModelError) as exc:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1

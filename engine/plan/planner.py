@@ -5,7 +5,8 @@ For each choice (none, cpu, nvme, auto):
    is given the config a run with this choice would use, budgets set to the
    machine's; each unit is declared as the engine declares it (this rank's
    shard of shard_numel(parameters, world size) elements; param in the
-   compute dtype, grad, master and moments in fp32) and finalize() runs what a
+   compute dtype, master and moments in fp32, grad in fp32 or, with one rank and no
+   accumulation, the compute dtype: [Note: gradient precision]) and finalize() runs what a
    run runs at start: the engine's homes per class (shards.tier_config.homes_from:
    with optimizer state on NVMe the gradient stays in host memory), the
    budgets, pool and prefetch windows (tier_settings, the CPU Adam's pipeline
@@ -41,6 +42,7 @@ from tierzero.engine.plan.dry_run import PHASES, DryRun, Traffic, dry_run
 from tierzero.engine.plan.host import HostPeak, init_build_bytes, predict
 from tierzero.engine.plan.shapes import ModelShape, model_shape
 from tierzero.engine.shards.flat import shard_numel
+from tierzero.engine.shards.grad_precision import grad_dtype
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.precision import compute_dtype
 from tierzero.offload import PlanError
@@ -91,7 +93,7 @@ class ChoicePlan:
 
     @property
     def grad_home(self) -> str:
-        """Tiers the fp32 gradient shards live on ("host", "nvme", "device", joined by +)."""
+        """Tiers the gradient shards live on ("host", "nvme", "device", joined by +)."""
         tiers = [t for t in TIERS if self.by_tier.get(t, {}).get("grad", 0)]
         return "+".join(tiers) if tiers else "-"
 
@@ -166,14 +168,16 @@ def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
 
 def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
                 world_size: int, precision: str, nvme_path: str | None = None,
-                max_in_cpu_bytes: int = 0, state_precision: str = "fp32") -> ChoicePlan:
+                max_in_cpu_bytes: int = 0, state_precision: str = "fp32",
+                grad_accum: int = 1) -> ChoicePlan:
     """Placement only (step 1 of the module docstring), moments sized for
-    `state_precision`."""
+    `state_precision`, gradients in the dtype a run keeps them in ([Note: gradient
+    precision]: the compute dtype's 2 bytes with one rank and `grad_accum` 1)."""
     config = engine_config(choice, machine, precision=precision, nvme_path=nvme_path,
                            unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes,
-                           state_precision=state_precision)
+                           state_precision=state_precision, grad_accum=grad_accum)
     dtype = compute_dtype(config.precision.dtype)
-    store = TieredShardStore(torch.device("meta"), config)
+    store = TieredShardStore(torch.device("meta"), config, grad_dtype(config, world_size))
     quiet = logging.getLogger("tierzero.offload")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # placement explains itself at INFO; the table says it all
@@ -319,7 +323,7 @@ def fit_host(p: ChoicePlan, shape: ModelShape, machine: Machine, **kw: Any) -> C
         lower = dataclasses.replace(machine, host_bytes=budgets["host_bytes"],
                                     device_bytes=budgets["device_bytes"])
         again = plan_choice(shape, p.choice, lower, **{
-            k: v for k, v in kw.items() if k not in ("seq_len", "micro_batch", "grad_accum")})
+            k: v for k, v in kw.items() if k not in ("seq_len", "micro_batch")})
         add_traffic(again, shape, lower, **kw)
         new_peak = None if again.host is None else (
             again.host.peak if tier == "host_bytes" else again.device_peak)
@@ -375,7 +379,7 @@ def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision:
     run use its moment bytes)."""
     plans = [plan_choice(shape, choice, machine, world_size=world_size, precision=precision,
                          nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
-                         state_precision=state_precision)
+                         state_precision=state_precision, grad_accum=grad_accum)
              for choice in CHOICES]
     if traffic:
         kw: dict[str, Any] = {

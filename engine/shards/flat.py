@@ -159,7 +159,7 @@ def add_upcast(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> PendingReduce | None:
-    """Reduce-scatter the parameters' `.grad` (mean over ranks) into the fp32 shard accumulator.
+    """Reduce-scatter the parameters' `.grad` (mean over ranks) into the gradient shard.
 
     Consumes and clears each parameter's `.grad` (a missing one counts as
     zero). With one rank the gradients are added at once (None is returned);
@@ -167,12 +167,13 @@ def reduce_group_grads(group: FlatGroup, comm: Comm, store: ShardStore) -> Pendi
     holds the result only after `wait()`. Every rank must reduce the same
     groups in the same order (see [Note: reduction order] in schedule.py).
     A shard marked zero in the store is overwritten instead ([Note: gradients zeroed
-    on first use] in shards/store.py).
+    on first use] in shards/store.py): with one rank that copy is exact also into a shard
+    kept in the compute dtype ([Note: gradient precision] in shards/grad_precision.py).
     """
     with torch.no_grad():
         if comm.world_size == 1:
             # a fresh shard is overwritten whole: its old bytes are not read from NVMe
-            with store.use_grad_sum(group.key) as (grad_shard, fresh):  # 1D fp32
+            with store.use_grad_sum(group.key) as (grad_shard, fresh):  # 1D, store.grad_dtype
                 for s in group.slots:  # back to back from offset 0 (build_group)
                     dst = grad_shard[s.offset:s.offset + s.numel]
                     g = s.param.grad
@@ -200,11 +201,12 @@ def reduce_flat_grad(group: FlatGroup, full: torch.Tensor, comm: Comm,
                      store: ShardStore) -> PendingReduce | None:
     """Reduce `full`, the group's whole gradient already summed in fp32 (1D, padded_numel,
     zero padding; layer-major accumulation, [Note: layer-major schedule] in
-    engine/layer_major.py), into the fp32 shard accumulator: as `reduce_group_grads`, with
-    `full` in place of the parameters' `.grad` (it is consumed)."""
+    engine/layer_major.py), into the gradient shard (fp32 under that schedule: [Note:
+    gradient precision]): as `reduce_group_grads`, with `full` in place of the
+    parameters' `.grad` (it is consumed)."""
     with torch.no_grad():
         if comm.world_size == 1:
-            with store.use_grad_sum(group.key) as (grad_shard, fresh):  # 1D fp32
+            with store.use_grad_sum(group.key) as (grad_shard, fresh):  # 1D, store.grad_dtype
                 src = full.to(grad_shard.device)
                 if fresh:
                     grad_shard.copy_(src)

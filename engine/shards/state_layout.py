@@ -52,7 +52,6 @@ Pieces = list[tuple[str, int, int]]  # (manager key, first element, end) of each
 # forward instead of backward (the step's totals are exact; the split between the two
 # phases is not).
 DRY_PIECES = 16
-DRY_PIECES = 16
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,10 @@ class StateLayout:
     """
 
     def __init__(self, *, streamed: bool, chunk_numel: int, state_precision: str,
-                 coarse: bool, ring: RingRequest) -> None:
+                 coarse: bool, ring: RingRequest,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         self.streamed = streamed
+        self.grad_dtype = grad_dtype  # [Note: gradient precision] in shards/grad_precision.py
         self.chunk_numel = chunk_numel if streamed else 0
         self.state_precision = state_precision
         self.coarse = coarse and self.chunk_numel > 0
@@ -169,7 +170,7 @@ class StateLayout:
             return ShardSpec(mkey, kind, numel, dtype)
         if self.compressed(kind):
             return ShardSpec(mkey, kind, moment_nbytes(numel, self.state_precision), torch.uint8)
-        return ShardSpec(mkey, kind, numel, torch.float32)
+        return ShardSpec(mkey, kind, numel, self.grad_dtype if kind == "grad" else torch.float32)
 
     # -- stored form -------------------------------------------------------------------
     def compressed(self, kind: str) -> bool:
@@ -202,7 +203,8 @@ class StateLayout:
                 if self.compressed(kind):
                     out[kind] += moment_nbytes(g.numel, self.state_precision)
                     continue
-                size = torch.finfo(g.dtype).bits // 8 if kind == "param" else 4
+                dtype = {"param": g.dtype, "grad": self.grad_dtype}.get(kind, torch.float32)
+                size = torch.finfo(dtype).bits // 8
                 out[kind] += g.numel * size
         return out
 

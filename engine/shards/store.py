@@ -18,7 +18,7 @@ Callers never test which store they hold: each store says what they may do
 the "gradient zeroed" rule itself ([Note: gradients zeroed on first use]).
 
 [Note: gradients zeroed on first use]
-zero_grad() does not write zeros over every fp32 gradient shard (a memset of every
+zero_grad() does not write zeros over every gradient shard (a memset of every
 gradient would sit on the step's critical path, which plain PyTorch's set-to-None does
 not pay): it marks each group's gradient shard zero here (`mark_grads_zeroed`), and the
 store turns the mark into zeros when the shard is first used, so callers keep no rule:
@@ -38,6 +38,7 @@ Every zero written this way is one the eager memset would have written; none is 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ from tierzero.offload.state_codec import StoredLayout
 if TYPE_CHECKING:
     from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Record:
@@ -61,10 +64,17 @@ class _Record:
 class ShardStore:
     """Owns every shard tensor of this rank, keyed by flat-group name."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, grad_dtype: torch.dtype = torch.float32) -> None:
         self.device = device
+        # fp32, or the compute dtype where that is exact ([Note: gradient precision] in
+        # shards/grad_precision.py)
+        self.grad_dtype = grad_dtype
         self._records: dict[str, _Record] = {}
-        # groups whose fp32 gradient shard is logically zero but not written ([Note:
+        # groups reduced into since their last mark (or creation), and whether a second
+        # reduction into a compute-precision shard was logged ([Note: gradient precision])
+        self._reduced: set[str] = set()
+        self._warned_low_sum = False
+        # groups whose gradient shard is logically zero but not written ([Note:
         # gradients zeroed on first use])
         self._zeroed: set[str] = set()
 
@@ -86,7 +96,8 @@ class ShardStore:
                 device=self.device, dtype=torch.float32, copy=True)
             tensors["master"] = master
             for kind in (c for c in OPTIMIZER_CLASSES if c != "master"):  # zeros
-                tensors[kind] = torch.zeros(n, dtype=torch.float32, device=self.device)
+                dtype = self.grad_dtype if kind == "grad" else torch.float32
+                tensors[kind] = torch.zeros(n, dtype=dtype, device=self.device)
         self._records[key] = _Record(n, tensors)
 
     def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
@@ -170,7 +181,9 @@ class ShardStore:
     # -- gradients zeroed on first use ------------------------------------------------
     def mark_grads_zeroed(self, keys: Iterable[str]) -> None:
         """zero_grad(): these gradient shards are zero from now on, without a byte written."""
+        keys = list(keys)
         self._zeroed.update(keys)
+        self._reduced.difference_update(keys)
 
     def grad_zeroed(self, key: str) -> bool:
         """The gradient shard of `key` is marked zero (its bytes are stale until used)."""
@@ -182,6 +195,15 @@ class ShardStore:
         zero, so its contents are undefined (not read) and the caller writes every element
         instead of adding ([Note: gradients zeroed on first use])."""
         fresh = self.grad_zeroed(key)
+        again = key in self._reduced
+        self._reduced.add(key)
+        if again and self.grad_dtype != torch.float32 and not self._warned_low_sum:
+            self._warned_low_sum = True
+            log.warning(
+                "gradient of %s gets a second contribution in this step (a late gradient, "
+                "or backward() twice before step()); it is added in %s, the dtype its "
+                "shard is kept in ([Note: gradient precision]); set precision.grad_dtype: "
+                "fp32 to sum in fp32", key, str(self.grad_dtype).removeprefix("torch."))
         with self.use(key, "grad", writable=True, overwrite=fresh) as t:
             yield t, fresh
 

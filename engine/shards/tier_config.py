@@ -44,10 +44,12 @@ def homes_from(config: Config) -> dict[TensorClass, OffloadDevice]:
 
 
 # [Note: gradient home]
-# The fp32 gradient shard (4 B/param) is written by the reduction of every micro-step and
-# read by the optimizer step (and by clipping's norm, fp16's overflow check). Where it is
-# homed, offload.optimizer.grad_device:
-#   cpu   host memory, for the whole run: 4 B/param of RSS (160 GB for a 40B model).
+# The gradient shard (4 B/param in fp32; 2 in the compute dtype with one rank and no
+# accumulation, [Note: gradient precision] in shards/grad_precision.py) is written by the
+# reduction of every micro-step and read by the optimizer step (and by clipping's norm,
+# fp16's overflow check). Where it is homed, offload.optimizer.grad_device:
+#   cpu   host memory, for the whole run: 4 (or 2) B/param of RSS (160 GB for a 40B model
+#         in fp32).
 #   nvme  a swap-file region. The reduction fills a host cache of it in the NVMe staging
 #         pool (no read: the first reduction after zero_grad overwrites the shard, [Note:
 #         gradients zeroed on first use] in shards/store.py); under pool pressure a dirty
@@ -68,7 +70,7 @@ def homes_from(config: Config) -> dict[TensorClass, OffloadDevice]:
 #         places it (host first, then NVMe).
 # memory_report()["tiers"]["grad_home"] and the step log show where the gradients went.
 def grad_home(config: Config) -> OffloadDevice:
-    """Home of the fp32 gradient shards ([Note: gradient home])."""
+    """Home of the gradient shards ([Note: gradient home])."""
     opt = config.offload.optimizer
     if opt.grad_device != "auto":
         return opt.grad_device
@@ -137,7 +139,8 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     # are sized for them, and a larger optimizer shard on those rare paths takes a span
     # of adjacent buffers ([Note: pool spans] in offload/pool.py). With param on NVMe the
     # buffers are sized for it and an fp32 gradient on NVMe (twice a bf16 param) takes a
-    # span: buffers sized for gradients would double the pool for every gathered param.
+    # span: buffers sized for gradients would double the pool for every gathered param (a
+    # gradient kept in the compute dtype, [Note: gradient precision], fits one buffer).
     params_nvme = homes["param"] in ("nvme", "auto")
     nvme_buffers = [c.buffer_count if c is p else 2
                     for c, d in ((p, homes["param"]), (o, homes["master"]))

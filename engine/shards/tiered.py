@@ -50,8 +50,9 @@ class TieredShardStore(ShardStore):
     device-homed optimizer state.
     """
 
-    def __init__(self, device: torch.device, config: Config) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device, config: Config,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(device, grad_dtype)
         self.config = config
         self.homes = tier_config.homes_from(config)
         self._added: set[str] = set()
@@ -66,7 +67,7 @@ class TieredShardStore(ShardStore):
             state_precision=tier_config.state_precision(config, self.homes),
             # a dry run (tierzero plan, on meta) counts bytes: [Note: dry-run pieces]
             coarse=device.type == "meta",
-            ring=RingRequest(o.buffer_count, o.buffer_bytes))
+            ring=RingRequest(o.buffer_count, o.buffer_bytes), grad_dtype=grad_dtype)
 
     @property
     def keeps_views(self) -> bool:
@@ -163,6 +164,8 @@ class TieredShardStore(ShardStore):
         zeros = torch.zeros_like(pend.init)
         for kind in OPTIMIZER_CLASSES:
             src = pend.init if kind == "master" else zeros
+            if kind == "grad":  # [Note: gradient precision] in shards/grad_precision.py
+                src = src.to(self.grad_dtype)
             for mkey, lo, hi in self.layout.pieces(key, kind):
                 if self.layout.compressed(kind):  # all-zero bytes decode to zero moments
                     mgr.place(mkey, torch.zeros(moment_nbytes(hi - lo, self.state_precision),
@@ -366,7 +369,7 @@ class TieredShardStore(ShardStore):
             by_tier[plan.homes[key]] = by_tier.get(plan.homes[key], 0) + spec.nbytes
         grads = homes.get("grad", {})
         return {"homes": homes,
-                # where the fp32 gradient shards live ([Note: gradient home]): host, nvme,
+                # where the gradient shards live ([Note: gradient home]): host, nvme,
                 # or "host+nvme" when the host budget kept only some in host memory
                 "grad_home": "+".join(t for t in ("device", "host", "nvme") if grads.get(t))
                              or None,

@@ -1,7 +1,8 @@
 """The seam between the engine and whatever updates the fp32 master shards.
 
 The engine hands the optimizer one fp32 master tensor per trainable flat
-group and, before each step, points its `.grad` at the fp32 gradient shard.
+group and, before each step, points its `.grad` at the gradient shard (an fp32 copy of
+one kept at compute precision, [Note: gradient precision]).
 Adam-family optimizers get their `exp_avg` / `exp_avg_sq` pre-seeded from the
 shard store, so optimizer state lives where the store puts it ([Note: shard
 residency]). Any `torch.optim.Optimizer` over flat tensors fits here:
@@ -95,12 +96,18 @@ def build_optimizer(
 
 
 def run_step(
-    opt: torch.optim.Optimizer, store: ShardStore, keys: Sequence[str]
+    opt: torch.optim.Optimizer, store: ShardStore, keys: Sequence[str], grad_scale: float = 1.0
 ) -> None:
-    """One optimizer step over the masters, then param <- master."""
+    """One optimizer step over the masters (gradients times `grad_scale`), then param <-
+    master. A gradient shard kept at compute precision is handed to the optimizer as an
+    fp32 copy for the step ([Note: gradient precision] in shards/grad_precision.py): the
+    shard itself is scaled where it is fp32, the copy where it is not, the same values."""
     masters = [store.tensor(k, "master") for k in keys]
     for k, m in zip(keys, masters, strict=True):
-        m.grad = store.tensor(k, "grad")
+        grad = store.tensor(k, "grad")
+        m.grad = grad if grad.dtype == m.dtype else grad.to(m.dtype)
+        if grad_scale != 1.0:
+            m.grad.mul_(grad_scale)
     try:
         opt.step()
     finally:
@@ -153,10 +160,7 @@ class DeviceStep:
         del redo  # nothing is measured during backward
 
     def finish(self, grad_scale: float) -> None:
-        if grad_scale != 1.0:
-            for k in self._keys:
-                self._store.tensor(k, "grad").mul_(grad_scale)
-        run_step(self.optimizer, self._store, self._keys)
+        run_step(self.optimizer, self._store, self._keys, grad_scale)
 
     def gradients_zeroed(self) -> None:
         """Nothing measured to forget."""

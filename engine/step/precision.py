@@ -118,7 +118,10 @@ def grad_stat(store: ShardStore, key: str) -> GradStat:
     with store.use(key, "grad") as g:
         if g.is_meta:  # a dry run (tierzero plan): no values; ZeroEngine._clip reports none
             return GradStat(0.0, True)
-        norm = float(torch.linalg.vector_norm(g).double().cpu())
+        # a shard kept at compute precision is upcast first: the same fp32 norm, bit for
+        # bit, as of its fp32 form ([Note: gradient precision] in shards/grad_precision.py)
+        g32 = g if g.dtype == torch.float32 else g.float()
+        norm = float(torch.linalg.vector_norm(g32).double().cpu())
         finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
     return GradStat(norm * norm, finite)
 

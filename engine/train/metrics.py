@@ -60,7 +60,7 @@ class StepRecord:
     # host_to_nvme, host_to_device, device_to_host; all 0 without offloading)
     moved_bytes: dict[str, int]
     io_stall_s: float  # any thread blocked on a tier transfer it needed (fetch, room)
-    # where the fp32 gradient shards live: "host", "nvme", "host+nvme" (None: not offloaded)
+    # where the gradient shards live: "host", "nvme", "host+nvme" (None: not offloaded)
     grad_home: str | None = None
 
     def as_json(self) -> dict[str, Any]:

@@ -136,7 +136,9 @@ def test_memory_report_is_element_arithmetic() -> None:
     per_unit.append(sum(n for k, n in sizes.items() if not k.startswith("blocks.")))
     padded = [-(-n // SHARD_ALIGN) * SHARD_ALIGN for n in per_unit]  # world size 1
     assert rep["shard_bytes"]["param"] == 2 * sum(padded)
-    for kind in ("master", "grad", "exp_avg", "exp_avg_sq"):
+    # one rank, no accumulation: the gradient shards are bf16 ([Note: gradient precision])
+    assert rep["shard_bytes"]["grad"] == 2 * sum(padded)
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
         assert rep["shard_bytes"][kind] == 4 * sum(padded)
     assert rep["full_model_param_bytes"] == 2 * sum(per_unit)
     assert rep["gathered_bytes"] == 0

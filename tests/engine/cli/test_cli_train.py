@@ -68,8 +68,9 @@ def test_train_end_to_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
         assert row["compute_s"] + row["wait_s"] + row["optimizer_s"] == pytest.approx(
             row["step_s"], rel=1e-6)
         # Nothing is offloaded (offload none): every byte is on the device tier, and it
-        # holds at least the fp32 master, gradient and both Adam moments of every
-        # parameter (4 bytes each, world size 1).
+        # holds at least the fp32 master and both Adam moments (4 bytes each) and the bf16
+        # param and gradient (2 each: world size 1, [Note: gradient precision]) of every
+        # parameter.
         assert row["tier_bytes"]["host"] == row["tier_bytes"]["nvme"] == 0
         assert row["tier_peak_bytes"]["device"] >= row["tier_bytes"]["device"] >= 4 * 4 * n_params
         assert row["nvme_read_bytes"] >= 0 and row["nvme_written_bytes"] >= 0
