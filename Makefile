@@ -32,11 +32,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 unit: setup
-	$(BIN)/pytest -q -m "not long"
-
-# The scale checks `make test` leaves out to stay within 10 minutes on 2 cores.
-test-long: setup
-	$(BIN)/pytest -q -m long
+	$(BIN)/pytest -q
 
 test: lint typecheck unit
 

@@ -70,7 +70,7 @@ INIT_NO_SETTINGS_IMPORTED_BOUND = {"bf16": 0.15, "fp32": 0.2}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp32", marks=pytest.mark.long)])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_init_onto_nvme_with_no_settings(tmp_path: Path, precision: str) -> None:
     r = run_memory_child("ckpt_init_memory_child.py", tmp_path, BLOCKS, DIM, "none", "none",
                          "defaults", precision)

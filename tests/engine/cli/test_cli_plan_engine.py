@@ -170,7 +170,7 @@ def test_world_size_two_halves_every_shard(tmp_path: Path) -> None:
     assert two["cpu"].traffic.grads_to_host == 4 * two["cpu"].adam_params
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_70b_llama_plans_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Placement and the engine's dry run for every choice of a 70B Llama (80 layers) on
     one 80 GB GPU with 512 GB of RAM, on this CPU-only machine."""

@@ -55,7 +55,7 @@ def llama2_70b(tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_70b_on_24gb_device_128gb_host_recommends_a_config_below_the_host(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Llama-2-70B's shape on a 24 GB GPU with 128 GB of RAM and 4 TB of NVMe: before, the
