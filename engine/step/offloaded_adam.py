@@ -3,8 +3,9 @@
 `OffloadedAdam` is the `torch.optim.Optimizer` that `initialize()` returns in
 that case. Its one param group carries the hyper-parameters (so the lr
 schedule and user code change `lr` as usual); its "params" are size-0 handles,
-one per trainable flat group, because the fp32 masters, moments and gradients
-live in the tier manager, not in tensors it could hold. When the state is
+one per trainable flat group, because the fp32 masters, the moments and the gradients
+(fp32, or the compute dtype where that is exact: [Note: gradient precision]) live in the
+tier manager, not in tensors it could hold. When the state is
 homed off the host (NVMe, or placed by the planner) `step()` runs an
 `offload.AdamStream` over every group ([Note: streamed optimizer step]): each
 shard's state is read once into a host ring (offload.optimizer.buffer_count x
