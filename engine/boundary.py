@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
     from tierzero.engine.engine import ZeroEngine
@@ -121,7 +122,10 @@ class BoundaryStore:
         default_factory=lambda: {"device": {}, "host": {}})
     _bytes: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "nvme": 0})
     _counter: int = 0  # swap keys made
-    _warned: bool = False
+
+    def __post_init__(self) -> None:
+        # the most any earlier pass held beyond the rooms: a pass warns only past it
+        self._over_before = self.stats.over_room_bytes
 
     # -- forward (on the running micro-batch thread) ------------------------------------
     def track(self, leaf: torch.Tensor) -> None:
@@ -175,11 +179,8 @@ class BoundaryStore:
         once when the rooms are exceeded with nothing left to move."""
         self.stats.stayed += sum(1 for e in self._entries.values() if not e.movable)
         rooms = self.rooms
-        over = max(0, self._bytes["host"] - rooms.host) if rooms.host is not None else 0
-        if rooms.separate_host and rooms.device is not None:
-            over += max(0, self._bytes["device"] - rooms.device)
-        if over and not self._warned:
-            self._warned = True
+        over = self._over()
+        if over > self._over_before:  # once per run, unless a later pass holds more
             log.warning("layer_major: the unit-boundary tensors exceed the room the tier "
                         "budgets leave them by %d bytes and cannot move lower (%s); they "
                         "stay where they are", over,
@@ -312,14 +313,18 @@ class BoundaryStore:
         s.nvme_peak_bytes = max(s.nvme_peak_bytes, b["nvme"])
         s.held_peak_bytes = max(s.held_peak_bytes, b["device"] + b["host"])
 
-    def _note_over(self) -> None:
+    def _over(self) -> int:
+        """Bytes held beyond the rooms now."""
         over = 0
         rooms = self.rooms
         if rooms.separate_host and rooms.device is not None:
             over += max(0, self._bytes["device"] - rooms.device)
         if rooms.host is not None:
             over += max(0, self._bytes["host"] - rooms.host)
-        self.stats.over_room_bytes = max(self.stats.over_room_bytes, over)
+        return over
+
+    def _note_over(self) -> None:
+        self.stats.over_room_bytes = max(self.stats.over_room_bytes, self._over())
 
 
 def _need(x: _T | None) -> _T:
@@ -339,8 +344,6 @@ def _empty_data(leaf: torch.Tensor) -> None:
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     flat, _ = tree_flatten((args, kwargs))
     return [t for t in flat if isinstance(t, torch.Tensor)]
 

@@ -161,7 +161,8 @@ class GlueSaver(TinyLM):
 
 
 @pytest.mark.parametrize("cls", [Keeper, GlueSaver])
-def test_leaves_held_elsewhere_stay_put(tmp_path: Path, cls: type[TinyLM]) -> None:
+def test_leaves_held_elsewhere_stay_put(tmp_path: Path, cls: type[TinyLM],
+                                        caplog: pytest.LogCaptureFixture) -> None:
     """GlueSaver's gain is one weight used once per block: layer-major sums its uses in
     fp32 where micro-steps add them in the compute dtype first, so that model runs in fp32
     and is held to the fp32 summation-order bounds (test_layer_major.py)."""
@@ -179,6 +180,9 @@ def test_leaves_held_elsewhere_stay_put(tmp_path: Path, cls: type[TinyLM]) -> No
     assert b["to_nvme_bytes"] == 0  # none could move: each had another holder
     assert b["stayed"] == STEPS * GAS * 4
     assert b["over_room_bytes"] > 0
+    # said once for the run, not once per pass (STEPS passes held the same bytes)
+    said = [r for r in caplog.records if "cannot move lower" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
 
 
 def test_a_read_of_a_parked_leaf_fails_loudly() -> None:
