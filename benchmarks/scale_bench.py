@@ -691,6 +691,9 @@ def main() -> None:
     if args.ds_sub_group_size < 0:
         ap.error(f"--ds-sub-group-size {args.ds_sub_group_size}: allowed: elements > 0, "
                  "or 0 for DeepSpeed's default")
+    if args.ds_param_buffers < 0:
+        ap.error(f"--ds-param-buffers {args.ds_param_buffers}: allowed: buffers > 0, or 0 "
+                 "for DeepSpeed's default")
     if args.child_max_rss <= 0:
         ap.error(f"--child-max-rss {args.child_max_rss}: allowed: a byte count > 0")
 
