@@ -96,7 +96,7 @@ def main() -> None:
         return t2 - t0
 
     def drain(eng: Any) -> None:
-        eng.optimizer.drain()  # the deferred update of the block's last step, untimed
+        eng.step_driver.drain()  # the deferred update of the block's last step, untimed
 
     for eng in engines.values():
         for _ in range(args.warmup):

@@ -52,8 +52,8 @@ from tierzero.engine.shards.tier_config import offload_wanted
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.device import DeviceStep, OptimizerFactory, build_optimizer
 from tierzero.engine.step.lr_schedules import build_scheduler
-from tierzero.engine.step.offloaded import OffloadedStep
-from tierzero.engine.step.offloaded_adam import OffloadedAdam, threads_per_rank
+from tierzero.engine.step.offloaded import OffloadedStep, threads_per_rank
+from tierzero.engine.step.offloaded_adam import OffloadedAdam
 from tierzero.engine.step.precision import LossScaler, compute_dtype, grad_stat
 from tierzero.engine.unit import Unit
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
@@ -210,13 +210,15 @@ class ZeroEngine:
             order = StepOrder.backward_guess(
                 self._train_keys, [[g.key for g in u.groups] for u in self.units[:-1]],
                 [g.key for g in self.root.groups])
-            adam = OffloadedAdam(
-                tiered, self._train_keys, adamw=o.type == "adamw", lr=o.lr, betas=o.betas,
-                eps=o.eps, weight_decay=o.weight_decay,
-                threads=threads_per_rank(self.comm.world_size),
-                buffer_bytes=tiered.layout.ring_bytes(), order=order)
-            return adam, OffloadedStep(adam, self.scheduler, self.config,
-                                       fp16=self.dtype == torch.float16)
+            adam = OffloadedAdam(self._train_keys, adamw=o.type == "adamw", lr=o.lr,
+                                 betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+            driver: StepDriver = OffloadedStep(
+                tiered, adam, order, threads=threads_per_rank(self.comm.world_size),
+                buffer_bytes=tiered.layout.ring_bytes(),
+                overlap=self.config.offload.optimizer.overlap_step,
+                fp16=self.dtype == torch.float16, clipping=self.config.gradient_clipping > 0)
+            self.scheduler.subscribe(driver)
+            return adam, driver
         opt = build_optimizer(factory, self.store, self._train_keys)
         return opt, DeviceStep(opt, self.store, self._train_keys)
 
@@ -523,7 +525,8 @@ class ZeroEngine:
             self.zero_grad()
             return
         self.nonfinite_steps_in_row = 0
-        self.step_driver.finish(unscale * coef)
+        self.step_driver.finish(unscale * coef, next_forward=self.scheduler.forward_keys(),
+                                seen=self.scheduler.final_order)
         self.lr_scheduler.step()
         self.zero_grad()  # also waits for any optimizer thread (settle)
         self.scheduler.after_step()  # [Note: persistent units after the step] in schedule.py

@@ -137,11 +137,15 @@ class Scheduler:
         self._slot_of = {id(s.param): s for u in units for g in u.groups for s in g.slots}
 
     def subscribe(self, driver: StepDriver) -> None:
-        """The optimizer-step driver listens from now on (once, when the engine is built)."""
+        """The optimizer-step driver listens from now on (once, when the engine is built).
+        A late gradient on a group handed over is an error only where the driver updates
+        it then; where it only measures, the group is measured again ([Note: deferred
+        step])."""
         if self._driver is not None:
             raise RuntimeError("Scheduler.subscribe: an optimizer-step driver is subscribed "
                                "already; the engine chooses one when it is built")
         self._driver = driver
+        self.late.strict = driver.updates_in_backward
 
     # -- residency -------------------------------------------------------------
     def wait_updates(self, unit: Unit | None = None) -> None:

@@ -12,9 +12,9 @@ from .stream_parts import PipelineStats
 
 
 # [Note: shard updaters]
-# OffloadedAdam (engine/step/offloaded_adam.py) runs the CPU Adam update through one
-# `ShardUpdater`, chosen in its constructor from where the optimizer state lives, and
-# afterwards only calls it; it never asks which one it holds:
+# The offloaded step's driver (OffloadedStep in engine/step/offloaded.py) runs the CPU Adam
+# update through one `ShardUpdater`, chosen in its constructor from where the optimizer
+# state lives, and afterwards only calls it; it never asks which one it holds:
 #
 #     in place   state in host memory (engine/step/in_place.py InPlaceStep): the kernel
 #                runs where the state lives, on a worker thread while backward runs;
@@ -27,8 +27,9 @@ from .stream_parts import PipelineStats
 #                are reduced]) and updates in step(), after backward: no deferral.
 #
 # What a runner cannot do it says through a capability (`measures`, `defers`,
-# `has_order`) that the caller asks before relying on it; the operation itself then
-# raises TrainingStateError naming the runner, the call and the capability. Operations
+# `has_order`) that the driver reads once, when it decides its `StepMode`; the
+# operation itself raises TrainingStateError naming the runner, the call and the
+# capability. Operations
 # whose meaning holds without the capability are no-ops by definition: `settle` with no
 # worker, `wait_groups` / `drain` / `watch_deferred` with nothing deferred,
 # `forget_measured` with nothing measured, `set_order` without an order (False: nothing
@@ -62,11 +63,6 @@ class ShardUpdater(Protocol):
         """One update of every group, gradients times `grad_scale`."""
         ...
 
-    @property
-    def is_open(self) -> bool:
-        """A step is begun (`begin`) and neither finished nor aborted."""
-        ...
-
     def begin(self, hyper: AdamHyper, step: float) -> None:
         """Start a step (unscaled gradients); groups are updated as `groups_final` reports
         them, the rest by `finish`."""
@@ -77,7 +73,8 @@ class ShardUpdater(Protocol):
         ...
 
     def finish(self) -> PipelineStats:
-        """Update the groups not updated yet and close the step (a failure is raised)."""
+        """Update the groups not updated yet and close the step; a failure is raised, the
+        step closed either way."""
         ...
 
     def abort(self) -> int:

@@ -20,7 +20,8 @@ A training step, as the engine calls it:
                abandon()                      (only if backward failed)
     step       take_abandoned()               -> skip this boundary's step
                grad_stats(redo)               -> measured during backward, or None
-               finish(grad_scale)             the update (or hand it to the next forward)
+               finish(grad_scale, next_forward=, seen=)
+                                              the update (or hand it to the next forward)
     forward    settle(deferred=False)         wait_groups(keys) before each unit's gather
     zero_grad  settle(deferred=False); gradients_zeroed()
     save       watch_deferred()               a background save of a deferred update
@@ -230,6 +231,12 @@ class StepDriver(Protocol):
         ...
 
     @property
+    def updates_in_backward(self) -> bool:
+        """Groups handed over while listening on a boundary are updated then (not only
+        measured): a later gradient on one is an error ([Note: late gradients])."""
+        ...
+
+    @property
     def defers(self) -> bool:
         """The update may run during the next forward: each unit's groups are waited for
         (`wait_groups`) before the unit is gathered."""
@@ -262,8 +269,11 @@ class StepDriver(Protocol):
         again since, measured now); None when backward measured nothing."""
         ...
 
-    def finish(self, grad_scale: float) -> None:
-        """The step: gradients times `grad_scale` (unscale, clipping), over every group."""
+    def finish(self, grad_scale: float, *, next_forward: Sequence[str],
+               seen: Sequence[str]) -> None:
+        """The step: gradients times `grad_scale` (unscale, clipping), over every group.
+        next_forward: trainable group keys in the order the next forward gathers them;
+        seen: the order the last backward finalised them in."""
         ...
 
     def gradients_zeroed(self) -> None:

@@ -44,7 +44,7 @@ class DeferredHold:
     wait until `release`."""
 
     def __init__(self, eng: engine.ZeroEngine) -> None:
-        step = in_place_of(eng.optimizer)
+        step = in_place_of(eng)
         if step is None:
             raise AssertionError("DeferredHold needs the in-place CPU Adam (offload cpu)")
         self.step = step

@@ -255,16 +255,21 @@ def train_and_gather(model: nn.Module, cfg: Config, seed: int = 1) -> dict[str, 
     return {"losses": losses, "params": params}
 
 
-def in_place_of(opt: object) -> InPlaceStep | None:
-    """The in-place CPU Adam runner inside an OffloadedAdam, else None (for tests that look
-    inside it; the optimizer itself never asks which runner it holds)."""
-    runner = getattr(opt, "_runner", None)
+def runner_of(eng: object) -> object:
+    """The runner of an engine's (or a driver's) offloaded step, else None."""
+    return getattr(getattr(eng, "step_driver", eng), "runner", None)
+
+
+def in_place_of(eng: object) -> InPlaceStep | None:
+    """The in-place CPU Adam runner of an engine's offloaded step (OffloadedStep), else
+    None (for tests that look inside it; the driver never asks which runner it holds)."""
+    runner = runner_of(eng)
     return runner if isinstance(runner, InPlaceStep) else None
 
 
-def stream_of(opt: object) -> AdamStream | None:
-    """The AdamStream inside an OffloadedAdam's streamed runner, else None."""
-    runner = getattr(opt, "_runner", None)
+def stream_of(eng: object) -> AdamStream | None:
+    """The AdamStream inside an engine's (or driver's) streamed runner, else None."""
+    runner = runner_of(eng)
     return runner.stream if isinstance(runner, StreamedStep) else None
 
 

@@ -133,6 +133,10 @@ class DeviceStep:
         return False
 
     @property
+    def updates_in_backward(self) -> bool:
+        return False
+
+    @property
     def defers(self) -> bool:
         return False
 
@@ -159,7 +163,9 @@ class DeviceStep:
     def grad_stats(self, redo: set[str]) -> None:
         del redo  # nothing is measured during backward
 
-    def finish(self, grad_scale: float) -> None:
+    def finish(self, grad_scale: float, *, next_forward: Sequence[str],
+               seen: Sequence[str]) -> None:
+        del next_forward, seen  # stepped here, in one call over every shard
         run_step(self.optimizer, self._store, self._keys, grad_scale)
 
     def gradients_zeroed(self) -> None:

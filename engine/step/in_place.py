@@ -181,10 +181,6 @@ class InPlaceStep:
         return seconds
 
     # -- a step begun during backward ----------------------------------------------------
-    @property
-    def is_open(self) -> bool:
-        return self._open is not None
-
     def begin(self, hyper: AdamHyper, step: float) -> None:
         if self._closed:
             raise RuntimeError("InPlaceStep.begin() after close()")

@@ -1,35 +1,44 @@
 """OffloadedStep: the offloaded CPU Adam behind the optimizer-step seam.
 
-`OffloadedAdam` (step/offloaded_adam.py) updates the shards; `OffloadedStep` decides when
-([Note: the optimizer-step seam] in offload/step_seam.py): during backward as gradients
-turn final, after it, or during the next forward; it keeps the step's `StepState`, asks
-`StepOrder` for the order the stream updates groups in, and saves and loads the CPU
-Adam's part of a checkpoint.
+The driver of the offloaded step ([Note: the optimizer-step seam] in offload/step_seam.py):
+it holds the one runner that updates the shards (`ShardUpdater`, [Note: shard updaters] in
+offload/shard_updater.py: in place for state in host memory, streamed for state off it),
+keeps the one state of the step (`StepState`), decides when the update runs (during
+backward as gradients turn final, after it, or during the next forward), follows the
+order backward finalises groups in (`StepOrder`), and saves and loads the CPU Adam's part
+of a checkpoint. `OffloadedAdam` (step/offloaded_adam.py) is only the torch.optim face:
+the param group the lr schedule changes and the step count.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from tierzero.engine.checkpoint.layout import CheckpointError
-from tierzero.engine.config import Config
-from tierzero.engine.schedule import Scheduler
+from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.device import (
     hyper_params,
     load_hyper_params,
     load_store_moments,
     store_moments,
 )
+from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.streamed import StreamedStep
+from tierzero.offload import AdamThreads, PipelineStats
+from tierzero.offload.shard_updater import ShardUpdater
 from tierzero.offload.step_seam import (
     STEP_TRANSITIONS,
     DeferredWatch,
     GradMeasure,
     GroupState,
+    StepOrder,
     StepState,
     transition,
 )
@@ -37,49 +46,89 @@ from tierzero.offload.step_seam import (
 log = logging.getLogger(__name__)
 
 
+def threads_per_rank(world_size: int) -> int:
+    """Kernel threads for this rank: its CPUs shared by the ranks on this host (the kernel's
+    default, all CPUs, oversubscribes the cores with several ranks per host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local))
+
+
+class StepMode(enum.Enum):
+    """When the offloaded update runs, decided once from the settings and the runner."""
+
+    AFTER = enum.auto()  # in step(), after backward
+    EARLY = enum.auto()  # begun during backward, each group as its gradient turns final
+    MEASURE = enum.auto()  # backward measures each final gradient; the update in step()
+    DEFER = enum.auto()  # backward measures; the update runs during the next forward
+
+
+def step_mode(runner: ShardUpdater, *, overlap: bool, needs_every_grad: bool,
+              grads_in_host: bool) -> StepMode:
+    """overlap: offload.optimizer.overlap_step; needs_every_grad: clipping's global norm or
+    fp16's overflow check must see every gradient before any update.
+
+    The gradient norm is measured on every boundary ([Note: the gradient norm on every
+    step]): with the early step, each group right before it is handed over; else during
+    backward where the runner can measure and either runs beside backward (overlap_step)
+    or has gradients that may leave host memory. Clipping's norm or fp16's overflow check
+    then updates during the next forward ([Note: deferred step]) where the runner can."""
+    if overlap and not needs_every_grad:
+        return StepMode.EARLY
+    if not runner.measures or not (overlap or not grads_in_host):
+        return StepMode.AFTER
+    return StepMode.DEFER if overlap and runner.defers else StepMode.MEASURE
+
+
 class OffloadedStep:
     """The offloaded CPU Adam behind the step seam ([Note: the optimizer-step seam] in
-    offload/step_seam.py): `OffloadedAdam` updates the shards; this decides when.
+    offload/step_seam.py): the runner updates the shards; this decides when.
 
-    On an accumulation boundary, with nothing that needs every gradient first (clipping's
-    global norm, fp16's overflow check) and offload.optimizer.overlap_step on, the step
-    begins when backward starts and each group is updated once its gradient shard is
-    reduced (`groups_final`, from the scheduler; not a group that may still get late
-    gradients, [Note: late gradients]), while backward runs on the others: state streamed
-    from NVMe on the compute thread ([Note: streamed optimizer step]), state in host memory
-    in place on one worker thread ([Note: in-place early step]). `finish()` does the rest.
-    `lr` and the other hyper-parameters are taken when backward starts. With clipping or
-    fp16 the gradients are measured during backward; state updated in place is then
-    updated during the next forward ([Note: deferred step]), streamed state in step(),
-    after backward ([Note: gradients measured where they are reduced] in step/streamed.py).
+    EARLY (offload.optimizer.overlap_step on, nothing that needs every gradient first):
+    on an accumulation boundary the step begins when backward starts and each group is
+    updated once its gradient shard is reduced (`groups_final`, from the scheduler; not a
+    group that may still get late gradients, [Note: late gradients]), while backward runs
+    on the others: state streamed from NVMe on the compute thread ([Note: streamed
+    optimizer step]), state in host memory in place on one worker thread ([Note: in-place
+    early step]). `finish()` does the rest. `lr` and the other hyper-parameters are taken
+    when backward starts. With clipping or fp16 (MEASURE, DEFER) the gradients are
+    measured during backward; state updated in place is then updated during the next
+    forward ([Note: deferred step]), streamed state in step(), after backward ([Note:
+    gradients measured where they are reduced] in step/streamed.py).
     """
 
-    def __init__(self, optimizer: OffloadedAdam, scheduler: Scheduler, config: Config, *,
-                 fp16: bool) -> None:
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        # both runners of the update can begin during backward ([Note: shard updaters])
-        overlap = config.offload.optimizer.overlap_step
-        needs_every_grad = config.gradient_clipping > 0 or fp16
-        self.enabled = overlap and not needs_every_grad
-        # The gradient norm is measured on every boundary ([Note: the gradient norm on every
-        # step]): with the early step, each group right before it is handed over; else
-        # during backward in a measuring pass where the runner can measure and either runs
-        # beside backward (overlap_step) or has gradients that may leave host memory.
-        # Clipping's norm or fp16's overflow check then updates during the next forward
-        # ([Note: deferred step]) where the runner can (in place); the streamed step
-        # updates in step(), after backward.
-        self.measures = optimizer.can_measure and not self.enabled and (
-            overlap or not optimizer.grads_in_host)
-        self.measures_early = self.enabled and optimizer.can_measure
-        self.defers = self.measures and overlap and optimizer.can_defer
-        if self.measures:
-            # nothing is updated during backward: a late gradient only makes its group's
-            # measurement stale (measured again in step(), Scheduler.reissued)
-            scheduler.late.strict = False
+    def __init__(self, store: TieredShardStore, face: OffloadedAdam, order: StepOrder, *,
+                 threads: int, buffer_bytes: int, overlap: bool, fp16: bool,
+                 clipping: bool) -> None:
+        """order: the streamed step's group order ([Note: step order learned from
+        backward]); threads: kernel threads (threads_per_rank); buffer_bytes: the stream's
+        host ring (StateLayout.ring_bytes()); overlap: offload.optimizer.overlap_step."""
+        if store.manager is None:
+            raise RuntimeError("OffloadedStep needs a finalized TieredShardStore")
+        self.optimizer = face
+        self.store = store
+        self.order = order
+        keys = face.keys
+        dtype = store.param_dtype(keys[0]) if keys else torch.float32
+        # With fp32 compute the kernel's low-precision shadow does not apply: param is
+        # the master itself (written from it).
+        shadow = dtype if dtype in (torch.bfloat16, torch.float16) else None
+        self._threads = AdamThreads(threads)
+        # The one runner of the update ([Note: shard updaters]): optimizer state homed in
+        # host memory is updated in place; on NVMe (or placed by the planner) it streams
+        # through the buffer sets, allocated once for the run.
+        self.runner: ShardUpdater
+        if store.state_in_host():
+            self.runner = InPlaceStep(store, keys, shadow=shadow, threads=self._threads)
+        else:
+            self.runner = StreamedStep(store, keys, order=order.keys,
+                                       buffer_bytes=buffer_bytes, shadow=shadow,
+                                       threads=self._threads)
+        self.mode = step_mode(self.runner, overlap=overlap, needs_every_grad=clipping or fp16,
+                              grads_in_host=store.homes["grad"] == "cpu")
+        # the early step also measures each group right before it updates it
+        self._measures_early = self.mode is StepMode.EARLY and self.runner.measures
         self.state = StepState.IDLE  # checked transitions: STEP_TRANSITIONS
-        self.total = len(optimizer.param_groups[0]["params"])
-        scheduler.subscribe(self)
+        self.last_stats: PipelineStats | None = None
 
     def _to(self, new: StepState, call: str) -> None:
         self.state = transition(
@@ -92,61 +141,84 @@ class OffloadedStep:
         return self.state in (StepState.MEASURING, StepState.OPEN)
 
     @property
+    def updates_in_backward(self) -> bool:
+        return self.mode is StepMode.EARLY
+
+    @property
+    def defers(self) -> bool:
+        return self.mode is StepMode.DEFER
+
+    @property
     def step_open(self) -> bool:
         return self.state is StepState.OPEN
 
     @property
     def step_order(self) -> list[str]:
-        return self.optimizer.step_order
+        return self.runner.order
 
     def begin(self, *, boundary: bool) -> None:
-        if self.measures:
+        if self.mode in (StepMode.MEASURE, StepMode.DEFER):
             if boundary:
                 self._to(StepState.MEASURING, "backward() on an accumulation boundary")
-                self.optimizer.begin_measure()
+                self.runner.begin_measure()
             else:
                 if self.state is StepState.MEASURING:
                     self._to(StepState.IDLE, "backward() within an accumulation")
-                self.optimizer.forget_measured()  # the gradients change again
+                self.runner.forget_measured()  # the gradients change again
             return
-        if not (self.enabled and boundary):
+        if not (self.mode is StepMode.EARLY and boundary):
             return
         self._to(StepState.OPEN, "backward() on an accumulation boundary")
-        self.optimizer.begin_step()
-        if self.measures_early:
-            self.optimizer.begin_measure()
+        self.runner.begin(self.optimizer.hyper(), float(self.optimizer.steps + 1))
+        self.optimizer.count_step()
+        if self._measures_early:
+            self.runner.begin_measure()
 
     def groups_final(self, keys: Sequence[str]) -> None:
         if self.state is StepState.MEASURING:
-            self.optimizer.measure(keys)
+            self.runner.measure(keys)
             return
-        if self.measures_early:
+        if self._measures_early:
             # before the update: the streamed step consumes a gradient it has used
-            self.optimizer.measure(keys)
-        self.optimizer.groups_final(keys)
+            self.runner.measure(keys)
+        self.runner.groups_final(keys)
 
     def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure] | None:
         """The gradients measured during this boundary's backward (consumed), or None. In
         an open step the groups not handed over are measured here, before finish()
         updates them."""
-        if self.state is StepState.OPEN and self.measures_early:
-            return self.optimizer.grad_stats(redo)
+        if self.state is StepState.OPEN and self._measures_early:
+            return self.runner.grad_stats(redo)
         if self.state is not StepState.MEASURING:
             return None
         self._to(StepState.IDLE, "step()")
-        return self.optimizer.grad_stats(redo)
+        return self.runner.grad_stats(redo)
 
-    def finish(self, grad_scale: float) -> None:
-        """Unscale and clip folded into the CPU Adam's one pass over the gradients."""
-        if self.defers:
-            self.optimizer.step(grad_scale=grad_scale, defer=self.scheduler.forward_keys())
+    def finish(self, grad_scale: float, *, next_forward: Sequence[str],
+               seen: Sequence[str]) -> None:
+        """The step, unscale and clip folded into the CPU Adam's one pass over the
+        gradients (`grad_scale`). next_forward: trainable group keys in the order the next
+        forward gathers them (a deferred update runs in it); seen: the order the last
+        backward finalised them in ([Note: step order learned from backward])."""
+        self._settle_deferred()  # a deferred update of the last step runs to the end first
+        face = self.optimizer
+        if self.mode is StepMode.DEFER:
+            self.runner.defer(face.hyper(), float(face.steps + 1), grad_scale, next_forward)
+            face.count_step()
             return
-        try:
-            self.optimizer.step(grad_scale=grad_scale)
-        finally:
-            if self.state is StepState.OPEN and not self.optimizer.step_open:
+        if self.state is StepState.OPEN:
+            if grad_scale != 1.0:
+                raise RuntimeError("OffloadedStep: a step begun during backward cannot scale "
+                                   "its gradients (clipping / fp16 disable the early step)")
+            try:
+                self.last_stats = self.runner.finish()
+            finally:
                 self._to(StepState.IDLE, "step()")  # finished, or failed and closed
-        self._follow_backward_order()
+        else:
+            hyper = face.hyper()
+            face.count_step()
+            self.last_stats = self.runner.run_all(hyper, float(face.steps), grad_scale)
+        self._follow_backward_order(seen)
 
     def abandon(self) -> None:
         """Backward failed with a step begun early: groups updated so far keep their update
@@ -155,15 +227,15 @@ class OffloadedStep:
         was updated, and step() measures what the gradients hold then."""
         if self.state is StepState.MEASURING:
             self._to(StepState.IDLE, "abandon()")
-            self.optimizer.forget_measured()
+            self.runner.forget_measured()
         if self.state is StepState.OPEN:
-            if self.measures_early:
-                self.optimizer.forget_measured()
-            done = self.optimizer.abort_step()
+            if self._measures_early:
+                self.runner.forget_measured()
+            done = self.runner.abort()
             self._to(StepState.ABANDONED, "abandon()")
             log.error("backward failed after the optimizer step had updated %d of %d "
                       "parameter groups (overlap_step); those keep their update, the step "
-                      "of this boundary is skipped", done, self.total)
+                      "of this boundary is skipped", done, len(self.optimizer.keys))
 
     def take_abandoned(self) -> bool:
         if self.state is not StepState.ABANDONED:
@@ -176,38 +248,66 @@ class OffloadedStep:
             self.abandon()  # measured gradients are gone: step() measures zeros
 
     def settle(self, *, deferred: bool = True) -> None:
-        self.optimizer.settle(deferred=deferred)
+        """No optimizer thread is updating a shard after this (with `deferred` False, an
+        update deferred into the next forward may go on, each group waited for before its
+        gather)."""
+        self.runner.settle()
+        if deferred:
+            self._settle_deferred()
 
     def wait_groups(self, keys: Sequence[str]) -> None:
-        self.optimizer.wait_groups(keys)
+        """These groups' deferred updates have run (a failure is raised here)."""
+        done = self.runner.wait_groups(keys)
+        if done is not None:
+            self.last_stats = done
 
     def drain(self) -> None:
-        self.optimizer.drain()
+        """Every deferred update has run (a failure is raised here)."""
+        self._settle_deferred()
+
+    def _settle_deferred(self) -> None:
+        done = self.runner.drain()
+        if done is not None:
+            self.last_stats = done
+
+    def flush(self) -> None:
+        """Wait for the optimizer's writes still in flight (a failure is raised here)."""
+        self.runner.flush()
 
     def watch_deferred(self) -> DeferredWatch | None:
-        return self.optimizer.watch_deferred()
+        return self.runner.watch_deferred()
 
     def worker_times(self) -> tuple[float, float]:
-        return self.optimizer.worker_times()
+        """(seconds the optimizer's worker thread ran, of which hidden under compute),
+        cumulative (OverlapClock in engine/step/worker_time.py); (0, 0) for the streamed
+        step, which updates shards on the training thread."""
+        return self.runner.worker_times()
 
     def stats(self) -> dict[str, Any] | None:
-        return self.optimizer.stats()
+        s = self.last_stats
+        if s is None:
+            return None
+        return {"shards": s.shards, "total_s": s.total_s, "compute_s": s.compute_s,
+                "fetch_wait_s": s.fetch_wait_s, "store_wait_s": s.store_wait_s,
+                "buffer_bytes": s.buffer_bytes}
 
     def close(self) -> None:
-        self.optimizer.close()
+        try:
+            self.runner.close()
+        finally:
+            self._threads.close()
 
     # -- checkpoints ([Note: the optimizer-step seam]) -----------------------------------
     # The CPU Adam keeps no per-tensor torch state: its moments are the store's shards
-    # (streamed from their tiers when saved and loaded) and its step count is one integer,
-    # saved in the same form as torch's AdamW ({"step": {"tensor": n, "dtype":
-    # "torch.float32"}} per group), so a checkpoint of either loads into the other.
+    # (streamed from their tiers when saved and loaded) and its step count is the face's
+    # (OffloadedAdam.step_scalars: torch AdamW's form, so a checkpoint of either loads
+    # into the other).
     def state_dict(self) -> dict[str, Any]:
-        store = self.optimizer.store
-        step = {"tensor": float(self.optimizer.steps), "dtype": str(torch.float32)}
-        return {"param_groups": hyper_params(self.optimizer),
-                "state": {key: GroupState(shards=store_moments(store, key),
-                                          scalars={"step": dict(step)})
-                          for key in self.optimizer.keys}}
+        face = self.optimizer
+        return {"param_groups": hyper_params(face),
+                "state": {key: GroupState(shards=store_moments(self.store, key),
+                                          scalars=face.step_scalars())
+                          for key in face.keys}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved_groups = state["param_groups"]
@@ -219,7 +319,6 @@ class OffloadedStep:
                                       "nvme) does not implement; load with offload.optimizer."
                                       "device 'none'")
         groups: Mapping[str, GroupState] = state["state"]
-        steps: dict[str, int] = {}
         for key, group in groups.items():  # checked before anything changes
             unknown = sorted({*group.scalars, *group.tensors} - {"step"})
             if unknown:
@@ -228,22 +327,15 @@ class OffloadedStep:
                     "CPU Adam (offload.optimizer.device cpu/nvme); it was saved by another "
                     "optimizer type: load with offload.optimizer.device 'none' and that "
                     "optimizer")
-            value = group.scalars.get("step", 0)
-            step = float(value["tensor"] if isinstance(value, dict) else value)
-            if step != int(step) or step < 0:
-                raise CheckpointError(f"optimizer step {step} of group {key!r} is not a count")
-            steps[key] = int(step)
-        if len(set(steps.values())) > 1:
-            raise CheckpointError(f"optimizer groups were saved at different steps {steps}; "
-                                  "the engine's CPU Adam keeps one step count for every group")
+        steps = OffloadedAdam.saved_steps({k: g.scalars for k, g in groups.items()})
         for key, group in groups.items():
-            load_store_moments(self.optimizer.store, key, group)  # one shard at a time
-        self.optimizer.steps = next(iter(steps.values()), 0)
+            load_store_moments(self.store, key, group)  # one shard at a time
+        self.optimizer.load_steps(steps)
         load_hyper_params(self.optimizer, saved_groups, known_only=True)
 
-    def _follow_backward_order(self) -> None:
+    def _follow_backward_order(self, seen: Sequence[str]) -> None:
         """After a step: the order decides on the last backward's final order ([Note: step
-        order learned from backward] in offload/step_seam.py); the stream applies it."""
-        seen = self.scheduler.final_order  # trainable groups only (Scheduler._issue)
-        if self.optimizer.order.learn(seen) and self.optimizer.apply_step_order():
+        order learned from backward] in offload/step_seam.py); the runner applies it (the
+        streamed step's changes drain it once; state updated in place has no order)."""
+        if self.order.learn(seen) and self.runner.set_order(self.order.keys):
             log.debug("optimizer step order follows backward: %s ... %s", seen[:2], seen[-2:])

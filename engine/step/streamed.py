@@ -1,7 +1,7 @@
 """The CPU Adam step on optimizer state homed off the host: offload.AdamStream by group key.
 
 `StreamedStep` is the `ShardUpdater` ([Note: shard updaters] in offload/shard_updater.py)
-that OffloadedAdam holds when the state is on NVMe (or placed by the planner): it builds
+that OffloadedStep holds when the state is on NVMe (or placed by the planner): it builds
 the one `AdamStream` of the run from the store's keys and pieces and speaks of group keys
 where the stream speaks of shard positions. The stream updates on the caller's thread,
 in a step order. It does not defer the update into the next forward ([Note: deferred
@@ -23,7 +23,8 @@ from tierzero.offload.shard_updater import unsupported
 from tierzero.offload.step_seam import DeferredWatch, GradMeasure
 
 _NAME = "the streamed optimizer step (optimizer state off the host)"
-_FIX = ("ask the capability first (OffloadedAdam.can_defer): with optimizer state off the "
+_FIX = ("ask the capability first (OffloadedStep's step_mode reads `defers`): with optimizer "
+        "state off the "
         "host, the update runs in step(), after backward")
 
 
@@ -85,10 +86,6 @@ class StreamedStep:
         the store writes the zeros of those zero_grad() marked first (a step with no
         backward since; [Note: gradients zeroed on first use] in shards/store.py)."""
         self._store.write_zeroed_grads(self._keys)
-
-    @property
-    def is_open(self) -> bool:
-        return self.stream.is_open
 
     def begin(self, hyper: AdamHyper, step: float) -> None:
         self.stream.begin(hyper, step)

@@ -75,11 +75,11 @@ def test_order_follows_backward_after_the_first_step(tmp_path: Path, clip: float
         assert isinstance(opt, OffloadedAdam)
         head, emb = group_of(eng, "head.weight"), group_of(eng, "emb.weight")
         assert head != emb  # the root is cut into pieces
-        before = opt.step_order
+        before = eng.step_driver.step_order
         assert before.index(head) > before.index(emb) > before.index(
             group_of(eng, "blocks.0.up.weight"))  # root last, as constructed
         losses = train_steps(eng, data[:1])
-        after = opt.step_order
+        after = eng.step_driver.step_order
         blocks = [group_of(eng, f"blocks.{i}.up.weight") for i in (2, 1, 0)]
         assert [k for k in after if k in blocks] == blocks  # last block first
         # the head's pieces (weight, bias; the final norm's) before every block, the
@@ -90,7 +90,7 @@ def test_order_follows_backward_after_the_first_step(tmp_path: Path, clip: float
         assert after[-1] == emb, after
         assert after == eng.scheduler.final_order
         losses += train_steps(eng, data[1:])
-        assert opt.step_order == after  # stable: no further change
+        assert eng.step_driver.step_order == after  # stable: no further change
         got = full_params(eng, model)
     finally:
         eng.close()
@@ -104,14 +104,14 @@ def test_learned_order_changes_nothing_but_the_order(tmp_path: Path,
     runs = []
     for pinned in (False, True):
         if pinned:
-            monkeypatch.setattr(OffloadedStep, "_follow_backward_order", lambda self: None)
+            monkeypatch.setattr(OffloadedStep, "_follow_backward_order", lambda self, seen: None)
         model = big_root_model()
         (tmp_path / str(pinned)).mkdir()
-        eng, opt, _, _ = engine.initialize(device="cpu", model=model,
-                                           config=nvme_config(tmp_path / str(pinned)))
+        eng, _, _, _ = engine.initialize(device="cpu", model=model,
+                                         config=nvme_config(tmp_path / str(pinned)))
         try:
             train_steps(eng, data)
-            runs.append((opt.step_order, full_params(eng, model)))
+            runs.append((eng.step_driver.step_order, full_params(eng, model)))
         finally:
             eng.close()
     (learned, p_learned), (pinned_order, p_pinned) = runs
@@ -127,8 +127,8 @@ def test_tied_embedding_and_head_is_final_last(tmp_path: Path) -> None:
     try:
         train_steps(eng, batches(2))
         assert isinstance(opt, OffloadedAdam)
-        assert opt.step_order[-1] == group_of(eng, "emb.weight")
-        assert opt.step_order[0] == group_of(eng, "head.bias")
+        assert eng.step_driver.step_order[-1] == group_of(eng, "emb.weight")
+        assert eng.step_driver.step_order[0] == group_of(eng, "head.bias")
     finally:
         eng.close()
 
@@ -141,18 +141,17 @@ def test_a_new_order_is_taken_only_when_two_steps_agree(tmp_path: Path) -> None:
     try:
         assert isinstance(opt, OffloadedAdam)
         train_steps(eng, batches(1))
-        learned = opt.step_order
+        driver = eng.step_driver
+        assert isinstance(driver, OffloadedStep)
+        learned = driver.step_order
         other = list(reversed(learned))
-        eng.scheduler.final_order = other
-        eng.step_driver._follow_backward_order()
-        assert opt.step_order == learned  # seen once: kept
-        eng.scheduler.final_order = learned
-        eng.step_driver._follow_backward_order()
-        eng.scheduler.final_order = other
-        eng.step_driver._follow_backward_order()
-        assert opt.step_order == learned  # alternating: kept
-        eng.step_driver._follow_backward_order()
-        assert opt.step_order == other  # twice in a row: taken
+        driver._follow_backward_order(other)
+        assert driver.step_order == learned  # seen once: kept
+        driver._follow_backward_order(learned)
+        driver._follow_backward_order(other)
+        assert driver.step_order == learned  # alternating: kept
+        driver._follow_backward_order(other)
+        assert driver.step_order == other  # twice in a row: taken
         train_steps(eng, batches(2))  # and the stream runs with it
     finally:
         eng.close()

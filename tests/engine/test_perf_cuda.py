@@ -23,7 +23,7 @@ from tierzero.engine.config.schema import (
     OptimizerOffloadConfig,
     ParamOffloadConfig,
 )
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 
 pytestmark = pytest.mark.cuda
 STEPS = 8
@@ -48,8 +48,8 @@ def test_cuda_streamed_step_matches_pytorch(params: str, overlap: bool,
                                    rtol=1e-5, atol=0)
         for k, want in ref.items():
             torch.testing.assert_close(got[k], want, rtol=0, atol=1e-4, msg=k)
-        opt = eng.optimizer
-        assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
+        opt = eng.step_driver
+        assert isinstance(opt, OffloadedStep) and stream_of(opt) is not None
         assert stream_of(opt)._ring.arena.is_pinned()  # CUDA: the ring is page-locked
         tiers = eng.memory_report()["tiers"]
         assert tiers["moved"]["nvme_to_host"] > 0 and tiers["moved"]["host_to_nvme"] > 0

@@ -39,7 +39,7 @@ from tierzero.engine.config.schema import (
     ParamOffloadConfig,
 )
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 
 
 def nvme_config(params: str, path: Path, precision: str = "bf16") -> Config:
@@ -52,8 +52,8 @@ def nvme_config(params: str, path: Path, precision: str = "bf16") -> Config:
 
 def nvme_moved(eng: ZeroEngine) -> tuple[int, int]:
     """(read, written) NVMe bytes so far, once the optimizer's transfers have landed."""
-    opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
+    opt = eng.step_driver
+    assert isinstance(opt, OffloadedStep) and stream_of(opt) is not None
     stream_of(opt).wait_idle()  # the next step's read-ahead included: counts are exact
     tiers = eng.memory_report()["tiers"]
     assert isinstance(tiers, dict)
@@ -76,10 +76,10 @@ def test_state_crosses_nvme_once_per_step(params: str, precision: str,
         shards = eng.store.nbytes()
         state = shards["master"] + shards["exp_avg"] + shards["exp_avg_sq"]
         p16 = shards["param"] if params == "nvme" else 0
-        opt = eng.optimizer
-        assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
-        kept = sum(eng.store.numel(opt._keys[i]) * eng.store.param_dtype(
-            opt._keys[i]).itemsize for i in stream_of(opt).kept)
+        opt = eng.step_driver
+        assert isinstance(opt, OffloadedStep) and stream_of(opt) is not None
+        kept = sum(eng.store.numel(opt.optimizer.keys[i]) * eng.store.param_dtype(
+            opt.optimizer.keys[i]).itemsize for i in stream_of(opt).kept)
         assert kept < p16 or params == "none"
         counts = []
         for ids, tg in make_batches(4):
@@ -110,8 +110,8 @@ def test_deferred_write_back_is_seen_by_the_next_gather(tmp_path: Path,
         monkeypatch.setattr(swap, "SwapStore", real)
         losses, deferred = [], 0
         try:
-            opt = eng.optimizer
-            assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
+            opt = eng.step_driver
+            assert isinstance(opt, OffloadedStep) and stream_of(opt) is not None
             for ids, tg in batches:
                 loss = eng(ids, tg)
                 eng.backward(loss)
@@ -161,10 +161,11 @@ def test_step_during_backward_is_bit_identical_and_matches_pytorch(gas: int,
 
 
 def test_units_are_updated_inside_backward(tmp_path: Path) -> None:
-    eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(),
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
                                        config=overlap_config(tmp_path, gas=1, overlap=True))
+    opt = eng.step_driver
     try:
-        assert isinstance(opt, OffloadedAdam) and stream_of(opt) is not None
+        assert isinstance(opt, OffloadedStep) and stream_of(opt) is not None
         seen: list[int] = []
         real = opt.groups_final
 
@@ -198,7 +199,8 @@ def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
         config = dataclasses.replace(config, offload=OffloadConfig(
             params=ParamOffloadConfig(device="cpu"),
             optimizer=OptimizerOffloadConfig(device="cpu", overlap_step=True)))
-    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=config)
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=config)
+    opt = eng.step_driver
     try:
         before = full_params(eng, model)
         fail = {"on": True}
@@ -211,7 +213,7 @@ def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
         ids, tg = make_batches(1)[0]
         with pytest.raises(RuntimeError, match="injected backward failure"):
             eng.backward(eng(ids, tg))
-        assert isinstance(opt, OffloadedAdam) and not opt.step_open
+        assert isinstance(opt, OffloadedStep) and not opt.step_open
         eng.step()  # skipped: some units already took this step's update
         assert eng.skipped_steps == 1 and not opt.step_open
         after = full_params(eng, model)

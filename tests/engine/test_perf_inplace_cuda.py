@@ -20,7 +20,7 @@ from test_engine_cuda import _engine, _reference
 
 from tierzero.engine.config import Config
 from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 
 pytestmark = pytest.mark.cuda
 STEPS = 6
@@ -32,7 +32,7 @@ def _config(params: str, overlap: bool, precision: str = "fp32", gas: int = 2) -
         optimizer=OptimizerOffloadConfig(device="cpu", overlap_step=overlap)))
 
 
-def _record_threads(opt: OffloadedAdam) -> set[str]:
+def _record_threads(opt: OffloadedStep) -> set[str]:
     """Names of the threads the in-place kernel runs on from now on."""
     step = in_place_of(opt)
     assert step is not None
@@ -56,8 +56,8 @@ def test_cuda_in_place_step_during_backward_is_exact(params: str) -> None:
     for overlap in (True, False):
         losses, got, eng = _engine(_config(params, overlap), batches)
         try:
-            opt = eng.optimizer
-            assert isinstance(opt, OffloadedAdam) and in_place_of(opt) is not None
+            opt = eng.step_driver
+            assert isinstance(opt, OffloadedStep) and in_place_of(opt) is not None
             if overlap:
                 names = _record_threads(opt)
                 ids, tg = batches[0]

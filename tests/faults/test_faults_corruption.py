@@ -55,7 +55,7 @@ def test_bit_flip_in_a_swap_file_is_an_error_naming_file_and_key(tmp_path: Path)
         # the step's writes may still be in flight (pipeline_write) and a read-ahead may
         # already hold the next step's state: after flush() the newest region of each key
         # on disk is the one the next step reads
-        eng.optimizer.flush()
+        eng.step_driver.flush()
         (swap_file,) = tmp_path.rglob("*.swp")
         regions = _live_regions(swap_file)
         masters = sorted(k for k in regions if "master" in k)

@@ -136,8 +136,8 @@ def _run(tmp_path: Path, keep: bool, monkeypatch: pytest.MonkeyPatch) -> dict[st
                     "optimizer": {"device": "nvme", "path": str(swap)}}})
     torch.manual_seed(0)
     model = TinyLM(3, 128)
-    eng, opt, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
-    kept = stream_of(opt).kept if stream_of(opt) is not None else frozenset()
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    kept = stream_of(eng).kept if stream_of(eng) is not None else frozenset()
     losses, reads = [], []
     for ids, tg in make_batches(5):
         r0 = param_read[0]

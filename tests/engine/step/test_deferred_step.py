@@ -50,7 +50,7 @@ from tierzero.engine.config.schema import (
 )
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.step.in_place import InPlaceStep, OverlapClock
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 from tierzero.engine.unit import Unit
 
 
@@ -68,8 +68,8 @@ def cpu_config(*, overlap: bool, clip: float = 0.0, gas: int = 1, precision: str
 
 
 def in_place(eng: ZeroEngine) -> InPlaceStep:
-    opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam) and in_place_of(opt) is not None
+    opt = eng.step_driver
+    assert isinstance(opt, OffloadedStep) and in_place_of(opt) is not None
     return in_place_of(opt)
 
 

@@ -22,15 +22,15 @@ from torch import nn
 
 from tierzero import engine
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 
 STEPS = 5
 
 
 def _spy_handed(eng: ZeroEngine) -> list[tuple[int, str]]:
     """(micro-step, group key) of every group given to the early step, in order."""
-    opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam)
+    opt = eng.step_driver
+    assert isinstance(opt, OffloadedStep)
     seen: list[tuple[int, str]] = []
     real = opt.groups_final
 
@@ -93,7 +93,8 @@ def test_unannounced_late_gradient_on_a_handed_group_raises(offload: str,
     embedding weight) and handed over before the lookup's gradient arrives."""
     cfg = shared_config(clip=0.0, offload=offload, path=tmp_path, overlap_step=True)
     model = _root_segment_model()
-    eng, opt, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    opt = eng.step_driver
     try:
         handed = _spy_handed(eng)
         ids, tg = make_batches(1)[0]
@@ -103,7 +104,7 @@ def test_unannounced_late_gradient_on_a_handed_group_raises(offload: str,
         for part in ("'emb.weight'", "unit '<root>'", "'<root>/float32/trainable'",
                      "overlap_step: false", "use_reentrant=False"):
             assert part in msg, (part, msg)
-        assert isinstance(opt, OffloadedAdam) and not opt.step_open
+        assert isinstance(opt, OffloadedStep) and not opt.step_open
         eng.step()  # this boundary's step is skipped
         assert eng.skipped_steps == 1 and eng.global_steps == 0
         assert ("<root>/float32/trainable") in {k for _, k in handed}

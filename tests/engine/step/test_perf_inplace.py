@@ -39,7 +39,7 @@ from tierzero.engine.config import Config
 from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.step.in_place import InPlaceStep, threads_during_backward
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -54,8 +54,8 @@ def cpu_config(*, overlap: bool, gas: int = 1, params: str = "cpu", precision: s
 
 
 def in_place(eng: ZeroEngine) -> InPlaceStep:
-    opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam) and in_place_of(opt) is not None
+    opt = eng.step_driver
+    assert isinstance(opt, OffloadedStep) and in_place_of(opt) is not None
     return in_place_of(opt)
 
 
@@ -84,8 +84,9 @@ def test_units_are_updated_on_the_worker_while_backward_runs(
     """The worker is slowed (50 ms per group): backward returns with groups still queued,
     so they really ran beside it; every unit's groups ran on the worker thread, only the
     root (reduced at the very end of backward, also handed over) may finish in step()."""
-    eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(),
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
                                        config=cpu_config(overlap=True))
+    opt = eng.step_driver
     try:
         step = in_place(eng)
         threads: dict[str, str] = {}
@@ -99,7 +100,7 @@ def test_units_are_updated_on_the_worker_while_backward_runs(
         monkeypatch.setattr(step, "update", slow)
         ids, tg = make_batches(1)[0]
         eng.backward(eng(ids, tg))
-        assert isinstance(opt, OffloadedAdam) and opt.step_open
+        assert isinstance(opt, OffloadedStep) and opt.step_open
         assert len(step._done) < len(eng._train_keys)  # the worker is still busy
         assert step._submitted == set(eng._train_keys)  # every unit was handed over
         eng.step()
@@ -128,7 +129,7 @@ def test_worker_failure_reaches_step_naming_the_group(monkeypatch: pytest.Monkey
         eng.backward(eng(ids, tg))
         with pytest.raises(RuntimeError, match=f"shard group '{bad}'.*injected kernel"):
             eng.step()
-        assert not step.is_open
+        assert not eng.step_driver.step_open
         monkeypatch.setattr(step, "update", real)
         eng.zero_grad()
         for ids, tg in make_batches(2):  # training goes on
@@ -170,11 +171,12 @@ def test_zero_grad_forward_and_checkpoints_wait_for_or_refuse_the_open_step(
 def test_no_update_during_backward_with_clipping_or_fp16() -> None:
     for cfg in (cpu_config(overlap=True, clip=1.0), cpu_config(overlap=True,
                                                                 precision="fp16")):
-        eng, opt, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+        opt = eng.step_driver
         try:
             ids, tg = make_batches(1)[0]
             eng.backward(eng(ids, tg))
-            assert isinstance(opt, OffloadedAdam) and not opt.step_open
+            assert isinstance(opt, OffloadedStep) and not opt.step_open
             eng.step()
         finally:
             eng.close()
@@ -268,19 +270,19 @@ def big_root_model() -> torch.nn.Module:
 def test_root_groups_final_early_are_handed_over_during_backward() -> None:
     steps, gas = 4, 2
     batches = make_batches(steps * gas)
-    eng, opt, _, _ = engine.initialize(device="cpu", model=big_root_model(),
-                                       config=cpu_config(overlap=True, gas=gas))
+    eng, _, _, _ = engine.initialize(device="cpu", model=big_root_model(),
+                                     config=cpu_config(overlap=True, gas=gas))
     try:
         root = eng.root
         assert sum(g.trainable for g in root.groups) >= 2, [g.key for g in root.groups]
         order: list[str] = []
-        real = opt.groups_final  # type: ignore[union-attr]
+        real = eng.step_driver.groups_final
 
         def spy(keys: list[str]) -> None:
             order.extend(keys)
             real(keys)
 
-        opt.groups_final = spy  # type: ignore[method-assign, union-attr]
+        eng.step_driver.groups_final = spy  # type: ignore[method-assign]
         for ids, tg in batches[:gas]:
             eng.backward(eng(ids, tg))
             eng.step()

@@ -17,6 +17,7 @@ from tierzero import engine
 from tierzero.engine.config.schema import OffloadConfig, OptimizerOffloadConfig
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.step.in_place import InPlaceStep
+from tierzero.engine.step.offloaded import OffloadedStep, StepMode, step_mode
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
 from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload import AdamHyper, step_seam
@@ -74,9 +75,9 @@ def in_place(tmp_path: Path) -> Iterator[ZeroEngine]:
 
 
 def _runner(eng: ZeroEngine) -> ShardUpdater:
-    opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam)
-    return opt._runner
+    driver = eng.step_driver
+    assert isinstance(driver, OffloadedStep)
+    return driver.runner
 
 
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
@@ -86,13 +87,11 @@ def test_the_stream_measures_and_refuses_deferral_by_name(streamed: ZeroEngine) 
     runner = _runner(streamed)
     assert isinstance(runner, StreamedStep)
     assert (runner.measures, runner.defers, runner.has_order) == (True, False, True)
-    opt = streamed.optimizer
-    assert isinstance(opt, OffloadedAdam) and opt.can_measure and not opt.can_defer
     keys = streamed._train_keys
     with pytest.raises(TrainingStateError) as err:
         runner.defer(HYPER, 1.0, 1.0, keys)
     msg = str(err.value)
-    for part in ("streamed optimizer step", "defer()", "`defers`", "can_defer"):
+    for part in ("streamed optimizer step", "defer()", "`defers`", "step_mode"):
         assert part in msg, (part, msg)
     # what holds without the capability is a no-op: nothing deferred, or on a worker
     runner.settle()
@@ -108,12 +107,22 @@ def test_the_stream_measures_and_refuses_deferral_by_name(streamed: ZeroEngine) 
 
 def test_a_refused_deferral_leaves_the_step_count_and_training_alone(
         streamed: ZeroEngine) -> None:
-    opt = streamed.optimizer
-    assert isinstance(opt, OffloadedAdam) and not opt.can_defer
-    with pytest.raises(TrainingStateError, match=r"defer\(\).*`defers`"):
-        opt.step(defer=streamed._train_keys)
-    assert opt.steps == 0
+    """A driver told to defer (its mode forced: step_mode never chooses DEFER for a runner
+    without `defers`) has the runner refuse by name in step(); nothing is counted, and the
+    next step in the mode step_mode chose trains as before."""
+    opt, driver = streamed.optimizer, streamed.step_driver
+    assert isinstance(opt, OffloadedAdam) and isinstance(driver, OffloadedStep)
+    chosen = driver.mode
+    assert chosen is not StepMode.DEFER
+    driver.mode = StepMode.DEFER
     ids, tg = make_batches(1)[0]
+    streamed.backward(streamed(ids, tg))
+    with pytest.raises(TrainingStateError, match=r"defer\(\).*`defers`"):
+        streamed.step()
+    assert opt.steps == 0 and streamed.global_steps == 0
+    driver.mode = chosen
+    streamed.zero_grad()
+    ids, tg = make_batches(2)[1]
     streamed.backward(streamed(ids, tg))
     streamed.step()
     assert opt.steps == 1 and streamed.global_steps == 1
@@ -135,6 +144,38 @@ def test_the_stream_takes_an_order_and_the_in_place_step_has_none(
     assert runner.order == keys
     assert not runner.set_order(list(reversed(keys))) and runner.order == keys
     runner.flush()  # no write in flight: updates write their shards before they return
-    opt = in_place.optimizer
-    assert isinstance(opt, OffloadedAdam) and opt.can_defer and opt.can_measure
-    assert opt.step_order == keys and not opt.apply_step_order()
+    assert in_place.step_driver.step_order == keys
+
+
+@pytest.mark.parametrize(("overlap", "every_grad", "grads_in_host", "measures", "defers", "want"), [
+    (True, False, True, True, True, StepMode.EARLY),  # begun during backward
+    (True, False, False, False, False, StepMode.EARLY),
+    (True, True, True, True, True, StepMode.DEFER),  # clipping / fp16, in place
+    (True, True, True, True, False, StepMode.MEASURE),  # clipping / fp16, streamed
+    (False, True, False, True, True, StepMode.MEASURE),  # gradients may leave host memory
+    (False, True, True, True, True, StepMode.AFTER),  # nothing beside backward pays
+    (True, True, True, False, False, StepMode.AFTER),  # a runner that cannot measure
+])
+def test_the_step_mode_follows_the_settings_and_the_runners_capabilities(  # noqa: PLR0917
+        overlap: bool, every_grad: bool, grads_in_host: bool, measures: bool, defers: bool,
+        want: StepMode) -> None:
+    class Runner:
+        pass
+
+    runner = Runner()
+    runner.measures, runner.defers = measures, defers  # type: ignore[attr-defined]
+    assert step_mode(runner, overlap=overlap, needs_every_grad=every_grad,  # type: ignore[arg-type]
+                     grads_in_host=grads_in_host) is want
+
+
+def test_the_optimizer_face_is_stepped_by_the_engine_only(streamed: ZeroEngine) -> None:
+    """OffloadedAdam is the torch.optim face (param group, step count): its step() names
+    the call to make; it holds no runner or driver to forward to."""
+    opt = streamed.optimizer
+    assert isinstance(opt, OffloadedAdam)
+    with pytest.raises(TrainingStateError, match=r"eng\.step\(\)"):
+        opt.step()
+    held = {type(v).__name__ for v in vars(opt).values()}
+    assert not held & {"OffloadedStep", "InPlaceStep", "StreamedStep", "AdamStream"}, held
+    opt.param_groups[0]["lr"] = 0.25  # what the lr schedule changes, the next update uses
+    assert opt.hyper().lr == 0.25 and opt.steps == 0

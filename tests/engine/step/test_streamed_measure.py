@@ -27,7 +27,7 @@ from tierzero import engine
 from tierzero.engine.config import Config
 from tierzero.engine.config.schema import LossScaleConfig, PrecisionConfig
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.offloaded import OffloadedStep
 from tierzero.engine.step.streamed import StreamedStep
 
 
@@ -45,9 +45,9 @@ def nvme_config(path: Path, *, overlap: bool, clip: float = 1.0, gas: int = 1,
 
 
 def runner(eng: ZeroEngine) -> StreamedStep:
-    opt = eng.optimizer
-    assert isinstance(opt, OffloadedAdam)
-    step = opt._runner
+    driver = eng.step_driver
+    assert isinstance(driver, OffloadedStep)
+    step = driver.runner
     assert isinstance(step, StreamedStep)
     return step
 
