@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tierzero.engine.checkpoint.layout import CheckpointError
+from tierzero.engine.config.schema import OptimizerConfig
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.device import (
     hyper_params,
@@ -51,6 +52,23 @@ def threads_per_rank(world_size: int) -> int:
     default, all CPUs, oversubscribes the cores with several ranks per host)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
     return max(1, len(os.sched_getaffinity(0)) // max(1, local))
+
+
+def offloaded_step(store: TieredShardStore, keys: Sequence[str], blocks: Sequence[Sequence[str]],
+                   root: Sequence[str], optimizer: OptimizerConfig, *, world_size: int,
+                   overlap: bool, fp16: bool, clipping: bool
+                   ) -> tuple[OffloadedAdam, OffloadedStep]:
+    """The CPU Adam's torch.optim face and its driver over the trainable groups `keys`;
+    blocks, root: the group keys of each block unit and of the root, for the first step
+    order ([Note: step order learned from backward] in offload/step_seam.py)."""
+    order = StepOrder.backward_guess(keys, blocks, root)
+    face = OffloadedAdam(keys, adamw=optimizer.type == "adamw", lr=optimizer.lr,
+                         betas=optimizer.betas, eps=optimizer.eps,
+                         weight_decay=optimizer.weight_decay)
+    driver = OffloadedStep(store, face, order, threads=threads_per_rank(world_size),
+                           buffer_bytes=store.layout.ring_bytes(), overlap=overlap, fp16=fp16,
+                           clipping=clipping)
+    return face, driver
 
 
 class StepMode(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,9 @@ import torch
 from tierzero.engine.config import LossScaleConfig
 
 if TYPE_CHECKING:
+    from tierzero.engine.collectives import Comm
     from tierzero.engine.shards.store import ShardStore
+    from tierzero.offload.step_seam import GradMeasure
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,19 @@ def grad_stat(store: ShardStore, key: str) -> GradStat:
         norm = float(torch.linalg.vector_norm(g32).double().cpu())
         finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
     return GradStat(norm * norm, finite)
+
+
+def global_grad_norm(stats: Mapping[str, GradMeasure], keys: Sequence[str], comm: Comm,
+                     device: torch.device) -> float:
+    """The L2 norm over every rank of the gradients measured in `stats`: fp32 norm per shard
+    (as torch's clip_grad_norm_ per tensor; no fp64 copy of the shard), squares summed in
+    fp64 in the fixed order `keys` (grad_stat), then over ranks."""
+    total = 0.0
+    for k in keys:
+        total += stats[k].sq_norm
+    sq = torch.tensor([total], dtype=torch.float64, device=device)
+    comm.all_reduce_sum(sq, "the squared gradient norm")
+    return math.sqrt(float(sq.item()))
 
 
 def has_overflow(grads: list[torch.Tensor]) -> bool:
