@@ -158,7 +158,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     opt_s: list[float] = []
     adam_s: list[float] = []
     hidden_s: list[float] = []  # the CPU Adam's seconds on its worker beside compute
-    moved0: dict[str, int] = {}
+    moved0: dict[str, Any] = {}
     if base == "plain":
         model.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -216,16 +216,22 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             if st is not None:
                 adam_s.append(st["compute_s"])
 
-        def report() -> dict[str, int] | None:
+        def report() -> dict[str, Any] | None:
             tiers = eng.memory_report()["tiers"]
-            return None if tiers is None else dict(tiers["moved"])
+            return None if tiers is None else {**tiers["moved"],
+                                               "by_class": tiers["moved_by_class"]}
     warm_up(one, args.warmup, fb, opt_s, adam_s)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     moved0 = report() or {}
     steps, total = timed_steps(one, args.steps)
     moved1 = report() or {}
-    per_step = {k: (moved1.get(k, 0) - moved0.get(k, 0)) / args.steps for k in moved1}
+    per_step = {k: (moved1.get(k, 0) - moved0.get(k, 0)) / args.steps for k in moved1
+                if k != "by_class"}
+    # bytes per step by direction and tensor class (the tier manager's moved_by_class)
+    by_class = {d: {c: (n - moved0.get("by_class", {}).get(d, {}).get(c, 0)) / args.steps
+                    for c, n in cls.items()}
+                for d, cls in moved1.get("by_class", {}).items()}
     import resource
 
     return {"config": args.config, "model": args.model, "params": n_params,
@@ -235,6 +241,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "hidden_s": statistics.median(hidden_s) if hidden_s else 0.0,
             "nvme_read_per_step": per_step.get("nvme_to_host", 0.0),
             "nvme_write_per_step": per_step.get("host_to_nvme", 0.0),
+            "moved_by_class_per_step": by_class,
             "peak_rss_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_rss_train": _hwm(),
             "peak_gpu_bytes": (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
