@@ -1,12 +1,14 @@
 """`meta()`: the metadata every config field carries (doc line and checks).
 
-Its own file so that sections defined outside schema.py (train.py) use the
-same helper without an import cycle.
+Its own file so that sections defined outside schema.py (zero.py, optim.py,
+batch.py, outputs.py, train.py) use the same helper without an import cycle.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
+
+MiB = 1 << 20
 
 
 def meta(

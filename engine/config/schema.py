@@ -1,8 +1,10 @@
 """The config tree: typed, frozen dataclasses, one field and one doc per knob.
 
-This file is the single source of truth for every key's name, type, default and
-allowed range. The native parser (native.py), the DeepSpeed mapping
-(deepspeed.py), `tierzero config check` and docs/config.md all read it.
+This module and the section modules it re-exports (zero.py, optim.py, batch.py,
+outputs.py, train.py) are the single source of truth for every key's name, type,
+default and allowed range. The native parser (native.py), the DeepSpeed mapping
+(deepspeed.py), `tierzero config check` and docs/config.md all read them; import
+the sections from here (or from the package), not from their modules.
 
 Each knob is a `field(default=..., metadata=meta(doc, ...))`; the metadata
 carries the doc line, numeric bounds (`ge`, `gt`, `le`), `unit="bytes"` for byte sizes
@@ -19,24 +21,37 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tierzero.engine.config import checks
+from tierzero.engine.config.batch import ActivationsConfig, BatchConfig, Schedule
 from tierzero.engine.config.errors import ConfigError
-from tierzero.engine.config.fields import meta
+from tierzero.engine.config.fields import MiB, meta
+from tierzero.engine.config.optim import (
+    OptimizerConfig,
+    OptimizerType,
+    SchedulerConfig,
+    SchedulerType,
+    WarmupShape,
+)
+from tierzero.engine.config.outputs import LoggingConfig, LogLevel, OutputsConfig
 from tierzero.engine.config.train import TrainConfig
+from tierzero.engine.config.zero import ZeroConfig
 from tierzero.offload.settings import OffloadDevice
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 GradDevice = Literal["auto", "cpu", "nvme"]
-OptimizerType = Literal["adamw", "adam"]
-SchedulerType = Literal["constant", "warmup_linear", "warmup_cosine"]
-WarmupShape = Literal["linear", "log"]
 DirectIO = Literal["auto", "on", "off"]
 StatePrecision = Literal["fp32", "bf16", "int8"]
-LogLevel = Literal["debug", "info", "warning", "error"]
 Source = Literal["native", "deepspeed"]
-Schedule = Literal["auto", "layer_major", "micro_step"]
 GradDtype = Literal["auto", "fp32"]
 
-MiB = 1 << 20
+# The sections defined in their own modules are re-exported: import any section from here.
+__all__ = [
+    "ActivationsConfig", "BatchConfig", "BudgetsConfig", "Config", "DirectIO", "Dtype",
+    "GradDevice", "GradDtype", "LogLevel", "LoggingConfig", "LossScaleConfig", "MiB",
+    "NvmeConfig", "OffloadConfig", "OptimizerConfig", "OptimizerOffloadConfig",
+    "OptimizerType", "OutputsConfig", "ParamOffloadConfig", "PrecisionConfig", "Schedule",
+    "SchedulerConfig", "SchedulerType", "Source", "StatePrecision", "TrainConfig",
+    "WarmupShape", "ZeroConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -84,123 +99,6 @@ class PrecisionConfig:
             "always fp32 (a gradient summed from several backward contributions in one "
             "step, such as a late gradient, is then summed in fp32)"
         ),
-    )
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """Partitioning and the gather/release schedule."""
-
-    stage: int = field(
-        default=3,
-        metadata=meta(
-            "0 = plain data parallel, 1 = optimizer state, 2 = + gradients, 3 = + parameters",
-            ge=0,
-            le=3,
-        ),
-    )
-    units: tuple[str, ...] = field(
-        default=(),
-        metadata=meta(
-            "module class names gathered as one unit; empty = the model's _no_split_modules, "
-            "else the size rule (unit_min_bytes)"
-        ),
-    )
-    unit_min_bytes: int = field(
-        default=16 * MiB,
-        metadata=meta(
-            "size rule: smallest submodules holding at least this many parameter bytes",
-            gt=0,
-            unit="bytes",
-        ),
-    )
-    # [Note: units and rank divergence] in engine/units.py: why these exist.
-    leaf_modules: tuple[str, ...] = field(
-        default=(),
-        metadata=meta(
-            "module class names never split across units: each is one whole unit (or lies "
-            "inside one), whatever the unit rule; adds to auto_leaf_moe's"
-        ),
-    )
-    auto_leaf_moe: bool = field(
-        default=True,
-        metadata=meta(
-            "keep every module with an `experts` child (the mixture-of-experts blocks of "
-            "transformers models: Mixtral, Qwen2-MoE, ...) whole in one unit"
-        ),
-    )
-    check_unit_order: bool = field(
-        default=True,
-        metadata=meta(
-            "check with the other ranks before each collective that all are at the same "
-            "unit; a difference is an error naming the units on every rank"
-        ),
-    )
-    collective_timeout_s: float = field(
-        default=600.0,
-        metadata=meta(
-            "seconds a rank waits for a unit's gather or reduction (and the order check) "
-            "before raising an error naming the unit; NCCL collectives keep the process "
-            "group's own timeout",
-            gt=0,
-        ),
-    )
-    # The byte defaults below are DeepSpeed's element-count defaults x 2 bytes
-    # (bf16), so a native config and a converted DeepSpeed one start equal.
-    # Why a look-ahead bound: every unit fetched early holds device memory and
-    # a staging buffer until it runs; unbounded, prefetch would evict units
-    # that are needed sooner than the ones it brings in.
-    prefetch_bytes: int = field(
-        default=100_000_000,
-        metadata=meta("look-ahead bound: parameter bytes fetched ahead of use", ge=0, unit="bytes"),
-    )
-    # null: sized to the compute device ([Note: CPU compute defaults] in
-    # engine/host_defaults.py): 2 GB with CUDA; on a CPU, where gathered units are host
-    # memory, the root and persistent units plus the largest other unit.
-    max_live_bytes: int | None = field(
-        default=None,
-        metadata=meta(
-            "gathered parameter bytes resident per device before release; null: 2 GB with "
-            "CUDA, on a CPU the always-gathered units + the largest unit", ge=0, unit="bytes"
-        ),
-    )
-    # engine.Init's own bound (tierzero train builds every stage-3 model under it): HF
-    # post_init touches each parameter once more after construction, so a larger LRU
-    # saves little I/O, while every byte of it is host memory held during the build.
-    # 32 MiB keeps a ~100M-parameter build within 0.12 of its state with no settings
-    # (256 MiB was 0.2 of it; benchmarks/RESULTS.md, issue 32), at the cost of reading
-    # back from NVMe the parameters an initialiser touches after they left the LRU.
-    init_live_bytes: int = field(
-        default=32 << 20,
-        metadata=meta(
-            "full parameter bytes engine.Init keeps while a model is built (the newest "
-            "parameter is always kept, whatever its size)", ge=0, unit="bytes"
-        ),
-    )
-    persistence_threshold_bytes: int = field(
-        default=200_000,
-        metadata=meta(
-            "parameters smaller than this stay gathered (not partitioned)", ge=0, unit="bytes"
-        ),
-    )
-    max_reuse_distance_bytes: int | None = field(
-        default=None,
-        metadata=meta(
-            "a gathered unit is kept if it is reused within this many parameter bytes; "
-            "null: 2 GB with CUDA, on a CPU the largest unit's bytes",
-            ge=0,
-            unit="bytes",
-        ),
-    )
-    overlap_comm: bool = field(
-        default=True, metadata=meta("overlap gradient reduction with backward")
-    )
-    reduce_bucket_bytes: int = field(
-        default=1_000_000_000,
-        # 0 is DeepSpeed's "no bucketing" (reduce_bucket_size: 0 reduces every gradient on
-        # its own): one reduction in flight at a time (engine/schedule.py).
-        metadata=meta("bound on gradient bytes in flight in reductions behind backward; 0 = one "
-                      "reduction at a time", ge=0, unit="bytes"),
     )
 
 
@@ -381,128 +279,6 @@ class NvmeConfig:
         metadata=meta("checksum every block written and check it on read (a flipped bit in "
                       "a swap file is an error naming file and key, not a different model; "
                       "one CRC-32 pass per block, fast with isal)"),
-    )
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Adam on the CPU (offload.CPUAdam)."""
-
-    type: OptimizerType = field(
-        default="adamw", metadata=meta("adamw = decoupled weight decay, adam = L2 in the gradient")
-    )
-    lr: float = field(default=1e-3, metadata=meta("peak learning rate", gt=0))
-    betas: tuple[float, float] = field(
-        default=(0.9, 0.999), metadata=meta("moment decay rates, each in [0, 1)")
-    )
-    eps: float = field(default=1e-8, metadata=meta("added to the denominator", gt=0))
-    weight_decay: float = field(default=0.0, metadata=meta("weight decay coefficient", ge=0))
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Learning-rate schedule, stepped once per optimizer step."""
-
-    type: SchedulerType = field(
-        default="constant",
-        metadata=meta(
-            "constant = warm up then hold lr; warmup_linear / warmup_cosine = warm up then decay "
-            "to min_lr at total_steps"
-        ),
-    )
-    warmup_steps: int = field(
-        default=0, metadata=meta("steps from warmup_start_lr to optimizer.lr", ge=0)
-    )
-    warmup_shape: WarmupShape = field(
-        default="linear", metadata=meta("warm-up curve: linear or log (DeepSpeed's)")
-    )
-    warmup_start_lr: float = field(default=0.0, metadata=meta("learning rate at step 0", ge=0))
-    total_steps: int | None = field(
-        default=None, metadata=meta("last step of the decay; required by the decaying types", gt=0)
-    )
-    min_lr: float = field(default=0.0, metadata=meta("learning rate reached at total_steps", ge=0))
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """Batch sizes; global = micro x accumulation x world size (checked at initialize)."""
-
-    micro_batch_size: int | None = field(
-        default=None, metadata=meta("samples per rank per forward; null = derived, else 1", gt=0)
-    )
-    gradient_accumulation_steps: int | None = field(
-        default=None,
-        metadata=meta("micro-batches per optimizer step; null = derived, else 1", gt=0),
-    )
-    global_batch_size: int | None = field(
-        default=None,
-        metadata=meta("samples per optimizer step over all ranks; null = not checked", gt=0),
-    )
-    schedule: Schedule = field(
-        default="auto",
-        metadata=meta("how train_batch runs an accumulated step: layer_major (every "
-                      "micro-batch through each unit while it is gathered: one gather per "
-                      "unit per pass, the gradient summed in fp32 while resident), "
-                      "micro_step (forward and backward per micro-batch), auto = "
-                      "layer_major when gradient_accumulation_steps > 1 and parameters or "
-                      "gradients live below the device"),
-    )
-
-
-@dataclass(frozen=True)
-class ActivationsConfig:
-    """Activations saved for backward (the model chooses what to recompute)."""
-
-    cpu_offload: bool = field(
-        default=False,
-        metadata=meta("keep tensors saved for backward (checkpointed blocks' inputs included) "
-                      "in pinned host memory until backward, and a layer-major pass's "
-                      "unit-boundary tensors too; CUDA only, a no-op on CPU"),
-    )
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """What the engine logs."""
-
-    level: LogLevel = field(default="info", metadata=meta("log level of tierzero's loggers"))
-    progress: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata=meta("progress bars for Init onto NVMe and checkpoint save/load (rank 0); auto "
-                      "= when stderr is a terminal; env TIERZERO_PROGRESS=0/1 overrides"),
-    )
-    steps_per_print: int = field(
-        default=10, metadata=meta("log loss, lr and throughput every this many steps", gt=0)
-    )
-    wall_clock_breakdown: bool = field(
-        default=False, metadata=meta(
-            "the engine logs (rank 0, every steps_per_print optimizer steps) the step's wall "
-            "ms: forward, backward, step(), unit gathers, deferred-update waits, optimizer "
-            "time hidden under compute, I/O stalls (engine/wall_clock.py)")
-    )
-
-
-@dataclass(frozen=True)
-class OutputsConfig:
-    """Files tierzero writes: checkpoints, metrics, bench results, plots, traces."""
-
-    permissions: Literal["private", "group", "world"] = field(
-        default="private",
-        metadata=meta("who may read them: private = files 0600 and directories 0700 (like the "
-                      "swap files of the same data); group = 0640/0750; world = 0644/0755"),
-    )
-    background_save_share: float = field(
-        default=0.5,
-        metadata=meta("a background checkpoint's writer is busy at most this share of the wall "
-                      "time (it pauses between parts), so the training's CPU and disk come "
-                      "first; 1 = never pause", gt=0, le=1),
-    )
-    background_save_copy_bytes: int = field(
-        default=256 << 20,
-        metadata=meta("host bytes a background checkpoint may hold in copies of host- or "
-                      "device-resident state the training changes before the save has written "
-                      "it; past this the step waits for the save to write that state", ge=0,
-                      unit="bytes"),
     )
 
 
