@@ -114,12 +114,17 @@ class DryRun:
 
 
 class _Counters:
-    """Reads the DrySwap and tier manager counters; deltas between phases."""
+    """Reads the DrySwap and tier manager counters and the trace events recorded into `rec`;
+    deltas between phases."""
 
-    def __init__(self, store: TieredShardStore | None) -> None:
+    def __init__(self, store: TieredShardStore | None, rec: trace.Recorder,
+                 grad_bytes: dict[str, int]) -> None:
         self.manager: TierManager | None = store.manager if store is not None else None
         self.swap = store.swap if store is not None else None
+        self.rec = rec
+        self.grad_bytes = grad_bytes  # grad_bytes_to_host
         self.last = self._read()
+        self.mark = len(rec.events)
 
     def _read(self) -> tuple[int, int, int, int]:
         read = written = h2d = d2h = 0
@@ -131,13 +136,15 @@ class _Counters:
             h2d, d2h = moved.get("host_to_device", 0), moved.get("device_to_host", 0)
         return read, written, h2d, d2h
 
-    def delta(self, events: list[dict[str, Any]], grad_bytes: dict[str, int]) -> Traffic:
-        """Counters since the last call; `events`: the trace events of the same span."""
+    def delta(self) -> Traffic:
+        """Counters and trace events since the last call."""
         now = self._read()
         d = [a - b for a, b in zip(now, self.last, strict=True)]
         self.last = now
+        events = self.rec.events[self.mark:]
+        self.mark = len(self.rec.events)
         adam = sum(int(e.get("args", {}).get("numel", 0)) for e in events if e["cat"] == "adam")
-        grads = sum(grad_bytes.get(str(k), 0) for e in events if e["cat"] == "reduce"
+        grads = sum(self.grad_bytes.get(str(k), 0) for e in events if e["cat"] == "reduce"
                     for k in e.get("args", {}).get("groups", ()))
         return Traffic(nvme_read=d[0], nvme_written=d[1], host_to_device=d[2],
                        device_to_host=d[3], grads_to_host=grads, adam_params=adam)
@@ -220,18 +227,41 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     placement the engine runs at start), as a real run would.
     """
     config = dry_config(config, device_is_host=device_is_host)
+    built_bytes = model_bytes(module)  # before the engine re-points the parameters
+    eng = _build_engine(module, config, world_size)
+    try:
+        store = eng.store if isinstance(eng.store, TieredShardStore) else None
+        out = _placed(eng, store, built_bytes, world_size)
+        accum = config.batch.gradient_accumulation_steps or 1
+        rec = trace.Recorder(process="tierzero plan (dry run)")
+        counters = _Counters(store, rec, grad_bytes_to_host(eng))
+        with trace.recording(rec):
+            for _ in range(steps):
+                out.steps.append(_one_step(eng, out, counters, accum=accum, micro=functools.partial(
+                    micro, eng, seq_len, micro_batch)))
+        _record_peaks(eng, store, out)
+    finally:
+        eng.close()
+    return out
+
+
+def _build_engine(module: nn.Module, config: Config, world_size: int) -> ZeroEngine:
+    """The real engine on `module`, on meta, its collectives shape checks for `world_size`
+    ranks; placement and pool logging (INFO) kept quiet while it builds."""
     opt = config.optimizer
     factory = torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay)
-    accum = config.batch.gradient_accumulation_steps or 1
     quiet = logging.getLogger("tierzero.offload")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # placement and pool explain themselves at INFO
-    built_bytes = model_bytes(module)  # before the engine re-points the parameters
     try:
-        eng = ZeroEngine(module, config, factory, comm=DryComm(world_size), device=META)
+        return ZeroEngine(module, config, factory, comm=DryComm(world_size), device=META)
     finally:
         quiet.setLevel(level)
-    store = eng.store if isinstance(eng.store, TieredShardStore) else None
+
+
+def _placed(eng: ZeroEngine, store: TieredShardStore | None, built_bytes: int,
+            world_size: int) -> DryRun:
+    """The DryRun of what the engine holds after placement, before the first step."""
     out = DryRun(store.manager.plan if store is not None and store.manager else None,
                  units=len(eng.units), model_bytes=built_bytes, world_size=world_size,
                  largest_unit=max((max((g.numel for g in u.groups if g.trainable), default=0)
@@ -246,55 +276,49 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
         if store.layout.coarse and init.outside_peak:  # [Note: dry-run pieces]
             out.init_outside = store.layout.pipeline_bytes()
         out.pipeline_bytes = store.layout.pipeline_bytes()  # allocated at the first step
-    try:
-        counters = _Counters(store)
-        grad_bytes = grad_bytes_to_host(eng)
-        rec = trace.Recorder(process="tierzero plan (dry run)")
-
-        def since(mark: int) -> list[dict[str, Any]]:
-            return rec.events[mark:]
-
-        with trace.recording(rec):
-            for _ in range(steps):
-                phases = dict.fromkeys(PHASES, Traffic())
-                mark = len(rec.events)
-
-                def loss_fn(_mb: object) -> torch.Tensor:
-                    with saved_bytes() as saved:  # on this micro-batch's thread
-                        loss = micro(eng, seq_len, micro_batch)
-                    out.saved_bytes = max(out.saved_bytes, saved.nbytes)
-                    return loss
-
-                def phase_done(phases: dict[str, Traffic], name: str) -> None:
-                    nonlocal mark
-                    if name == "backward":
-                        # the in-place step begun during backward runs on a worker: what
-                        # it was handed during backward counts there, deterministically
-                        eng.step_driver.settle()
-                    if name == "optimizer" and store is not None and store.manager is not None:
-                        store.manager.synchronize()  # write-backs issued by the step land
-                    phases[name] += counters.delta(since(mark), grad_bytes)
-                    mark = len(rec.events)
-
-                # the run's own schedule (batch.schedule): per micro-step or layer-major
-                with saved_bytes() as recompute:  # layer-major: one unit's recomputation
-                    eng.train_batch([None] * accum, loss_fn,
-                                    on_phase=functools.partial(phase_done, phases))
-                # layer-major keeps every micro-batch's unit-boundary tensors and the fp32
-                # gradient sums beside one unit's recomputed activations
-                lm = eng.scheduler.layer_major_peak_bytes()
-                out.saved_bytes = max(out.saved_bytes, recompute.nbytes + lm)
-                out.steps.append(phases)
-        out.schedule = eng.schedule
-        out.gathered_peak = eng.scheduler.gathered_peak_bytes
-        if store is not None and store.manager is not None:
-            report = store.manager.memory_report()
-            out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}
-            # what the stream really took through TierManager.host_empty, at its peak;
-            # with coarse pieces its ring on meta is not a real run's ([Note: dry-run
-            # pieces] in engine/shards/state_layout.py): pipeline_bytes() above is
-            if not store.layout.coarse:
-                out.pipeline_bytes = max(out.pipeline_bytes, report.outside_peak)
-    finally:
-        eng.close()
     return out
+
+
+def _one_step(eng: ZeroEngine, out: DryRun, counters: _Counters, *, accum: int,
+              micro: Callable[[], torch.Tensor]) -> dict[str, Traffic]:
+    """One optimizer step of `accum` micro-batches; its traffic per phase. Raises
+    `out.saved_bytes` to the most this step saved for backward."""
+    phases = dict.fromkeys(PHASES, Traffic())
+
+    def loss_fn(_mb: object) -> torch.Tensor:
+        with saved_bytes() as saved:  # on this micro-batch's thread
+            loss = micro()
+        out.saved_bytes = max(out.saved_bytes, saved.nbytes)
+        return loss
+
+    def phase_done(name: str) -> None:
+        if name == "backward":
+            # the in-place step begun during backward runs on a worker: what
+            # it was handed during backward counts there, deterministically
+            eng.step_driver.settle()
+        if name == "optimizer" and counters.manager is not None:
+            counters.manager.synchronize()  # write-backs issued by the step land
+        phases[name] += counters.delta()
+
+    # the run's own schedule (batch.schedule): per micro-step or layer-major
+    with saved_bytes() as recompute:  # layer-major: one unit's recomputation
+        eng.train_batch([None] * accum, loss_fn, on_phase=phase_done)
+    # layer-major keeps every micro-batch's unit-boundary tensors and the fp32
+    # gradient sums beside one unit's recomputed activations
+    lm = eng.scheduler.layer_major_peak_bytes()
+    out.saved_bytes = max(out.saved_bytes, recompute.nbytes + lm)
+    return phases
+
+
+def _record_peaks(eng: ZeroEngine, store: TieredShardStore | None, out: DryRun) -> None:
+    """The run's schedule and peaks, after the last step."""
+    out.schedule = eng.schedule
+    out.gathered_peak = eng.scheduler.gathered_peak_bytes
+    if store is not None and store.manager is not None:
+        report = store.manager.memory_report()
+        out.peak = {t: int(report.peak.get(t, 0)) for t in TIERS}
+        # what the stream really took through TierManager.host_empty, at its peak;
+        # with coarse pieces its ring on meta is not a real run's ([Note: dry-run
+        # pieces] in engine/shards/state_layout.py): _placed's pipeline_bytes() is
+        if not store.layout.coarse:
+            out.pipeline_bytes = max(out.pipeline_bytes, report.outside_peak)
