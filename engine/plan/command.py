@@ -145,6 +145,28 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
            f"machine: device {human_bytes(machine.device_bytes)}, host "
            f"{human_bytes(machine.host_bytes)}, nvme {human_bytes(machine.nvme_bytes)}"]
     out += [f"  {n}" for n in notes]
+    out.append(_placement_table(plans, machine))
+    out.append(_traffic_table(plans, machine))
+    host = _host_peak_table(plans)
+    if host is not None:
+        out.append(host)
+    out.append(_nvme_wear_table(plans))
+    out.append(_background_save_table(plans, machine))
+    out += _precision_table(plans, placements or {}, args.state_precision)
+    out += _schedule_table(plans, machine, args.grad_accum)
+    out += _choice_lines(plans, machine)
+    out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
+               "step); peak: the tier manager's (without the CPU Adam's pipeline buffers, which "
+               "reserve/pool includes). Host peak: predicted RSS growth of the run over its "
+               "imports, the largest of its phases ([Note: plan host peak]: the model as "
+               "built, placement, the step's tiers + CPU Adam ring + activations). "
+               "Time per phase: max(NVMe, copies, CPU Adam), phases in "
+               "sequence; compute is not modelled, so real steps are at least this long")
+    return "\n".join(out)
+
+
+def _placement_table(plans: list[ChoicePlan], machine: Machine) -> str:
+    """Bytes per tensor class per tier of each choice, its peak and budget."""
     head = ["offload", "tier", *TENSOR_CLASSES, "reserve/pool", "total", "peak", "budget",
             "fits"]
     rows = [head]
@@ -161,7 +183,11 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                          human_bytes(p.overhead[tier]), human_bytes(p.total(tier)),
                          human_bytes(p.peak[tier]) if p.peak else "-",
                          human_bytes(budget), "yes" if tier == "device" else ""])
-    out.append(_table(rows))
+    return _table(rows)
+
+
+def _traffic_table(plans: list[ChoicePlan], machine: Machine) -> str:
+    """Bytes each phase of a steady-state step moves, and its predicted time."""
     rows = [["offload", "phase", "NVMe read", "NVMe written", "host->device",
              "device->host", "CPU Adam params", "time"]]
     for p in plans:
@@ -175,7 +201,11 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                          f"{t.adam_params / 1e9:.2f}B" if t.adam_params >= 1e9
                          else f"{t.adam_params / 1e6:.1f}M",
                          f"{one:.2f} s" if one is not None else "n/a (run bench)"])
-    out.append(_table(rows))
+    return _table(rows)
+
+
+def _host_peak_table(plans: list[ChoicePlan]) -> str | None:
+    """The predicted host peak of each choice and its parts; None when no choice has one."""
     rows = [["offload", "gradient home", "host peak", "at", "build", "initialize", "train",
              "of which tier mgr", "Adam ring", "gathered+activations+grads"]]
     for p in plans:
@@ -189,17 +219,22 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                      human_bytes(h["adam_pipeline"]),
                      human_bytes(h["gathered_units"] + h["saved_activations"]
                                  + h["unit_gradients"])])
-    if len(rows) > 1:
-        out.append(_table(rows))
+    return _table(rows) if len(rows) > 1 else None
+
+
+def _nvme_wear_table(plans: list[ChoicePlan]) -> str:
+    """NVMe bytes written per step and per 1,000 steps, and the predicted step time."""
     rows = [["offload", "NVMe written/step", "written/1,000 steps", "predicted step"]]
     rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
               f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
              for p in plans if p.fits]
-    out.append(_table(rows))
-    out.append(_background_save_table(plans, machine))
-    out += _precision_table(plans, placements or {}, args.state_precision)
-    out += _schedule_table(plans, machine, args.grad_accum)
-    out += [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
+    return _table(rows)
+
+
+def _choice_lines(plans: list[ChoicePlan], machine: Machine) -> list[str]:
+    """One line per choice that does not fit, had a budget lowered, is not recommended or
+    whose traffic was not counted."""
+    out = [f"{p.choice}: does not fit: {p.error}" for p in plans if not p.fits]
     out += [f"{p.choice}: host budget lowered to {human_bytes(p.host_budget)} so that its "
             f"predicted host peak ({human_bytes(p.host.peak)}) stays within the host's "
             f"{human_bytes(machine.host_bytes)} (what lives outside the tiers: CPU Adam ring, "
@@ -217,14 +252,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     out += [f"{p.choice}: traffic not counted: the engine's dry run on meta tensors failed "
             f"({p.traffic_error}); the placement above holds" for p in plans
             if p.fits and p.traffic_error]
-    out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
-               "step); peak: the tier manager's (without the CPU Adam's pipeline buffers, which "
-               "reserve/pool includes). Host peak: predicted RSS growth of the run over its "
-               "imports, the largest of its phases ([Note: plan host peak]: the model as "
-               "built, placement, the step's tiers + CPU Adam ring + activations). "
-               "Time per phase: max(NVMe, copies, CPU Adam), phases in "
-               "sequence; compute is not modelled, so real steps are at least this long")
-    return "\n".join(out)
+    return out
 
 
 NEAR_MISS = 0.25  # a choice this far (of the budget) above the machine: name the knob
