@@ -110,7 +110,9 @@ def consolidate(directory: str | Path, tag: str | None = None, *,
         src.close()
 
 
-def _plan_shards(entries: list[TensorEntry], limit: int) -> list[list[TensorEntry]]:
+def plan_shards(entries: list[TensorEntry], limit: int) -> list[list[TensorEntry]]:
+    """`entries` cut, in order, into safetensors files of at most `limit` bytes each (a
+    tensor larger than `limit` alone in its file)."""
     shards: list[list[TensorEntry]] = [[]]
     size = 0
     for e in entries:
@@ -140,7 +142,7 @@ def consolidate_to_safetensors(directory: str | Path, out: str | Path, tag: str 
     try:
         entries = [TensorEntry(it.name, src.dtype_of(it, dtype), it.shape) for it in src.items]
         items = {it.name: it for it in src.items}
-        shards = _plan_shards(entries, max_shard_bytes)
+        shards = plan_shards(entries, max_shard_bytes)
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                   for i in range(len(shards))])

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tierzero.engine.checkpoint.consolidate import DEFAULT_MAX_SHARD_BYTES, _plan_shards
+from tierzero.engine.checkpoint.consolidate import DEFAULT_MAX_SHARD_BYTES, plan_shards
 from tierzero.engine.checkpoint.io import (
     SafetensorsWriter,
     TensorEntry,
@@ -48,6 +48,7 @@ from tierzero.engine.checkpoint.save import raise_if_any_failed, shard_use
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.hf.lora import adapter_parameters, base_name, is_peft_model
 from tierzero.engine.shards.flat import FlatGroup
+from tierzero.engine.unit import Unit
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class _ShardedOut:
 
     def __init__(self, directory: Path, entries: list[TensorEntry], max_bytes: int,
                  stem: str = "model") -> None:
-        self.shards = _plan_shards(entries, max_bytes) if entries else []
+        self.shards = plan_shards(entries, max_bytes) if entries else []
         n = len(self.shards)
         self.names = ([f"{stem}.safetensors"] if n == 1 else
                       [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
@@ -186,13 +187,7 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
     an `out` that exists (exports are never overwritten) and a model without a Hugging
     Face config.
     """
-    out_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if out_dtype is None or out_dtype not in DTYPES.values():
-        raise ExportError(f"export dtype {dtype!r}; allowed: fp32, bf16")
-    if lora not in ("adapter", "merged"):
-        raise ExportError(f"export lora={lora!r}; allowed: adapter, merged")
-    if max_shard_bytes <= 0:
-        raise ExportError(f"max_shard_bytes={max_shard_bytes}; allowed: > 0")
+    out_dtype = _checked_dtype(dtype, lora, max_shard_bytes)
     module = eng.module
     wrapped = is_peft_model(module)
     adapters = adapter_parameters(module)
@@ -210,86 +205,132 @@ def export_hf(eng: ZeroEngine, out: str | Path, *, dtype: torch.dtype | str = to
 
     rank0 = eng.comm.rank == 0
     temp = final.parent / f".{final.name}.partial"
-    error: str | None = None
-    if rank0:
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if temp.exists():  # left by a killed export of this directory: ours to remove
-                shutil.rmtree(temp)
-            temp.mkdir(mode=0o700)
-        except OSError as exc:
-            error = f"cannot create {temp} ({exc})"
+    error = _make_partial_dir(final, temp) if rank0 else None
     _raise_if_any_failed(eng, error, final)
 
     merges = _merges(module) if mode == "merged" else {}
-    keep_adapters = mode == "adapter"
-    groups = [(u, g) for u in eng.units for g in u.groups if not keep_adapters or g.trainable]
-
-    def out_name(qname: str) -> str | None:
-        if keep_adapters:
-            return qname if qname in adapters else None
-        if qname in adapters:
-            return None
-        return base_name(qname, wrapped) if wrapped else qname
-
+    target = _Target(mode, adapters, wrapped, out_dtype)
+    groups = [(u, g) for u in eng.units for g in u.groups if mode != "adapter" or g.trainable]
     buffers = _buffers(module) if mode != "adapter" else {}
     entries = [TensorEntry(n, out_dtype, tuple(s.shape)) for _, g in groups for s in g.slots
-               if (n := out_name(s.qname)) is not None]
-    entries += [TensorEntry(out_name(n) or n, out_dtype if b.is_floating_point() else b.dtype,
+               if (n := target.name(s.qname)) is not None]
+    entries += [TensorEntry(target.name(n) or n,
+                            out_dtype if b.is_floating_point() else b.dtype,
                             tuple(b.shape)) for n, b in buffers.items()]
-    writer = _ShardedOut(temp, entries, max_shard_bytes) if rank0 and mode != "adapter" else None
-    kept: dict[str, torch.Tensor] = {}  # adapter mode: the adapters (small), for peft's names
-    def emit(values: dict[str, torch.Tensor]) -> None:  # rank 0: to the files, or kept
-        for qname, t in values.items():
-            name = out_name(qname)
-            if name is None:
-                continue
-            if keep_adapters:
-                kept[qname] = t.to(out_dtype)
-            elif writer is not None:
-                writer.write(name, t.to(out_dtype))
-
+    if rank0 and mode != "adapter":
+        target.writer = _ShardedOut(temp, entries, max_shard_bytes)
     try:
-        for unit in eng.units:
-            values: dict[str, torch.Tensor] = {}  # rank 0: this unit's parameters so far
-            for u, g in groups:
-                if u is not unit:
-                    continue
-                full = _gather_group(eng, g)  # (padded_numel,) collective: every rank
-                if rank0 and error is None:
-                    for s in g.slots:
-                        values[s.qname] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-                del full
-                if rank0 and error is None and not merges:  # nothing to fold: write now
-                    try:
-                        emit(values)
-                    except (OSError, ValueError) as exc:
-                        error = f"writing {temp}: {exc}"
-                    values = {}
-            if not rank0 or error is not None or not values:
-                continue
-            try:  # a merged export: the unit's adapters fold into its base weights first
-                _fold(values, merges, unit_name=unit.name)
-                emit(values)
-            except (OSError, ValueError) as exc:
-                error = f"writing {temp}: {exc}"
+        error = _stream_units(eng, groups, target, merges, temp=temp, error=error)
         if rank0 and error is None:
             try:
-                for n, b in buffers.items():
-                    if writer is not None:
-                        writer.write(out_name(n) or n, b.to(out_dtype) if b.is_floating_point()
-                                     else b)
-                _finish(temp, final, writer, kept=kept, module=module, mode=mode,
+                target.write_buffers(buffers)
+                _finish(temp, final, target.writer, kept=target.kept, module=module, mode=mode,
                         config_bytes=config_bytes, base_model=base_model,
                         tokenizer_from=tokenizer_from)
             except (OSError, ValueError) as exc:
                 error = f"writing {temp}: {exc}"
     finally:
-        if writer is not None and error is not None:
-            writer.abandon()
+        if target.writer is not None and error is not None:
+            target.writer.abandon()
     _raise_if_any_failed(eng, error, final)
     log.info("exported %s model to %s (%s)", mode, final, str(out_dtype).removeprefix("torch."))
     return final
+
+
+def _checked_dtype(dtype: torch.dtype | str, lora: str, max_shard_bytes: int) -> torch.dtype:
+    """export_hf's arguments checked; the torch dtype to write."""
+    out_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if out_dtype is None or out_dtype not in DTYPES.values():
+        raise ExportError(f"export dtype {dtype!r}; allowed: fp32, bf16")
+    if lora not in ("adapter", "merged"):
+        raise ExportError(f"export lora={lora!r}; allowed: adapter, merged")
+    if max_shard_bytes <= 0:
+        raise ExportError(f"max_shard_bytes={max_shard_bytes}; allowed: > 0")
+    return out_dtype
+
+
+def _make_partial_dir(final: Path, temp: Path) -> str | None:
+    """Rank 0: a fresh, private `temp` beside `final`; the error text when it cannot."""
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if temp.exists():  # left by a killed export of this directory: ours to remove
+            shutil.rmtree(temp)
+        temp.mkdir(mode=0o700)
+    except OSError as exc:
+        return f"cannot create {temp} ({exc})"
+    return None
+
+
+class _Target:
+    """What the export writes and under which names: every tensor in `mode` full or
+    merged, the adapters alone (kept for peft's names) in adapter mode."""
+
+    def __init__(self, mode: str, adapters: set[str], wrapped: bool,
+                 dtype: torch.dtype) -> None:
+        self.mode = mode
+        self.adapters = adapters
+        self.wrapped = wrapped
+        self.dtype = dtype
+        self.writer: _ShardedOut | None = None  # rank 0, full or merged: the files
+        self.kept: dict[str, torch.Tensor] = {}  # adapter mode: the adapters (small)
+
+    def name(self, qname: str) -> str | None:
+        """The output name of the engine's parameter `qname`; None: not exported."""
+        if self.mode == "adapter":
+            return qname if qname in self.adapters else None
+        if qname in self.adapters:
+            return None
+        return base_name(qname, self.wrapped) if self.wrapped else qname
+
+    def emit(self, values: dict[str, torch.Tensor]) -> None:
+        """Rank 0: `values` (engine names) to the files, or kept."""
+        for qname, t in values.items():
+            name = self.name(qname)
+            if name is None:
+                continue
+            if self.mode == "adapter":
+                self.kept[qname] = t.to(self.dtype)
+            elif self.writer is not None:
+                self.writer.write(name, t.to(self.dtype))
+
+    def write_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Rank 0: the persistent buffers, after the parameters (floating ones in dtype)."""
+        for n, b in buffers.items():
+            if self.writer is not None:
+                self.writer.write(self.name(n) or n,
+                                  b.to(self.dtype) if b.is_floating_point() else b)
+
+
+def _stream_units(eng: ZeroEngine, groups: list[tuple[Unit, FlatGroup]], target: _Target,
+                  merges: dict[str, _Merge], *, temp: Path, error: str | None) -> str | None:
+    """Gather `groups` unit by unit (a collective: every rank) and hand rank 0's values to
+    `target`: at once, or with `merges` after the unit's adapters are folded in. Returns
+    the first error (rank 0 keeps gathering after one, writing nothing more)."""
+    rank0 = eng.comm.rank == 0
+    for unit in eng.units:
+        values: dict[str, torch.Tensor] = {}  # rank 0: this unit's parameters so far
+        for u, g in groups:
+            if u is not unit:
+                continue
+            full = _gather_group(eng, g)  # (padded_numel,) collective: every rank
+            if rank0 and error is None:
+                for s in g.slots:
+                    values[s.qname] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+            del full
+            if rank0 and error is None and not merges:  # nothing to fold: write now
+                try:
+                    target.emit(values)
+                except (OSError, ValueError) as exc:
+                    error = f"writing {temp}: {exc}"
+                values = {}
+        if not rank0 or error is not None or not values:
+            continue
+        try:  # a merged export: the unit's adapters fold into its base weights first
+            _fold(values, merges, unit_name=unit.name)
+            target.emit(values)
+        except (OSError, ValueError) as exc:
+            error = f"writing {temp}: {exc}"
+    return error
 
 
 def _raise_if_any_failed(eng: ZeroEngine, error: str | None, final: Path) -> None:
