@@ -11,7 +11,8 @@ from tierzero.engine.train.data import (
     load_data,
     load_tokenizer,
 )
-from tierzero.engine.train.loop import TrainResult, evaluate, run, token_loss
+from tierzero.engine.train.evaluation import evaluate, token_loss
+from tierzero.engine.train.loop import TrainResult, run
 from tierzero.engine.train.metrics import StepRecord
 from tierzero.engine.train.model_source import ModelError, build_model
 from tierzero.engine.train.setup import TrainOptions

@@ -12,37 +12,36 @@ import contextlib
 import logging
 import math
 import os
-import platform
 import signal
 import time
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from tierzero import engine
 from tierzero.engine.config import Config
-from tierzero.engine.config.native import as_dict
 from tierzero.engine.config.train import TrainConfig
 from tierzero.engine.hf import apply_lora, export_hf
 from tierzero.engine.hf.export import is_hf_model
 from tierzero.engine.train import checkpoints, disk_full
 from tierzero.engine.train.bg_saves import SaveTracker
 from tierzero.engine.train.checkpoints import TrainError
-from tierzero.engine.train.data import IGNORE, Batch, Batches, load_data
+from tierzero.engine.train.data import Batch, Batches, TrainData, load_data
+from tierzero.engine.train.evaluation import eval_event, token_loss
 from tierzero.engine.train.interrupt import StopSignals
 from tierzero.engine.train.metrics import (
     DiskCounter,
     MetricsWriter,
     StepRecord,
     TierCounter,
+    end_event,
     log_line,
+    run_event,
     tier_bytes,
 )
 from tierzero.engine.train.model_source import build_model, model_dir, pretrained_dir
@@ -189,8 +188,69 @@ class _Stopped(Exception):
     """Internal: the loop stopped at a step boundary on a signal (engine already closed)."""
 
 
+@dataclass
+class _Job:
+    """What the run trains: its resolved config, data and engine, from step `start`."""
+
+    config: Config  # world size checked, run length filled
+    data: TrainData
+    eng: engine.ZeroEngine
+    n_params: int
+    start: int  # optimizer steps already done (a resumed run's)
+    rank: int
+    world: int
+
+
+@dataclass
+class _Outputs:
+    """What the run writes and where: metrics (rank 0), trace window, checkpoints, exports."""
+
+    result: TrainResult
+    window: TraceWindow
+    writer: MetricsWriter | None  # rank 0
+    disk: DiskCounter
+    moves: TierCounter
+    saves: SaveTracker  # background saves (also progress.saves, which starts them)
+    ckpt_dir: str
+    export_dir: str
+
+
 def _train(config: Config, options: TrainOptions, stop: StopSignals,
            progress: _Progress) -> TrainResult:
+    """The run composed in order: data, model, engine (_start), outputs, the step loop
+    (_steps), the end of the run (_wrap_up); the engine closed however it ends."""
+    job = _start(config, stop, progress)
+    out = _open_outputs(job, options, progress)
+    tc = job.config.train
+    try:
+        if out.writer:
+            out.writer.write(run_event(job.config, tc.model, job.n_params,
+                                       units=len(job.eng.units), world=job.world,
+                                       source=job.data.source, start_step=job.start,
+                                       tokenizer=job.data.tokenizer.name, mode=job.data.mode,
+                                       eval_source=job.data.eval_source))
+        if job.data.eval:
+            out.result.evals.append(eval_event(job.eng, job.data.eval, job.start,
+                                               world=job.world, writer=out.writer))
+        with logging_redirect_tqdm():
+            _steps(job, out, options, stop, progress)
+        _wrap_up(job, out, stop, progress)
+    finally:
+        out.window.close()
+        if stop.abandoned:
+            out.saves.abandon()
+        job.eng.close(restore_params=False)  # nothing reads the model after the run
+        if out.writer:
+            out.writer.close()
+    if stop.requested:
+        raise _Stopped
+    if job.rank == 0:
+        _write_outputs(out.result, out.window)
+    return out.result
+
+
+def _start(config: Config, stop: StopSignals, progress: _Progress) -> _Job:
+    """Data, model and engine, resumed or with pretrained weights loaded (in that order)."""
     tc = config.train
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -198,7 +258,6 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
     micro = config.batch.micro_batch_size or 1
     accum = config.batch.gradient_accumulation_steps or 1
     data = load_data(tc, micro=micro, accum=accum, seed=config.seed, rank=rank, world=world)
-    batches, source = data.batches, data.source
     # The run length is known now (train.epochs may have set it): fill DeepSpeed's
     # "auto" total_num_steps ([Note: auto run length] in engine/config/hf_auto.py).
     config = replace(config, train=replace(tc, steps=data.steps)).with_run_length(data.steps)
@@ -219,160 +278,123 @@ def _train(config: Config, options: TrainOptions, stop: StopSignals,
                  sum(p.numel() for p in model.parameters() if p.requires_grad), n_params)
     eng, _, _, _ = engine.initialize(model=model, config=config)
     try:
-        resume_from = checkpoints.resume_source(tc)  # (under the lock: no save in progress)
-        if resume_from is not None and resume_from.tag is not None and tc.resume is True \
-                and rank == 0:
-            checkpoints.repair_latest(resume_from.directory, resume_from.tag)
-        start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
-        if resume_from is not None:
-            progress.checkpoint = checkpoints.resolved_path(resume_from)
-        progress.done = stop.done = start
-        if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
-            checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
-        weights = pretrained_dir(tc.model) if resume_from is None else None
-        if weights is not None:
-            loaded = engine.load_pretrained(eng, weights)
-            log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
-                     weights, loaded.tensors, loaded.bytes_read)
+        start = _resume_or_load(eng, data.batches, tc, rank=rank, stop=stop,
+                                progress=progress)
     except BaseException:
         eng.close(restore_params=False)
         raise
     log.info("model %s: %.1fM parameters, %d units, built and partitioned in %.1f s",
              tc.model, n_params / 1e6, len(eng.units), time.perf_counter() - t0)
+    return _Job(config, data, eng, n_params, start, rank, world)
 
-    rank0 = rank == 0
-    run_dir = run_dir_for(config, rank0)
+
+def _resume_or_load(eng: engine.ZeroEngine, batches: Batches, tc: TrainConfig, *, rank: int,
+                    stop: StopSignals, progress: _Progress) -> int:
+    """Resume from train.resume's checkpoint, else load the model's pretrained weights
+    (if any); the optimizer steps already done."""
+    resume_from = checkpoints.resume_source(tc)  # (under the lock: no save in progress)
+    if resume_from is not None and resume_from.tag is not None and tc.resume is True \
+            and rank == 0:
+        checkpoints.repair_latest(resume_from.directory, resume_from.tag)
+    start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
+    if resume_from is not None:
+        progress.checkpoint = checkpoints.resolved_path(resume_from)
+    progress.done = stop.done = start
+    if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
+        checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
+    weights = pretrained_dir(tc.model) if resume_from is None else None
+    if weights is not None:
+        loaded = engine.load_pretrained(eng, weights)
+        log.info("loaded pretrained weights from %s: %d tensors, %d bytes read",
+                 weights, loaded.tensors, loaded.bytes_read)
+    return start
+
+
+def _open_outputs(job: _Job, options: TrainOptions, progress: _Progress) -> _Outputs:
+    """The run directory's metrics file (rank 0), trace window, counters and save tracker."""
+    tc = job.config.train
+    rank0 = job.rank == 0
+    run_dir = run_dir_for(job.config, rank0)
     metrics_path = tc.metrics_path or os.path.join(run_dir, "metrics.jsonl")
     ckpt_dir = progress.checkpoint_dir = checkpoints.checkpoint_dir(tc, run_dir)
-    export_dir = tc.export.dir or os.path.join(run_dir, "hf")
-    result = TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
-                         plot_path=options.plot_path)
     first, count = options.trace_steps
     window = TraceWindow(options.trace_path if rank0 else None, first, count,
-                         process=f"tierzero train (rank {rank})")
+                         process=f"tierzero train (rank {job.rank})")
     disk = DiskCounter()
-    moves = TierCounter(eng.memory_report())
-    modes = output_modes(config.outputs.permissions)
+    moves = TierCounter(job.eng.memory_report())
+    modes = output_modes(job.config.outputs.permissions)
     writer = MetricsWriter(metrics_path, modes, also=tensorboard_sink(tc, run_dir, modes)) \
         if rank0 else None
-    progress.saves = SaveTracker(writer.write if writer else None, rank0)
-    try:
-        if writer:
-            writer.write(_run_header(config, tc.model, n_params, units=len(eng.units),
-                                     world=world, source=source, start_step=start,
-                                     tokenizer=data.tokenizer.name, mode=data.mode,
-                                     eval_source=data.eval_source))
-        if data.eval:
-            _eval_event(eng, data.eval, start, world=world, result=result, writer=writer)
-        with logging_redirect_tqdm():
-            bar = tqdm(range(start + 1, tc.steps + 1), desc="train", unit="step",
-                       initial=start, total=tc.steps, disable=not (rank0 and options.progress))
-            for step in bar:
-                if any_over_ranks(stop.signum or 0, world):  # every rank stops at one step
-                    break
-                window.before(step)
-                try:
-                    record = _one_step(eng, batches, disk=disk, moves=moves, step=step,
-                                       accum=accum, world=world)
-                except _NonFinite as exc:
-                    raise TrainError(f"step {step}: {exc}; "
-                                     f"{progress.last_good(wait=True)}") from None
-                if data.eval and (step == tc.steps or (
-                        tc.eval_interval and step % tc.eval_interval == 0)):
-                    # (inside the traced step, so every trace event lies in a step span)
-                    _eval_event(eng, data.eval, step, world=world, result=result,
-                                writer=writer)
-                window.after(step)
-                progress.done = stop.done = step
-                result.records.append(record)
-                progress.saves.after_step(record.step_s)
-                bar.set_postfix(loss=f"{record.loss:.3f}")
-                if writer:
-                    writer.write(record.as_json())
-                if rank0 and (step % config.logging.steps_per_print == 0 or step == tc.steps):
-                    log.info("%s", log_line(record, tc.steps))
-                if eng.nonfinite_steps_in_row >= tc.max_nonfinite_steps:
-                    raise TrainError(
-                        f"step {step}: the gradient norm was not finite in "
-                        f"{eng.nonfinite_steps_in_row} optimizer steps in a row (each skipped, "
-                        f"train.max_nonfinite_steps: {tc.max_nonfinite_steps}); "
-                        f"{progress.last_good(wait=True)}")
-                if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
-                    progress.save(eng, ckpt_dir, batches, tc.checkpoint_background)
-                    if tc.export.at_checkpoints:
-                        _export(eng, tc, os.path.join(export_dir, f"step{step}"))
-                stop.step_done()
-            bar.close()
-        signum = int(any_over_ranks(stop.signum or 0, world))
-        if signum:
-            stop.signum = stop.signum or signum
-            if tc.save_on_interrupt and progress.done > start and (
-                    progress.saved is None
-                    or Path(progress.saved).name != f"step{progress.done}"):
-                progress.save(eng, ckpt_dir, batches, tc.checkpoint_background)
-        elif tc.export.at_end and is_hf_model(eng.module):  # (a stopped run exports nothing)
-            result.export_path = _export(eng, tc, os.path.join(export_dir, "final"))
-        progress.saves.finish()  # the last background save, reported before the summary
-        if writer:
-            writer.write(_summary(result.records, result.evals,
+    saves = progress.saves = SaveTracker(writer.write if writer else None, rank0)
+    return _Outputs(TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
+                                plot_path=options.plot_path),
+                    window, writer, disk, moves, saves, ckpt_dir,
+                    tc.export.dir or os.path.join(run_dir, "hf"))
+
+
+def _steps(job: _Job, out: _Outputs, options: TrainOptions, stop: StopSignals,
+           progress: _Progress) -> None:
+    """The step loop, from job.start + 1 to train.steps or a stop signal on any rank."""
+    eng, data, tc, world = job.eng, job.data, job.config.train, job.world
+    rank0 = job.rank == 0
+    accum = job.config.batch.gradient_accumulation_steps or 1
+    bar = tqdm(range(job.start + 1, tc.steps + 1), desc="train", unit="step",
+               initial=job.start, total=tc.steps, disable=not (rank0 and options.progress))
+    for step in bar:
+        if any_over_ranks(stop.signum or 0, world):  # every rank stops at one step
+            break
+        out.window.before(step)
+        try:
+            record = _one_step(eng, data.batches, disk=out.disk, moves=out.moves, step=step,
+                               accum=accum, world=world)
+        except _NonFinite as exc:
+            raise TrainError(f"step {step}: {exc}; "
+                             f"{progress.last_good(wait=True)}") from None
+        if data.eval and (step == tc.steps or (
+                tc.eval_interval and step % tc.eval_interval == 0)):
+            # (inside the traced step, so every trace event lies in a step span)
+            out.result.evals.append(eval_event(eng, data.eval, step, world=world,
+                                               writer=out.writer))
+        out.window.after(step)
+        progress.done = stop.done = step
+        out.result.records.append(record)
+        out.saves.after_step(record.step_s)
+        bar.set_postfix(loss=f"{record.loss:.3f}")
+        if out.writer:
+            out.writer.write(record.as_json())
+        if rank0 and (step % job.config.logging.steps_per_print == 0 or step == tc.steps):
+            log.info("%s", log_line(record, tc.steps))
+        if eng.nonfinite_steps_in_row >= tc.max_nonfinite_steps:
+            raise TrainError(
+                f"step {step}: the gradient norm was not finite in "
+                f"{eng.nonfinite_steps_in_row} optimizer steps in a row (each skipped, "
+                f"train.max_nonfinite_steps: {tc.max_nonfinite_steps}); "
+                f"{progress.last_good(wait=True)}")
+        if tc.checkpoint_interval and step % tc.checkpoint_interval == 0:
+            progress.save(eng, out.ckpt_dir, data.batches, tc.checkpoint_background)
+            if tc.export.at_checkpoints:
+                _export(eng, tc, os.path.join(out.export_dir, f"step{step}"))
+        stop.step_done()
+    bar.close()
+
+
+def _wrap_up(job: _Job, out: _Outputs, stop: StopSignals, progress: _Progress) -> None:
+    """After the loop: a stopped run saves (train.save_on_interrupt), a finished one
+    exports (train.export.at_end); the last background save and the summary event."""
+    tc = job.config.train
+    signum = int(any_over_ranks(stop.signum or 0, job.world))
+    if signum:
+        stop.signum = stop.signum or signum
+        if tc.save_on_interrupt and progress.done > job.start and (
+                progress.saved is None
+                or Path(progress.saved).name != f"step{progress.done}"):
+            progress.save(job.eng, out.ckpt_dir, job.data.batches, tc.checkpoint_background)
+    elif tc.export.at_end and is_hf_model(job.eng.module):  # (a stopped run exports nothing)
+        out.result.export_path = _export(job.eng, tc, os.path.join(out.export_dir, "final"))
+    out.saves.finish()  # the last background save, reported before the summary
+    if out.writer:
+        out.writer.write(end_event(out.result.records, out.result.evals,
                                   stop.name if signum else None))
-    finally:
-        window.close()
-        if stop.abandoned:
-            progress.saves.abandon()
-        eng.close(restore_params=False)  # nothing reads the model after the run
-        if writer:
-            writer.close()
-    if stop.requested:
-        raise _Stopped
-    if rank0:
-        _write_outputs(result, window)
-    return result
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, *,
-               reduction: str = "mean") -> torch.Tensor:
-    """Cross entropy of next-token `labels` (B, T), skipping IGNORE (prompt tokens and
-    padding). A batch with no target at all gives 0 with zero gradients, not NaN."""
-    flat = logits.float().flatten(0, 1)  # (B*T, V)
-    target = labels.to(logits.device).flatten()
-    if reduction == "mean" and not bool((target != IGNORE).any()):
-        return flat.sum() * 0.0
-    return F.cross_entropy(flat, target, ignore_index=IGNORE, reduction=reduction)
-
-
-def evaluate(eng: engine.ZeroEngine, batches: list[Batch], world: int) -> tuple[float, int]:
-    """(mean loss per target token, target tokens) over every rank's evaluation batches;
-    forward only, in eval mode (every rank runs the same number of forwards)."""
-    total = torch.zeros(2, dtype=torch.float64)  # [loss sum, target tokens]
-    eng.eval()
-    try:
-        with torch.no_grad():
-            for x, y in batches:
-                out = eng(input_ids=x)
-                logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
-                total[0] += float(token_loss(logits, y, reduction="sum").item())
-                total[1] += int((y != IGNORE).sum())
-    finally:
-        eng.train()
-    if world > 1:
-        dist.all_reduce(total)
-    loss_sum, count = float(total[0]), int(total[1])
-    return loss_sum / max(count, 1), count
-
-
-def _eval_event(eng: engine.ZeroEngine, batches: list[Batch], step: int, *, world: int,
-                result: TrainResult, writer: MetricsWriter | None) -> None:
-    t0 = time.perf_counter()
-    loss, tokens = evaluate(eng, batches, world)
-    event = {"event": "eval", "step": step, "eval_loss": loss, "eval_tokens": tokens,
-             "eval_s": time.perf_counter() - t0}
-    result.evals.append(event)
-    if writer:
-        writer.write(event)
-    if eng.comm.rank == 0:
-        log.info("eval at step %d | eval loss %.4f | %d target tokens | %.2f s", step, loss,
-                 tokens, event["eval_s"])
 
 
 class _NonFinite(Exception):
@@ -435,39 +457,6 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
         rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall,
         grad_home=(report.get("tiers") or {}).get("grad_home"))
-
-
-def _run_header(config: Config, model: str, n_params: int, *, units: int, world: int,
-                source: str, start_step: int = 0, tokenizer: str = "bytes",
-                mode: str = "windows", eval_source: str | None = None) -> dict[str, Any]:
-    tree = as_dict(config)
-    for key in ("source", "ignored_keys", "ignored_reasons", "run_length_auto"):
-        tree.pop(key, None)
-    return {"event": "run", "started": datetime.now(timezone.utc).isoformat(),
-            "model": model, "parameters": n_params, "units": units, "world_size": world,
-            "start_step": start_step,
-            "dataset": source, "tokenizer": tokenizer, "data_mode": mode,
-            "eval_dataset": eval_source, "config": tree,
-            "machine": {"cpu": platform.processor() or platform.machine(),
-                        "cores": os.cpu_count(), "torch": torch.__version__,
-                        "cuda": torch.cuda.is_available()}}
-
-
-def _summary(records: list[StepRecord], evals: list[dict[str, Any]],
-             stopped_by: str | None = None) -> dict[str, Any]:
-    stopped = {} if stopped_by is None else {"stopped_by": stopped_by}
-    if not records:
-        return {"event": "end", "steps": 0, **stopped}
-    losses = {"first_eval_loss": evals[0]["eval_loss"],
-              "last_eval_loss": evals[-1]["eval_loss"]} if evals else {}
-    return {"event": "end", **stopped, "steps": len(records), **losses,
-            "first_loss": records[0].loss,
-            "last_loss": records[-1].loss,
-            "mean_tokens_per_s": sum(r.tokens for r in records) / sum(r.step_s for r in records),
-            "total_s": sum(r.step_s for r in records),
-            "wait_s": sum(r.wait_s for r in records),
-            "nvme_read_bytes": sum(r.nvme_read_bytes for r in records),
-            "nvme_written_bytes": sum(r.nvme_written_bytes for r in records)}
 
 
 def _write_outputs(result: TrainResult, window: TraceWindow) -> None:

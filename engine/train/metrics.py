@@ -12,11 +12,16 @@ import dataclasses
 import json
 import math
 import os
+import platform
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import IO, Any, Protocol
 
 import psutil
+import torch
 
+from tierzero.engine.config import Config
+from tierzero.engine.config.native import as_dict
 from tierzero.swap.safe_files import OutputModes, create_new, make_output_dir
 
 TIERS = ("device", "host", "nvme")
@@ -233,3 +238,38 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_event(config: Config, model: str, n_params: int, *, units: int, world: int,
+              source: str, start_step: int = 0, tokenizer: str = "bytes",
+              mode: str = "windows", eval_source: str | None = None) -> dict[str, Any]:
+    """The first event of the metrics file ([Note: metrics file]): model, config, machine."""
+    tree = as_dict(config)
+    for key in ("source", "ignored_keys", "ignored_reasons", "run_length_auto"):
+        tree.pop(key, None)
+    return {"event": "run", "started": datetime.now(timezone.utc).isoformat(),
+            "model": model, "parameters": n_params, "units": units, "world_size": world,
+            "start_step": start_step,
+            "dataset": source, "tokenizer": tokenizer, "data_mode": mode,
+            "eval_dataset": eval_source, "config": tree,
+            "machine": {"cpu": platform.processor() or platform.machine(),
+                        "cores": os.cpu_count(), "torch": torch.__version__,
+                        "cuda": torch.cuda.is_available()}}
+
+
+def end_event(records: list[StepRecord], evals: list[dict[str, Any]],
+              stopped_by: str | None = None) -> dict[str, Any]:
+    """The last event of the metrics file: the run's summary."""
+    stopped = {} if stopped_by is None else {"stopped_by": stopped_by}
+    if not records:
+        return {"event": "end", "steps": 0, **stopped}
+    losses = {"first_eval_loss": evals[0]["eval_loss"],
+              "last_eval_loss": evals[-1]["eval_loss"]} if evals else {}
+    return {"event": "end", **stopped, "steps": len(records), **losses,
+            "first_loss": records[0].loss,
+            "last_loss": records[-1].loss,
+            "mean_tokens_per_s": sum(r.tokens for r in records) / sum(r.step_s for r in records),
+            "total_s": sum(r.step_s for r in records),
+            "wait_s": sum(r.wait_s for r in records),
+            "nvme_read_bytes": sum(r.nvme_read_bytes for r in records),
+            "nvme_written_bytes": sum(r.nvme_written_bytes for r in records)}
