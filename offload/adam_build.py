@@ -20,8 +20,10 @@ and "Measurements behind design choices"):
 
 The shared object is cached per user, keyed by a hash of source, flags,
 compiler and CPU, so a later run (or another process) loads it without
-compiling. Loading a shared object runs its code as the caller, so
-[Note: kernel cache safety]: the cache directory is created 0700 and used
+compiling. Loading a shared object runs its code as the caller, so the cache
+is checked before anything in it is loaded:
+
+[Note: kernel cache safety] The cache directory is created 0700 and used
 only when it is a real directory (not a symlink) owned by the caller and not
 writable by group or others; a cached file is loaded only when it is a
 regular file owned by the caller, not group/world-writable, and its SHA-256

@@ -69,13 +69,14 @@ class RequestQueues:
         self._in_service[_class_of(req)] -= 1
 
     def pick(self) -> tuple[Request, int] | None:
-        """The next block to move. [Note: swap I/O order]
+        """The next block to move.
 
-        Reads come first (they are on the critical path: prefetch, optimizer state
-        in), but every WRITE_SHARE-th pick goes to a waiting write so writes never
-        starve. Background reads (read-ahead wanted later: the CPU Adam's state for
-        the coming backward) stand behind every other read: a parameter gather issued
-        after them does not wait for them; against writes they count as reads.
+        [Note: swap I/O order] Reads come first (they are on the critical path:
+        prefetch, optimizer state in), but every WRITE_SHARE-th pick goes to a waiting
+        write so writes never starve. Background reads (read-ahead wanted later: the CPU
+        Adam's state for the coming backward) stand behind every other read: a parameter
+        gather issued after them does not wait for them; against writes they count as
+        reads.
         Within a queue the oldest request's blocks go out first, in file order, so
         the drive sees sequential streams, and requests finish in the order they
         were submitted (the order the engine needs them).

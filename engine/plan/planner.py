@@ -18,12 +18,14 @@ For each choice (none, cpu, nvme, auto):
    Adam elements of the steady-state step are counted, not derived, and the
    per-tier peaks are the tier manager's. Offload none moves nothing between
    tiers (the engine keeps every shard on the device).
-3. Time: [Note: plan step time] per phase of the dry-run step (forward,
-   backward, optimizer), NVMe, copies and CPU Adam overlap each other (prefetch
-   and the pipelined optimizer run them concurrently) but the NVMe reads and
-   writes share one drive: phase time = max(read/r + written/w, copied/c,
-   adam/a). Phases run one after the other, so the step is their sum. Compute
-   is not modelled: this is the step time the memory system allows.
+3. Time: from the step's traffic and the measured speeds, as below.
+
+[Note: plan step time] Per phase of the dry-run step (forward, backward,
+optimizer), NVMe, copies and CPU Adam overlap each other (prefetch and the
+pipelined optimizer run them concurrently) but the NVMe reads and writes share
+one drive: phase time = max(read/r + written/w, copied/c, adam/a). Phases run
+one after the other, so the step is their sum. Compute is not modelled: this is
+the step time the memory system allows.
 """
 
 from __future__ import annotations
@@ -204,7 +206,8 @@ def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
 
 
 def host_peak(run: DryRun, config: Config, *, device_is_host: bool) -> HostPeak:
-    """[Note: plan host peak] of a dry run of `config`."""
+    """The predicted host peak of a dry run of `config` ([Note: plan host peak] in
+    engine/plan/host.py)."""
     # tierzero train builds a stage-3 model under engine.Init (engine/train/loop.py)
     init = (init_build_bytes(run.model_bytes, world_size=run.world_size,
                              max_live=config.zero.init_live_bytes,
