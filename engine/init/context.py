@@ -338,7 +338,7 @@ class Init:
         if self._nvme_dir is not None:
             bar = progress_bar(self._config.logging.progress, comm.rank, unit="B",
                                unit_scale=True, desc="Init -> NVMe")
-            self._staging = SliceStaging(self._nvme_dir, self._config, bar)
+            self._staging = SliceStaging(self._nvme_dir, self._config.nvme, bar)
         parts = _Partitioner(comm, self._max_live, self._staging)
         self._parts = parts
 

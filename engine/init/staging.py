@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from tierzero import swap
-from tierzero.engine.config import Config
+from tierzero.engine.config import NvmeConfig
+from tierzero.engine.shards.tier_config import swap_options
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,8 @@ INFLIGHT_BYTES = 64 << 20
 class SliceStaging:
     """Slices on NVMe, keyed by string; reads follow writes of the same key (swap ordering)."""
 
-    def __init__(self, directory: str, config: Config, bar: Any = None) -> None:
-        nvme = config.nvme
-        self.swap = swap.SwapStore(directory, block_size=nvme.block_size,
-                                   queue_depth=nvme.queue_depth, threads=nvme.threads,
-                                   verify=nvme.verify,
-                                   direct={"auto": None, "on": True, "off": False}[
-                                       nvme.direct_io])
+    def __init__(self, directory: str, nvme: NvmeConfig, bar: Any = None) -> None:
+        self.swap = swap.SwapStore(directory, **swap_options(nvme))
         self._inflight: deque[tuple[swap.SwapFuture, int]] = deque()
         self._inflight_bytes = 0
         self._keys: set[str] = set()

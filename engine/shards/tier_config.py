@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 import psutil
 import torch
 
-from tierzero.engine.config import Config
+from tierzero.engine.config import Config, NvmeConfig
 from tierzero.engine.host_defaults import cpu_device_budget, device_is_host
 from tierzero.offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierSettings
 from tierzero.offload.settings import STATE_CLASSES, STEP_CLASSES, OffloadDevice, TensorClass
@@ -221,6 +222,19 @@ def needs_swap(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> bo
     return need
 
 
-def direct_io(config: Config) -> bool | None:
-    """nvme.direct_io as swap.SwapStore takes it (None: decide per file system)."""
-    return {"auto": None, "on": True, "off": False}[config.nvme.direct_io]
+class SwapOptions(TypedDict):
+    """swap.SwapStore's I/O keyword arguments."""
+
+    block_size: int
+    queue_depth: int
+    threads: int
+    verify: bool
+    direct: bool | None  # None: decided per file system
+
+
+def swap_options(nvme: NvmeConfig) -> SwapOptions:
+    """The `nvme` section as swap.SwapStore's keyword arguments: every swap store the
+    engine opens (the shard store's, engine.Init's slices) uses the same I/O settings."""
+    return SwapOptions(block_size=nvme.block_size, queue_depth=nvme.queue_depth,
+                       threads=nvme.threads, verify=nvme.verify,
+                       direct={"auto": None, "on": True, "off": False}[nvme.direct_io])

@@ -137,16 +137,12 @@ class TieredShardStore(ShardStore):
         if self.manager is not None:
             return
         specs = self.layout.specs()
-        nvme = self.config.nvme
         path = tier_config.swap_dir(self.config)
         needs_swap = tier_config.needs_swap(self.config, self.homes)
         if needs_swap and self.device.type == "meta":  # a dry run (tierzero plan): count bytes
             self.swap = swap.DrySwap()
         elif needs_swap and path is not None:
-            self.swap = swap.SwapStore(path, block_size=nvme.block_size,
-                                       queue_depth=nvme.queue_depth, threads=nvme.threads,
-                                       verify=nvme.verify,
-                                       direct=tier_config.direct_io(self.config))
+            self.swap = swap.SwapStore(path, **tier_config.swap_options(self.config.nvme))
         try:
             settings = tier_config.tier_settings(
                 self.config, self.device, host_outside=self.layout.pipeline_bytes(),
