@@ -8,7 +8,7 @@ files behind. While `StopSignals` is entered, both signals only *ask* the run to
 - the step loop checks `requested` between steps (every rank agrees, loop.py), finishes
   the step in progress, optionally saves a checkpoint (train.save_on_interrupt), closes the
   engine (which removes its swap files) and reports "stopped at step N; resume with ...".
-  The loop sets `done` as each step finishes, so the warning logged on the signal
+  The loop reports each finished step (`at_step`), so the warning logged on the signal
   names the last step finished before it, K: a run that stops at a boundary stops at K or
   K + 1 (at most the step in progress is finished, no new one starts);
 - if the step in progress has not finished `grace_s` seconds after the first signal, or a
@@ -40,7 +40,7 @@ class StopSignals:
         self.grace_s = grace_s  # a step still running this long after the signal is abandoned
         self.signum: int | None = None  # the first stop signal received
         self.abandoned = False  # the step in progress was interrupted, not finished
-        self.done = 0  # the last step finished (set by the loop), counted from the run's start
+        self.done = 0  # the last step finished (at_step), counted from the run's start
         self._previous: dict[int, object] = {}
         self._previous_alarm: object = None
 
@@ -76,6 +76,23 @@ class StopSignals:
             return  # already unwinding: let the cleanup finish
         self.abandoned = True
         raise KeyboardInterrupt
+
+    def at_step(self, step: int) -> None:
+        """The run has finished `step` optimizer steps (counted from the start of training,
+        a resumed run's included): the warning on a signal names it."""
+        self.done = step
+
+    def request(self, signum: int) -> None:
+        """Stop as if `signum` had come here (another rank received it); the first request
+        stands. No warning and no grace timer: the loop is already at a step boundary."""
+        if self.signum is None:
+            self.signum = signum
+
+    def interrupted(self) -> None:
+        """A KeyboardInterrupt reached the run: the step in progress was abandoned (SIGINT
+        when none came through the handlers, a plain Ctrl-C off the main thread)."""
+        self.request(signal.SIGINT)
+        self.abandoned = True
 
     def step_done(self) -> None:
         """The loop reached a step boundary after the request: no step left to abandon."""

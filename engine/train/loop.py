@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -175,9 +174,7 @@ def run(config: Config, options: TrainOptions) -> TrainResult:
                 raise
             raise TrainError(full) from exc
         except KeyboardInterrupt:  # a step abandoned ([Note: stopping a run])
-            if stop.signum is None:
-                stop.signum = signal.SIGINT
-            stop.abandoned = True
+            stop.interrupted()
     abandoned = f"saving step{progress.done}" if progress.saving else f"step {progress.done + 1}"
     what = stop.name + (f"; {abandoned} abandoned" if stop.abandoned else "")
     raise TrainStopped(f"stopped at step {progress.done} ({what}); "
@@ -299,7 +296,8 @@ def _resume_or_load(eng: engine.ZeroEngine, batches: Batches, tc: TrainConfig, *
     start = checkpoints.resume(eng, batches, resume_from) if resume_from is not None else 0
     if resume_from is not None:
         progress.checkpoint = checkpoints.resolved_path(resume_from)
-    progress.done = stop.done = start
+    progress.done = start
+    stop.at_step(start)
     if tc.checkpoint_dir is not None:  # (a new run directory holds no checkpoints)
         checkpoints.check_no_overwrite(tc, tc.checkpoint_dir, start)
     weights = pretrained_dir(tc.model) if resume_from is None else None
@@ -356,7 +354,8 @@ def _steps(job: _Job, out: _Outputs, options: TrainOptions, stop: StopSignals,
             out.result.evals.append(eval_event(eng, data.eval, step, world=world,
                                                writer=out.writer))
         out.window.after(step)
-        progress.done = stop.done = step
+        progress.done = step
+        stop.at_step(step)
         out.result.records.append(record)
         out.saves.after_step(record.step_s)
         bar.set_postfix(loss=f"{record.loss:.3f}")
@@ -384,7 +383,7 @@ def _wrap_up(job: _Job, out: _Outputs, stop: StopSignals, progress: _Progress) -
     tc = job.config.train
     signum = int(any_over_ranks(stop.signum or 0, job.world))
     if signum:
-        stop.signum = stop.signum or signum
+        stop.request(signum)
         if tc.save_on_interrupt and progress.done > job.start and (
                 progress.saved is None
                 or Path(progress.saved).name != f"step{progress.done}"):
