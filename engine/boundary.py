@@ -372,7 +372,7 @@ def rooms_for(eng: ZeroEngine) -> BoundaryRooms | None:
         sched = eng.scheduler
         dev = 0 if host_first else max(
             0, report.budget["device"] - report.peak["device"] - sched.gathered_peak_bytes
-            - sched.accum_peak_bytes)
+            - sched.sums.peak_bytes)
     from tierzero.swap import SwapStore
 
     return BoundaryRooms(dev, host, separate, swap if isinstance(swap, SwapStore) else None)

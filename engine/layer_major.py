@@ -26,8 +26,8 @@ micro-batches so that each unit is gathered once for forward and once for backwa
             RNG state, same autocast) and backpropagates its output leaves' gradients,
             which fills the previous units' leaves and each trainable parameter's
             `.grad`. The scheduler folds each `.grad` into the group's fp32 accumulator
-            (`Scheduler.fold_grad`) and clears it; after the unit's last call the
-            accumulator is reduced across ranks into the gradient shard once
+            (`GradSums.fold`, engine/grad_sums.py) and clears it; after the unit's last
+            call the accumulator is reduced across ranks into the gradient shard once
             (`reduce_flat_grad`) and the unit is released. The root's groups reduce at
             the end of backward as in the micro-step schedule.
 
@@ -403,7 +403,7 @@ class LayerMajorPass:
         else:
             held = sum(leaf.nbytes for calls in self._calls for c in calls if c is not None
                        for _, leaf in c.leaves)
-        self.scheduler.boundary_peak_bytes = max(self.scheduler.boundary_peak_bytes, held)
+        self.scheduler.sums.boundary_held(held)
         return [x for x in losses if x is not None]
 
     def backward(self) -> None:

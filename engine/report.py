@@ -46,7 +46,7 @@ def memory_report(eng: ZeroEngine) -> dict[str, Any]:
         "units_kept_for_backward": eng.scheduler.kept,  # [Note: reuse distance]
         # fp32 gradient sums of a layer-major pass held at once ([Note: layer-major
         # schedule]): the root's groups and the unit in backward
-        "layer_major_accum_peak_bytes": eng.scheduler.accum_peak_bytes,
+        "layer_major_accum_peak_bytes": eng.scheduler.sums.peak_bytes,
         # where its unit-boundary tensors waited ([Note: boundary tensors])
         "layer_major_boundary": eng.scheduler.boundary_stats.as_dict(),
         "loss_scale": eng.loss_scaler.scale if eng.loss_scaler else None,

@@ -40,14 +40,13 @@ from torch import nn
 
 from tierzero.engine.boundary import BoundaryStats
 from tierzero.engine.collectives import Comm, PendingReduce
+from tierzero.engine.grad_sums import GradSums
 from tierzero.engine.hooks import output_tensors, register_pre_backward
 from tierzero.engine.host_heap import HeapTrim
 from tierzero.engine.late_grads import LateGrads
 from tierzero.engine.reuse import KeepRule, step_uses
 from tierzero.engine.shards.flat import (
     FlatGroup,
-    ParamSlot,
-    add_upcast,
     reduce_flat_grad,
     reduce_group_grads,
 )
@@ -128,13 +127,9 @@ class Scheduler:
         self.gathered_peak_bytes = 0
         # [Note: layer-major schedule] in layer_major.py: the pass in progress, and per
         # trainable group its gradient summed in fp32 over the pass's micro-batches
-        # (1D, padded_numel, on the compute device) until the group is reduced
         self.layer_major: LayerMajorPass | None = None
-        self._accum: dict[str, torch.Tensor] = {}
-        self.accum_peak_bytes = 0  # most bytes of those sums held at once
-        self.boundary_peak_bytes = 0  # most unit-output leaves a pass kept for backward
+        self.sums = GradSums(units)
         self.boundary_stats = BoundaryStats()  # where they waited ([Note: boundary tensors])
-        self._slot_of = {id(s.param): s for u in units for g in u.groups for s in g.slots}
 
     def subscribe(self, driver: StepDriver) -> None:
         """The optimizer-step driver listens from now on (once, when the engine is built).
@@ -295,7 +290,7 @@ class Scheduler:
 
     def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
         if self.layer_major is not None:
-            self.fold_grad(unit, param)
+            self.sums.fold(unit, param)
             return
         late = unit.late_group(param)
         if late is not None:
@@ -313,29 +308,6 @@ class Scheduler:
                 self._reduce(unit)
             self.release(unit)
 
-    def fold_grad(self, unit: Unit, param: nn.Parameter) -> None:
-        """Add `param.grad` (one micro-batch's) into its group's fp32 sum and clear it
-        ([Note: layer-major schedule])."""
-        grad = param.grad
-        if grad is None:
-            return
-        group = unit.group_of[id(param)]
-        slot: ParamSlot = self._slot_of[id(param)]
-        acc = self._accum.get(group.key)
-        if acc is None:
-            acc = torch.zeros(group.padded_numel, dtype=torch.float32, device=grad.device)
-            self._accum[group.key] = acc
-            held = sum(a.nbytes for a in self._accum.values())
-            self.accum_peak_bytes = max(self.accum_peak_bytes, held)
-        with torch.no_grad():
-            add_upcast(acc[slot.offset:slot.offset + slot.numel], grad.reshape(-1))
-        param.grad = None
-
-    def layer_major_peak_bytes(self) -> int:
-        """Bytes a layer-major pass holds beside the activations of the unit it runs: the
-        units' output leaves of every micro-batch and the fp32 gradient sums (peaks)."""
-        return self.boundary_peak_bytes + self.accum_peak_bytes
-
     def reduce_unit(self, unit: Unit) -> None:
         """A layer-major pass is done with `unit`: reduce its trainable groups' sums into
         their shards (once per step) and release it."""
@@ -350,7 +322,7 @@ class Scheduler:
         whose parameters `reached` (ids) names, i.e. none gets a gradient in backward:
         its fp32 sum is complete and need not be held ([Note: layer-major schedule])."""
         for root in (u for u in self.units if u.is_root):
-            done = [g for g in root.groups if g.key in self._accum
+            done = [g for g in root.groups if g.key in self.sums
                     and not any(id(s.param) in reached for s in g.slots)]
             if done:
                 with trace.span("reduce", root.label, groups=_trainable_keys(done)):
@@ -358,7 +330,7 @@ class Scheduler:
 
     def drop_sums(self) -> None:
         """Forget the fp32 sums of an abandoned layer-major pass."""
-        self._accum.clear()
+        self.sums.clear()
         for unit in self.units:
             for p in unit.trainable:
                 p.grad = None
@@ -438,7 +410,7 @@ class Scheduler:
         while self._inflight and (
                 sum(p.nbytes for p in self._inflight) + need > self._inflight_bound):
             self._inflight.popleft().wait()
-        summed = self._accum.pop(g.key, None)  # layer-major: the pass's fp32 sum
+        summed = self.sums.pop(g.key)  # layer-major: the pass's fp32 sum
         pending = (reduce_group_grads(g, self.comm, self.store) if summed is None
                    else reduce_flat_grad(g, summed, self.comm, self.store))
         if pending is None:

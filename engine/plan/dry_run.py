@@ -305,7 +305,7 @@ def _one_step(eng: ZeroEngine, out: DryRun, counters: _Counters, *, accum: int,
         eng.train_batch([None] * accum, loss_fn, on_phase=phase_done)
     # layer-major keeps every micro-batch's unit-boundary tensors and the fp32
     # gradient sums beside one unit's recomputed activations
-    lm = eng.scheduler.layer_major_peak_bytes()
+    lm = eng.scheduler.sums.held_peak_bytes()
     out.saved_bytes = max(out.saved_bytes, recompute.nbytes + lm)
     return phases
 
