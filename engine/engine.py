@@ -35,7 +35,6 @@ from tierzero.engine.layer_major import (
     train_schedule,
 )
 from tierzero.engine.schedule import Scheduler
-from tierzero.engine.shards.flat import release_group
 from tierzero.engine.shards.grad_precision import grad_dtype
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.shards.tier_config import offload_wanted
@@ -55,6 +54,10 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# The step counters a checkpoint saves and restores (counters_state / load_counters).
+COUNTERS = ("micro_steps", "global_steps", "skipped_steps", "last_grad_norm")
 
 
 class ZeroEngine:
@@ -93,7 +96,7 @@ class ZeroEngine:
         self.root = self.units[-1]
         self.comm.know([g.key for u in self.units for g in u.groups])
         # [Note: CPU compute defaults]: unset gather bounds sized to the compute device
-        max_live, max_reuse = gather_bounds(config, self.device, self.units)
+        max_live, max_reuse = gather_bounds(config.zero, self.device, self.units)
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
                                    inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
@@ -138,7 +141,7 @@ class ZeroEngine:
         # logging.wall_clock_breakdown: per-step phase times logged by rank 0
         self.wall = WallClock(enabled=self.config.logging.wall_clock_breakdown,
                               every=self.config.logging.steps_per_print,
-                              rank=self.comm.rank, counters=self._wall_counters)
+                              rank=self.comm.rank, counters=lambda: report.wall_counters(self))
         self._saver = BackgroundSaver(self.comm.world_size)
         # activations.cpu_offload: saved activations wait in host memory
         self.activation_stats = HostActivationStats()
@@ -282,14 +285,6 @@ class ZeroEngine:
         if boundary:
             self.wall.step_done()
 
-    def _wall_counters(self) -> dict[str, float]:
-        """Cumulative seconds the wall-clock log reports per step (logging.wall_clock_breakdown)."""
-        times = self.optimizer_times()
-        stall = (self.store.tier_report() or {}).get("stall_s", 0.0)
-        return {"gathers": self.scheduler.gather_s, "deferred-update waits": times.update_wait_s,
-                "optimizer hidden": times.hidden_s,
-                "io stall": float(stall) if isinstance(stall, (int, float)) else 0.0}
-
     def _step(self, boundary: bool) -> None:
         self.micro_steps += 1
         if not boundary:
@@ -399,6 +394,18 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
+    def counters_state(self) -> dict[str, Any]:
+        """The step counters a checkpoint keeps (COUNTERS), as JSON values."""
+        return {c: getattr(self, c) for c in COUNTERS}
+
+    def load_counters(self, state: Mapping[str, Any]) -> None:
+        """Resume the counters saved by counters_state(); a name it does not keep raises."""
+        if unknown := sorted(set(state) - set(COUNTERS)):
+            raise CheckpointError(f"the checkpoint's engine counters {unknown} are not "
+                                  f"kept by this engine (it keeps {list(COUNTERS)})")
+        for c, v in state.items():
+            setattr(self, c, v)
+
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
@@ -418,11 +425,8 @@ class ZeroEngine:
                         background: bool = False) -> Path | PendingSave:
         """Save every rank's shards and state to `directory/tag` and point `latest` at it.
         `background`: record the state now, write it while training goes on ([Note:
-        background save] in engine/checkpoint/background.py); returns a PendingSave whose
-        `stats.held_s` is the time this call held the caller (waiting for an earlier save
-        included), `stats.settle_s` the part spent waiting for optimizer work (for a
-        deferred update only when the ranks fell back to a synchronous save: it is read as
-        it lands, [Note: saving a deferred step] in engine/checkpoint/deferred.py)."""
+        background save] in engine/checkpoint/background.py); the PendingSave's `stats`
+        say how long this call held the caller (SaveStats)."""
         start = time.perf_counter()
         self._check_open()
         self._check_checkpointable("save_checkpoint", deferred=not background)
@@ -484,13 +488,9 @@ class ZeroEngine:
         for unit in self.units:
             if restore_params:
                 self.scheduler.ensure_gathered(unit)
-            for g in unit.groups:
-                owned = [s.param.data.clone() if restore_params else None for s in g.slots]
-                release_group(g)
-                for s, data in zip(g.slots, owned, strict=True):
-                    if data is not None:
-                        s.param.data = data
-                    unregister_owner(s.param)
+            unit.hand_back(keep_values=restore_params)
+            for s in (s for g in unit.groups for s in g.slots):
+                unregister_owner(s.param)
         self._hooks.close()
         self._state_dict_hook.remove()
         self._closed = True

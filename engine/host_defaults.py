@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tierzero.engine.config import Config
+from tierzero.engine.config.schema import ZeroConfig
 
 if TYPE_CHECKING:  # schedule.py imports the shard store, which imports this module
     from tierzero.engine.unit import Unit
@@ -58,11 +58,10 @@ def device_is_host(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def gather_bounds(config: Config, device: torch.device, units: Sequence[Unit]
+def gather_bounds(z: ZeroConfig, device: torch.device, units: Sequence[Unit]
                   ) -> tuple[int, int]:
     """(max_live_bytes, max_reuse_distance_bytes) for the scheduler of `units` on `device`
-    ([Note: CPU compute defaults]): the config's values where set."""
-    z = config.zero
+    ([Note: CPU compute defaults]): the zero section's values where set."""
     full = {u.index: sum(g.padded_numel * g.full.element_size() for g in u.groups)
             for u in units}
     always = sum(full[u.index] for u in units if u.is_root or u.persistent)

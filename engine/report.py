@@ -56,3 +56,12 @@ def memory_report(eng: ZeroEngine) -> dict[str, Any]:
         "activations_to_host": dataclasses.asdict(eng.activation_stats),
         "optimizer_step": eng.step_driver.stats(),
     }
+
+
+def wall_counters(eng: ZeroEngine) -> dict[str, float]:
+    """Cumulative seconds the wall-clock log reports per step (logging.wall_clock_breakdown)."""
+    times = eng.optimizer_times()
+    stall = (eng.store.tier_report() or {}).get("stall_s", 0.0)
+    return {"gathers": eng.scheduler.gather_s, "deferred-update waits": times.update_wait_s,
+            "optimizer hidden": times.hidden_s,
+            "io stall": float(stall) if isinstance(stall, (int, float)) else 0.0}

@@ -155,6 +155,18 @@ class Unit:
         if self.gathered:
             self.residency = self._allowed(Residency.STALE, "mark_stale()")
 
+    def hand_back(self, *, keep_values: bool) -> None:
+        """The engine closes: every parameter gets its own copy of its gathered values
+        (`keep_values`; the unit must be gathered) or is left released (size 0); the
+        unit's gathered buffers are freed either way."""
+        for g in self.groups:
+            owned = [s.param.data.clone() if keep_values else None for s in g.slots]
+            release_group(g)
+            for s, data in zip(g.slots, owned, strict=True):
+                if data is not None:
+                    s.param.data = data
+        self.residency = Residency.RELEASED
+
     def gathered_bytes(self) -> int:
         return sum(g.padded_numel * g.full.element_size() for g in self.groups if g.gathered)
 

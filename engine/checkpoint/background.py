@@ -56,7 +56,7 @@ SYNC_EVERY = 64 << 20  # bytes between a background writer's fdatasync + page-ca
 class SaveStats:
     """What one background save did; the worker fills it in as it goes."""
 
-    held_s: float = 0.0  # the caller's thread inside save_checkpoint
+    held_s: float = 0.0  # the caller's thread inside save_checkpoint (an earlier save included)
     # of which: waiting for optimizer work to end (the step's deferred update only when
     # the save fell back to a synchronous one: [Note: saving a deferred step] in
     # engine/checkpoint/deferred.py)

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from tierzero.engine.engine import ZeroEngine
 
 OPTIM_PREFIX = "optim."
-_COUNTERS = ("micro_steps", "global_steps", "skipped_steps", "last_grad_norm")
 
 
 def engine_state(eng: ZeroEngine) -> dict[str, Any]:
@@ -34,13 +33,12 @@ def engine_state(eng: ZeroEngine) -> dict[str, Any]:
     groups = eng.step_driver.state_dict()["param_groups"]
     sched = {k: v for k, v in eng.lr_scheduler.state_dict().items() if k != "lr_lambdas"}
     scaler = eng.loss_scaler.state_dict() if eng.loss_scaler is not None else None
-    return {"counters": {c: getattr(eng, c) for c in _COUNTERS}, "param_groups": groups,
+    return {"counters": eng.counters_state(), "param_groups": groups,
             "lr_scheduler": sched, "loss_scaler": scaler}
 
 
 def restore_engine_state(eng: ZeroEngine, state: dict[str, Any]) -> None:
-    for c, v in state["counters"].items():
-        setattr(eng, c, v)
+    eng.load_counters(state["counters"])
     sched = dict(eng.lr_scheduler.state_dict())
     sched.update(state["lr_scheduler"])
     eng.lr_scheduler.load_state_dict(sched)

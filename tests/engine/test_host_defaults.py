@@ -64,7 +64,7 @@ def test_cpu_keeps_only_the_last_unit_gathered_for_backward(tmp_path: Path) -> N
     (tmp_path / "b").mkdir(mode=0o700)
     eng, params, peak = _train(_nvme(make_config(), tmp_path / "a"))
     always, largest = _unit_bytes(eng)
-    assert gather_bounds(eng.config, CPU, eng.units) == (always + largest, largest)
+    assert gather_bounds(eng.config.zero, CPU, eng.units) == (always + largest, largest)
     blocks = sum(1 for u in eng.units if not (u.is_root or u.persistent))
     assert blocks > 1
     # forwards after the first (the first records the trace): one unit kept in each
@@ -84,12 +84,12 @@ def test_cpu_keeps_only_the_last_unit_gathered_for_backward(tmp_path: Path) -> N
 def test_cuda_defaults_stay_gpu_sized(tmp_path: Path) -> None:
     """The same units planned for a CUDA device keep the 2 GB defaults; set values win."""
     eng, _, _ = _train(_nvme(make_config(), tmp_path))
-    assert gather_bounds(eng.config, torch.device("cuda"), eng.units) == (
+    assert gather_bounds(eng.config.zero, torch.device("cuda"), eng.units) == (
         GPU_GATHER_BYTES, GPU_GATHER_BYTES)
     for device in (CPU, torch.device("cuda")):
         cfg = dataclasses.replace(eng.config, zero=dataclasses.replace(
             eng.config.zero, max_live_bytes=123, max_reuse_distance_bytes=0))
-        assert gather_bounds(cfg, device, eng.units) == (123, 0)
+        assert gather_bounds(cfg.zero, device, eng.units) == (123, 0)
     eng.close()
 
 
