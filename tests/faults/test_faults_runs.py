@@ -23,8 +23,7 @@ from fault_helpers import Server
 from tierzero import engine
 from tierzero.engine.checkpoint import io as checkpoint_io
 from tierzero.engine.cli import main
-from tierzero.engine.train import loop as train_loop
-from tierzero.engine.train import run_lock
+from tierzero.engine.train import evaluation, run_lock
 from tierzero.engine.train.run_lock import LockError, RunLock
 
 pytestmark = pytest.mark.faults
@@ -194,7 +193,7 @@ def test_failed_save_leaves_nothing_that_blocks_the_next(tmp_path: Path,
 def test_nonfinite_loss_stops_naming_the_step_and_last_checkpoint(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    real = train_loop.F.cross_entropy
+    real = evaluation.F.cross_entropy
     calls = {"n": 0}
 
     def loss_nan_at_step_3(logits: torch.Tensor, target: torch.Tensor,
@@ -203,7 +202,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_last_checkpoint(
         out = real(logits, target, **kwargs)
         return out * math.nan if calls["n"] == 3 else out
 
-    monkeypatch.setattr(train_loop.F, "cross_entropy", loss_nan_at_step_3)
+    monkeypatch.setattr(evaluation.F, "cross_entropy", loss_nan_at_step_3)
     ck = tmp_path / "ck"
     capsys.readouterr()
     assert _train(_config(tmp_path, "run", steps=6, checkpoint_interval=2,
