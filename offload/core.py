@@ -81,6 +81,7 @@ class ResidencyCore:
         self._cond = threading.Condition(self._lock)  # notified when room may have appeared
         self._stat_lock = threading.Lock()  # stall time is added from callers' threads
         self._busy: set[str] = set()  # keys with a transient copy
+        self._expected: set[str] = set()  # to be overwritten soon: not read ahead (expect_writes)
         self._closed = False
 
     def _rec(self, key: str, *, placed: bool = True) -> ShardRecord:
@@ -436,7 +437,8 @@ class ResidencyCore:
                                  lambda k: self._records[k].home == "nvme")
         for key, tier in wanted:
             rec = self._records[key]
-            if tier in stopped or TIERS.index(tier) >= TIERS.index(rec.home):
+            if (tier in stopped or TIERS.index(tier) >= TIERS.index(rec.home)
+                    or key in self._expected):  # its data now is about to be replaced
                 continue
             if rec.copies[tier].state is not State.ABSENT:
                 continue
