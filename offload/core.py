@@ -215,7 +215,7 @@ class ResidencyCore:
         """Write the dirty cache on ``tier`` one tier down."""
         copy = rec.copies[tier]
         below = rec.below(tier)
-        if below == rec.home and below != "nvme":  # NVMe writes are copy-on-write already
+        if below == rec.home:  # NVMe writes are copy-on-write: only a landed region is kept
             self._preserve(rec, may_wait=False)
         dst = rec.copies[below]
         if copy.data is None:

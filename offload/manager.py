@@ -260,6 +260,7 @@ class TierManager(SnapshotCore):
                     if rec.copies[c].state is not State.ABSENT:
                         self._drop(rec, c, Op.DISCARD)
                 self._wait_settled(rec, "nvme")  # one write of the key in flight at a time
+                self._preserve(rec)  # a snapshot's landed region is kept before it is replaced
                 rec.version += 1
                 if keep_host and self._pool.can_take(rec.spec.nbytes):
                     return self._write_through(rec, src)
