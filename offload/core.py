@@ -386,7 +386,9 @@ class ResidencyCore:
                 continue
             if not demand and any(c.state is State.DIRTY for c in chain):
                 continue
-            nxt = self._pf.next_use(other.spec.key)
+            # a cache of data about to be replaced (expect_writes) has no use left
+            nxt = (math.inf if other.spec.key in self._expected
+                   else self._pf.next_use(other.spec.key))
             if nxt <= limit:
                 continue
             score = (nxt, -float(copy.last_use))

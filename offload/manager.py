@@ -236,8 +236,9 @@ class TierManager(SnapshotCore):
         and a failure is raised by the transfer and the manager call that settles it.
         Other homes are copied into at once. Keep ``src`` unchanged until ``wait()``.
 
-        ``keep_host=True`` (NVMe homes; a request, honoured when a pool buffer is free now,
-        nothing is evicted for it): ``src`` is copied into a pool buffer that becomes a
+        ``keep_host=True`` (NVMe homes; a request, honoured when a pool buffer is free now or
+        made free as prefetch makes room: by dropping a clean cache whose next use comes
+        later, never waiting): ``src`` is copied into a pool buffer that becomes a
         dirty host cache and is written down from there like any write-back, then stays
         as a clean cache. A fetch soon after reads it in host memory instead of waiting for
         the write and reading the bytes back; the cache is evictable like any other.
@@ -262,7 +263,8 @@ class TierManager(SnapshotCore):
                 self._wait_settled(rec, "nvme")  # one write of the key in flight at a time
                 self._preserve(rec)  # a snapshot's landed region is kept before it is replaced
                 rec.version += 1
-                if keep_host and self._pool.can_take(rec.spec.nbytes):
+                if (keep_host and self._pool.slots_for(rec.spec.nbytes) <= self._pool.count
+                        and self._room("host", rec, demand=False)):
                     return self._write_through(rec, src)
                 home = rec.copies["nvme"]
                 transition(rec, "nvme", Op.RECEIVE)
