@@ -246,9 +246,6 @@ class TierManager(SnapshotCore):
         with self._lock:
             rec = self._rec(key)
             self._check_out(rec, src, "write_from")
-            if key in self._expected:  # the write expected: readers may go on
-                self._expected.discard(key)
-                self._cond.notify_all()
             if rec.home == "nvme":
                 self._settle_all()
                 for c in rec.cache_tiers():
@@ -265,14 +262,17 @@ class TierManager(SnapshotCore):
                 rec.version += 1
                 if (keep_host and self._pool.slots_for(rec.spec.nbytes) <= self._pool.count
                         and self._room("host", rec, demand=False)):
-                    return self._write_through(rec, src)
-                home = rec.copies["nvme"]
-                transition(rec, "nvme", Op.RECEIVE)
-                out = home.transfer = self._mover.write(key, src.reshape(-1))
-                self._acct.moved_bytes(out.direction, rec.spec.cls, out.nbytes)
-                self._acct.writebacks += 1
-                self._busy.add(key)
+                    out = self._write_through(rec, src)
+                else:
+                    home = rec.copies["nvme"]
+                    transition(rec, "nvme", Op.RECEIVE)
+                    out = home.transfer = self._mover.write(key, src.reshape(-1))
+                    self._acct.moved_bytes(out.direction, rec.spec.cls, out.nbytes)
+                    self._acct.writebacks += 1
+                    self._busy.add(key)
+                self._written(key)  # issued: a reader is ordered after it from here on
                 return out
+            self._written(key)  # the writable fetch below is the write
         tier: Tier = "device" if rec.home == "device" else "host"
         view = self.fetch(key, tier, writable=True).wait()
         try:
@@ -295,6 +295,12 @@ class TierManager(SnapshotCore):
             else:
                 self._expected.difference_update(keys)
                 self._cond.notify_all()
+
+    def _written(self, key: str) -> None:
+        """(Lock held.) `key`'s expected write is issued: its readers may go on."""
+        if key in self._expected:
+            self._expected.discard(key)
+            self._cond.notify_all()
 
     def _wait_expected(self, key: str, what: str) -> None:
         """(Lock held.) Wait while `key`'s expected write has not been issued."""
