@@ -82,7 +82,7 @@ class StreamedStep:
 
     # -- the step ---------------------------------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
-        self._deferred.drain()  # (the driver drains first: nothing is pending here)
+        self._deferred.drain()  # one thread drives the stream (the driver drained already)
         self._grads_zeroed()
         return self.stream.step(hyper, step, grad_scale)
 

@@ -163,6 +163,31 @@ def test_deferred_step_is_bit_identical_and_matches_pytorch(tmp_path: Path,
     assert defer["report"]["tiers"]["order_mismatches"] == 0
 
 
+def test_layer_major_accumulation_deferred_is_bit_identical(tmp_path: Path) -> None:
+    """Two micro-batches per step through train_batch (batch.schedule auto: layer-major with
+    offload): the deferred update runs in the next pass's forward, each unit waited for by
+    the micro-batch threads that gather it; the same bits as overlap off."""
+    batches = make_batches(6)
+    out = {}
+    for overlap in (True, False):
+        cfg = nvme_cfg(tmp_path / str(overlap), overlap=overlap, grads="cpu")
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(
+            cfg.batch, gradient_accumulation_steps=2))
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+        try:
+            assert eng.schedule == "layer_major"
+            losses = []
+            for s in range(3):
+                got = eng.train_batch(batches[2 * s:2 * s + 2], lambda mb, e=eng: e(*mb))
+                losses += [float(x) for x in got]
+                assert runner(eng).deferred == overlap
+            out[overlap] = (losses, full_params(eng, eng.module))
+        finally:
+            eng.close()
+    assert out[True][0] == out[False][0]
+    assert all(torch.equal(out[True][1][k], v) for k, v in out[False][1].items())
+
+
 @pytest.mark.parametrize("state", ["bf16", "int8"])
 def test_compressed_moments_deferred_are_bit_identical(tmp_path: Path, state: str) -> None:
     batches = make_batches(len(SCALES))
