@@ -73,6 +73,7 @@ from .adam_threads import AdamThreads
 from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
+from .param_assembly import ParamAssembly
 from .settings import STATE_CLASSES, Tier
 from .state_codec import check_precision
 from .stream_parts import (
@@ -86,7 +87,7 @@ from .stream_parts import (
     kept_shards,
     wait_all,
 )
-from .stream_sizes import carve, param_assembly_bytes, piece_bytes, ring_capacity
+from .stream_sizes import carve, piece_bytes, ring_capacity
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
@@ -150,29 +151,25 @@ class AdamStream:
         self._keys = [dict(k) for k in keys]
         self._numels = list(numels)
         self._shadow = shadow
-        self._threads = threads
+        # the kernel's threads; whoever drives the stream may change them between calls
+        self.threads = threads
         self._backend = backend
         self._consume = consume_grads
         items = [self._item_bytes(c) for cs in self._chunks for c in cs]
         self._ring = HostRing(ring_capacity(buffer_bytes, items), lambda nbytes: manager.host_empty(
             nbytes, torch.uint8, purpose="adam_ring"))
-        # param of shards in several pieces, assembled whole: room for two shards, so one
-        # is written while the next is assembled ([Note: optimizer state in chunks])
-        low = 4 if shadow is None else 2
-        whole = [page_up(low * self._numels[i]) for i, cs in enumerate(self._chunks)
+        # param of shards in several pieces, assembled whole ([Note: optimizer state in
+        # chunks])
+        low = torch.float32 if shadow is None else shadow
+        whole = [page_up(low.itemsize * self._numels[i]) for i, cs in enumerate(self._chunks)
                  if len(cs) > 1 and "param" in self._keys[i]]
-        self._p16_ring = (HostRing(param_assembly_bytes(whole), lambda nbytes:
-                                   manager.host_empty(nbytes, torch.uint8,
-                                                      purpose="adam_param"))
-                          if whole else None)
-        self._p16_writes: deque[tuple[int, TierTransfer]] = deque()  # oldest first
+        self._p16 = ParamAssembly(manager, whole, low) if whole else None
         self._seq: list[Chunk] = []  # every piece, in step order
         self._first: list[int] = []  # position in _seq of each order position's first piece
         self._sequence()
         self._keep = kept_shards(self._mgr.plan, self._keys, self._numels, self._order,
                                  keep_host_buffers)  # [Note: param kept in host memory]
-        self.buffer_bytes = self._ring.capacity + (
-            0 if self._p16_ring is None else self._p16_ring.capacity)
+        self.buffer_bytes = self._ring.capacity + (0 if self._p16 is None else self._p16.capacity)
         self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
         self._writes: deque[tuple[StreamSet, list[TierTransfer]]] = deque()  # oldest first
         self._issued = 0  # reads issued for positions of the current cycle (may run past n)
@@ -286,16 +283,18 @@ class AdamStream:
         keys = self._keys[index]
         gkey = keys["grad"]
         tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
-        grad = self._mgr.fetch(gkey, tier).wait()  # 1D, its home (host) or a cache
+        # 1D, its home (host) or a cache; not a use of the order prefetch follows
+        grad = self._mgr.fetch(gkey, tier, ordered=False).wait()
         try:
-            taken = self._p16_take(index) if len(pieces) > 1 else None
+            taken = (self._p16.take(self._numels[index]) if self._p16 is not None
+                     and len(pieces) > 1 and "param" in keys else None)
             whole = None if taken is None else taken[1]
             for j, piece in enumerate(pieces):
                 rd = self._next_read(op, self._first[pos] + j)
                 op.compute += self._update(rd.bufs, piece, grad, whole, op)
                 self._write(rd.bufs, piece, param=whole is None)
-            if taken is not None:
-                self._p16_write(index, *taken)
+            if taken is not None and self._p16 is not None:
+                self._p16.write(keys["param"], *taken, keep_host=index in self._keep)
         finally:
             self._mgr.release(gkey, tier)
             if self._consume:
@@ -332,7 +331,7 @@ class AdamStream:
         with trace.span("adam", piece.keys["master"], numel=n):
             adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
                         grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
-                        grad_scale=op.grad_scale, shadow=shadow, threads=self._threads,
+                        grad_scale=op.grad_scale, shadow=shadow, threads=self.threads,
                         backend=self._backend, state=self._state, offset=piece.lo)
         if whole is not None and self._shadow is None:  # fp32 compute: param is the master
             whole[piece.lo:piece.hi].copy_(master)
@@ -351,41 +350,15 @@ class AdamStream:
             wait_all(parts)
             self._ring.give_back(done.start)
 
-    def _p16_take(self, index: int) -> tuple[int, torch.Tensor] | None:
-        """Room for shard ``index``'s whole new param (None: it has no param key),
-        waiting for the oldest param write when both regions are in use."""
-        ring = self._p16_ring
-        if ring is None or "param" not in self._keys[index]:
-            return None
-        dtype = torch.float32 if self._shadow is None else self._shadow
-        n = self._numels[index]
-        nbytes = n * (4 if self._shadow is None else 2)
-        start = ring.take(nbytes)
-        while start is None:
-            if not self._p16_writes:
-                raise OffloadError("internal: the param ring is full with no write in flight")
-            first, t = self._p16_writes.popleft()
-            t.wait()
-            ring.give_back(first)
-            start = ring.take(nbytes)
-        return start, ring.view(start, n, dtype)
-
-    def _p16_write(self, index: int, start: int, whole: torch.Tensor) -> None:
-        ring = self._p16_ring
-        if ring is None:
-            raise OffloadError("internal: no param ring")
-        t = self._mgr.write_from(self._keys[index]["param"], whole,
-                                 keep_host=index in self._keep)
-        self._p16_writes.append((start, t))
-        while self._p16_writes and self._p16_writes[0][1].done():
-            first, done = self._p16_writes.popleft()
-            done.wait()
-            ring.give_back(first)
-
     @property
     def kept(self) -> frozenset[int]:
         """Shards whose new param is offered to the manager as a host cache."""
         return self._keep
+
+    def keep_params(self, shards: frozenset[int]) -> None:
+        """Offer these shards' new param as host caches from now on (`kept`): every
+        shard when the update of each runs right before its gather."""
+        self._keep = shards
 
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param when the shard is one piece."""
@@ -437,7 +410,7 @@ class AdamStream:
     def writes_in_flight(self) -> int:
         """Shards whose writes were issued and have not all landed yet."""
         groups = [parts for _, parts in self._writes] + [rd.after for rd in self._ahead]
-        groups += [[t] for t in self._carry] + [[t] for _, t in self._p16_writes]
+        groups += [[t] for t in [*self._carry, *self._p16_writes()]]
         return sum(not all(t.done() for t in parts) for parts in groups)
 
     def wait_idle(self) -> None:
@@ -445,8 +418,7 @@ class AdamStream:
         read-ahead (for exact traffic counts per step); raises a failure."""
         for rd in list(self._ahead):
             rd.wait()
-        for parts in [self._carry, *(p for _, p in self._writes),
-                      [t for _, t in self._p16_writes]]:
+        for parts in [self._carry, *(p for _, p in self._writes), self._p16_writes()]:
             wait_all(parts)
 
     # ------------------------------------------------------------ lifecycle
@@ -462,8 +434,8 @@ class AdamStream:
             while self._writes:
                 _, parts = self._writes.popleft()
                 wait_all(parts)
-            while self._p16_writes:
-                self._p16_writes.popleft()[1].wait()
+            if self._p16 is not None:
+                self._p16.flush()
         except BaseException:
             self._unwind()
             raise
@@ -472,8 +444,7 @@ class AdamStream:
     def _unwind(self) -> None:
         for rd in self._ahead:
             rd.settle()
-        for parts in [self._carry, *(p for _, p in self._writes),
-                      [t for _, t in self._p16_writes]]:
+        for parts in [self._carry, *(p for _, p in self._writes), self._p16_writes()]:
             for t in parts:
                 try:
                     t.wait()
@@ -482,11 +453,13 @@ class AdamStream:
         self._ahead.clear()
         self._writes.clear()
         self._carry = []
-        self._p16_writes.clear()
         self._ring.reset()
-        if self._p16_ring is not None:
-            self._p16_ring.reset()
+        if self._p16 is not None:
+            self._p16.reset()
         self._issued = 0
+
+    def _p16_writes(self) -> list[TierTransfer]:
+        return [] if self._p16 is None else self._p16.in_flight()
 
     def close(self) -> None:
         """Finish every write (raising a failure) and stop the read-ahead thread."""

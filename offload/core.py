@@ -81,6 +81,7 @@ class ResidencyCore:
         self._cond = threading.Condition(self._lock)  # notified when room may have appeared
         self._stat_lock = threading.Lock()  # stall time is added from callers' threads
         self._busy: set[str] = set()  # keys with a transient copy
+        self._expected: set[str] = set()  # to be overwritten soon: not read ahead (expect_writes)
         self._closed = False
 
     def _rec(self, key: str, *, placed: bool = True) -> ShardRecord:
@@ -214,7 +215,7 @@ class ResidencyCore:
         """Write the dirty cache on ``tier`` one tier down."""
         copy = rec.copies[tier]
         below = rec.below(tier)
-        if below == rec.home and below != "nvme":  # NVMe writes are copy-on-write already
+        if below == rec.home:  # NVMe writes are copy-on-write: only a landed region is kept
             self._preserve(rec, may_wait=False)
         dst = rec.copies[below]
         if copy.data is None:
@@ -385,7 +386,9 @@ class ResidencyCore:
                 continue
             if not demand and any(c.state is State.DIRTY for c in chain):
                 continue
-            nxt = self._pf.next_use(other.spec.key)
+            # a cache of data about to be replaced (expect_writes) has no use left
+            nxt = (math.inf if other.spec.key in self._expected
+                   else self._pf.next_use(other.spec.key))
             if nxt <= limit:
                 continue
             score = (nxt, -float(copy.last_use))
@@ -436,7 +439,8 @@ class ResidencyCore:
                                  lambda k: self._records[k].home == "nvme")
         for key, tier in wanted:
             rec = self._records[key]
-            if tier in stopped or TIERS.index(tier) >= TIERS.index(rec.home):
+            if (tier in stopped or TIERS.index(tier) >= TIERS.index(rec.home)
+                    or key in self._expected):  # its data now is about to be replaced
                 continue
             if rec.copies[tier].state is not State.ABSENT:
                 continue

@@ -7,6 +7,7 @@
     view = mgr.fetch(key, "device").wait() # 1D tensor of the shard, valid until release
     mgr.release(key)                       # the caller is done with the view
     mgr.evict(key)                         # drop caches, writing dirty data down first
+    mgr.expect_writes(keys)                # about to be overwritten: no read-ahead of them
     mgr.memory_report()
 
 Residency follows [Note: residency model] in offload/residency.py.
@@ -39,7 +40,8 @@ release it. Views returned by fetch are valid until the matching release().
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Collection, Sequence
 from types import TracebackType
 
 import torch
@@ -114,8 +116,11 @@ class TierManager(SnapshotCore):
             return home.transfer
 
     def fetch(self, key: str, tier: Tier, *, writable: bool = False,
-              discard: bool = False) -> TierTransfer:
+              discard: bool = False, ordered: bool = True) -> TierTransfer:
         """Bring the shard to ``tier``; ``wait()`` gives a 1D view, valid until release().
+        ``ordered=False``: a use outside the order given to set_order (the optimizer
+        reading a gradient beside forward), which neither advances nor departs from it.
+        A shard whose write is expected (expect_writes) is fetched once that write is issued.
 
         ``writable=True`` marks a cache dirty (it is written down before being
         dropped) and first drops faster caches, which would turn stale. Until all
@@ -135,12 +140,13 @@ class TierManager(SnapshotCore):
         with self._lock:
             rec = self._rec(key)
             self._check_tier(rec, tier, "fetch")
+            self._wait_expected(key, "fetch")
             self._settle_all()
             # a fetch that overwrites a shard the order does not list (a fresh gradient:
             # nothing to read ahead) does not depart from the order
             if discard and not self._pf.lists(key):
                 self._pf.overwritten(key)
-            else:
+            elif ordered:
                 self._pf.consume(key, tier)
             if writable and tier == rec.home:  # an open snapshot may still read it there
                 self._preserve(rec)
@@ -205,6 +211,7 @@ class TierManager(SnapshotCore):
         with self._lock:
             rec = self._rec(key)
             self._check_out(rec, out, "read_into")
+            self._wait_expected(key, "read_into")
             self._settle_all()
             if rec.home == "nvme" and rec.copies["host"].state is State.ABSENT:
                 self._wait_settled(rec, "nvme")  # a write of the key lands first
@@ -229,8 +236,9 @@ class TierManager(SnapshotCore):
         and a failure is raised by the transfer and the manager call that settles it.
         Other homes are copied into at once. Keep ``src`` unchanged until ``wait()``.
 
-        ``keep_host=True`` (NVMe homes; a request, honoured when a pool buffer is free now,
-        nothing is evicted for it): ``src`` is copied into a pool buffer that becomes a
+        ``keep_host=True`` (NVMe homes; a request, honoured when a pool buffer is free now or
+        made free as prefetch makes room: by dropping a clean cache whose next use comes
+        later, never waiting): ``src`` is copied into a pool buffer that becomes a
         dirty host cache and is written down from there like any write-back, then stays
         as a clean cache. A fetch soon after reads it in host memory instead of waiting for
         the write and reading the bytes back; the cache is evictable like any other.
@@ -250,16 +258,21 @@ class TierManager(SnapshotCore):
                     if rec.copies[c].state is not State.ABSENT:
                         self._drop(rec, c, Op.DISCARD)
                 self._wait_settled(rec, "nvme")  # one write of the key in flight at a time
+                self._preserve(rec)  # a snapshot's landed region is kept before it is replaced
                 rec.version += 1
-                if keep_host and self._pool.can_take(rec.spec.nbytes):
-                    return self._write_through(rec, src)
-                home = rec.copies["nvme"]
-                transition(rec, "nvme", Op.RECEIVE)
-                out = home.transfer = self._mover.write(key, src.reshape(-1))
-                self._acct.moved_bytes(out.direction, rec.spec.cls, out.nbytes)
-                self._acct.writebacks += 1
-                self._busy.add(key)
+                if (keep_host and self._pool.slots_for(rec.spec.nbytes) <= self._pool.count
+                        and self._room("host", rec, demand=False)):
+                    out = self._write_through(rec, src)
+                else:
+                    home = rec.copies["nvme"]
+                    transition(rec, "nvme", Op.RECEIVE)
+                    out = home.transfer = self._mover.write(key, src.reshape(-1))
+                    self._acct.moved_bytes(out.direction, rec.spec.cls, out.nbytes)
+                    self._acct.writebacks += 1
+                    self._busy.add(key)
+                self._written(key)  # issued: a reader is ordered after it from here on
                 return out
+            self._written(key)  # the writable fetch below is the write
         tier: Tier = "device" if rec.home == "device" else "host"
         view = self.fetch(key, tier, writable=True).wait()
         try:
@@ -267,6 +280,38 @@ class TierManager(SnapshotCore):
         finally:
             self.release(key, tier)
         return TierTransfer.completed(src)
+
+    def expect_writes(self, keys: Collection[str], expected: bool = True) -> None:
+        """These shards will soon be overwritten whole by write_from (an optimizer update
+        deferred into forward writes each group's param just before its gather): until
+        then prefetch does not read their data, which is about to be replaced, and a fetch
+        or read_into of one waits for its write. `expected` False: no longer (the write
+        will not come, or came another way)."""
+        with self._lock:
+            for key in keys:
+                self._rec(key, placed=False)
+            if expected:
+                self._expected.update(keys)
+            else:
+                self._expected.difference_update(keys)
+                self._cond.notify_all()
+
+    def _written(self, key: str) -> None:
+        """(Lock held.) `key`'s expected write is issued: its readers may go on."""
+        if key in self._expected:
+            self._expected.discard(key)
+            self._cond.notify_all()
+
+    def _wait_expected(self, key: str, what: str) -> None:
+        """(Lock held.) Wait while `key`'s expected write has not been issued."""
+        deadline = time.monotonic() + self.settings.wait_timeout_s
+        while key in self._expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OffloadError(f"{what}({key!r}): its expected write (expect_writes) was "
+                                   f"not issued within {self.settings.wait_timeout_s} s; "
+                                   "whoever announced it must write it or withdraw it")
+            self._cond.wait(left)
 
     def _fresh_host(self, rec: ShardRecord) -> None:
         """fetch(discard=True): a dirty host cache of an NVMe shard, its old bytes unread."""

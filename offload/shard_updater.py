@@ -24,7 +24,7 @@ from .stream_parts import PipelineStats
 #                AdamStream): read ahead into a host ring, updated on the caller's
 #                thread, written behind ([Note: streamed optimizer step]), in a step order;
 #                measures gradients beside backward ([Note: gradients measured where they
-#                are reduced]) and updates in step(), after backward: no deferral.
+#                are reduced]) and defers the update to a worker during the next forward.
 #
 # What a runner cannot do it says through a capability (`measures`, `defers`,
 # `has_order`) that the driver reads once, when it decides its `StepMode`; the

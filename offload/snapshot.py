@@ -24,9 +24,17 @@ A key may also be recorded as *awaiting* (`snapshot(awaiting=...)`): its snapsho
 not the data now but what an update in progress leaves (a background save of a step whose
 optimizer update is still deferred: [Note: saving a deferred step] in
 engine/checkpoint/deferred.py). Until `snapshot_landed` says that update ended, writes to
-the key are the update's own and are not preserved, and `snapshot_take` of it waits; from
-then on it is like any other host- or device-homed key. An update that failed makes the
-take fail with its reason. Awaiting keys must be homed in host or device memory.
+the key are the update's own and are not preserved, and `snapshot_take` of it waits. From
+then on a host- or device-homed key is like any other. An NVMe-homed one is reported
+when the update has *issued* its write (the worker that ran it must not wait for the
+disk), so it is kept lazily: its region is kept (`keep`) once that write has landed, by
+whichever comes first, the reader's take (which waits for the write) or the next write
+of the key (which waits for it anyway, one write of a key in flight at a time, and
+keeps the landed region before it issues its own). So the snapshot never reads a
+region mid-write, nor one from before the update; a write of the update that failed
+makes the take fail. The swap room such a key's next write needs is reserved at the
+call, with the kept regions'. An update that failed makes the take fail with its
+reason.
 """
 
 from __future__ import annotations
@@ -38,10 +46,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tierzero.swap import KeptRegion, SwapError
+from tierzero.swap.request import region_bytes
 
 from .core import ResidencyCore
 from .errors import OffloadError
-from .residency import TRANSIENT, ShardRecord
+from .residency import TRANSIENT, ShardRecord, State
+from .transfer import TierTransfer
 
 SNAPSHOT_PURPOSE = "snapshot"  # memory_report().outside key of the copy-on-write buffers
 
@@ -62,11 +72,13 @@ class ShardSnapshot:
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # copied before a change
     reading: set[str] = field(default_factory=set)  # being read from the home copy now
     awaiting: set[str] = field(default_factory=set)  # their update has not ended yet
+    # NVMe homes whose update ended with its write in flight: kept once it has landed
+    landing: dict[str, TierTransfer] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # key -> why it was not updated
     taken: set[str] = field(default_factory=set)
     closed: bool = False
     copy_bytes: int = 0  # in `copies` now
-    kept_total: int = 0  # region bytes kept when the snapshot was taken
+    kept_total: int = 0  # region bytes kept (or to be kept: awaiting NVMe homes) at the call
     copies_made: int = 0  # copy-on-write copies taken
     copy_waits: int = 0  # writers that waited for the reader (copy_limit reached)
     wait_s: float = 0.0  # seconds writers waited in all
@@ -95,14 +107,17 @@ class SnapshotCore(ResidencyCore):
                 raise OffloadError(f"snapshot: awaiting keys {unknown[:3]} are not among its keys")
             self._settle_all()
             snap = ShardSnapshot(frozenset(keys), copy_limit)
+            later = 0  # region bytes of awaiting NVMe homes, kept once their update lands
             try:
                 for key in keys:
                     rec = self._rec(key)
                     if key in awaiting:
-                        if rec.home == "nvme":
-                            raise OffloadError(f"snapshot: shard {key!r} is homed on NVMe and "
-                                               "cannot await an update (host or device only)")
                         snap.awaiting.add(key)  # the update in progress may hold it writable
+                        if rec.home == "nvme" and rec.copies["nvme"].state not in TRANSIENT:
+                            # room for the write after the one it will keep (with the
+                            # update's write in flight, the region that one replaces will
+                            # be free by then)
+                            later += region_bytes(rec.spec.nbytes)
                         continue
                     self._flush_above(rec, rec.home, drop=False)
                     self._wait_settled(rec, rec.home)
@@ -115,8 +130,8 @@ class SnapshotCore(ResidencyCore):
                         snap.pending.add(key)
                 # the training's writes while the regions are kept go to new regions: room
                 # for them now (the file keeps it afterwards: later snapshots reuse it)
-                snap.kept_total = snap.kept_bytes
-                if snap.kept:
+                snap.kept_total = snap.kept_bytes + later
+                if snap.kept_total:
                     self._mover.reserve_free(snap.kept_total)
             except SwapError as exc:
                 self._release_snapshot(snap)
@@ -132,14 +147,18 @@ class SnapshotCore(ResidencyCore):
     def snapshot_landed(self, snap: ShardSnapshot, keys: Sequence[str],
                         error: str | None) -> None:
         """The update `keys` awaited has ended (`error`: why it did not update them): from
-        now on their home data is the snapshot's, preserved before it changes. Runs on the
-        thread that ran the update, before anyone else may write the keys."""
+        now on their home data is the snapshot's, preserved before it changes (an NVMe
+        home: its region, kept once the update's write has landed). Runs on the thread that
+        ran the update, before anyone else may write the keys; never waits for the disk
+        for an NVMe home."""
         with self._lock:
             for key in keys:
                 if snap.closed or key not in snap.awaiting:
                     continue
-                if error is None:
-                    rec = self._rec(key)
+                rec = self._rec(key)
+                if error is None and rec.home == "nvme":
+                    self._nvme_landed(snap, rec)
+                elif error is None:
                     self._flush_above(rec, rec.home, drop=False)
                     self._wait_settled(rec, rec.home)
                     if snap.closed:  # closed while the write-down settled
@@ -149,6 +168,30 @@ class SnapshotCore(ResidencyCore):
                     snap.failed[key] = error
                 snap.awaiting.discard(key)
             self._cond.notify_all()
+
+    def _nvme_landed(self, snap: ShardSnapshot, rec: ShardRecord) -> None:
+        """An awaiting NVMe home's update has issued its writes: keep its region now if
+        they have landed, else once they have (`_keep_landed`). A dirty cache above it
+        (not left by the stream, which writes past the caches) is written down first."""
+        key = rec.spec.key
+        if any(rec.copies[t].state is State.DIRTY for t in rec.cache_tiers()):
+            self._flush_above(rec, "nvme", drop=False)
+        home = rec.copies["nvme"]
+        if home.state in TRANSIENT and home.transfer is not None:
+            snap.landing[key] = home.transfer
+        else:
+            snap.kept[key] = self._mover.keep(key)
+
+    def _keep_landed(self, snap: ShardSnapshot, key: str) -> None:
+        """(The key's NVMe copy settled.) Keep the region the update's write left, or
+        record why it cannot be saved."""
+        written = snap.landing.pop(key)
+        try:
+            written.wait()  # landed: returns at once, or raises its failure again
+        except Exception as exc:
+            snap.failed[key] = f"its write failed: {exc}"
+            return
+        snap.kept[key] = self._mover.keep(key)
 
     def snapshot_take(self, snap: ShardSnapshot, key: str, out: torch.Tensor) -> None:
         """Copy `key`'s snapshot data into the host buffer `out` (the shard's numel and
@@ -162,6 +205,12 @@ class SnapshotCore(ResidencyCore):
             start = time.perf_counter()
             while key in snap.awaiting and not snap.closed:
                 self._cond.wait()
+            rec = self._rec(key)
+            while key in snap.landing and not snap.closed:  # its update's write lands first
+                if rec.copies["nvme"].state in TRANSIENT:
+                    self._wait_transfer(self._need(rec.copies["nvme"].transfer))
+                elif key in snap.landing:
+                    self._keep_landed(snap, key)
             snap.await_s += time.perf_counter() - start
             if snap.closed:
                 raise OffloadError(f"snapshot_take({key!r}): the snapshot was closed while "
@@ -170,7 +219,6 @@ class SnapshotCore(ResidencyCore):
                 raise OffloadError(f"snapshot of {key!r}: its update did not complete "
                                    f"({snap.failed[key]}); the state of that step cannot be "
                                    "saved")
-            rec = self._rec(key)
             if out.numel() != rec.spec.numel or out.dtype != rec.spec.dtype:
                 raise OffloadError(f"snapshot_take({key!r}): got {out.numel()} x {out.dtype}, "
                                    f"the shard is {rec.spec.numel} x {rec.spec.dtype}")
@@ -215,6 +263,7 @@ class SnapshotCore(ResidencyCore):
         snap.copies.clear()
         snap.pending.clear()
         snap.awaiting.clear()
+        snap.landing.clear()
         self._cond.notify_all()
 
     def _drop_copy(self, snap: ShardSnapshot, buf: torch.Tensor) -> None:
@@ -228,6 +277,9 @@ class SnapshotCore(ResidencyCore):
         over copy_limit, wait for the reader instead (False: copy anyway, for a
         write-back, which must not block)."""
         snap, key = self._snap, rec.spec.key
+        if snap is not None and key in snap.landing:  # NVMe: replaced next, so kept now
+            self._keep_landed(snap, key)
+            return
         if snap is None or key not in snap.pending:
             return
         start = time.perf_counter()

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 from ckpt_helpers import resume_config
-from engine_helpers import full_params, in_place_of, make_batches, make_model
+from engine_helpers import full_params, in_place_of, make_batches, make_model, runner_of
 
 from tierzero import engine
 from tierzero.engine.checkpoint import save as save_mod
 from tierzero.engine.config import Config
+from tierzero.engine.step.streamed import StreamedStep
 
 
 def bg_config(offload: str, swap: str | None, gas: int = 1, **outputs: Any) -> Config:
@@ -69,6 +70,44 @@ class DeferredHold:
         self.release.set()
 
 
+class StreamHold:
+    """DeferredHold for the streamed CPU Adam (state on NVMe, [Note: deferred streamed
+    step]): its worker is held before the first group of the deferred updates that begin
+    while `holding` is set, until `release` is set; `ended` lists the groups whose update
+    ran meanwhile (on any thread). The held worker drives the stream: a caller that waited
+    for any group would wait until `release`."""
+
+    def __init__(self, eng: engine.ZeroEngine) -> None:
+        step = runner_of(eng)
+        if not isinstance(step, StreamedStep):
+            raise AssertionError("StreamHold needs the streamed CPU Adam (offload nvme)")
+        self.step = step
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        self.ended: list[str] = []
+        stream, keys = step.stream, list(step._keys)  # mark_final takes their positions
+        real = stream.mark_final
+
+        def held(indices: Any) -> None:
+            on_worker = threading.current_thread().name.startswith("tierzero-adam-deferred")
+            if self.holding.is_set() and on_worker:
+                assert self.release.wait(60), "the held deferred update was never released"
+            real(indices)
+            if self.holding.is_set():
+                self.ended += [keys[i] for i in indices]
+
+        stream.mark_final = held  # type: ignore[method-assign]
+
+    def stop(self) -> None:
+        self.holding.clear()
+        self.release.set()
+
+
+def hold_of(eng: engine.ZeroEngine) -> DeferredHold | StreamHold:
+    """The hold for the engine's CPU Adam: in place (offload cpu) or streamed (nvme)."""
+    return DeferredHold(eng) if in_place_of(eng) is not None else StreamHold(eng)
+
+
 def swap_stats(eng: engine.ZeroEngine) -> Any:
     swap = getattr(eng.store, "swap", None)
     return swap.stats() if swap is not None else None
@@ -80,9 +119,10 @@ def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: i
     """Train n micro-steps (`gas` per optimizer step), save (in the background or not;
     `gate`: its writer held until the m following micro-steps are done), train m more.
     `load`: resume from `ckpt` first and train the m micro-steps only. `hold` (offload
-    cpu, clipping, overlap_step): the update that step n defers is held on its worker
-    until the save call has returned (DeferredHold; "held_ended" and "held_pending" say
-    how it stood then). Returns final params, the save's stats and swap stats."""
+    cpu or nvme, clipping, overlap_step): the update that step n defers is held on its
+    worker until the save call has returned (DeferredHold, StreamHold; "held_ended" and
+    "held_pending" say how it stood then). Returns final params, the save's stats and
+    swap stats."""
     where = None if swap is None else f"{swap}/rank{rank}"
     if where is not None:
         Path(where).mkdir(parents=True, exist_ok=True)
@@ -96,7 +136,7 @@ def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: i
         gate_writer(released)
     if load:
         eng.load_checkpoint(ckpt)
-    held = DeferredHold(eng) if hold else None
+    held = hold_of(eng) if hold else None
     for i in range(eng.micro_steps, n + m):
         ids, tg = batches[i]
         eng.backward(eng(ids, tg))
@@ -111,6 +151,7 @@ def bg_run(rank: int, *, offload: str, ckpt: str, swap: str | None, n: int, m: i
                 out["held_pending"] = held.step.deferred
                 held.stop()
     if not load:
+        out["swap_gated"] = swap_stats(eng)  # the steps after the save ran (the writer gated)
         released.set()
         if isinstance(pending, engine.PendingSave):
             pending.wait()

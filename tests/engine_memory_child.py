@@ -137,6 +137,9 @@ def main() -> None:
             eng.backward(loss)
             eng.step()
             losses.append(float(loss.detach()))
+        # the last step's update, deferred into a next forward under clipping ([Note:
+        # deferred streamed step] in engine/step/deferred_stream.py), runs here
+        eng.step_driver.drain()
     step_s = (time.perf_counter() - t0) / 3
     report = eng.memory_report()
     peak = max(sampler.peak, _hwm() if hwm_ok else 0)

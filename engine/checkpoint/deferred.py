@@ -1,9 +1,10 @@
 """A background save taken while the step's optimizer update is still deferred.
 
 [Note: saving a deferred step]
-With clipping or fp16 and offload.optimizer.overlap_step, the in-place CPU Adam (state in
-host memory) runs step N's update on its worker during the next forward ([Note: deferred
-step] in engine/step/in_place.py). `save_checkpoint(background=True)` right after step()
+With clipping or fp16 and offload.optimizer.overlap_step, the CPU Adam runs step N's update
+on a worker during the next forward: in place for state in host memory ([Note: deferred
+step] in engine/step/in_place.py), streamed for state on NVMe ([Note: deferred streamed
+step] in engine/step/deferred_stream.py). `save_checkpoint(background=True)` right after step()
 must save the state after that update, yet waiting for it on the training thread would
 hold the caller for work the next forward hides. So the save does not wait:
 
@@ -13,8 +14,9 @@ hold the caller for work the next forward hides. So the save does not wait:
                      snapshots] in offload/snapshot.py), agreed over the ranks; each
                      group's end attached to `StoreSnapshot.landed`; returns
     worker (or the   update group g, then report its end: g's parts leave "awaiting" and
-    training thread  are protected from here on like any host-resident part (copied
-    taking g over)   before they next change)
+    training thread  are protected from here on like any other part (host-resident:
+    taking g over)   copied before they next change; on NVMe: the region g's write
+                     left, kept once that write has landed, [Note: shard snapshots])
     writer thread    take a part of g: waits until g's update has ended, then reads it
 
 Why the checkpoint is the state after the step, bit for bit:
@@ -33,7 +35,7 @@ save would have raised the failure), and the failure is raised on the training t
 its next wait as before; once raised there, the groups it left are saved as they are, as
 a synchronous save would. When the ranks fall back to a synchronous save (no swap room
 for the snapshot), or a part of a watched group would be copied at the call (none is,
-for state updated in place), the update is waited for on the calling thread first and
+for state in host memory or on NVMe), the update is waited for on the calling thread first and
 that wait is `SaveStats.settle_s`. Also a module.state_dict() call would wait (its engine
 hook drains), so the save finds the persistent buffers without it.
 """

@@ -205,9 +205,8 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "update each unit's optimizer state as soon as its gradient is final, while "
             "backward runs (state on NVMe: streamed on the compute thread; state in host "
             "memory: in place on one worker thread). With gradient clipping or fp16 loss "
-            "scaling, gradients are measured during backward (same results); state in host "
-            "memory is then updated on the worker during the next forward, state on NVMe "
-            "after backward"
+            "scaling, gradients are measured during backward (same results) and the update "
+            "runs on a worker during the next forward, each unit's before it is gathered"
         ),
     )
 

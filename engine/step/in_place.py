@@ -69,14 +69,16 @@ The split of the worker's time into hidden and exposed that `tierzero train` log
 comes from OverlapClock (engine/step/worker_time.py): measured intervals, not the phase
 a job was queued in.
 
-State on NVMe (the streamed step, AdamStream) is not deferred: with clipping or fp16
-its gradients are measured during backward as here ([Note: gradients measured where they
-are reduced] in step/streamed.py), and the update runs after backward, on the training
-thread. Overlapping the stream with
-compute does pay (the unclipped stream during backward against after it: RESULTS.md,
-issue 16 rows). Deferring it into the next forward could hide at most the forward's
-share of compute (about a third of forward + backward), and needs the stream moved to
-a worker with per-unit waits as above; not built yet.
+State on NVMe (the streamed step, AdamStream) is deferred the same way: its gradients are
+measured during backward on the training thread ([Note: gradients measured where they are
+reduced] in step/streamed.py), and step() hands the stream to a worker that runs it in
+the next forward's order, with the same per-unit waits, drains and watch ([Note:
+deferred streamed step] in step/deferred_stream.py). There the stream is one pipeline
+(read ahead, kernel, write behind), so a waiting training thread takes it over in order
+instead of from the back. It hides at most the forward's share of compute (about a
+third of forward + backward), but step() no longer holds the training thread for the
+whole stream, and each param is gathered from the host cache its update just wrote
+(benchmarks/RESULTS.md, "The streamed step deferred into the next forward").
 """
 
 from __future__ import annotations

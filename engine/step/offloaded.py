@@ -109,9 +109,9 @@ class OffloadedStep:
     optimizer step]), state in host memory in place on one worker thread ([Note: in-place
     early step]). `finish()` does the rest. `lr` and the other hyper-parameters are taken
     when backward starts. With clipping or fp16 (MEASURE, DEFER) the gradients are
-    measured during backward; state updated in place is then updated during the next
-    forward ([Note: deferred step]), streamed state in step(), after backward ([Note:
-    gradients measured where they are reduced] in step/streamed.py).
+    measured during backward and, with overlap_step, the update runs during the next
+    forward, in place ([Note: deferred step]) or streamed ([Note: deferred streamed step]
+    in step/deferred_stream.py); without it, in step().
     """
 
     def __init__(self, store: TieredShardStore, face: OffloadedAdam, order: StepOrder, *,
@@ -297,8 +297,8 @@ class OffloadedStep:
 
     def worker_times(self) -> tuple[float, float]:
         """(seconds the optimizer's worker thread ran, of which hidden under compute),
-        cumulative (OverlapClock in engine/step/worker_time.py); (0, 0) for the streamed
-        step, which updates shards on the training thread."""
+        cumulative (OverlapClock in engine/step/worker_time.py); the streamed step's worker
+        runs only a deferred update (during backward it runs on the training thread)."""
         return self.runner.worker_times()
 
     def stats(self) -> dict[str, Any] | None:

@@ -4,9 +4,10 @@
 that OffloadedStep holds when the state is on NVMe (or placed by the planner): it builds
 the one `AdamStream` of the run from the store's keys and pieces and speaks of group keys
 where the stream speaks of shard positions. The stream updates on the caller's thread,
-in a step order. It does not defer the update into the next forward ([Note: deferred
-step] in step/in_place.py says why not yet), but it measures gradients beside backward
-([Note: gradients measured where they are reduced]).
+in a step order; with clipping or fp16 it measures gradients beside backward ([Note:
+gradients measured where they are reduced]) and, with overlap_step, hands the update on
+to a worker that runs it during the next forward (`defer`, DeferredStream in
+step/deferred_stream.py: [Note: deferred streamed step]).
 """
 
 from __future__ import annotations
@@ -16,21 +17,17 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
+from tierzero.engine.step.deferred_stream import DeferredStream
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import STEP_CLASSES
-from tierzero.offload.shard_updater import unsupported
 from tierzero.offload.step_seam import DeferredWatch, GradMeasure
-
-_NAME = "the streamed optimizer step (optimizer state off the host)"
-_FIX = ("ask the capability first (OffloadedStep's step_mode reads `defers`): with optimizer "
-        "state off the "
-        "host, the update runs in step(), after backward")
 
 
 # [Note: gradients measured where they are reduced]
 # Clipping's global norm and fp16's overflow check need every gradient before the first
-# update, so with state on NVMe the update runs after backward. Each group's GradStat is
+# update, so with state on NVMe the update runs after backward (with overlap_step, during
+# the next forward: [Note: deferred streamed step]). Each group's GradStat is
 # taken when its gradient shard turns final during backward (`measure`, called from the
 # scheduler right after the reduction), on the training thread: the shard is then in
 # host memory (its home, or the cache the reduction just filled in the staging pool), so
@@ -46,7 +43,7 @@ class StreamedStep:
 
     # capabilities ([Note: shard updaters])
     measures = True
-    defers = False
+    defers = True
     has_order = True
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, order: Sequence[str],
@@ -72,12 +69,20 @@ class StreamedStep:
             # zero_grad() follows every step: a consumed gradient is never read again
             # ([Note: gradient home] in engine/shards/tier_config.py)
             consume_grads=True, state=layout.state_precision)
+        self._deferred = DeferredStream(
+            self.stream, self._keys, [layout.manager_key(k, "param") if layout.has(k, "param")
+                                      else None for k in self._keys], manager, threads)
+
+    @property
+    def _all(self) -> frozenset[int]:
+        return frozenset(range(len(self._keys)))
 
     def _indices(self, keys: Sequence[str]) -> list[int]:
         return [self._index[k] for k in keys]
 
     # -- the step ---------------------------------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
+        self._deferred.drain()  # one thread drives the stream (the driver drained already)
         self._grads_zeroed()
         return self.stream.step(hyper, step, grad_scale)
 
@@ -88,6 +93,7 @@ class StreamedStep:
         self._store.write_zeroed_grads(self._keys)
 
     def begin(self, hyper: AdamHyper, step: float) -> None:
+        self._deferred.drain()
         self.stream.begin(hyper, step)
 
     def groups_final(self, keys: Sequence[str]) -> None:
@@ -107,34 +113,38 @@ class StreamedStep:
 
     def set_order(self, keys: Sequence[str]) -> bool:
         """A change drains the stream once (AdamStream.set_order)."""
+        self._deferred.drain()
         return self.stream.set_order(self._indices(keys))
 
     def settle(self) -> None:
-        """Nothing to wait for: the stream updates shards on the caller's thread."""
+        """Nothing to wait for but a deferred update, which goes on (`drain` ends it)."""
 
     def flush(self) -> None:
+        """A deferred update runs to its end, then every write lands."""
+        self._deferred.drain()
         self.stream.flush()
 
-    # -- no deferral ([Note: shard updaters]) ------------------------------------------------
+    # -- the update during the next forward: [Note: deferred streamed step] ----------------
     def defer(self, hyper: AdamHyper, step: float, grad_scale: float,
               order: Sequence[str]) -> None:
-        raise unsupported(_NAME, "defer()", "defers", _FIX)
+        """Hand the update to the worker, in `order` (the next forward's)."""
+        self._grads_zeroed()  # the worker reads gradients past the store's use()
+        if self.stream.kept != self._all:  # each param is gathered right after its update
+            self.stream.keep_params(self._all)
+        self._deferred.start(hyper, step, grad_scale, order)
 
     @property
     def deferred(self) -> bool:
-        return False
+        return self._deferred.pending
 
     def wait_groups(self, keys: Sequence[str]) -> PipelineStats | None:
-        """Nothing deferred: None at once."""
-        return None
+        return self._deferred.wait_groups(keys)
 
     def drain(self) -> PipelineStats | None:
-        """Nothing deferred: None at once."""
-        return None
+        return self._deferred.drain()
 
     def watch_deferred(self) -> DeferredWatch | None:
-        """Nothing deferred: None."""
-        return None
+        return self._deferred.watch()
 
     # -- clipping / fp16: [Note: gradients measured where they are reduced] ----------------
     def begin_measure(self) -> None:
@@ -162,8 +172,11 @@ class StreamedStep:
             self.forget_measured()
 
     def worker_times(self) -> tuple[float, float]:
-        """(0, 0): no worker thread; the kernel runs on the training thread."""
-        return 0.0, 0.0
+        """The deferred update's worker: (seconds, of which hidden under compute)."""
+        return self._deferred.clock.totals()
 
     def close(self) -> None:
-        self.stream.close()
+        try:
+            self._deferred.close()
+        finally:
+            self.stream.close()

@@ -80,6 +80,40 @@ def test_kept_write_falls_back_to_a_direct_write_when_the_pool_is_full(tmp_path:
         mgr.audit()
 
 
+def test_kept_write_makes_room_as_prefetch_does(tmp_path: Path) -> None:
+    """A kept write takes a pool buffer the way prefetch does: it drops a clean cache used
+    later than its own shard, first a stale one (of data about to be replaced,
+    expect_writes), never a dirty one, and never waits (a direct write instead)."""
+    with _manager(tmp_path, pool=2) as mgr:
+        def cached() -> set[str]:
+            return {k for k in ("p0", "p1", "p2")
+                    if mgr._records[k].copies["host"].state is not State.ABSENT}
+
+        for k in ("p1", "p2"):
+            mgr.fetch(k, "host").wait()
+            mgr.release(k)
+        mgr.expect_writes(["p0"])  # not read ahead: the write below replaces it
+        mgr.set_order([("p0", "device"), ("p1", "device"), ("p2", "device")])
+        mgr.synchronize()
+        assert cached() == {"p1", "p2"}
+        mgr.write_from("p0", torch.randn(N).to(torch.bfloat16), keep_host=True).wait()
+        assert cached() == {"p0", "p1"}  # p2 is used last: it gave way
+        mgr.expect_writes(["p1"])  # p1's cache is stale now, though used next
+        mgr.write_from("p2", torch.randn(N).to(torch.bfloat16), keep_host=True).wait()
+        assert cached() == {"p0", "p2"}
+        mgr.expect_writes(["p1"], False)
+        mgr.set_order([])  # no prefetch while both caches turn dirty
+        for k in ("p0", "p2"):
+            mgr.fetch(k, "host", writable=True).wait().fill_(1.0)
+            mgr.release(k)
+        mgr.set_order([("p1", "device"), ("p0", "device"), ("p2", "device")])
+        mgr.write_from("p1", torch.randn(N).to(torch.bfloat16), keep_host=True).wait()
+        assert cached() == {"p0", "p2"}
+        assert all(mgr._records[k].copies["host"].state is State.DIRTY for k in ("p0", "p2"))
+        mgr.synchronize()
+        mgr.audit()
+
+
 @pytest.mark.cuda
 def test_kept_cache_feeds_a_cuda_device_copy(tmp_path: Path) -> None:
     """On CUDA the kept cache is in the pinned pool and the gather's H2D copy reads it."""

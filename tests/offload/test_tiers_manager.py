@@ -428,3 +428,45 @@ def test_demand_fetch_wakes_when_a_write_back_lands(tmp_path: Path) -> None:
             assert torch.equal(got_key, torch.full((N,), 7.0)), key
             mgr.release(key)
         mgr.audit()
+
+
+def test_expected_writes_are_not_read_ahead_and_readers_wait_for_them(tmp_path: Path) -> None:
+    """expect_writes: an NVMe shard about to be overwritten (a deferred optimizer update
+    writes each param right before its gather) is skipped by prefetch, which reads the
+    others of the order; a fetch of it waits until its write is issued and then sees the
+    new data; a fetch outside the order (ordered=False) neither counts as a mismatch nor
+    moves the cursor; a withdrawn expectation lets readers go on."""
+    mgr, data = make(tmp_path, device_caches=3, pool=4, timeout=1.0)
+    with mgr:
+        mgr.expect_writes(["p0", "p1"])
+        mgr.set_order([(f"p{i}", "device") for i in (0, 2, 1, 3)])  # type: ignore[misc]
+        mgr.synchronize()
+        cached = {k for k in ("p0", "p1", "p2", "p3")
+                  if mgr._records[k].copies["host"].state is not State.ABSENT}
+        assert cached == {"p2"}  # the window: p0, p2; the old data of p0 is not read
+        got: dict[str, torch.Tensor] = {}
+
+        def reader() -> None:
+            got["p0"] = mgr.fetch("p0", "device").wait().clone()
+            mgr.release("p0", "device")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        t.join(0.2)
+        assert t.is_alive()  # waits for the write
+        new = torch.full((N,), 5.0)
+        mgr.write_from("p0", new).wait()
+        t.join(5)
+        assert not t.is_alive() and torch.equal(got["p0"], new)
+        mgr.expect_writes(["p1"], False)  # withdrawn: read as it is
+        assert torch.equal(mgr.fetch("p1", "device").wait(), data["p1"])
+        mgr.release("p1", "device")
+        before = mgr.memory_report().order_mismatches
+        mgr.fetch("g3", "host", ordered=False).wait()
+        mgr.release("g3", "host")
+        assert mgr.memory_report().order_mismatches == before
+        mgr.expect_writes(["p2"])
+        with pytest.raises(OffloadError, match="expected write"):
+            mgr.read_into("p2", torch.empty(N))  # nobody writes it: refused after the wait
+        mgr.expect_writes(["p2"], False)
+        mgr.audit()

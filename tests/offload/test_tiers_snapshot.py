@@ -6,26 +6,31 @@ is left kept or counted once the snapshot is taken or closed."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from tiers_util import cpu_settings, data_for, store
+from tiers_util import DelayIO, cpu_settings, data_for, store
 
 from tierzero.offload import OffloadError, ShardSpec, TierManager
+from tierzero.offload.errors import TransferError
 from tierzero.offload.snapshot import SNAPSHOT_PURPOSE
+from tierzero.offload.transfer import TierTransfer
 from tierzero.swap import aligned_empty
 
 N = 1024
 HOMES = {"param": "nvme", "grad": "cpu", "master": "none"}  # nvme, host, device homes
 
 
-def _make(tmp_path: Path) -> tuple[TierManager, dict[str, torch.Tensor]]:
+def _make(tmp_path: Path, write_delay: float = 0.0
+          ) -> tuple[TierManager, dict[str, torch.Tensor]]:
     sp = ([ShardSpec(f"p{i}", "param", N, torch.float32) for i in range(3)]
           + [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(3)]
           + [ShardSpec("m0", "master", N, torch.float32)])
     mgr = TierManager(sp, cpu_settings(HOMES, device=8 * 4 * N, host=64 * 4 * N,
-                                       buffer_count=4), swap=store(tmp_path))
+                                       buffer_count=4),
+                      swap=store(tmp_path, fileio=DelayIO(write_delay=write_delay)))
     data = {x.key: data_for(x, i) for i, x in enumerate(sp)}
     for k, v in data.items():
         mgr.place(k, v).wait()
@@ -120,12 +125,10 @@ def test_awaiting_keys_are_recorded_when_their_update_lands(tmp_path: Path) -> N
     """Keys recorded as awaiting ([Note: shard snapshots]): they may be held writable when
     the snapshot opens; the update's writes before snapshot_landed are not preserved (the
     snapshot is what the update leaves); a take waits for the landing; a write after it is
-    preserved as for any host/device home; a failed update makes the take fail; NVMe homes
-    cannot await."""
+    preserved as for any host/device home; a failed update makes the take fail. (NVMe
+    homes: test_awaiting_nvme_keys_keep_the_region_their_update_left.)"""
     mgr, data = _make(tmp_path)
     try:
-        with pytest.raises(OffloadError, match="homed on NVMe"):
-            mgr.snapshot(["p0"], copy_limit=1 << 20, awaiting=["p0"])
         held = mgr.fetch("g0", "host", writable=True).wait()  # the update in progress
         snap = mgr.snapshot(["g0", "g1", "g2", "m0"], copy_limit=1 << 20,
                             awaiting=["g0", "g1", "m0"])
@@ -159,5 +162,58 @@ def test_awaiting_keys_are_recorded_when_their_update_lands(tmp_path: Path) -> N
             mgr.snapshot_take(snap, "g1", out)
         mgr.snapshot_close(snap)
         assert mgr.memory_report().outside[SNAPSHOT_PURPOSE] == 0
+    finally:
+        mgr.close()
+
+
+def test_awaiting_nvme_keys_keep_the_region_their_update_left(tmp_path: Path) -> None:
+    """NVMe homes may await ([Note: shard snapshots]): the update reports its end once its
+    write is issued, before it lands (a slow disk: 50 ms a block); snapshot_landed does
+    not wait for the disk. The region is kept once the write has landed: by the take,
+    which waits for it, or by the next write of the key, which keeps it before replacing
+    it; never one from before the update, nor one mid-write. A write of the update that
+    failed makes the take fail. The swap room the later writes need is reserved at the
+    call."""
+    mgr, data = _make(tmp_path, write_delay=0.05)
+    swap = mgr._mover.swap
+    try:
+        free0 = swap.stats().file_bytes  # type: ignore[union-attr]
+        snap = mgr.snapshot(["p0", "p1", "p2"], copy_limit=0, awaiting=["p0", "p1", "p2"])
+        assert snap.kept_total >= 3 * 4 * N and not snap.kept
+        assert swap.stats().file_bytes >= free0  # type: ignore[union-attr]
+        ones = torch.full((N,), 1.0)
+        updated = [mgr.write_from(k, ones) for k in ("p0", "p1")]  # the update's writes
+        start = time.perf_counter()
+        mgr.snapshot_landed(snap, ["p0", "p1"], None)
+        assert time.perf_counter() - start < 0.04  # did not wait for the 50 ms write
+        assert set(snap.landing) == {"p0", "p1"} and not snap.kept
+        mgr.write_from("p0", torch.full((N,), 2.0)).wait()  # the next write: kept first
+        assert "p0" in snap.kept and "p0" not in snap.landing
+        for key in ("p0", "p1"):  # p1: the take waits for its write to land
+            out = aligned_empty(N, torch.float32)
+            mgr.snapshot_take(snap, key, out)
+            assert torch.equal(out, ones), key
+        for t in updated:
+            t.wait()
+
+        def failed_write(key: str, src: torch.Tensor) -> TierTransfer:
+            def fail() -> object:
+                raise TransferError(f"injected write failure of {key}")
+            return TierTransfer(src, src.numel() * 4, "host_to_nvme", fail, lambda: True)
+
+        real = mgr._mover.write
+        mgr._mover.write = failed_write  # type: ignore[method-assign]
+        mgr.write_from("p2", ones)
+        mgr._mover.write = real  # type: ignore[method-assign]
+        mgr.snapshot_landed(snap, ["p2"], None)
+        with pytest.raises(TransferError, match="injected write failure"):
+            mgr.snapshot_take(snap, "p2", aligned_empty(N, torch.float32))
+        mgr.snapshot_close(snap)
+        assert swap.stats().kept_regions == 0  # type: ignore[union-attr]
+        with pytest.raises(TransferError):  # raised once more, by the call that settles it
+            mgr.synchronize()
+        out = aligned_empty(N, torch.float32)
+        mgr.read_into("p2", out).wait()  # the failed write left the data before it
+        assert torch.equal(out, data["p2"])
     finally:
         mgr.close()

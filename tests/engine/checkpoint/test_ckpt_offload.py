@@ -196,6 +196,9 @@ def test_load_into_a_running_engine_drops_its_caches(tmp_path: Path) -> None:
         eng.save_checkpoint(tmp_path / "ck", tag="t")
         _train(eng, 3, 6)
         assert stream_of(eng) is not None
+        # step 6's update, deferred into the next forward (clipping, overlap_step: [Note:
+        # deferred streamed step]), runs now, not inside the load that would drain it
+        eng.step_driver.drain()
         stream_of(eng).wait_idle()  # the next step's read-ahead lands before counting
         read0 = eng.memory_report()["tiers"]["moved"]["nvme_to_host"]
         eng.load_checkpoint(tmp_path / "ck", tag="t")
