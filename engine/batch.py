@@ -78,12 +78,15 @@ def train_batch(eng: ZeroEngine, micro_batches: Sequence[Any],
 
 
 def timed_step(eng: ZeroEngine) -> None:
-    """step(), its seconds added to `optimizer_step_s`, in a trace span."""
+    """step(), in a trace span; its seconds are added to `optimizer_step_s` less its unit
+    gathers (persistent units gathered again after the update), which the scheduler's
+    `gather_s` counts already: the two add up to no more than the step's time."""
     start = time.perf_counter()
+    gathers = eng.scheduler.gather_s
     boundary = eng.is_gradient_accumulation_boundary()
     with trace.span("optimizer", "step" if boundary else "accumulate"):
         eng.step()
-    eng.optimizer_step_s += time.perf_counter() - start
+    eng.optimizer_step_s += time.perf_counter() - start - (eng.scheduler.gather_s - gathers)
 
 
 def default_loss(eng: ZeroEngine, mb: Any) -> torch.Tensor:

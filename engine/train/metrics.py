@@ -42,10 +42,12 @@ class StepRecord:
     tokens_per_s: float
     step_s: float  # wall time of the whole step
     compute_s: float  # forward + backward, minus the gather waits
-    wait_s: float  # gathering units, forward and backward (NVMe reads and copies included)
-    # the optimizer's time exposed: the training thread in step() (a step begun during
-    # backward finished, measurements waited for) and forward's waits for a unit's
-    # deferred update before its gather
+    # gathering units, forward and backward and the re-gathers of persistent units at the
+    # step's end (NVMe reads and copies included)
+    wait_s: float
+    # the optimizer's time exposed: the training thread in step() less its gathers (a step
+    # begun during backward finished, measurements waited for) and forward's waits for a
+    # unit's deferred update before its gather
     optimizer_s: float
     # seconds the optimizer's worker thread (CPU Adam, gradient measurements) ran during
     # this step while the training thread was not waiting for it: hidden under compute,
