@@ -43,16 +43,14 @@ the largest shard: a 700M-parameter layer needs no 10 GB of buffers. Each piece 
 pass of the same kernel over its elements (Adam is elementwise, so the result is
 bitwise the same as one pass over the shard). The gradient is held once per shard (a
 view of its home or host cache, sliced per piece); the new param of a shard in
-several pieces is assembled in a second, smaller ring (two shards' param) and written
-whole once its last piece is updated, since param is gathered whole. A shard of one
-piece keeps its param in the ring with its state, as before.
+several pieces is assembled whole in offload/param_room.py; a shard of one piece keeps
+its param in the ring with its state.
 
-Failures: an exception inside ``step()`` waits for every transfer still using
-the buffers, drops the read-ahead and re-raises; every shard is then either
-fully updated (its writes were issued) or untouched, the manager holds nothing
-for the stream, and the next ``step()`` starts over from the first shard. A
-failed write is raised by the next ``step()`` or ``flush()`` (and by the manager
-call that settles it), naming the key.
+Failures: an exception inside ``step()`` waits for every transfer still using the
+buffers, drops the read-ahead and re-raises; every shard is then either fully updated
+(its writes were issued) or untouched, the manager holds nothing for the stream, and the
+next ``step()`` starts over from the first shard. A failed write is raised by the next
+``step()`` or ``flush()`` (and by the manager call that settles it), naming the key.
 """
 
 from __future__ import annotations
@@ -70,9 +68,11 @@ from tierzero.swap import trace
 from .adam_kernel import Backend, adam_update
 from .adam_math import AdamHyper
 from .adam_threads import AdamThreads
+from .bf16_master import master_key
 from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
+from .param_room import ParamRoom
 from .settings import STATE_CLASSES, Tier
 from .state_codec import check_precision
 from .stream_parts import (
@@ -81,7 +81,7 @@ from .stream_parts import (
     PipelineStats,
     StreamRead,
     StreamSet,
-    checked_chunks,
+    checked_inputs,
     checked_order,
     kept_shards,
     wait_all,
@@ -120,6 +120,8 @@ class AdamStream:
         state_precision): "fp32", or "bf16" / "int8", whose manager keys then hold uint8
         tensors of state_codec.moment_nbytes(piece numel) bytes; they are read, updated
         and written at that size (the kernel decodes and encodes in its pass).
+    master: "fp32", or "bf16": the param is the master (no "master" keys, no shadow;
+        salts: per shard, bf16_master.shard_salt), see [Note: bf16 master weights].
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
@@ -129,27 +131,22 @@ class AdamStream:
                  backend: Backend = "auto", keep_host_buffers: int | None = None,
                  consume_grads: bool = False,
                  chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None = None,
-                 state: str = "fp32") -> None:
+                 state: str = "fp32", master: str = "fp32",
+                 salts: Sequence[int] | None = None) -> None:
         check_precision(state)
         self._state = state
         n = len(numels)
-        if len(keys) != n:
-            raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
         self._order = list(range(n)) if order is None else checked_order(order, n)
-        if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
-            raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
-        if shadow not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
-        for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
-            missing = [c for c in (*(STATE_CLASSES if chunks is None else ()), "grad")
-                       if c not in k]
-            if numel and missing:
-                raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
-        self._chunks = checked_chunks(keys, numels, chunks)
+        self._chunks = checked_inputs(keys, numels, chunks, buffer_bytes=buffer_bytes,
+                                      shadow=shadow, master=master, salts=salts)
         self._mgr = manager
         self._keys = [dict(k) for k in keys]
         self._numels = list(numels)
         self._shadow = shadow
+        self._master = master
+        self._salts = list(salts or ())
+        # the param's dtype: the bf16 master, the low-precision shadow, else fp32 (the master)
+        self._param_dtype = (torch.bfloat16 if master == "bf16" else shadow or torch.float32)
         self._threads = threads
         self._backend = backend
         self._consume = consume_grads
@@ -158,21 +155,18 @@ class AdamStream:
             nbytes, torch.uint8, purpose="adam_ring"))
         # param of shards in several pieces, assembled whole: room for two shards, so one
         # is written while the next is assembled ([Note: optimizer state in chunks])
-        low = 4 if shadow is None else 2
+        low = self._param_dtype.itemsize
         whole = [page_up(low * self._numels[i]) for i, cs in enumerate(self._chunks)
                  if len(cs) > 1 and "param" in self._keys[i]]
-        self._p16_ring = (HostRing(param_assembly_bytes(whole), lambda nbytes:
-                                   manager.host_empty(nbytes, torch.uint8,
-                                                      purpose="adam_param"))
-                          if whole else None)
-        self._p16_writes: deque[tuple[int, TierTransfer]] = deque()  # oldest first
+        self._room = (ParamRoom(param_assembly_bytes(whole), lambda nbytes: manager.host_empty(
+            nbytes, torch.uint8, purpose="adam_param")) if whole else None)
         self._seq: list[Chunk] = []  # every piece, in step order
         self._first: list[int] = []  # position in _seq of each order position's first piece
         self._sequence()
         self._keep = kept_shards(self._mgr.plan, self._keys, self._numels, self._order,
                                  keep_host_buffers)  # [Note: param kept in host memory]
         self.buffer_bytes = self._ring.capacity + (
-            0 if self._p16_ring is None else self._p16_ring.capacity)
+            0 if self._room is None else self._room.capacity)
         self._ahead: deque[StreamRead] = deque()  # reads issued, in step order
         self._writes: deque[tuple[StreamSet, list[TierTransfer]]] = deque()  # oldest first
         self._issued = 0  # reads issued for positions of the current cycle (may run past n)
@@ -290,6 +284,10 @@ class AdamStream:
         try:
             taken = self._p16_take(index) if len(pieces) > 1 else None
             whole = None if taken is None else taken[1]
+            if whole is not None and self._master == "bf16":  # the master, read whole
+                t = time.perf_counter()
+                self._mgr.read_into(keys["param"], whole).wait()
+                op.wait += time.perf_counter() - t
             for j, piece in enumerate(pieces):
                 rd = self._next_read(op, self._first[pos] + j)
                 op.compute += self._update(rd.bufs, piece, grad, whole, op)
@@ -314,7 +312,7 @@ class AdamStream:
         piece = self._seq[at]
         for key, version in seen:  # written by someone else since: read again
             if self._mgr.version(key) != version:
-                name = next(c for c in STATE_CLASSES if piece.keys[c] == key)
+                name = next(c for c in STATE_CLASSES if piece.keys.get(c) == key)
                 self._mgr.read_into(key, rd.bufs.part(name, piece.numel)).wait()
         return rd
 
@@ -323,28 +321,38 @@ class AdamStream:
         """One kernel pass over the piece; its new param goes to the ring (a shard in one
         piece) or into the shard's assembled param ``whole``."""
         n = piece.numel
-        master = bufs.part("master", n)
-        if whole is not None:
+        bf16 = self._master == "bf16"
+        master = (whole[piece.lo:piece.hi] if bf16 and whole is not None
+                  else bufs.part("master", n))
+        if bf16:  # the master is the param: no shadow
+            shadow = None
+        elif whole is not None:
             shadow = None if self._shadow is None else whole[piece.lo:piece.hi]
         else:
             shadow = None if bufs.param is None else bufs.param[:n]
+        key = master_key(op.step, self._salts[piece.shard]) if bf16 else None
         t = time.perf_counter()
-        with trace.span("adam", piece.keys["master"], numel=n):
+        with trace.span("adam", piece.keys["exp_avg"], numel=n):
             adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
                         grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
                         grad_scale=op.grad_scale, shadow=shadow, threads=self._threads,
-                        backend=self._backend, state=self._state, offset=piece.lo)
-        if whole is not None and self._shadow is None:  # fp32 compute: param is the master
+                        backend=self._backend, state=self._state, offset=piece.lo,
+                        master_key=key)
+        if whole is not None and self._shadow is None and not bf16:  # param is the master
             whole[piece.lo:piece.hi].copy_(master)
         return time.perf_counter() - t
 
     def _write(self, bufs: StreamSet, piece: Chunk, *, param: bool) -> None:
         n = piece.numel
-        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n)) for c in STATE_CLASSES]
         p16 = self._keys[piece.shard].get("param")
-        if param and p16 is not None:  # fp32 compute: param is the master itself
+        keep = piece.shard in self._keep
+        # a bf16 master of a shard in one piece is written under the param's key
+        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n),
+                                       keep_host=keep and piece.keys[c] == p16)
+                  for c in STATE_CLASSES if c in piece.keys]
+        if param and p16 is not None and self._master == "fp32":
             src = bufs.part("master", n) if bufs.param is None else bufs.param[:n]
-            writes.append(self._mgr.write_from(p16, src, keep_host=piece.shard in self._keep))
+            writes.append(self._mgr.write_from(p16, src, keep_host=keep))
         self._writes.append((bufs, writes))
         while self._writes and all(t.done() for t in self._writes[0][1]):
             done, parts = self._writes.popleft()
@@ -352,35 +360,16 @@ class AdamStream:
             self._ring.give_back(done.start)
 
     def _p16_take(self, index: int) -> tuple[int, torch.Tensor] | None:
-        """Room for shard ``index``'s whole new param (None: it has no param key),
-        waiting for the oldest param write when both regions are in use."""
-        ring = self._p16_ring
-        if ring is None or "param" not in self._keys[index]:
+        """Room for shard ``index``'s whole new param (None: it has no param key)."""
+        if self._room is None or "param" not in self._keys[index]:
             return None
-        dtype = torch.float32 if self._shadow is None else self._shadow
-        n = self._numels[index]
-        nbytes = n * (4 if self._shadow is None else 2)
-        start = ring.take(nbytes)
-        while start is None:
-            if not self._p16_writes:
-                raise OffloadError("internal: the param ring is full with no write in flight")
-            first, t = self._p16_writes.popleft()
-            t.wait()
-            ring.give_back(first)
-            start = ring.take(nbytes)
-        return start, ring.view(start, n, dtype)
+        return self._room.take(self._numels[index], self._param_dtype)
 
     def _p16_write(self, index: int, start: int, whole: torch.Tensor) -> None:
-        ring = self._p16_ring
-        if ring is None:
+        if self._room is None:
             raise OffloadError("internal: no param ring")
-        t = self._mgr.write_from(self._keys[index]["param"], whole,
-                                 keep_host=index in self._keep)
-        self._p16_writes.append((start, t))
-        while self._p16_writes and self._p16_writes[0][1].done():
-            first, done = self._p16_writes.popleft()
-            done.wait()
-            ring.give_back(first)
+        self._room.written(start, self._mgr.write_from(self._keys[index]["param"], whole,
+                                                       keep_host=index in self._keep))
 
     @property
     def kept(self) -> frozenset[int]:
@@ -390,7 +379,16 @@ class AdamStream:
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param when the shard is one piece."""
         low = 2 if len(self._chunks[piece.shard]) == 1 and self._shadow is not None else 0
-        return piece_bytes(piece.numel, self._state, low) if piece.numel else 0
+        master = self._carved_master(piece)
+        return piece_bytes(piece.numel, self._state, low,
+                           0 if master is None else master.itemsize) if piece.numel else 0
+
+    def _carved_master(self, piece: Chunk) -> torch.dtype | None:
+        """A ring item's master part: fp32, a bf16 master (the param of a shard in one
+        piece), or none (a piece of a shard whose bf16 master is assembled whole)."""
+        if self._master == "fp32":
+            return torch.float32
+        return torch.bfloat16 if "master" in piece.keys else None
 
     def _top_up(self, pos: int, *, now: bool = True) -> None:
         """Issue reads for the positions from ``pos`` on (at most one step ahead, wrapping
@@ -415,7 +413,8 @@ class AdamStream:
                 return
             after, self._carry = self._carry, []
             bufs = carve(self._ring, start, piece.numel, self._state, self._shadow,
-                         param=len(self._chunks[piece.shard]) == 1)
+                         param=len(self._chunks[piece.shard]) == 1,
+                         master=self._carved_master(piece))
             job = self._reader.submit(self._issue_read, piece, bufs, after, background)
             self._ahead.append(StreamRead(self._issued % n_seq, bufs, after, job,
                                           shard=piece.shard))
@@ -426,7 +425,7 @@ class AdamStream:
         wait_all(after)  # the set's previous contents are written: it may be refilled
         n = piece.numel
         out: list[tuple[str, int, TierTransfer]] = []
-        for c in STATE_CLASSES if n else ():
+        for c in [c for c in STATE_CLASSES if c in piece.keys] if n else ():
             key = piece.keys[c]
             version = self._mgr.version(key)  # before the read: a later change is caught
             out.append((key, version,
@@ -437,7 +436,7 @@ class AdamStream:
     def writes_in_flight(self) -> int:
         """Shards whose writes were issued and have not all landed yet."""
         groups = [parts for _, parts in self._writes] + [rd.after for rd in self._ahead]
-        groups += [[t] for t in self._carry] + [[t] for _, t in self._p16_writes]
+        groups += [[t] for t in self._carry + self._room_writes()]
         return sum(not all(t.done() for t in parts) for parts in groups)
 
     def wait_idle(self) -> None:
@@ -445,9 +444,11 @@ class AdamStream:
         read-ahead (for exact traffic counts per step); raises a failure."""
         for rd in list(self._ahead):
             rd.wait()
-        for parts in [self._carry, *(p for _, p in self._writes),
-                      [t for _, t in self._p16_writes]]:
+        for parts in [self._carry, *(p for _, p in self._writes), self._room_writes()]:
             wait_all(parts)
+
+    def _room_writes(self) -> list[TierTransfer]:
+        return [] if self._room is None else self._room.transfers
 
     # ------------------------------------------------------------ lifecycle
     def flush(self) -> None:
@@ -462,8 +463,8 @@ class AdamStream:
             while self._writes:
                 _, parts = self._writes.popleft()
                 wait_all(parts)
-            while self._p16_writes:
-                self._p16_writes.popleft()[1].wait()
+            if self._room is not None:
+                self._room.drain()
         except BaseException:
             self._unwind()
             raise
@@ -472,8 +473,7 @@ class AdamStream:
     def _unwind(self) -> None:
         for rd in self._ahead:
             rd.settle()
-        for parts in [self._carry, *(p for _, p in self._writes),
-                      [t for _, t in self._p16_writes]]:
+        for parts in [self._carry, *(p for _, p in self._writes), self._room_writes()]:
             for t in parts:
                 try:
                     t.wait()
@@ -482,10 +482,9 @@ class AdamStream:
         self._ahead.clear()
         self._writes.clear()
         self._carry = []
-        self._p16_writes.clear()
         self._ring.reset()
-        if self._p16_ring is not None:
-            self._p16_ring.reset()
+        if self._room is not None:
+            self._room.reset()
         self._issued = 0
 
     def close(self) -> None:
