@@ -61,6 +61,8 @@ class StreamedStep:
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
         layout = store.layout  # keys and pieces, as the store keeps them
+        # a bf16 master is the param itself ([Note: bf16 master weights]): no shadow
+        bf16 = layout.master_precision == "bf16"
         self.stream = AdamStream(
             manager, [{n: layout.manager_key(k, n) for n in STEP_CLASSES} for k in self._keys],
             [layout.numel(k) for k in self._keys], order=self._indices(order),
@@ -68,10 +70,12 @@ class StreamedStep:
             # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
             # state in chunks] in offload/adam_stream.py): one list of pieces per group
             chunks=[layout.stream_pieces(k) for k in self._keys],
-            shadow=shadow, threads=threads,
+            shadow=None if bf16 else shadow, threads=threads,
             # zero_grad() follows every step: a consumed gradient is never read again
             # ([Note: gradient home] in engine/shards/tier_config.py)
-            consume_grads=True, state=layout.state_precision)
+            consume_grads=True, state=layout.state_precision,
+            master=layout.master_precision,
+            salts=[layout.master_salt(k) for k in self._keys] if bf16 else None)
 
     def _indices(self, keys: Sequence[str]) -> list[int]:
         return [self._index[k] for k in keys]
