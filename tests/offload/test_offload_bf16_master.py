@@ -14,9 +14,9 @@ in-place update's bits and moves 2 B/param of master each way, no fp32 master.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
-
 from pathlib import Path
 
 import pytest
@@ -193,7 +193,7 @@ def test_bad_arguments_name_the_fix() -> None:
     with pytest.raises(ValueError, match="takes no shadow"):
         adam_update(p, torch.zeros(8), torch.zeros(8), torch.zeros(8), hyper=HYPER, step=1,
                     shadow=torch.zeros(8, dtype=torch.bfloat16), master_key=1)
-    with pytest.raises(ValueError, match="master has dtype torch.float16"):
+    with pytest.raises(ValueError, match=r"master has dtype torch\.float16"):
         adam_update(p.half(), torch.zeros(8), torch.zeros(8), torch.zeros(8), hyper=HYPER,
                     step=1, master_key=1)
 
@@ -274,7 +274,7 @@ def test_stream_in_pieces_matches_the_in_place_update(tmp_path: Path, chunk: int
             stream.close()
     moments = sum(2 * _zeros(hi - lo, prec).nbytes for cs in cuts for lo, hi in cs if hi > lo)
     params = 2 * sum(NUMELS)
-    for (r0, w0), (r1, w1) in zip(moved, moved[1:], strict=False):
+    for (r0, w0), (r1, w1) in itertools.pairwise(moved):
         assert w1 - w0 == moments + params  # no fp32 master, no separate param write
         # a param kept in host memory after its write ([Note: param kept in host memory])
         # is read from there
