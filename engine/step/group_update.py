@@ -31,7 +31,8 @@ def update_group(store: TieredShardStore, key: str, hyper: AdamHyper, step: floa
         p16: torch.Tensor | None = None
         if bf16:
             p16 = held.enter_context(store.use(key, "param", writable=True, compute=False))
-            master = p16 if p16.device.type == "cpu" else p16.cpu()
+            # (on the device: through a host copy; meta, a dry run: as it is)
+            master = p16.cpu() if p16.device.type not in ("cpu", "meta") else p16
         else:
             master = held.enter_context(store.use(key, "master", writable=True))
         # compressed moments (offload.optimizer.state_precision) as their stored bytes:

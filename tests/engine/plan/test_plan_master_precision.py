@@ -23,8 +23,10 @@ def test_bf16_master_drops_the_master_bytes(tmp_path: Path) -> None:
     fp32, bf16 = plans["fp32"]["nvme"], plans["bf16"]["nvme"]
     p = fp32.by_tier["nvme"]["master"] // 4  # this rank's (padded) shard elements
     assert p > 0
-    for choice in ("cpu", "nvme", "auto"):  # no master on any tier
+    for choice in ("cpu", "nvme", "auto"):  # no master on any tier; each step counted
         assert all(plans["bf16"][choice].by_tier[t]["master"] == 0 for t in bf16.by_tier)
+        assert plans["bf16"][choice].traffic_error is None, choice
+        assert plans["bf16"][choice].adam_params >= p
     assert plans["bf16"]["none"].by_tier["device"]["master"] == 4 * p  # device Adam: fp32
     assert bf16.by_tier["nvme"]["param"] == fp32.by_tier["nvme"]["param"] == 2 * p
     assert bf16.nvme_written == fp32.nvme_written - 4 * p
