@@ -362,3 +362,49 @@ def test_load_pretrained_and_export_hf(tmp_path: Path) -> None:
     for k, v in exported.items():
         assert v.dtype == torch.float32 and torch.equal(v, trained[k]), k
     assert any(not torch.equal(trained[k], loaded[k].float()) for k in trained)
+
+
+def _two_rank_resume(rank: int, tmp: str) -> tuple[bool, dict[str, torch.Tensor], list[int]]:
+    """Two ranks, state in host memory: each rank rounds its own shards with its own bits
+    (the salts differ), and a resume at world size 2 is bit-exact."""
+    cfg = configure("cpu", None)
+    batches = make_batches(4, seed=1 + rank)
+    model = make_model()
+    a, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
+    try:
+        salts = [a.store.layout.master_salt(k) for k in a.store.group_keys()]
+        for ids, tg in batches[:2]:
+            a.backward(a(ids, tg))
+            a.step()
+        a.save_checkpoint(Path(tmp) / "ck", tag="t")
+        for ids, tg in batches[2:]:
+            a.backward(a(ids, tg))
+            a.step()
+        want = full_params(a, model)
+    finally:
+        a.close()
+    model_b = make_model(seed=5)
+    b, _, _, _ = engine.initialize(model=model_b, config=cfg, device="cpu")
+    try:
+        b.load_checkpoint(Path(tmp) / "ck", tag="t")
+        for ids, tg in batches[2:]:
+            b.backward(b(ids, tg))
+            b.step()
+        got = full_params(b, model_b)
+    finally:
+        b.close()
+    return all(torch.equal(want[k], got[k]) for k in want), want, salts
+
+
+@pytest.mark.multiproc
+def test_two_ranks_resume_bit_exactly(tmp_path: Path) -> None:
+    import functools
+
+    from engine_dist import run_two_ranks
+
+    results = run_two_ranks(tmp_path, {"run": functools.partial(_two_rank_resume,
+                                                                tmp=str(tmp_path))})
+    (ok0, want0, salts0), (ok1, want1, salts1) = (r["run"] for r in results)
+    assert ok0 and ok1
+    assert all(torch.equal(want0[k], want1[k]) for k in want0)  # one model on both ranks
+    assert not set(salts0) & set(salts1)
