@@ -1,4 +1,5 @@
-"""Loss curves of offload.optimizer.state_precision fp32 / bf16 / int8 (compressed Adam moments).
+"""Loss curves of offload.optimizer.state_precision fp32 / bf16 / int8 (compressed Adam moments)
+and of offload.optimizer.master_precision bf16 (no fp32 master: [Note: bf16 master weights]).
 
 Two runs, each with every choice from the same initial weights on the same batches:
   scratch   the built-in byte-level GPT (engine/models/tiny_lm.py, dim 128, 4 blocks) trained
@@ -22,8 +23,15 @@ run, `fp32_jitter`: fp32 again from the initial weights with their last bits per
 multiplied by 1 +- 2^-20, below what the bf16 compute copy resolves), which shows how far
 the final loss moves from fp32's for reasons that have nothing to do with the moments.
 
+`--variants` picks the runs (default fp32,bf16,int8): each is a state precision, with
+`+bf16master` for master_precision bf16 (`fp32+bf16master`: bf16 master with fp32 moments,
+`int8+bf16master`: with int8 moments), and `_jitter` for the noise-floor run of that
+variant (`fp32_jitter` is what --noise-floor adds). Every gap is relative to `fp32`.
+
     python benchmarks/state_precision_quality.py --out bench_out/state_quality.json \\
         --plot docs/state_precision_loss.png
+    python benchmarks/state_precision_quality.py --runs scratch --variants \\
+        fp32,fp32+bf16master,int8+bf16master,fp32_jitter --eval-batches 32 ...
 """
 
 from __future__ import annotations
@@ -48,6 +56,15 @@ from tierzero.engine.models.tiny_lm import TinyLM, TinyLMConfig  # noqa: E402
 PRECISIONS = ("fp32", "bf16", "int8")
 
 
+def variant(name: str) -> tuple[str, str, bool]:
+    """(state_precision, master_precision, jitter) of a --variants entry."""
+    base, jittered = name.removesuffix("_jitter"), name.endswith("_jitter")
+    state, _, master = base.partition("+")
+    if state not in PRECISIONS or master not in ("", "bf16master"):
+        raise ValueError(f"variant {name!r}: allowed: <fp32|bf16|int8>[+bf16master][_jitter]")
+    return state, "bf16" if master else "fp32", jittered
+
+
 def corpus(patterns: tuple[str, ...]) -> torch.Tensor:
     data = b"".join(p.read_bytes() for pat in patterns for p in sorted(ROOT.glob(pat)))
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -64,14 +81,16 @@ def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> list
 
 def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], lr: float, *,
                   hf: bool, schedule: dict[str, Any] | None = None,
-                  held_out: list[torch.Tensor] | None = None) -> tuple[list[float], float | None]:
+                  held_out: list[torch.Tensor] | None = None,
+                  master: str = "fp32") -> tuple[list[float], float | None]:
     """Training losses of each step and, with `held_out`, the mean loss over those batches
     after the last step (no gradients; the same batches for every choice)."""
     cfg = engine.load_config({
         "zero": {"stage": 3}, "precision": "bf16",
         "optimizer": {"type": "adamw", "lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.01},
         "scheduler": schedule or {"type": "constant"},
-        "offload": {"device": "cpu", "optimizer": {"state_precision": prec}}})
+        "offload": {"device": "cpu", "optimizer": {"state_precision": prec,
+                                                   "master_precision": master}}})
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     losses = []
     eval_loss = None
@@ -125,15 +144,16 @@ def scratch(args: argparse.Namespace) -> dict[str, Any]:
     init = TinyLM(cfg).state_dict()
     out: dict[str, Any] = {"params": sum(v.numel() for v in init.values()), "curves": {},
                            "eval_loss": {}}
-    for name in PRECISIONS + (("fp32_jitter",) if args.noise_floor else ()):
-        prec = name.removesuffix("_jitter")
+    for name in args.variants + (["fp32_jitter"] if args.noise_floor else []):
+        prec, master, jittered = variant(name)
         model = TinyLM(cfg)
         model.load_state_dict(init)
-        if name != prec:
+        if jittered:
             jitter(model)
         t = time.perf_counter()
         out["curves"][name], ev = engine_losses(model, prec, rows, args.lr, hf=False,
-                                                schedule=schedule, held_out=held_out)
+                                                schedule=schedule, held_out=held_out,
+                                                master=master)
         if ev is not None:
             out["eval_loss"][name] = ev
         print(f"scratch {name}: final {statistics.mean(out['curves'][name][-25:]):.4f}"
@@ -167,11 +187,15 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
                            "pretrain_final_loss": float(loss), "curves": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        for prec in PRECISIONS:
+        for name in args.variants:
+            prec, master, jittered = variant(name)
             tuned = transformers.LlamaForCausalLM.from_pretrained(tmp)
+            if jittered:
+                jitter(tuned)
             t = time.perf_counter()
-            out["curves"][prec], _ = engine_losses(tuned, prec, rows, args.ft_lr, hf=True)
-            print(f"finetune {prec}: final {statistics.mean(out['curves'][prec][-25:]):.4f} "
+            out["curves"][name], _ = engine_losses(tuned, prec, rows, args.ft_lr, hf=True,
+                                                   master=master)
+            print(f"finetune {name}: final {statistics.mean(out['curves'][name][-25:]):.4f} "
                   f"({time.perf_counter() - t:.0f} s)", flush=True)
     return out
 
@@ -207,7 +231,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (10-step mean)")
         ax.legend()
-    fig.suptitle("offload.optimizer.state_precision: Adam moments fp32 / bf16 / int8")
+    fig.suptitle("offload.optimizer.state_precision (Adam moments) and master_precision")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -235,6 +259,9 @@ def main() -> None:
                     help="scratch: held-out batches scored after the last step (0: none)")
     ap.add_argument("--noise-floor", action="store_true",
                     help="scratch: also fp32 from initial weights perturbed by 2^-20")
+    ap.add_argument("--variants", default="fp32,bf16,int8",
+                    help="runs: <fp32|bf16|int8>[+bf16master][_jitter], comma-separated; "
+                    "fp32 must be one (the gaps are against it)")
     ap.add_argument("--tag", default=None,
                     help="scratch: result key (default scratch, or scratch_seed<N>)")
     ap.add_argument("--merge", default=None,
@@ -247,6 +274,14 @@ def main() -> None:
     for flag in ("warmup", "eval_batches", "pretrain_steps"):
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: an integer >= 0")
+    args.variants = args.variants.split(",")
+    try:
+        for name in args.variants:
+            variant(name)
+    except ValueError as exc:
+        ap.error(f"--variants: {exc}")
+    if "fp32" not in args.variants:
+        ap.error("--variants: fp32 must be one of them (the gaps are against it)")
     if args.schedule == "cosine" and args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup}: allowed: fewer than --steps ({args.steps})")
     if args.merge:
