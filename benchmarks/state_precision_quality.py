@@ -208,6 +208,52 @@ def summarise(run: dict[str, Any]) -> None:
         run["eval_gap_vs_fp32"] = {p: (ev[p] - ev["fp32"]) / ev["fp32"] for p in ev}
 
 
+def table(files: list[str]) -> list[str]:
+    """Markdown: per result file and run (a seed), each variant's held-out loss (else final
+    training loss) and gap to fp32; then the noise floor of fp32 against itself: the
+    largest |gap| of the `_jitter` runs over all seeds (the perturbation floor) and the
+    seed-to-seed standard deviation of fp32's loss, and per variant the seeds whose |gap|
+    is within each."""
+    runs = {}
+    for f in files:
+        runs.update({k: v for k, v in json.loads(Path(f).read_text()).items()
+                     if isinstance(v, dict) and "curves" in v})
+    names = list(next(iter(runs.values()))["curves"])
+    out = ["| run | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    gaps: dict[str, list[float]] = {n: [] for n in names}
+    base: list[float] = []
+    for key, run in runs.items():
+        loss = run.get("eval_loss") or run["final_loss"]
+        base.append(loss["fp32"])
+        cells = []
+        for n in names:
+            gap = (loss[n] - loss["fp32"]) / loss["fp32"]
+            gaps[n].append(gap)
+            cells.append(f"{loss[n]:.4f}" + ("" if n == "fp32" else f" ({100 * gap:+.2f} %)"))
+        out.append(f"| {key} | " + " | ".join(cells) + " |")
+    jit = [n for n in names if n.endswith("_jitter")]
+    floor = max((abs(g) for n in jit for g in gaps[n]), default=float("nan"))
+    spread = statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else float("nan")
+    out.append("| mean / worst | " + " | ".join(
+        "" if n == "fp32" else f"{100 * statistics.mean(gaps[n]):+.2f} % / "
+        f"{100 * max(gaps[n], key=abs):+.2f} %" for n in names) + " |")
+    out.append("")
+    out.append(f"noise floor: fp32 perturbed moves by up to {100 * floor:.2f} %; fp32's own "
+               f"seed-to-seed spread (std / mean) is {100 * spread:.2f} %")
+    for n in names:
+        if n == "fp32" or n in jit:
+            continue
+        within = sum(abs(g) <= floor for g in gaps[n])
+        own = sum(abs(g) <= abs(j) for g, j in zip(gaps[n], gaps[jit[0]], strict=True)) \
+            if jit else 0
+        seeds = sum(abs(g) <= spread for g in gaps[n])
+        out.append(f"- {n}: |gap| within the perturbation floor on {within} of {len(gaps[n])} "
+                   f"seeds, within its own seed's perturbed run on {own}, within fp32's "
+                   f"seed-to-seed spread on {seeds}; worst {100 * max(map(abs, gaps[n])):.2f} "
+                   f"% (floor {100 * floor:.2f} %)")
+    return out
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -264,6 +310,8 @@ def main() -> None:
                     "fp32 must be one (the gaps are against it)")
     ap.add_argument("--tag", default=None,
                     help="scratch: result key (default scratch, or scratch_seed<N>)")
+    ap.add_argument("--table", default=None,
+                    help="a,b: only print the markdown table of these result files")
     ap.add_argument("--merge", default=None,
                     help="a,b: only merge these result files (runs made separately, e.g. in "
                          "parallel) into --out and plot them")
@@ -284,6 +332,9 @@ def main() -> None:
         ap.error("--variants: fp32 must be one of them (the gaps are against it)")
     if args.schedule == "cosine" and args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup}: allowed: fewer than --steps ({args.steps})")
+    if args.table:
+        print("\n".join(table(args.table.split(","))))
+        return
     if args.merge:
         merged: dict[str, Any] = {}
         for f in args.merge.split(","):

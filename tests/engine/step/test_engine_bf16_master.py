@@ -199,13 +199,21 @@ def test_training_matches_the_plain_pytorch_reference(tmp_path: Path, offload: s
 
 def test_in_place_streamed_and_pieces_train_bitwise_alike(tmp_path: Path) -> None:
     """Host memory (in place, also without overlap), NVMe in one piece and in pieces of 333
-    elements: the same bits; a run with the fp32 master differs (it rounds to nearest)."""
+    elements, parameters on the device: the same bits; a run with the fp32 master differs
+    (it rounds to nearest)."""
     runs = {name: run(configure(off, tmp_path / name, chunk=chunk, overlap=ov))[1]
             for name, off, chunk, ov in (("cpu", "cpu", None, True),
                                          ("cpu_after", "cpu", None, False),
                                          ("nvme", "nvme", None, True),
                                          ("pieces", "nvme", 333, True))}
-    for name in ("cpu_after", "nvme", "pieces"):
+    # parameters homed on the device (ZeRO-Offload: updated through a host copy), at
+    # stage 3 and at stage 2 (parameters not partitioned)
+    for name, stage, off in (("params_device", 3, "nvme"), ("stage2", 2, "cpu")):
+        cfg = configure(off, tmp_path / name)
+        cfg = replace(cfg, zero=replace(cfg.zero, stage=stage), offload=replace(
+            cfg.offload, params=ParamOffloadConfig(device="none")))
+        runs[name] = run(cfg)[1]
+    for name in ("cpu_after", "nvme", "pieces", "params_device", "stage2"):
         assert all(torch.equal(runs["cpu"][k], runs[name][k]) for k in runs["cpu"]), name
     fp32 = run(configure("cpu", tmp_path / "f", master="fp32"))[1]
     assert not all(torch.equal(runs["cpu"][k], fp32[k]) for k in fp32)
