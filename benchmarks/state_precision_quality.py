@@ -203,54 +203,63 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 def summarise(run: dict[str, Any]) -> None:
     final = {p: statistics.mean(c[-25:]) for p, c in run["curves"].items()}
     run["final_loss"] = final
+    if "fp32" not in final:  # runs made to join another file's (table() merges them)
+        return
     run["gap_vs_fp32"] = {p: (final[p] - final["fp32"]) / final["fp32"] for p in final}
     if ev := run.get("eval_loss"):
         run["eval_gap_vs_fp32"] = {p: (ev[p] - ev["fp32"]) / ev["fp32"] for p in ev}
 
 
 def table(files: list[str]) -> list[str]:
-    """Markdown: per result file and run (a seed), each variant's held-out loss (else final
-    training loss) and gap to fp32; then the noise floor of fp32 against itself: the
-    largest |gap| of the `_jitter` runs over all seeds (the perturbation floor) and the
-    seed-to-seed standard deviation of fp32's loss, and per variant the seeds whose |gap|
-    is within each."""
-    runs = {}
+    """Markdown: per run (a seed; the same run in several files is joined), each variant's
+    held-out loss (else final training loss) and gap to fp32; then the noise floor of fp32
+    against itself: the largest |gap| of the `_jitter` runs over all seeds (the
+    perturbation floor) and fp32's seed-to-seed spread (std / mean of its loss), and per
+    variant the seeds whose |gap| is within each. A `+bf16master` variant whose fp32-master
+    counterpart ran too (int8+bf16master and int8) is also compared with it, seed by seed:
+    the master's own effect."""
+    runs: dict[str, dict[str, Any]] = {}
     for f in files:
-        runs.update({k: v for k, v in json.loads(Path(f).read_text()).items()
-                     if isinstance(v, dict) and "curves" in v})
-    names = list(next(iter(runs.values()))["curves"])
+        for k, v in json.loads(Path(f).read_text()).items():
+            if isinstance(v, dict) and "curves" in v:
+                run = runs.setdefault(k, {"curves": {}, "final_loss": {}, "eval_loss": {}})
+                for part in ("curves", "final_loss", "eval_loss"):
+                    run[part].update(v.get(part, {}))
+    names = list(dict.fromkeys(n for run in runs.values() for n in run["curves"]))
+    loss = {k: run["eval_loss"] or run["final_loss"] for k, run in runs.items()}
+    gaps = {n: {k: (lk[n] - lk["fp32"]) / lk["fp32"] for k, lk in loss.items() if n in lk}
+            for n in names}
     out = ["| run | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
-    gaps: dict[str, list[float]] = {n: [] for n in names}
-    base: list[float] = []
-    for key, run in runs.items():
-        loss = run.get("eval_loss") or run["final_loss"]
-        base.append(loss["fp32"])
-        cells = []
-        for n in names:
-            gap = (loss[n] - loss["fp32"]) / loss["fp32"]
-            gaps[n].append(gap)
-            cells.append(f"{loss[n]:.4f}" + ("" if n == "fp32" else f" ({100 * gap:+.2f} %)"))
-        out.append(f"| {key} | " + " | ".join(cells) + " |")
-    jit = [n for n in names if n.endswith("_jitter")]
-    floor = max((abs(g) for n in jit for g in gaps[n]), default=float("nan"))
-    spread = statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else float("nan")
+    for k, lk in loss.items():
+        out.append(f"| {k} | " + " | ".join(
+            "-" if n not in lk else f"{lk[n]:.4f}" if n == "fp32" else
+            f"{lk[n]:.4f} ({100 * gaps[n][k]:+.2f} %)" for n in names) + " |")
     out.append("| mean / worst | " + " | ".join(
-        "" if n == "fp32" else f"{100 * statistics.mean(gaps[n]):+.2f} % / "
-        f"{100 * max(gaps[n], key=abs):+.2f} %" for n in names) + " |")
-    out.append("")
-    out.append(f"noise floor: fp32 perturbed moves by up to {100 * floor:.2f} %; fp32's own "
-               f"seed-to-seed spread (std / mean) is {100 * spread:.2f} %")
-    for n in names:
-        if n == "fp32" or n in jit:
-            continue
-        within = sum(abs(g) <= floor for g in gaps[n])
-        own = sum(abs(g) <= abs(j) for g, j in zip(gaps[n], gaps[jit[0]], strict=True)) \
-            if jit else 0
-        seeds = sum(abs(g) <= spread for g in gaps[n])
-        out.append(f"- {n}: |gap| within the perturbation floor on {within} of {len(gaps[n])} "
-                   f"seeds, within its own seed's perturbed run on {own}, within fp32's "
-                   f"seed-to-seed spread on {seeds}; worst {100 * max(map(abs, gaps[n])):.2f} "
-                   f"% (floor {100 * floor:.2f} %)")
+        "" if n == "fp32" else f"{100 * statistics.mean(gaps[n].values()):+.2f} % / "
+        f"{100 * max(gaps[n].values(), key=abs):+.2f} %" for n in names) + " |")
+    jit = [n for n in names if n.endswith("_jitter")]
+    floor = max((abs(g) for n in jit for g in gaps[n].values()), default=float("nan"))
+    base = [lk["fp32"] for lk in loss.values()]
+    spread = statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else float("nan")
+    out += ["", f"noise floor: fp32 perturbed moves by up to {100 * floor:.2f} %; fp32's own "
+            f"seed-to-seed spread (std / mean) is {100 * spread:.2f} %"]
+    for n in [n for n in names if n != "fp32" and n not in jit]:
+        g = gaps[n]
+        own = [k for k in g if jit and k in gaps[jit[0]]]
+        line = (f"- {n}: |gap to fp32| within the perturbation floor on "
+                f"{sum(abs(x) <= floor for x in g.values())} of {len(g)} seeds, within its "
+                f"seed's perturbed run on {sum(abs(g[k]) <= abs(gaps[jit[0]][k]) for k in own)}"
+                f" of {len(own)}, within fp32's seed-to-seed spread on "
+                f"{sum(abs(x) <= spread for x in g.values())}; worst "
+                f"{100 * max(map(abs, g.values())):.2f} %")
+        twin = n.removesuffix("+bf16master")
+        if twin not in (n, "fp32") and twin in names:
+            rel = {k: (loss[k][n] - loss[k][twin]) / loss[k][twin] for k in g if twin in loss[k]}
+            mean, worst = statistics.mean(rel.values()), max(rel.values(), key=abs)
+            line += (f"; against {twin} (fp32 master): mean {100 * mean:+.2f} %, worst "
+                     f"{100 * worst:+.2f} %, within the perturbation floor on "
+                     f"{sum(abs(x) <= floor for x in rel.values())} of {len(rel)}")
+        out.append(line)
     return out
 
 
@@ -306,8 +315,8 @@ def main() -> None:
     ap.add_argument("--noise-floor", action="store_true",
                     help="scratch: also fp32 from initial weights perturbed by 2^-20")
     ap.add_argument("--variants", default="fp32,bf16,int8",
-                    help="runs: <fp32|bf16|int8>[+bf16master][_jitter], comma-separated; "
-                    "fp32 must be one (the gaps are against it)")
+                    help="runs: <fp32|bf16|int8>[+bf16master][_jitter], comma-separated; the "
+                    "gaps are against fp32 (runs without it join another file's in --table)")
     ap.add_argument("--tag", default=None,
                     help="scratch: result key (default scratch, or scratch_seed<N>)")
     ap.add_argument("--table", default=None,
@@ -329,7 +338,8 @@ def main() -> None:
     except ValueError as exc:
         ap.error(f"--variants: {exc}")
     if "fp32" not in args.variants:
-        ap.error("--variants: fp32 must be one of them (the gaps are against it)")
+        print("--variants without fp32: no gaps here; join this file with one that has fp32 "
+              "(--table a.json,b.json)", file=sys.stderr)
     if args.schedule == "cosine" and args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup}: allowed: fewer than --steps ({args.steps})")
     if args.table:
@@ -351,7 +361,7 @@ def main() -> None:
             key = args.tag
         result[key] = {"scratch": scratch, "finetune": finetune}[name](args)
         summarise(result[key])
-        print(key, json.dumps(result[key]["gap_vs_fp32"]),
+        print(key, json.dumps(result[key].get("gap_vs_fp32")),
               json.dumps(result[key].get("eval_gap_vs_fp32")), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
