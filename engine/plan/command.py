@@ -198,15 +198,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                                  + h["unit_gradients"])])
     if len(rows) > 1:
         out.append(_table(rows))
-    # NVMe bytes read and written per parameter of this rank's shards, each step
-    per_param = shape.parameters / args.world_size
-    rows = [["offload", "NVMe written/step", "written/1,000 steps", "NVMe B/param/step",
-             "predicted step"]]
-    rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
-              f"{(p.nvme_read + p.nvme_written) / per_param:.1f}",
-              f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
-             for p in plans if p.fits]
-    out.append(_table(rows))
+    out.append(_written_table(plans, shape.parameters / args.world_size))
     out.append(_background_save_table(plans, machine))
     out += _precision_table(plans, placements or {}, args.state_precision)
     out += _schedule_table(plans, machine, args.grad_accum)
@@ -236,6 +228,18 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
                "Time per phase: max(NVMe, copies, CPU Adam), phases in "
                "sequence; compute is not modelled, so real steps are at least this long")
     return "\n".join(out)
+
+
+def _written_table(plans: list[ChoicePlan], params: float) -> str:
+    """NVMe bytes written per step and per 1,000 steps, and read + written per parameter
+    of this rank's shards (`params`) and step, with the predicted step."""
+    rows = [["offload", "NVMe written/step", "written/1,000 steps", "NVMe B/param/step",
+             "predicted step"]]
+    rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
+              f"{(p.nvme_read + p.nvme_written) / params:.1f}",
+              f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
+             for p in plans if p.fits]
+    return _table(rows)
 
 
 NEAR_MISS = 0.25  # a choice this far (of the budget) above the machine: name the knob
