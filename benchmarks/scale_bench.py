@@ -23,9 +23,12 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
 `--state-precisions fp32,bf16,int8` runs the tierzero child once per
 `offload.optimizer.state_precision` (Adam moments kept as fp32, bf16 or blockwise int8),
 one after another in the same run, and adds a table of each choice's NVMe bytes and step
-time against fp32's. Every row after the first measures the disk again right before it (a
-virtual disk drifts between minutes) and reports against its own measurement; each step's
-bytes per direction and tensor class (the tier manager's `moved_by_class`) are in the row.
+time against fp32's. A choice may carry `+bf16master` (`int8+bf16master`): that row also
+sets `offload.optimizer.master_precision: bf16` (no fp32 master: [Note: bf16 master
+weights] in offload/bf16_master.py). Every row after the first measures the disk again
+right before it (a virtual disk drifts between minutes) and reports against its own
+measurement; each step's bytes per direction and tensor class (the tier manager's
+`moved_by_class`) are in the row.
 
 DeepSpeed ZeRO-Infinity on the same config.json (`offload_param` and `offload_optimizer` on
 NVMe, `stage3_prefetch_bucket_size: 0`, clipping as --clip, bf16, AdamW) runs the same child
@@ -361,7 +364,9 @@ def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
     paths = {"model": model_dir}
     for prec in args.state_precisions:
         for schedule in args.schedules:
-            config["offload"]["optimizer"] = {"state_precision": prec}
+            state, master = split_variant(prec)
+            config["offload"]["optimizer"] = {"state_precision": state,
+                                              "master_precision": master}
             config["batch"] = {"gradient_accumulation_steps": args.grad_accum,
                                "schedule": schedule}
             config_path = os.path.join(run_dir, f"tierzero-{prec}-{schedule}.yaml")
@@ -570,12 +575,20 @@ def schedule_table(rows: dict[str, Any]) -> list[str]:
     return out
 
 
+def split_variant(variant: str) -> tuple[str, str]:
+    """(state_precision, master_precision) of a --state-precisions entry ("int8+bf16master")."""
+    state, _, master = variant.partition("+")
+    return state, "bf16" if master == "bf16master" else "fp32"
+
+
 def state_bytes_per_param(precision: str) -> float:
-    """Training state per parameter with the Adam moments kept in `precision`: bf16 param
-    and gradient (2 + 2), fp32 master (4) and the two moments as the store keeps them."""
+    """Training state per parameter with the Adam moments kept in `precision` (a
+    --state-precisions entry): bf16 param and gradient (2 + 2), the fp32 master (4; none
+    with +bf16master) and the two moments as the store keeps them."""
     from tierzero.offload.state_codec import bytes_per_param  # not in DeepSpeed's venv
 
-    return 8.0 + bytes_per_param(precision)
+    state, master = split_variant(precision)
+    return (8.0 if master == "fp32" else 4.0) + bytes_per_param(state)
 
 
 def precision_table(rows: dict[str, Any]) -> list[str]:
@@ -632,7 +645,8 @@ def main() -> None:
     ap.add_argument("--engines", default="tierzero,deepspeed")
     ap.add_argument("--state-precisions", default="fp32",
                     help="tierzero rows, one per offload.optimizer.state_precision, in this "
-                    "order (fp32,bf16,int8; default fp32)")
+                    "order (fp32,bf16,int8; default fp32); +bf16master also sets "
+                    "master_precision bf16 (e.g. int8+bf16master)")
     ap.add_argument("--grad-accum", type=int, default=1,
                     help="micro-batches per optimizer step (gradient_accumulation_steps)")
     ap.add_argument("--schedules", default="auto",
@@ -675,8 +689,10 @@ def main() -> None:
     args.state_precisions = args.state_precisions.split(",")
     from tierzero.offload.state_codec import STATE_PRECISIONS
 
-    if unknown := [p for p in args.state_precisions if p not in STATE_PRECISIONS]:
-        ap.error(f"--state-precisions: unknown {unknown}; allowed: {', '.join(STATE_PRECISIONS)}")
+    if unknown := [p for p in args.state_precisions if split_variant(p)[0] not in
+                   STATE_PRECISIONS or p.partition("+")[2] not in ("", "bf16master")]:
+        ap.error(f"--state-precisions: unknown {unknown}; allowed: {', '.join(STATE_PRECISIONS)}"
+                 ", each optionally +bf16master")
     args.schedules = args.schedules.split(",")
     if bad_s := set(args.schedules) - {"auto", "layer_major", "micro_step"}:
         ap.error(f"--schedules: unknown {sorted(bad_s)}; allowed: auto, layer_major, "

@@ -1,4 +1,5 @@
-"""Loss curves of offload.optimizer.state_precision fp32 / bf16 / int8 (compressed Adam moments).
+"""Loss curves of offload.optimizer.state_precision fp32 / bf16 / int8 (compressed Adam moments)
+and of offload.optimizer.master_precision bf16 (no fp32 master: [Note: bf16 master weights]).
 
 Two runs, each with every choice from the same initial weights on the same batches:
   scratch   the built-in byte-level GPT (engine/models/tiny_lm.py, dim 128, 4 blocks) trained
@@ -22,8 +23,15 @@ run, `fp32_jitter`: fp32 again from the initial weights with their last bits per
 multiplied by 1 +- 2^-20, below what the bf16 compute copy resolves), which shows how far
 the final loss moves from fp32's for reasons that have nothing to do with the moments.
 
+`--variants` picks the runs (default fp32,bf16,int8): each is a state precision, with
+`+bf16master` for master_precision bf16 (`fp32+bf16master`: bf16 master with fp32 moments,
+`int8+bf16master`: with int8 moments), and `_jitter` for the noise-floor run of that
+variant (`fp32_jitter` is what --noise-floor adds). Every gap is relative to `fp32`.
+
     python benchmarks/state_precision_quality.py --out bench_out/state_quality.json \\
         --plot docs/state_precision_loss.png
+    python benchmarks/state_precision_quality.py --runs scratch --variants \\
+        fp32,fp32+bf16master,int8+bf16master,fp32_jitter --eval-batches 32 ...
 """
 
 from __future__ import annotations
@@ -48,6 +56,15 @@ from tierzero.engine.models.tiny_lm import TinyLM, TinyLMConfig  # noqa: E402
 PRECISIONS = ("fp32", "bf16", "int8")
 
 
+def variant(name: str) -> tuple[str, str, bool]:
+    """(state_precision, master_precision, jitter) of a --variants entry."""
+    base, jittered = name.removesuffix("_jitter"), name.endswith("_jitter")
+    state, _, master = base.partition("+")
+    if state not in PRECISIONS or master not in ("", "bf16master"):
+        raise ValueError(f"variant {name!r}: allowed: <fp32|bf16|int8>[+bf16master][_jitter]")
+    return state, "bf16" if master else "fp32", jittered
+
+
 def corpus(patterns: tuple[str, ...]) -> torch.Tensor:
     data = b"".join(p.read_bytes() for pat in patterns for p in sorted(ROOT.glob(pat)))
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -64,14 +81,16 @@ def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> list
 
 def engine_losses(model: torch.nn.Module, prec: str, rows: list[torch.Tensor], lr: float, *,
                   hf: bool, schedule: dict[str, Any] | None = None,
-                  held_out: list[torch.Tensor] | None = None) -> tuple[list[float], float | None]:
+                  held_out: list[torch.Tensor] | None = None,
+                  master: str = "fp32") -> tuple[list[float], float | None]:
     """Training losses of each step and, with `held_out`, the mean loss over those batches
     after the last step (no gradients; the same batches for every choice)."""
     cfg = engine.load_config({
         "zero": {"stage": 3}, "precision": "bf16",
         "optimizer": {"type": "adamw", "lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.01},
         "scheduler": schedule or {"type": "constant"},
-        "offload": {"device": "cpu", "optimizer": {"state_precision": prec}}})
+        "offload": {"device": "cpu", "optimizer": {"state_precision": prec,
+                                                   "master_precision": master}}})
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     losses = []
     eval_loss = None
@@ -125,15 +144,16 @@ def scratch(args: argparse.Namespace) -> dict[str, Any]:
     init = TinyLM(cfg).state_dict()
     out: dict[str, Any] = {"params": sum(v.numel() for v in init.values()), "curves": {},
                            "eval_loss": {}}
-    for name in PRECISIONS + (("fp32_jitter",) if args.noise_floor else ()):
-        prec = name.removesuffix("_jitter")
+    for name in args.variants + (["fp32_jitter"] if args.noise_floor else []):
+        prec, master, jittered = variant(name)
         model = TinyLM(cfg)
         model.load_state_dict(init)
-        if name != prec:
+        if jittered:
             jitter(model)
         t = time.perf_counter()
         out["curves"][name], ev = engine_losses(model, prec, rows, args.lr, hf=False,
-                                                schedule=schedule, held_out=held_out)
+                                                schedule=schedule, held_out=held_out,
+                                                master=master)
         if ev is not None:
             out["eval_loss"][name] = ev
         print(f"scratch {name}: final {statistics.mean(out['curves'][name][-25:]):.4f}"
@@ -167,11 +187,15 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
                            "pretrain_final_loss": float(loss), "curves": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        for prec in PRECISIONS:
+        for name in args.variants:
+            prec, master, jittered = variant(name)
             tuned = transformers.LlamaForCausalLM.from_pretrained(tmp)
+            if jittered:
+                jitter(tuned)
             t = time.perf_counter()
-            out["curves"][prec], _ = engine_losses(tuned, prec, rows, args.ft_lr, hf=True)
-            print(f"finetune {prec}: final {statistics.mean(out['curves'][prec][-25:]):.4f} "
+            out["curves"][name], _ = engine_losses(tuned, prec, rows, args.ft_lr, hf=True,
+                                                   master=master)
+            print(f"finetune {name}: final {statistics.mean(out['curves'][name][-25:]):.4f} "
                   f"({time.perf_counter() - t:.0f} s)", flush=True)
     return out
 
@@ -179,9 +203,64 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 def summarise(run: dict[str, Any]) -> None:
     final = {p: statistics.mean(c[-25:]) for p, c in run["curves"].items()}
     run["final_loss"] = final
+    if "fp32" not in final:  # runs made to join another file's (table() merges them)
+        return
     run["gap_vs_fp32"] = {p: (final[p] - final["fp32"]) / final["fp32"] for p in final}
     if ev := run.get("eval_loss"):
         run["eval_gap_vs_fp32"] = {p: (ev[p] - ev["fp32"]) / ev["fp32"] for p in ev}
+
+
+def table(files: list[str]) -> list[str]:
+    """Markdown: per run (a seed; the same run in several files is joined), each variant's
+    held-out loss (else final training loss) and gap to fp32; then the noise floor of fp32
+    against itself: the largest |gap| of the `_jitter` runs over all seeds (the
+    perturbation floor) and fp32's seed-to-seed spread (std / mean of its loss), and per
+    variant the seeds whose |gap| is within each. A `+bf16master` variant whose fp32-master
+    counterpart ran too (int8+bf16master and int8) is also compared with it, seed by seed:
+    the master's own effect."""
+    runs: dict[str, dict[str, Any]] = {}
+    for f in files:
+        for k, v in json.loads(Path(f).read_text()).items():
+            if isinstance(v, dict) and "curves" in v:
+                run = runs.setdefault(k, {"curves": {}, "final_loss": {}, "eval_loss": {}})
+                for part in ("curves", "final_loss", "eval_loss"):
+                    run[part].update(v.get(part, {}))
+    names = list(dict.fromkeys(n for run in runs.values() for n in run["curves"]))
+    loss = {k: run["eval_loss"] or run["final_loss"] for k, run in runs.items()}
+    gaps = {n: {k: (lk[n] - lk["fp32"]) / lk["fp32"] for k, lk in loss.items() if n in lk}
+            for n in names}
+    out = ["| run | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    for k, lk in loss.items():
+        out.append(f"| {k} | " + " | ".join(
+            "-" if n not in lk else f"{lk[n]:.4f}" if n == "fp32" else
+            f"{lk[n]:.4f} ({100 * gaps[n][k]:+.2f} %)" for n in names) + " |")
+    out.append("| mean / worst | " + " | ".join(
+        "" if n == "fp32" else f"{100 * statistics.mean(gaps[n].values()):+.2f} % / "
+        f"{100 * max(gaps[n].values(), key=abs):+.2f} %" for n in names) + " |")
+    jit = [n for n in names if n.endswith("_jitter")]
+    floor = max((abs(g) for n in jit for g in gaps[n].values()), default=float("nan"))
+    base = [lk["fp32"] for lk in loss.values()]
+    spread = statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else float("nan")
+    out += ["", f"noise floor: fp32 perturbed moves by up to {100 * floor:.2f} %; fp32's own "
+            f"seed-to-seed spread (std / mean) is {100 * spread:.2f} %"]
+    for n in [n for n in names if n != "fp32" and n not in jit]:
+        g = gaps[n]
+        own = [k for k in g if jit and k in gaps[jit[0]]]
+        line = (f"- {n}: |gap to fp32| within the perturbation floor on "
+                f"{sum(abs(x) <= floor for x in g.values())} of {len(g)} seeds, within its "
+                f"seed's perturbed run on {sum(abs(g[k]) <= abs(gaps[jit[0]][k]) for k in own)}"
+                f" of {len(own)}, within fp32's seed-to-seed spread on "
+                f"{sum(abs(x) <= spread for x in g.values())}; worst "
+                f"{100 * max(map(abs, g.values())):.2f} %")
+        twin = n.removesuffix("+bf16master")
+        if twin not in (n, "fp32") and twin in names:
+            rel = {k: (loss[k][n] - loss[k][twin]) / loss[k][twin] for k in g if twin in loss[k]}
+            mean, worst = statistics.mean(rel.values()), max(rel.values(), key=abs)
+            line += (f"; against {twin} (fp32 master): mean {100 * mean:+.2f} %, worst "
+                     f"{100 * worst:+.2f} %, within the perturbation floor on "
+                     f"{sum(abs(x) <= floor for x in rel.values())} of {len(rel)}")
+        out.append(line)
+    return out
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -207,7 +286,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (10-step mean)")
         ax.legend()
-    fig.suptitle("offload.optimizer.state_precision: Adam moments fp32 / bf16 / int8")
+    fig.suptitle("offload.optimizer.state_precision (Adam moments) and master_precision")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -235,8 +314,13 @@ def main() -> None:
                     help="scratch: held-out batches scored after the last step (0: none)")
     ap.add_argument("--noise-floor", action="store_true",
                     help="scratch: also fp32 from initial weights perturbed by 2^-20")
+    ap.add_argument("--variants", default="fp32,bf16,int8",
+                    help="runs: <fp32|bf16|int8>[+bf16master][_jitter], comma-separated; the "
+                    "gaps are against fp32 (runs without it join another file's in --table)")
     ap.add_argument("--tag", default=None,
                     help="scratch: result key (default scratch, or scratch_seed<N>)")
+    ap.add_argument("--table", default=None,
+                    help="a,b: only print the markdown table of these result files")
     ap.add_argument("--merge", default=None,
                     help="a,b: only merge these result files (runs made separately, e.g. in "
                          "parallel) into --out and plot them")
@@ -247,8 +331,20 @@ def main() -> None:
     for flag in ("warmup", "eval_batches", "pretrain_steps"):
         if getattr(args, flag) < 0:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: allowed: an integer >= 0")
+    args.variants = args.variants.split(",")
+    try:
+        for name in args.variants:
+            variant(name)
+    except ValueError as exc:
+        ap.error(f"--variants: {exc}")
+    if "fp32" not in args.variants:
+        print("--variants without fp32: no gaps here; join this file with one that has fp32 "
+              "(--table a.json,b.json)", file=sys.stderr)
     if args.schedule == "cosine" and args.warmup >= args.steps:
         ap.error(f"--warmup {args.warmup}: allowed: fewer than --steps ({args.steps})")
+    if args.table:
+        print("\n".join(table(args.table.split(","))))
+        return
     if args.merge:
         merged: dict[str, Any] = {}
         for f in args.merge.split(","):
@@ -265,7 +361,7 @@ def main() -> None:
             key = args.tag
         result[key] = {"scratch": scratch, "finetune": finetune}[name](args)
         summarise(result[key])
-        print(key, json.dumps(result[key]["gap_vs_fp32"]),
+        print(key, json.dumps(result[key].get("gap_vs_fp32")),
               json.dumps(result[key].get("eval_gap_vs_fp32")), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

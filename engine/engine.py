@@ -80,7 +80,7 @@ class ZeroEngine:
         # residency] in shards/store.py).
         # fp32 gradient shards, or the compute dtype's where exact ([Note: gradient precision])
         grads = grad_dtype(self.config, self.comm.world_size)
-        tiered = (TieredShardStore(self.device, self.config, grads)
+        tiered = (TieredShardStore(self.device, self.config, grads, rank=self.comm.rank)
                   if offload_wanted(self.config) else None)
         self.store: ShardStore = ShardStore(self.device, grads) if tiered is None else tiered
         builder = UnitBuilder.for_specs(specs, dtype=self.dtype, comm=self.comm,

@@ -137,7 +137,7 @@ class Unit:
                 lo = comm.rank * g.shard_numel
                 mine = g.base[lo:lo + g.shard_numel]  # may alias param (one rank)
                 with store.use(g.key, "param", writable=True) as param:
-                    if g.trainable:
+                    if g.trainable and store.has(g.key, "master"):  # (none if bf16)
                         with store.use(g.key, "master", writable=True) as master:
                             if master.data_ptr() != param.data_ptr():
                                 # Only edited elements replace the fp32 master (param is

@@ -75,7 +75,7 @@ typedef struct {
 } tz_adam_hp;
 
 /* Version of the argument layout above; adam_build.py checks it. */
-int tz_adam_abi_version(void) { return 4; }
+int tz_adam_abi_version(void) { return 5; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -293,12 +293,17 @@ static inline void block_scale(float absmax, float top, float *scale, float *inv
 }
 
 static inline __attribute__((always_inline)) void adam_q_range(
-    float *restrict p, void *restrict mraw, float *restrict ms, void *restrict vraw,
+    void *restrict pptr, void *restrict mraw, float *restrict ms, void *restrict vraw,
     float *restrict vs, const void *restrict gptr, void *restrict optr, int64_t lo, int64_t hi,
     const tz_adam_hp *hp, const int64_t base,
-    const uint32_t key_m, const uint32_t key_v, const int skind,
+    const uint32_t key_m, const uint32_t key_v, const uint32_t key_p, const int pkind,
+    const int skind,
     const int gkind, const int okind, const int decoupled, const int apply_decay,
     const int apply_scale, const int w_small) {
+    float *restrict p = (float *)pptr;
+    uint16_t *restrict pb = (uint16_t *)pptr;
+    float *restrict m32 = (float *)mraw;
+    float *restrict v32 = (float *)vraw;
     const float *restrict g32 = (const float *)gptr;
     const uint16_t *restrict g16 = (const uint16_t *)gptr;
     uint16_t *restrict o16 = (uint16_t *)optr;
@@ -322,13 +327,16 @@ static inline __attribute__((always_inline)) void adam_q_range(
             float g = gkind == 0 ? g32[i] : gkind == 1 ? bf16_to_f32(g16[i])
                                                        : f16_to_f32(g16[i]);
             if (apply_scale) g = g * scale;
-            float pi = p[i];
+            float pi = pkind == 1 ? bf16_to_f32(pb[i]) : p[i];
             if (apply_decay) {
                 if (decoupled) pi = pi * decay;
                 else g = fmaf(pi, wd, g);
             }
             float mi, vi;
-            if (skind == 1) {
+            if (skind == 0) {
+                mi = m32[i];
+                vi = v32[i];
+            } else if (skind == 1) {
                 mi = bf16_to_f32(m16[i]);
                 vi = bf16_to_f32(v16[i]);
             } else {
@@ -344,8 +352,12 @@ static inline __attribute__((always_inline)) void adam_q_range(
             float su = sqrtf(vi);
             float d = su / bc2s + eps;
             pi = pi + (nss * mi) / d;
-            p[i] = pi;
-            if (skind == 1) {
+            if (pkind == 1) pb[i] = f32_to_bf16_sr(pi, rbits(i + base, key_p));
+            else p[i] = pi;
+            if (skind == 0) {
+                m32[i] = mi;
+                v32[i] = vi;
+            } else if (skind == 1) {
                 m16[i] = f32_to_bf16_sr(mi, rbits(i + base, key_m));
                 v16[i] = f32_to_bf16_sr(vi, rbits(i + base, key_v));
             } else {
@@ -395,15 +407,15 @@ static inline __attribute__((always_inline)) void adam_q_range(
         int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
         int s = hp->apply_scale, ws = hp->w_small;                                            \
         if (mode == 0 && !s && ws)                                                            \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 0, 0, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, 0u, 0, S, G, O, 0, 0, 0, 1);             \
         else if (mode == 2 && !s && ws)                                                       \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 1, 1, 0, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, 0u, 0, S, G, O, 1, 1, 0, 1);             \
         else if (mode == 0 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 0, 0, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, 0u, 0, S, G, O, 0, 0, 1, 1);             \
         else if (mode == 2 && s && ws)                                                        \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, 1, 1, 1, 1);             \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, 0u, 0, S, G, O, 1, 1, 1, 1);             \
         else                                                                                  \
-            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, S, G, O, mode == 2, mode != 0, s, \
+            adam_q_range(p, m, ms, v, vs, g, o, lo, hi, hp, base, km, kv, 0u, 0, S, G, O, mode == 2, mode != 0, s, \
                          ws);                                                                 \
     }
 #define TZ_QROW(S, G) TZ_QFLAGS(S, G, 0) TZ_QFLAGS(S, G, 1) TZ_QFLAGS(S, G, 2)
@@ -444,6 +456,66 @@ int tz_adam_step_q(float *p, void *m, float *ms, void *v, float *vs, const void 
     /* the moments' keys for this call's stochastic rounding (state_codec.moment_keys) */
     uint32_t km = fmix32(seed * 2u + 1u), kv = fmix32(seed * 2u + 2u);
     TZ_QTABLE[skind - 1][gkind][okind](p, m, ms, v, vs, g, out, lo, hi, hp, base, km, kv);
+    tz_leave(mxcsr);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------
+ * bf16 master weights (offload.optimizer.master_precision bf16; offload/bf16_master.py,
+ * [Note: bf16 master weights]): the parameter itself is the bf16 compute copy. Each element
+ * is read as bf16, updated in fp32 with exactly the arithmetic above (moments in any of the
+ * three storage kinds, skind 0 fp32 / 1 bf16 / 2 int8), and written back as bf16 rounded
+ * stochastically: the random bits of (key_p, base + element index) are added below the
+ * bf16 mantissa and the low 16 bits truncated (f32_to_bf16_sr, the idea of torchao's
+ * bf16_stochastic_round). No low-precision copy is written (the param is that copy).
+ * The fp32-master paths above are instantiated with pkind 0, untouched.
+ * ------------------------------------------------------------------------------------ */
+#define TZ_BFLAGS(S, G)                                                                       \
+    static void adamb_##S##_##G(uint16_t *p, void *m, float *ms, void *v, float *vs,          \
+                                const void *g, int64_t lo, int64_t hi, const tz_adam_hp *hp,  \
+                                int64_t base, uint32_t km, uint32_t kv, uint32_t kp) {        \
+        int mode = (hp->apply_decay ? (hp->decoupled ? 2 : 1) : 0);                           \
+        int s = hp->apply_scale, ws = hp->w_small;                                            \
+        if (mode == 0 && !s && ws)                                                            \
+            adam_q_range(p, m, ms, v, vs, g, 0, lo, hi, hp, base, km, kv, kp, 1, S, G, 0, 0, 0, 0, 1); \
+        else if (mode == 2 && !s && ws)                                                       \
+            adam_q_range(p, m, ms, v, vs, g, 0, lo, hi, hp, base, km, kv, kp, 1, S, G, 0, 1, 1, 0, 1); \
+        else if (mode == 0 && s && ws)                                                        \
+            adam_q_range(p, m, ms, v, vs, g, 0, lo, hi, hp, base, km, kv, kp, 1, S, G, 0, 0, 0, 1, 1); \
+        else if (mode == 2 && s && ws)                                                        \
+            adam_q_range(p, m, ms, v, vs, g, 0, lo, hi, hp, base, km, kv, kp, 1, S, G, 0, 1, 1, 1, 1); \
+        else                                                                                  \
+            adam_q_range(p, m, ms, v, vs, g, 0, lo, hi, hp, base, km, kv, kp, 1, S, G, 0,     \
+                         mode == 2, mode != 0, s, ws);                                        \
+    }
+#define TZ_BROW(S) TZ_BFLAGS(S, 0) TZ_BFLAGS(S, 1) TZ_BFLAGS(S, 2)
+TZ_BROW(0)
+TZ_BROW(1)
+TZ_BROW(2)
+
+typedef void (*tz_adamb_fn)(uint16_t *, void *, float *, void *, float *, const void *,
+                            int64_t, int64_t, const tz_adam_hp *, int64_t, uint32_t, uint32_t,
+                            uint32_t);
+
+static const tz_adamb_fn TZ_BTABLE[3][3] = {
+    {adamb_0_0, adamb_0_1, adamb_0_2},
+    {adamb_1_0, adamb_1_1, adamb_1_2},
+    {adamb_2_0, adamb_2_1, adamb_2_2},
+};
+
+/* Update elements [lo, hi) of a shard whose master is the bf16 param `p` (rounded
+ * stochastically with key_p, see above). m / v: fp32 moments (skind 0) or stored as
+ * tz_adam_step_q takes them (skind 1, 2; seed as there); base: the piece's first element
+ * in its shard, for every random bit. For skind 2, lo must be a multiple of TZ_BLOCK.
+ * Returns 0, or -1 for a bad kind / range. */
+int tz_adam_step_b(uint16_t *p, void *m, float *ms, void *v, float *vs, const void *g,
+                   int gkind, int skind, int64_t lo, int64_t hi, const tz_adam_hp *hp,
+                   uint32_t seed, int64_t base, uint32_t key_p) {
+    if (gkind < 0 || gkind > 2 || skind < 0 || skind > 2) return -1;
+    if (skind == 2 && (lo % TZ_BLOCK != 0 || ms == 0 || vs == 0)) return -1;
+    unsigned mxcsr = tz_enter(); /* see [Note: subnormals] */
+    uint32_t km = fmix32(seed * 2u + 1u), kv = fmix32(seed * 2u + 2u);
+    TZ_BTABLE[skind][gkind](p, m, ms, v, vs, g, lo, hi, hp, base, km, kv, key_p);
     tz_leave(mxcsr);
     return 0;
 }

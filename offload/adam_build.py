@@ -60,7 +60,7 @@ from .state_codec import BLOCK as STATE_BLOCK
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_adam_kernel.c")
-ABI_VERSION = 4
+ABI_VERSION = 5
 # -ffp-contract=off: see [Note: Adam operation order] in _adam_kernel.c.
 # -fno-math-errno lets sqrtf vectorise; it does not change any result.
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
@@ -101,6 +101,9 @@ class CompiledKernel:
     # tz_adam_step_q(p, m, ms, v, vs, g, gkind, out, okind, skind, lo, hi, hp*, seed, base):
     # compressed moments (offload/state_codec.py)
     step_q: Callable[..., int]
+    # tz_adam_step_b(p16, m, ms, v, vs, g, gkind, skind, lo, hi, hp*, seed, base, key_p):
+    # a bf16 master rounded stochastically (offload/bf16_master.py)
+    step_b: Callable[..., int]
 
 
 _lock = threading.Lock()
@@ -290,9 +293,16 @@ def _load(path: Path, fd: int) -> CompiledKernel:
         ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(HyperParams), ctypes.c_uint32,
         ctypes.c_int64,
     ]
+    step_b = lib.tz_adam_step_b
+    step_b.restype = ctypes.c_int
+    step_b.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+        ctypes.POINTER(HyperParams), ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint32,
+    ]
     if lib.tz_state_block() != STATE_BLOCK:
         raise OSError(f"{path} has state block {lib.tz_state_block()}, expected {STATE_BLOCK}")
-    return CompiledKernel(path=path, step=step, to_16=to_16, step_q=step_q)
+    return CompiledKernel(path=path, step=step, to_16=to_16, step_q=step_q, step_b=step_b)
 
 
 def _try_compile() -> tuple[CompiledKernel | None, str]:

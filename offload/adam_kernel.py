@@ -4,7 +4,10 @@ Inputs are contiguous CPU tensors of equal length: fp32 ``master``,
 ``exp_avg`` and ``exp_avg_sq`` (updated in place), a gradient in fp32, bf16 or
 fp16 (read only, multiplied by ``grad_scale`` on the fly for loss scaling or
 clipping), and optionally a bf16/fp16 ``shadow`` that receives the new master
-rounded to nearest even, bit-identical to ``master.to(shadow.dtype)``.
+rounded to nearest even, bit-identical to ``master.to(shadow.dtype)``. A bf16
+``master`` (offload.optimizer.master_precision bf16) is updated in fp32 and written
+back rounded stochastically with the bits of ``master_key`` ([Note: bf16 master
+weights] in bf16_master.py); it takes no shadow: it is the compute copy itself.
 
 Backends: ``"compiled"`` is the C kernel (offload/_adam_kernel.c, built at
 first use, see adam_build.py); ``"torch"`` is the same arithmetic in PyTorch
@@ -24,6 +27,7 @@ import torch
 from .adam_build import CompiledKernel, HyperParams, compiled_kernel, kernel_status
 from .adam_math import AdamHyper, check_flat, check_storage, step_scalars, torch_update
 from .adam_threads import MIN_PER_THREAD, AdamThreads
+from .bf16_master import round_bf16_stochastic
 from .state_codec import (
     BLOCK,
     SKIND,
@@ -117,6 +121,7 @@ def adam_update(
     backend: Backend = "auto",
     state: str = "fp32",
     offset: int = 0,
+    master_key: int | None = None,
 ) -> None:
     """Apply one Adam/AdamW update in place; `step` counts this update (1 on the first).
 
@@ -124,13 +129,15 @@ def adam_update(
     the moments are stored (offload/state_codec.py): "fp32" tensors, or "bf16" / "int8"
     flat uint8 tensors of state_codec.moment_nbytes(numel) bytes, decoded and re-encoded
     in the same pass. `offset`: the tensors' first element within their shard (a piece of
-    it), which bf16's stochastic rounding draws its bits by.
+    it), which bf16's stochastic rounding draws its bits by. `master_key`: with a bf16
+    master, the key of its stochastic rounding (bf16_master.master_key of the step and
+    shard).
     """
     if master.is_meta:  # a dry run (tierzero plan): no data, nothing to compute
         return
     prepared = prepare_step(hyper, step, grad_scale, backend)
     run_prepared(prepared, master, exp_avg, exp_avg_sq, grad, shadow=shadow, threads=threads,
-                 state=state, offset=offset)
+                 state=state, offset=offset, master_key=master_key)
 
 
 def run_prepared(
@@ -144,6 +151,7 @@ def run_prepared(
     threads: AdamThreads | None = None,
     state: str = "fp32",
     offset: int = 0,
+    master_key: int | None = None,
 ) -> None:
     """`adam_update` with scalars prepared once for many tensors.
 
@@ -153,6 +161,14 @@ def run_prepared(
     check_precision(state)
     check_flat(master, exp_avg, exp_avg_sq, grad, shadow, state=state)
     n = master.numel()
+    if master.dtype == torch.bfloat16:
+        if shadow is not None or master_key is None:
+            raise ValueError("Adam with a bf16 master takes no shadow (the master is the "
+                             "compute copy) and needs master_key (its stochastic rounding)")
+        if n:
+            _run_bf16_master(prepared, master, exp_avg, exp_avg_sq, grad, threads=threads,
+                             state=state, offset=offset, key=master_key)
+        return
     if n == 0:
         return
     if state != "fp32":
@@ -236,6 +252,53 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
         if rc != 0:
             raise RuntimeError(f"tz_adam_step_q rejected its arguments (rc={rc}, kinds "
                                f"{gkind}/{okind}/{skind}, range {lo}:{hi})")
+
+    units = -(-n // unit)
+    if threads is None:
+        part(0, units)
+    else:
+        threads.run(units, part, max(1, MIN_PER_THREAD // unit))
+
+
+def _run_bf16_master(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
+                     threads: AdamThreads | None, state: str, offset: int, key: int) -> None:
+    """`run_prepared` with a bf16 master (checked): tz_adam_step_b, or its PyTorch
+    reference (upcast, the fp32 update, stochastic rounding with the same bits)."""
+    n = master.numel()
+    if prepared.kernel is None or prepared.struct is None:
+        p = master.float()
+        m, v = exp_avg, exp_avg_sq
+        if state != "fp32":
+            m, v = torch.empty(n), torch.empty(n)
+            decode("exp_avg", exp_avg, m, state)
+            decode("exp_avg_sq", exp_avg_sq, v, state)
+        torch_update(p, m, v, grad, hyper=prepared.hyper, step=prepared.step,
+                     grad_scale=prepared.grad_scale)
+        round_bf16_stochastic(p, master, key, offset)
+        if state != "fp32":
+            seed = step_seed(prepared.step)
+            encode("exp_avg", m, exp_avg, state, seed=seed, offset=offset)
+            encode("exp_avg_sq", v, exp_avg_sq, state, seed=seed, offset=offset)
+        return
+    hp_ref = ctypes.byref(prepared.struct)
+    skind = SKIND.get(state, 0)
+    seed = step_seed(prepared.step)
+    ms = vs = None
+    if state == "int8":
+        ms = split_int8(exp_avg, n)[1].data_ptr()
+        vs = split_int8(exp_avg_sq, n)[1].data_ptr()
+    pp, mp, vp, gp = master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr()
+    gkind = _KIND[grad.dtype]
+    step_b = prepared.kernel.step_b
+    unit = BLOCK if state == "int8" else 1  # int8: threads split whole blocks
+
+    def part(lo: int, hi: int) -> None:
+        lo, hi = lo * unit, min(n, hi * unit)
+        rc = step_b(pp, mp, ms, vp, vs, gp, gkind, skind, lo, hi, hp_ref, seed, offset, key)
+        if rc != 0:
+            raise RuntimeError(f"tz_adam_step_b rejected its arguments (rc={rc}, kinds "
+                               f"{gkind}/{skind}, range {lo}:{hi})")
 
     units = -(-n // unit)
     if threads is None:

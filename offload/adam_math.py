@@ -97,16 +97,17 @@ def check_flat(
     """Raise ValueError naming the operand unless all are flat-compatible.
 
     Flat-compatible: contiguous CPU tensors of one numel, each within its storage, fp32
-    master, grad fp32/bf16/fp16; the moments fp32 of that numel, or with a compressed
-    ``state`` precision flat uint8 tensors of state_codec.moment_nbytes(numel) bytes. Runs
-    before every kernel call (see run_prepared): the C kernel touches exactly n elements
-    (bytes) from each data pointer and nothing checks after.
+    master (or bf16: [Note: bf16 master weights] in bf16_master.py), grad fp32/bf16/fp16;
+    the moments fp32 of that numel, or with a compressed ``state`` precision flat uint8
+    tensors of state_codec.moment_nbytes(numel) bytes. Runs before every kernel call (see
+    run_prepared): the C kernel touches exactly n elements (bytes) from each data pointer
+    and nothing checks after.
     """
     n = master.numel()
     moment = torch.float32 if state == "fp32" else torch.uint8
     moment_numel = n if state == "fp32" else moment_nbytes(n, state)
     named: list[tuple[str, torch.Tensor, tuple[torch.dtype, ...]]] = [
-        ("master", master, (torch.float32,)),
+        ("master", master, (torch.float32, torch.bfloat16)),  # bf16: bf16_master.py
         ("exp_avg", exp_avg, (moment,)),
         ("exp_avg_sq", exp_avg_sq, (moment,)),
         ("grad", grad, GRAD_DTYPES),

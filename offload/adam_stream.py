@@ -43,16 +43,14 @@ the largest shard: a 700M-parameter layer needs no 10 GB of buffers. Each piece 
 pass of the same kernel over its elements (Adam is elementwise, so the result is
 bitwise the same as one pass over the shard). The gradient is held once per shard (a
 view of its home or host cache, sliced per piece); the new param of a shard in
-several pieces is assembled in a second, smaller ring (two shards' param) and written
-whole once its last piece is updated, since param is gathered whole. A shard of one
-piece keeps its param in the ring with its state, as before.
+several pieces is assembled whole in offload/param_assembly.py; a shard of one piece keeps
+its param in the ring with its state.
 
-Failures: an exception inside ``step()`` waits for every transfer still using
-the buffers, drops the read-ahead and re-raises; every shard is then either
-fully updated (its writes were issued) or untouched, the manager holds nothing
-for the stream, and the next ``step()`` starts over from the first shard. A
-failed write is raised by the next ``step()`` or ``flush()`` (and by the manager
-call that settles it), naming the key.
+Failures: an exception inside ``step()`` waits for every transfer still using the
+buffers, drops the read-ahead and re-raises; every shard is then either fully updated
+(its writes were issued) or untouched, the manager holds nothing for the stream, and the
+next ``step()`` starts over from the first shard. A failed write is raised by the next
+``step()`` or ``flush()`` (and by the manager call that settles it), naming the key.
 """
 
 from __future__ import annotations
@@ -70,6 +68,7 @@ from tierzero.swap import trace
 from .adam_kernel import Backend, adam_update
 from .adam_math import AdamHyper
 from .adam_threads import AdamThreads
+from .bf16_master import master_key
 from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
@@ -82,7 +81,7 @@ from .stream_parts import (
     PipelineStats,
     StreamRead,
     StreamSet,
-    checked_chunks,
+    checked_inputs,
     checked_order,
     kept_shards,
     wait_all,
@@ -121,6 +120,8 @@ class AdamStream:
         state_precision): "fp32", or "bf16" / "int8", whose manager keys then hold uint8
         tensors of state_codec.moment_nbytes(piece numel) bytes; they are read, updated
         and written at that size (the kernel decodes and encodes in its pass).
+    master: "fp32", or "bf16": the param is the master (no "master" keys, no shadow;
+        salts: per shard, bf16_master.shard_salt), see [Note: bf16 master weights].
     """
 
     def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
@@ -130,29 +131,24 @@ class AdamStream:
                  backend: Backend = "auto", keep_host_buffers: int | None = None,
                  consume_grads: bool = False,
                  chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None = None,
-                 state: str = "fp32") -> None:
+                 state: str = "fp32", master: str = "fp32",
+                 salts: Sequence[int] | None = None) -> None:
         check_precision(state)
         self._state = state
         n = len(numels)
-        if len(keys) != n:
-            raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
         self._order = list(range(n)) if order is None else checked_order(order, n)
-        if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
-            raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
-        if shadow not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
-        for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
-            missing = [c for c in (*(STATE_CLASSES if chunks is None else ()), "grad")
-                       if c not in k]
-            if numel and missing:
-                raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
-        self._chunks = checked_chunks(keys, numels, chunks)
+        self._chunks = checked_inputs(keys, numels, chunks, buffer_bytes=buffer_bytes,
+                                      shadow=shadow, master=master, salts=salts)
         self._mgr = manager
         self._keys = [dict(k) for k in keys]
         self._numels = list(numels)
         self._shadow = shadow
         # the kernel's threads; whoever drives the stream may change them between calls
         self.threads = threads
+        self._master = master
+        self._salts = list(salts or ())
+        # the param's dtype: the bf16 master, the low-precision shadow, else fp32 (the master)
+        self._param_dtype = (torch.bfloat16 if master == "bf16" else shadow or torch.float32)
         self._backend = backend
         self._consume = consume_grads
         items = [self._item_bytes(c) for cs in self._chunks for c in cs]
@@ -160,7 +156,7 @@ class AdamStream:
             nbytes, torch.uint8, purpose="adam_ring"))
         # param of shards in several pieces, assembled whole ([Note: optimizer state in
         # chunks])
-        low = torch.float32 if shadow is None else shadow
+        low = self._param_dtype
         whole = [page_up(low.itemsize * self._numels[i]) for i, cs in enumerate(self._chunks)
                  if len(cs) > 1 and "param" in self._keys[i]]
         self._p16 = ParamAssembly(manager, whole, low) if whole else None
@@ -289,6 +285,10 @@ class AdamStream:
             taken = (self._p16.take(self._numels[index]) if self._p16 is not None
                      and len(pieces) > 1 and "param" in keys else None)
             whole = None if taken is None else taken[1]
+            if whole is not None and self._master == "bf16":  # the master, read whole
+                t = time.perf_counter()
+                self._mgr.read_into(keys["param"], whole).wait()
+                op.wait += time.perf_counter() - t
             for j, piece in enumerate(pieces):
                 rd = self._next_read(op, self._first[pos] + j)
                 op.compute += self._update(rd.bufs, piece, grad, whole, op)
@@ -313,7 +313,7 @@ class AdamStream:
         piece = self._seq[at]
         for key, version in seen:  # written by someone else since: read again
             if self._mgr.version(key) != version:
-                name = next(c for c in STATE_CLASSES if piece.keys[c] == key)
+                name = next(c for c in STATE_CLASSES if piece.keys.get(c) == key)
                 self._mgr.read_into(key, rd.bufs.part(name, piece.numel)).wait()
         return rd
 
@@ -322,28 +322,38 @@ class AdamStream:
         """One kernel pass over the piece; its new param goes to the ring (a shard in one
         piece) or into the shard's assembled param ``whole``."""
         n = piece.numel
-        master = bufs.part("master", n)
-        if whole is not None:
+        bf16 = self._master == "bf16"
+        master = (whole[piece.lo:piece.hi] if bf16 and whole is not None
+                  else bufs.part("master", n))
+        if bf16:  # the master is the param: no shadow
+            shadow = None
+        elif whole is not None:
             shadow = None if self._shadow is None else whole[piece.lo:piece.hi]
         else:
             shadow = None if bufs.param is None else bufs.param[:n]
+        key = master_key(op.step, self._salts[piece.shard]) if bf16 else None
         t = time.perf_counter()
-        with trace.span("adam", piece.keys["master"], numel=n):
+        with trace.span("adam", piece.keys["exp_avg"], numel=n):
             adam_update(master, bufs.part("exp_avg", n), bufs.part("exp_avg_sq", n),
                         grad[piece.lo:piece.hi], hyper=op.hyper, step=op.step,
                         grad_scale=op.grad_scale, shadow=shadow, threads=self.threads,
-                        backend=self._backend, state=self._state, offset=piece.lo)
-        if whole is not None and self._shadow is None:  # fp32 compute: param is the master
+                        backend=self._backend, state=self._state, offset=piece.lo,
+                        master_key=key)
+        if whole is not None and self._shadow is None and not bf16:  # param is the master
             whole[piece.lo:piece.hi].copy_(master)
         return time.perf_counter() - t
 
     def _write(self, bufs: StreamSet, piece: Chunk, *, param: bool) -> None:
         n = piece.numel
-        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n)) for c in STATE_CLASSES]
         p16 = self._keys[piece.shard].get("param")
-        if param and p16 is not None:  # fp32 compute: param is the master itself
+        keep = piece.shard in self._keep
+        # a bf16 master of a shard in one piece is written under the param's key
+        writes = [self._mgr.write_from(piece.keys[c], bufs.part(c, n),
+                                       keep_host=keep and piece.keys[c] == p16)
+                  for c in STATE_CLASSES if c in piece.keys]
+        if param and p16 is not None and self._master == "fp32":
             src = bufs.part("master", n) if bufs.param is None else bufs.param[:n]
-            writes.append(self._mgr.write_from(p16, src, keep_host=piece.shard in self._keep))
+            writes.append(self._mgr.write_from(p16, src, keep_host=keep))
         self._writes.append((bufs, writes))
         while self._writes and all(t.done() for t in self._writes[0][1]):
             done, parts = self._writes.popleft()
@@ -363,7 +373,16 @@ class AdamStream:
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param when the shard is one piece."""
         low = 2 if len(self._chunks[piece.shard]) == 1 and self._shadow is not None else 0
-        return piece_bytes(piece.numel, self._state, low) if piece.numel else 0
+        master = self._carved_master(piece)
+        return piece_bytes(piece.numel, self._state, low,
+                           0 if master is None else master.itemsize) if piece.numel else 0
+
+    def _carved_master(self, piece: Chunk) -> torch.dtype | None:
+        """A ring item's master part: fp32, a bf16 master (the param of a shard in one
+        piece), or none (a piece of a shard whose bf16 master is assembled whole)."""
+        if self._master == "fp32":
+            return torch.float32
+        return torch.bfloat16 if "master" in piece.keys else None
 
     def _top_up(self, pos: int, *, now: bool = True) -> None:
         """Issue reads for the positions from ``pos`` on (at most one step ahead, wrapping
@@ -388,7 +407,8 @@ class AdamStream:
                 return
             after, self._carry = self._carry, []
             bufs = carve(self._ring, start, piece.numel, self._state, self._shadow,
-                         param=len(self._chunks[piece.shard]) == 1)
+                         param=len(self._chunks[piece.shard]) == 1,
+                         master=self._carved_master(piece))
             job = self._reader.submit(self._issue_read, piece, bufs, after, background)
             self._ahead.append(StreamRead(self._issued % n_seq, bufs, after, job,
                                           shard=piece.shard))
@@ -399,7 +419,7 @@ class AdamStream:
         wait_all(after)  # the set's previous contents are written: it may be refilled
         n = piece.numel
         out: list[tuple[str, int, TierTransfer]] = []
-        for c in STATE_CLASSES if n else ():
+        for c in [c for c in STATE_CLASSES if c in piece.keys] if n else ():
             key = piece.keys[c]
             version = self._mgr.version(key)  # before the read: a later change is caught
             out.append((key, version,

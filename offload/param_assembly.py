@@ -26,7 +26,7 @@ class ParamAssembly:
     def __init__(self, manager: TierManager, whole_bytes: list[int], dtype: torch.dtype
                  ) -> None:
         self._mgr = manager
-        self._dtype = dtype  # the compute dtype (fp32 compute: the master's values)
+        self._dtype = dtype  # the param's: the compute dtype, the bf16 master, or fp32 (the master)
         self._ring = HostRing(param_assembly_bytes(whole_bytes), lambda nbytes:
                               manager.host_empty(nbytes, torch.uint8, purpose="adam_param"))
         self._writes: deque[tuple[int, TierTransfer]] = deque()  # (ring start, write)

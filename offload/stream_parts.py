@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adam_math import AdamHyper
+from .bf16_master import check_master
 from .errors import OffloadError
 from .placement import Plan
 from .settings import MOMENT_CLASSES, STATE_CLASSES
@@ -34,13 +35,46 @@ class PipelineStats:
 
 
 
-def checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
-                    chunks: Sequence[Sequence[tuple[int, int, Mapping[str, str]]]] | None
-                    ) -> list[list[Chunk]]:
+ChunkSpec = Sequence[Sequence[tuple[int, int, Mapping[str, str]]]]
+
+
+def checked_inputs(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
+                   chunks: ChunkSpec | None, *, buffer_bytes: int, shadow: torch.dtype | None,
+                   master: str, salts: Sequence[int] | None) -> list[list[Chunk]]:
+    """AdamStream's arguments checked (ValueError naming what is wrong), and every shard's
+    pieces. With a bf16 master ([Note: bf16 master weights] in offload/bf16_master.py) a
+    shard in one piece reads and writes its master under the param's key."""
+    n = len(numels)
+    if len(keys) != n:
+        raise ValueError(f"AdamStream: {len(keys)} key maps for {n} shards")
+    if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
+        raise ValueError(f"AdamStream buffer_bytes={buffer_bytes!r}; need an int >= 0")
+    if shadow not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"AdamStream shadow={shadow}; allowed None, bf16, fp16")
+    check_master(master)
+    bf16 = master == "bf16"
+    if bf16 and (shadow is not None or salts is None or len(salts) != n):
+        raise ValueError(f"AdamStream with a bf16 master takes no shadow (got {shadow}; the "
+                         f"param is the master) and one salt per shard ({n})")
+    state = MOMENT_CLASSES if bf16 else STATE_CLASSES
+    for i, (k, numel) in enumerate(zip(keys, numels, strict=True)):
+        missing = [c for c in (*(state if chunks is None else ()), "grad",
+                               *(("param",) if bf16 else ())) if c not in k]
+        if numel and missing:
+            raise ValueError(f"AdamStream: shard {i} has no key for {missing}")
+    out = _checked_chunks(keys, numels, chunks, state)
+    if bf16:
+        out = [[Chunk(c.shard, c.lo, c.hi, {**c.keys, "master": keys[c.shard]["param"]})
+                for c in cs] if len(cs) == 1 and cs[0].numel else cs for cs in out]
+    return out
+
+
+def _checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
+                    chunks: ChunkSpec | None, state: tuple[str, ...]) -> list[list[Chunk]]:
     """Every shard's pieces, tiling [0, numel) in order; one piece per shard (its own state
     keys) when ``chunks`` is None."""
     if chunks is None:
-        return [[Chunk(i, 0, n, {c: k[c] for c in STATE_CLASSES if c in k})]
+        return [[Chunk(i, 0, n, {c: k[c] for c in state if c in k})]
                 for i, (k, n) in enumerate(zip(keys, numels, strict=True))]
     if len(chunks) != len(numels):
         raise ValueError(f"AdamStream: {len(chunks)} chunk lists for {len(numels)} shards")
@@ -53,7 +87,7 @@ def checked_chunks(keys: Sequence[Mapping[str, str]], numels: Sequence[int],
                 or (n and any(c.hi <= c.lo for c in got))):
             raise ValueError(f"AdamStream: the chunks of shard {i} must tile [0, {n}) in order; "
                              f"got {[(c.lo, c.hi) for c in got][:6]}")
-        missing = [c for c in STATE_CLASSES for ch in got if n and c not in ch.keys]
+        missing = [c for c in state for ch in got if n and c not in ch.keys]
         if missing:
             raise ValueError(f"AdamStream: a chunk of shard {i} has no key for {missing[:3]}")
         out.append(got)
@@ -77,7 +111,9 @@ class Chunk:
     shard: int
     lo: int
     hi: int
-    keys: dict[str, str]  # "master", "exp_avg", "exp_avg_sq" -> manager key of this piece
+    # "master", "exp_avg", "exp_avg_sq" -> manager key of this piece (a bf16 master of a
+    # shard in one piece: the param's key; of a shard in several: none, it is read whole)
+    keys: dict[str, str]
 
     @property
     def numel(self) -> int:
@@ -89,7 +125,7 @@ class StreamSet:
     """One shard's working buffers: 1D host views into the ring, `numel` elements each."""
 
     start: int  # the ring region holding them (-1: an empty shard, no region)
-    master: torch.Tensor  # fp32
+    master: torch.Tensor  # fp32, or bf16 (the param: [Note: bf16 master weights]), or empty
     exp_avg: torch.Tensor  # fp32
     exp_avg_sq: torch.Tensor  # fp32
     param: torch.Tensor | None  # the compute dtype when it is bf16/fp16, else None

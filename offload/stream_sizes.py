@@ -9,6 +9,13 @@ offload/adam_stream.py):
 
     | master fp32 | exp_avg | exp_avg_sq | param (a shard in one piece, bf16/fp16) |
       numel * 4     moment_nbytes(numel, state) each (numel * 4 for fp32)
+
+With a bf16 master ([Note: bf16 master weights] in offload/bf16_master.py) the master
+part is the param itself, read and written under the param's key, and there is no
+separate param part:
+
+    | master = param bf16 (a shard in one piece; none for a piece) | exp_avg | exp_avg_sq |
+      numel * 2
 """
 
 from __future__ import annotations
@@ -22,12 +29,15 @@ from .state_codec import moment_nbytes
 from .stream_parts import StreamSet
 
 
-def piece_bytes(numel: int, state: str, low_itemsize: int = 0) -> int:
-    """Ring bytes of one piece: its fp32 master and two moments in ``state`` precision,
-    each part page-aligned, and the shard's low-precision param (``low_itemsize`` bytes
-    per element; 0: none) when the shard is in one piece."""
+def piece_bytes(numel: int, state: str, low_itemsize: int = 0, master_itemsize: int = 4
+                ) -> int:
+    """Ring bytes of one piece: its master (``master_itemsize`` bytes per element: 4 for
+    fp32, 2 for a bf16 master of a shard in one piece, 0 for a piece of a shard whose bf16
+    master is assembled whole) and two moments in ``state`` precision, each part
+    page-aligned, and the shard's low-precision param (``low_itemsize`` bytes per element;
+    0: none) when the shard is in one piece."""
     low = page_up(numel * low_itemsize) if low_itemsize else 0
-    return page_up(numel * 4) + 2 * page_up(moment_nbytes(numel, state)) + low
+    return page_up(numel * master_itemsize) + 2 * page_up(moment_nbytes(numel, state)) + low
 
 
 def ring_capacity(requested: int, piece_sizes: Iterable[int]) -> int:
@@ -44,21 +54,24 @@ def param_assembly_bytes(whole_bytes: Sequence[int]) -> int:
 
 
 def carve(ring: HostRing, start: int, numel: int, state: str, shadow: torch.dtype | None,
-          *, param: bool = True) -> StreamSet:
+          *, param: bool = True, master: torch.dtype | None = torch.float32) -> StreamSet:
     """The buffer set of one ring item at ``start`` (-1: an empty shard, no region), laid
-    out as drawn above; ``param`` False or no ``shadow``: no param part."""
+    out as drawn above; ``param`` False or no ``shadow``: no param part; ``master``: its
+    dtype (bf16: the param itself, no param part), None: no master part."""
     if start < 0:
         empty = torch.empty(0)
         return StreamSet(start, empty, empty, empty, None, state)
-    size = page_up(numel * 4)
-    master = ring.view(start, numel, torch.float32)
-    if state == "fp32":
-        moments = [ring.view(start + i * size, numel, torch.float32) for i in (1, 2)]
-        end = start + 3 * size
+    if master is None:
+        master_part = torch.empty(0)
+        size = 0
     else:
-        each = page_up(moment_nbytes(numel, state))
-        moments = [ring.view(start + size + i * each, moment_nbytes(numel, state), torch.uint8)
-                   for i in (0, 1)]
-        end = start + size + 2 * each
-    p16 = None if shadow is None or not param else ring.view(end, numel, shadow)
-    return StreamSet(start, master, moments[0], moments[1], p16, state)
+        size = page_up(numel * torch.finfo(master).bits // 8)
+        master_part = ring.view(start, numel, master)
+    each = page_up(moment_nbytes(numel, state))
+    moments = [ring.view(start + size + i * each, numel, torch.float32) if state == "fp32"
+               else ring.view(start + size + i * each, moment_nbytes(numel, state), torch.uint8)
+               for i in (0, 1)]
+    end = start + size + 2 * each
+    p16 = (None if shadow is None or not param or master != torch.float32
+           else ring.view(end, numel, shadow))
+    return StreamSet(start, master_part, moments[0], moments[1], p16, state)

@@ -5,7 +5,8 @@ is cut from its group's full flat buffer, which is read range by range from
 the rank files that hold it ([Note: flat layout]), so one tensor at a time is
 in memory: `consolidate_to_safetensors` never holds more than the largest
 parameter (plus the rank files' memory maps). Trainable parameters come from
-the fp32 `master` shards; frozen ones from `param` (their only copy).
+the fp32 `master` shards (from `param` where it is the master: master_precision
+bf16); frozen ones from `param` (their only copy).
 
 Output (Hugging Face convention, what `from_pretrained` reads):
     model.safetensors                        when everything fits in max_shard_bytes
@@ -88,7 +89,8 @@ class _Source:
         if item.group is None:
             t = self.files.tensor(0, BUFFER_PREFIX + item.name)
             return t.to(out) if t.is_floating_point() else t
-        kind = "master" if item.group.trainable else "param"
+        # a bf16 master is the param ([Note: master precision in checkpoints] in load.py)
+        kind = "master" if item.group.trainable and "master" in item.group.kinds else "param"
         flat = self.files.read_range(item.group, kind, item.offset, item.offset + item.numel)
         return flat.to(out).reshape(item.shape)
 

@@ -54,6 +54,7 @@ from tierzero.offload.step_seam import GroupState
 
 if TYPE_CHECKING:
     from tierzero.engine.engine import ZeroEngine
+    from tierzero.engine.shards.store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,9 @@ def load_checkpoint(eng: ZeroEngine, directory: str | Path, tag: str | None = No
     if CLIENT_STATE in manifest["files"]:
         names.append(CLIENT_STATE)
     if rank == 0:
-        _log_moment_conversion(path, manifest, saved, group_layouts(eng, with_grad=False),
-                               same_world)
+        mine = group_layouts(eng, with_grad=False)
+        _log_moment_conversion(path, manifest, saved, mine, same_world)
+        _log_master_conversion(path, saved, mine)
     error = None
     try:  # every rank's files are checked before any rank changes anything
         _check_files(path, manifest, names, verify)
@@ -189,6 +191,47 @@ def _log_moment_conversion(path: Path, manifest: dict[str, Any], saved: list[Gro
                 len(changed), len(pairs), how)
 
 
+# [Note: master precision in checkpoints]
+# A trainable group's weights are saved as its master: "master" (fp32) by default, "param"
+# (the compute dtype) with offload.optimizer.master_precision bf16, where the compute copy
+# is the master ([Note: bf16 master weights] in offload/bf16_master.py). Either loads into
+# a run of the other precision, logged once: an fp32 master rounded to nearest bf16 (what
+# the saving run's compute copy held, bit for bit: param was the master rounded to
+# nearest), a bf16 master upcast to fp32 exactly. The moments and the step count load as
+# they do within one precision, so the next step continues from the same state.
+def _log_master_conversion(path: Path, saved: list[GroupLayout],
+                           mine: list[GroupLayout]) -> None:
+    pairs = [(s, m) for s, m in zip(saved, mine, strict=True) if s.trainable]
+    changed = [(s, m) for s, m in pairs if ("master" in s.kinds) != ("master" in m.kinds)]
+    if not changed:
+        return
+    fp32_saved = "master" in changed[0][0].kinds
+    log.warning("%s was saved with %s master weights, this run keeps %s (offload.optimizer."
+                "master_precision): %s in %d of %d groups ([Note: master precision in "
+                "checkpoints])", path, *(("fp32", "bf16", "rounded to nearest bf16 once")
+                                         if fp32_saved else
+                                         ("bf16", "fp32", "upcast to fp32, exact")),
+                len(changed), len(pairs))
+
+
+def _restore_weights(store: ShardStore, lay: GroupLayout, kind: str, source: _Saved,
+                     compute: torch.dtype) -> None:
+    """A saved master or param into this run's shard, converted where the saving run kept
+    the other master precision ([Note: master precision in checkpoints]). Every element is
+    replaced: an NVMe shard's old bytes are not read."""
+    want = kind
+    if lay.trainable and kind in ("master", "param"):
+        want = "master" if store.has(lay.key, "master") else "param"
+    if want == kind:
+        with shard_use(store, lay.key, kind, overwrite=True) as dest:
+            source.read_into(dest)
+        return
+    values = torch.empty(source.numel, dtype=torch.float32 if kind == "master" else compute)
+    source.read_into(values)
+    with shard_use(store, lay.key, want, overwrite=True) as dest:
+        dest.copy_(values)  # fp32 -> bf16 to nearest even; bf16 -> fp32 exact
+
+
 def _check_files(path: Path, manifest: dict[str, Any], names: list[str], verify: bool) -> None:
     if verify:
         verify_files(path, manifest, names)
@@ -225,9 +268,8 @@ def _restore(eng: ZeroEngine, path: Path, manifest: dict[str, Any], saved: list[
                     group.tensors[kind.removeprefix(OPTIM_PREFIX)] = source
                 elif kind in MOMENT_CLASSES:
                     group.shards[kind] = source
-                else:  # every element is replaced: an NVMe shard's old bytes are not read
-                    with shard_use(store, lay.key, kind, overwrite=True) as dest:
-                        source.read_into(dest)
+                else:
+                    _restore_weights(store, lay, kind, source, eng.dtype)
             bar.update(1)
             if lay.trainable:
                 optim[lay.key] = group

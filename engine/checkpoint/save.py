@@ -17,11 +17,11 @@
                                  CRC-32 of all of that (checkpoint_layout.manifest_checksum)
         rank00000.safetensors    rank r's shards, one tensor per (group, kind), named
         rank00001.safetensors    "<group key>::<kind>" (1D, shard_numel elements):
-        ...                        trainable: master, exp_avg, exp_avg_sq (fp32, or their
-                                   stored bytes with state_precision bf16 / int8: [Note:
-                                   compressed moments in checkpoints]), grad only
-                                   when saved mid-accumulation, optim.<name> for other
-                                   per-element optimizer state; frozen: param.
+        ...                        trainable: master (param with master_precision bf16),
+                                   exp_avg, exp_avg_sq (fp32, or their stored bytes with
+                                   state_precision bf16 / int8: [Note: compressed moments
+                                   in checkpoints]), grad only when saved mid-accumulation,
+                                   optim.<name> for other per-element state; frozen: param.
                                  "rng::torch" / "rng::cuda" (uint8 RNG states); rank 0 also
                                  "buffer::<name>" (module buffers). Header metadata
                                  "tierzero": JSON with this rank's optimizer scalars
@@ -200,14 +200,14 @@ def raise_if_any_failed(eng: ZeroEngine, error: str | None, what: str) -> None:
 
 
 def group_layouts(eng: ZeroEngine, with_grad: bool) -> list[GroupLayout]:
-    """Every flat group's layout; a trainable group's kinds: its master, the moments the
+    """Every flat group's layout; a trainable group's kinds: its master (or param), the moments the
     step driver keeps in the store (its state_dict's shards), its gradient `with_grad`."""
     optim = eng.step_driver.state_dict()["state"]
     out = []
     for unit in eng.units:
         for g in unit.groups:
             if g.trainable:
-                kinds = (["master"] if eng.store.has(g.key, "master") else []) + list(
+                kinds = (["master"] if eng.store.has(g.key, "master") else ["param"]) + list(
                     optim[g.key].shards) + (["grad"] if with_grad and eng.store.has(
                         g.key, "grad") else [])
             else:

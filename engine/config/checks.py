@@ -94,6 +94,7 @@ def _check_offload(config: Config) -> None:
                           "compressed on the host or NVMe tier) but offload.optimizer.device "
                           "is 'none'; set state_precision: fp32 or offload.optimizer.device: "
                           "cpu / nvme / auto")
+    _check_master(config)
     if opt.grad_device == "nvme" and opt.path is None and params.path is None:
         raise ConfigError("offload.optimizer.grad_device",
                           "'nvme' needs a swap directory; set offload.optimizer.path")
@@ -104,6 +105,25 @@ def _check_offload(config: Config) -> None:
                               "writable directory on a local NVMe drive")
         if cls.device in ("nvme", "auto") and cls.path is not None:
             check_swap_dir(cls.path, f"{key}.path")
+
+
+def _check_master(config: Config) -> None:
+    """offload.optimizer.master_precision bf16 needs a bf16 compute copy to be the master
+    and the CPU Adam to round it ([Note: bf16 master weights] in offload/bf16_master.py)."""
+    opt = config.offload.optimizer
+    if opt.master_precision == "fp32":
+        return
+    key = "offload.optimizer.master_precision"
+    if config.precision.dtype != "bf16":
+        raise ConfigError(key, f"{opt.master_precision!r} makes the compute copy the master, "
+                          f"which needs precision.dtype bf16 but it is "
+                          f"{config.precision.dtype!r}; allowed with it: 'fp32'. Set "
+                          "precision: bf16 or master_precision: fp32")
+    if opt.device == "none":
+        raise ConfigError(key, f"{opt.master_precision!r} needs the CPU Adam (it rounds the "
+                          "bf16 master stochastically) but offload.optimizer.device is 'none'; "
+                          "allowed with it: 'fp32'. Set offload.optimizer.device: cpu / nvme / "
+                          "auto, or master_precision: fp32")
 
 
 def check_swap_dir(path: str, key: str) -> None:

@@ -226,8 +226,9 @@ def _precision(data: Mapping[str, Any], out: Mapped) -> int:
                       "bf16_master_weights_and_grads", "bf16_optimizer_states"}, bf16_key)
     for ds in bf16:
         if ds != "enabled":
-            out.ignore(f"{bf16_key}.{ds}", "master weights are fp32; gradients follow "
-                       "precision.grad_dtype")
+            out.ignore(f"{bf16_key}.{ds}", "master weights are fp32 unless "
+                       "offload.optimizer.master_precision is bf16 (rounded stochastically); "
+                       "gradients follow precision.grad_dtype")
     return 2 if dtype in ("fp16", "bf16") else 4
 
 

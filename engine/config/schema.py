@@ -34,6 +34,7 @@ from tierzero.engine.config.optim import (
 from tierzero.engine.config.outputs import LoggingConfig, LogLevel, OutputsConfig
 from tierzero.engine.config.train import TrainConfig
 from tierzero.engine.config.zero import ZeroConfig
+from tierzero.offload.bf16_master import MasterPrecision
 from tierzero.offload.settings import OffloadDevice
 
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -186,6 +187,18 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "8-bit codes (256 elements per fp32 scale, a floating-point code for exp_avg "
             "and for sqrt(exp_avg_sq)). Decoded and re-encoded inside the one-pass kernel; "
             "the master stays fp32. Needs an offloaded optimizer (device cpu, nvme or auto)"
+        ),
+    )
+    # [Note: bf16 master weights] in offload/bf16_master.py
+    master_precision: MasterPrecision = field(
+        default="fp32",
+        metadata=meta(
+            "the master weights the CPU Adam updates: fp32 = a separate fp32 master per "
+            "shard (4 B/param on the optimizer's tier, read and written every step; the "
+            "param is written from it rounded to nearest); bf16 = no separate master: the "
+            "bf16 compute copy is the master, updated in fp32 and rounded stochastically "
+            "(seeded per step and shard, so a resume is bit-exact). Needs precision bf16 "
+            "and an offloaded optimizer (device cpu, nvme or auto)"
         ),
     )
     # [Note: gradient home] in engine/shards/tier_config.py

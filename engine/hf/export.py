@@ -1,11 +1,12 @@
 """`export_hf`: a live engine's model as a Hugging Face directory `from_pretrained` loads.
 
 Streamed one flat group at a time ([Note: flat layout] in shards/flat.py): each
-rank hands its shard (the fp32 `master` of trained groups, `param` of frozen
-ones) to an all-gather, rank 0 cuts the group's parameters out of the full
-buffer, writes them and drops it. Extra memory: one group's full buffer and its
-parameters' copies (a unit's parameters of one dtype; fp32 for trained groups),
-or, for a merged LoRA export, the unit's tensors until its adapters are folded in.
+rank hands its shard (the fp32 `master` of trained groups, `param` of frozen ones
+and of trained ones whose master it is: master_precision bf16) to an all-gather, rank 0
+cuts the group's parameters out of the full buffer, writes them and drops it. Extra
+memory: one group's full buffer and its parameters' copies (a unit's parameters of one
+dtype; fp32 for trained groups), or, for a merged LoRA export, the unit's tensors until
+its adapters are folded in.
 
 Output (rank 0, into `<out>.partial`, renamed to `<out>` when complete):
     full model / merged LoRA:

@@ -189,7 +189,7 @@ def _write_engine_slot(reader: SliceReader, entry: TensorEntry, eng_group: FlatG
     # fetched, written and released (written back) like any other update.
     with store.use(eng_group.key, "param", writable=True) as param:
         param[a - lo:b - lo].copy_(values)
-    if eng_group.trainable:
+    if eng_group.trainable and store.has(eng_group.key, "master"):  # (none if bf16)
         # exact: the file's values, not param's (an fp32 master aliasing param gets
         # the same values twice)
         with store.use(eng_group.key, "master", writable=True) as master:

@@ -37,6 +37,7 @@ from tierzero.engine.plan.shapes import ModelShape, model_shape
 from tierzero.engine.plan.state_precision import precision_placements, precision_rows
 from tierzero.engine.train.metrics import human_bytes
 from tierzero.engine.train.model_source import ModelError
+from tierzero.offload.bf16_master import MASTER_PRECISIONS
 from tierzero.offload.settings import TENSOR_CLASSES, TIERS
 from tierzero.offload.state_codec import STATE_PRECISIONS
 from tierzero.swap.safe_files import write_atomic
@@ -63,6 +64,11 @@ def add_plan(sub: Subparsers) -> None:
                       "plan places and counts the step with its moment bytes, and recommends "
                       "it; bf16/int8 change the numbers a run computes, so they are only "
                       "recommended when set here (the table shows what each would need)")
+    plan.add_argument("--master-precision", choices=MASTER_PRECISIONS, default="fp32",
+                      help="offload.optimizer.master_precision of the run (default fp32): bf16 "
+                      "keeps no fp32 master (the bf16 compute copy is the master, rounded "
+                      "stochastically; needs --precision bf16); placed, counted and "
+                      "recommended only when set here")
     for name, what in (("device-mem", "accelerator memory per rank (default: free CUDA memory)"),
                        ("host-mem", "host memory for tierzero per rank (default: available RAM)"),
                        ("nvme-size", "swap space per rank (default: free space at --nvme-path)")):
@@ -141,7 +147,8 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     """The report; `placements`: the other state precisions' (precision_placements)."""
     out = [f"model: {shape.name}: {shape.parameters / 1e9:.2f}B parameters, "
            f"{len(shape.units)} units; {args.precision}, world size {args.world_size} "
-           f"(bytes per rank); optimizer state_precision {args.state_precision}",
+           f"(bytes per rank); optimizer state_precision {args.state_precision}, "
+           f"master_precision {args.master_precision}",
            f"machine: device {human_bytes(machine.device_bytes)}, host "
            f"{human_bytes(machine.host_bytes)}, nvme {human_bytes(machine.nvme_bytes)}"]
     out += [f"  {n}" for n in notes]
@@ -150,7 +157,7 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     host = _host_peak_table(plans)
     if host is not None:
         out.append(host)
-    out.append(_nvme_wear_table(plans))
+    out.append(_written_table(plans, shape.parameters / args.world_size))
     out.append(_background_save_table(plans, machine))
     out += _precision_table(plans, placements or {}, args.state_precision)
     out += _schedule_table(plans, machine, args.grad_accum)
@@ -222,15 +229,6 @@ def _host_peak_table(plans: list[ChoicePlan]) -> str | None:
     return _table(rows) if len(rows) > 1 else None
 
 
-def _nvme_wear_table(plans: list[ChoicePlan]) -> str:
-    """NVMe bytes written per step and per 1,000 steps, and the predicted step time."""
-    rows = [["offload", "NVMe written/step", "written/1,000 steps", "predicted step"]]
-    rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
-              f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
-             for p in plans if p.fits]
-    return _table(rows)
-
-
 def _choice_lines(plans: list[ChoicePlan], machine: Machine) -> list[str]:
     """One line per choice that does not fit, had a budget lowered, is not recommended or
     whose traffic was not counted."""
@@ -253,6 +251,18 @@ def _choice_lines(plans: list[ChoicePlan], machine: Machine) -> list[str]:
             f"({p.traffic_error}); the placement above holds" for p in plans
             if p.fits and p.traffic_error]
     return out
+
+
+def _written_table(plans: list[ChoicePlan], params: float) -> str:
+    """NVMe bytes written per step and per 1,000 steps, and read + written per parameter
+    of this rank's shards (`params`) and step, with the predicted step."""
+    rows = [["offload", "NVMe written/step", "written/1,000 steps", "NVMe B/param/step",
+             "predicted step"]]
+    rows += [[p.choice, human_bytes(p.nvme_written), human_bytes(1000 * p.nvme_written),
+              f"{(p.nvme_read + p.nvme_written) / params:.1f}",
+              f"{p.step_s:.2f} s" if p.step_s is not None else "n/a (run bench)"]
+             for p in plans if p.fits]
+    return _table(rows)
 
 
 NEAR_MISS = 0.25  # a choice this far (of the budget) above the machine: name the knob
@@ -372,8 +382,10 @@ def recommended_config(best: ChoicePlan, args: argparse.Namespace,
     cache = _bytes("--max-in-cpu", args.max_in_cpu) or 0
     if best.choice == "nvme" and cache:
         offload["max_in_cpu_bytes"] = cache
-    if best.choice != "none" and args.state_precision != "fp32":  # the user's own choice
-        offload["optimizer"] = {"state_precision": args.state_precision}
+    optimizer = {k: getattr(args, k) for k in ("state_precision", "master_precision")
+                 if getattr(args, k) != "fp32"}
+    if best.choice != "none" and optimizer:  # the user's own choice
+        offload["optimizer"] = optimizer
     # planned below the machine ([Note: plan within the host]): the run places the same
     budgets = {}
     if best.host_budget is not None and best.host_budget < machine.host_bytes:
@@ -397,17 +409,23 @@ def run_plan(args: argparse.Namespace) -> int:
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}", f"{getattr(args, flag)} is "
                                   "not allowed; allowed: an integer >= 1")
+        if args.master_precision == "bf16" and args.precision != "bf16":
+            raise ConfigError("--master-precision", f"bf16 needs --precision bf16, not "
+                              f"{args.precision} (the bf16 compute copy is the master); "
+                              "allowed with it: fp32")
         shape = model_shape(args.model, layers=args.layers)
         machine, notes = detect_machine(args)
         cache = _bytes("--max-in-cpu", args.max_in_cpu) or 0
         plans = plan_all(shape, machine, world_size=args.world_size, precision=args.precision,
                          nvme_path=args.nvme_path, max_in_cpu_bytes=cache,
                          seq_len=args.seq_len, micro_batch=args.micro_batch,
-                         state_precision=args.state_precision, grad_accum=args.grad_accum)
+                         state_precision=args.state_precision, grad_accum=args.grad_accum,
+                         master_precision=args.master_precision)
         placements = precision_placements(shape, machine, plans, world_size=args.world_size,
                                           precision=args.precision, nvme_path=args.nvme_path,
                                           max_in_cpu_bytes=cache, chosen=args.state_precision,
-                                          grad_accum=args.grad_accum)
+                                          grad_accum=args.grad_accum,
+                                          master_precision=args.master_precision)
     except (ConfigError, ModelError) as exc:
         sys.stderr.write(f"tierzero plan: error: {exc}\n")
         return 1

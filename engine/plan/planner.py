@@ -5,10 +5,12 @@ For each choice (none, cpu, nvme, auto):
    is given the config a run with this choice would use, budgets set to the
    machine's; each unit is declared as the engine declares it (this rank's
    shard of shard_numel(parameters, world size) elements; param in the
-   compute dtype, master and moments in fp32, grad in fp32 or, with one rank and no
-   accumulation, the compute dtype: [Note: gradient precision]) and finalize() runs what a
-   run runs at start: the engine's homes per class (shards.tier_config.homes_from:
-   with optimizer state on NVMe the gradient stays in host memory), the
+   compute dtype, master (none with master_precision bf16: [Note: bf16 master
+   weights]) and moments in fp32 (or their state_precision), grad in fp32 or, with
+   one rank and no accumulation, the compute dtype: [Note: gradient precision]) and
+   finalize() runs what a run runs at start: the engine's homes per class
+   (shards.tier_config.homes_from: with optimizer state on NVMe the gradient stays
+   in host memory), the
    budgets, pool and prefetch windows (tier_settings, the CPU Adam's pipeline
    buffers taken from the host budget) and offload.plan_placement. A
    PlanError is "does not fit", with the short tier and by how much.
@@ -135,29 +137,36 @@ class ChoicePlan:
         regions at most while it runs ([Note: shard snapshots] in offload/snapshot.py); on
         host, what it may copy before the steps change it (outputs.
         background_save_copy_bytes bounds that); on the device, what it copies at the save
-        ([Note: snapshot parts] in engine/shards/snapshot.py)."""
-        return sum(self.by_tier.get(tier, {}).get(c, 0)
-                   for c in ("master", "exp_avg", "exp_avg_sq"))
+        ([Note: snapshot parts] in engine/shards/snapshot.py). With a bf16 master the param
+        is saved as the master ([Note: master precision in checkpoints])."""
+        fp32 = any(self.by_tier.get(t, {}).get("master", 0) for t in TIERS)
+        kinds: tuple[TensorClass, ...] = ("master" if fp32 else "param", "exp_avg",
+                                          "exp_avg_sq")
+        return sum(self.by_tier.get(tier, {}).get(c, 0) for c in kinds)
 
 
 def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
                   nvme_path: str | None, unit_classes: tuple[str, ...] = (),
                   max_in_cpu_bytes: int = 0, state_precision: str = "fp32",
-                  grad_accum: int = 1, schedule: str = "auto") -> Config:
+                  grad_accum: int = 1, schedule: str = "auto",
+                  master_precision: str = "fp32") -> Config:
     """The config a run with this choice would use, budgets set to the machine's.
     `max_in_cpu_bytes`: offload.params.max_in_cpu_bytes of the nvme choice (parameter
     shards homed in host memory instead of NVMe; the other choices do not use it).
     `state_precision`: offload.optimizer.state_precision of the choices that run the CPU
     Adam (the shard store sizes the moments by it, so placement uses their real bytes);
-    offload none keeps fp32 moments on the device whatever it says. `grad_accum`,
-    `schedule`: batch.gradient_accumulation_steps and batch.schedule."""
+    offload none keeps fp32 moments on the device whatever it says; likewise
+    `master_precision` (offload.optimizer.master_precision). `grad_accum`, `schedule`:
+    batch.gradient_accumulation_steps and batch.schedule."""
     offload: dict[str, object] = {"device": choice, "budgets": {
         "device_bytes": machine.device_bytes, "host_bytes": machine.host_bytes,
         "nvme_bytes": machine.nvme_bytes}}
     if choice == "nvme" and max_in_cpu_bytes:
         offload["max_in_cpu_bytes"] = max_in_cpu_bytes
-    if choice != "none" and state_precision != "fp32":
-        offload["optimizer"] = {"state_precision": state_precision}
+    optimizer = {k: v for k, v in (("state_precision", state_precision),
+                                   ("master_precision", master_precision)) if v != "fp32"}
+    if choice != "none" and optimizer:
+        offload["optimizer"] = optimizer
     if choice in ("nvme", "auto"):  # the dry run writes nothing there (DrySwap)
         offload["path"] = nvme_path or tempfile.gettempdir()
     zero: dict[str, object] = {"stage": 3}
@@ -171,13 +180,14 @@ def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
 def plan_choice(shape: ModelShape, choice: OffloadDevice, machine: Machine, *,
                 world_size: int, precision: str, nvme_path: str | None = None,
                 max_in_cpu_bytes: int = 0, state_precision: str = "fp32",
-                grad_accum: int = 1) -> ChoicePlan:
+                grad_accum: int = 1, master_precision: str = "fp32") -> ChoicePlan:
     """Placement only (step 1 of the module docstring), moments sized for
     `state_precision`, gradients in the dtype a run keeps them in ([Note: gradient
     precision]: the compute dtype's 2 bytes with one rank and `grad_accum` 1)."""
     config = engine_config(choice, machine, precision=precision, nvme_path=nvme_path,
                            unit_classes=shape.unit_classes, max_in_cpu_bytes=max_in_cpu_bytes,
-                           state_precision=state_precision, grad_accum=grad_accum)
+                           state_precision=state_precision, grad_accum=grad_accum,
+                           master_precision=master_precision)
     dtype = compute_dtype(config.precision.dtype)
     store = TieredShardStore(torch.device("meta"), config, grad_dtype(config, world_size))
     quiet = logging.getLogger("tierzero.offload")
@@ -239,7 +249,7 @@ def predict_run(model: str, config: Config | str, *, seq_len: int, micro_batch: 
 def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_size: int,
                 precision: str, nvme_path: str | None, max_in_cpu_bytes: int = 0,
                 seq_len: int = 8, micro_batch: int = 1, state_precision: str = "fp32",
-                grad_accum: int = 1) -> None:
+                grad_accum: int = 1, master_precision: str = "fp32") -> None:
     """Steps 2 and 3: run the engine dry and time its counted traffic. With `grad_accum`
     > 1 the run's own batch.schedule (auto) is counted, and each schedule's step kept in
     `out.schedules`."""
@@ -255,7 +265,7 @@ def add_traffic(out: ChoicePlan, shape: ModelShape, machine: Machine, *, world_s
                                unit_classes=shape.unit_classes,
                                max_in_cpu_bytes=max_in_cpu_bytes,
                                state_precision=state_precision, grad_accum=grad_accum,
-                               schedule=schedule)
+                               schedule=schedule, master_precision=master_precision)
         try:
             run = dry_run(shape.fresh_module(), config, world_size=world_size,
                           seq_len=seq_len, micro_batch=micro_batch,
@@ -374,22 +384,23 @@ def plan_all(shape: ModelShape, machine: Machine, *, world_size: int, precision:
              nvme_path: str | None = None, traffic: bool = True,
              max_in_cpu_bytes: int = 0, seq_len: int = 8,
              micro_batch: int = 1, state_precision: str = "fp32",
-             grad_accum: int = 1) -> list[ChoicePlan]:
+             grad_accum: int = 1, master_precision: str = "fp32") -> list[ChoicePlan]:
     """Every choice; `traffic=False` stops after placement (no dry run).
     `max_in_cpu_bytes`: the nvme choice's offload.params.max_in_cpu_bytes; `seq_len`,
     `micro_batch`: the dry run's batch (what its saved activations are counted for);
-    `state_precision`: the run's offload.optimizer.state_precision (placement and the dry
-    run use its moment bytes)."""
+    `state_precision`, `master_precision`: the run's offload.optimizer.state_precision and
+    master_precision (placement and the dry run use their bytes)."""
     plans = [plan_choice(shape, choice, machine, world_size=world_size, precision=precision,
                          nvme_path=nvme_path, max_in_cpu_bytes=max_in_cpu_bytes,
-                         state_precision=state_precision, grad_accum=grad_accum)
+                         state_precision=state_precision, grad_accum=grad_accum,
+                         master_precision=master_precision)
              for choice in CHOICES]
     if traffic:
         kw: dict[str, Any] = {
             "world_size": world_size, "precision": precision, "nvme_path": nvme_path,
             "max_in_cpu_bytes": max_in_cpu_bytes, "seq_len": seq_len,
             "micro_batch": micro_batch, "state_precision": state_precision,
-            "grad_accum": grad_accum}
+            "grad_accum": grad_accum, "master_precision": master_precision}
         for p in plans:
             add_traffic(p, shape, machine, **kw)
         plans = [fit_host(p, shape, machine, **kw) if p.fits else p for p in plans]

@@ -54,13 +54,15 @@ def _same_homes_but_moments(a: ChoicePlan, b: ChoicePlan) -> bool:
 def precision_placements(shape: ModelShape, machine: Machine, plans: list[ChoicePlan], *,
                          world_size: int, precision: str, nvme_path: str | None,
                          max_in_cpu_bytes: int, chosen: str,
-                         grad_accum: int = 1) -> dict[tuple[str, str], ChoicePlan]:
+                         grad_accum: int = 1, master_precision: str = "fp32"
+                         ) -> dict[tuple[str, str], ChoicePlan]:
     """The placement of every (choice that runs the CPU Adam, precision other than
-    `chosen`): `plans` hold `chosen`'s."""
+    `chosen`): `plans` hold `chosen`'s (all with the run's `master_precision`)."""
     return {(p.choice, prec): plan_choice(shape, p.choice, machine, world_size=world_size,
                                           precision=precision, nvme_path=nvme_path,
                                           max_in_cpu_bytes=max_in_cpu_bytes,
-                                          state_precision=prec, grad_accum=grad_accum)
+                                          state_precision=prec, grad_accum=grad_accum,
+                                          master_precision=master_precision)
             for p in plans if p.choice != "none" for prec in STATE_PRECISIONS if prec != chosen}
 
 

@@ -13,6 +13,8 @@ offload/adam_stream.py) are "<group key>:<class>@<first element>" per piece:
 
 Moments kept compressed (offload.optimizer.state_precision bf16 / int8, see
 offload/state_codec.py) are uint8 manager keys of state_codec.moment_nbytes(numel) bytes.
+With offload.optimizer.master_precision bf16 a trainable group has no master key: its
+param is the master ([Note: bf16 master weights] in offload/bf16_master.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero.offload import ShardSpec
+from tierzero.offload.bf16_master import check_master, shard_salt
 from tierzero.offload.host_ring import page_up
 from tierzero.offload.settings import (
     MOMENT_CLASSES,
@@ -74,12 +77,18 @@ class StateLayout:
 
     `streamed`: the CPU Adam streams master and moments through its ring (state off the
     host), which is what `chunk_numel` (elements per piece, 0: whole shards) and the ring
-    sizes apply to. `coarse`: a dry run ([Note: dry-run pieces]).
+    sizes apply to. `coarse`: a dry run ([Note: dry-run pieces]). `master_precision` bf16:
+    trainable groups keep no master ([Note: bf16 master weights]); `rank` names this rank's
+    shards in the salt of their stochastic rounding.
     """
 
     def __init__(self, *, streamed: bool, chunk_numel: int, state_precision: str,
                  coarse: bool, ring: RingRequest,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32, master_precision: str = "fp32",
+                 rank: int = 0) -> None:
+        check_master(master_precision)
+        self.master_precision = master_precision
+        self.rank = rank
         self.streamed = streamed
         self.grad_dtype = grad_dtype  # [Note: gradient precision] in shards/grad_precision.py
         self.chunk_numel = chunk_numel if streamed else 0
@@ -93,7 +102,9 @@ class StateLayout:
                 trainable: bool) -> None:
         if key in self._groups:
             raise ValueError(f"shard group {key!r} declared twice")
-        kinds = ("param", *OPTIMIZER_CLASSES) if trainable else ("param",)
+        optim = tuple(c for c in OPTIMIZER_CLASSES
+                      if c != "master" or self.master_precision == "fp32")
+        kinds = ("param", *optim) if trainable else ("param",)
         self._groups[key] = _Group(numel, kinds, compute_dtype)
 
     def matches(self, key: str, numel: int, compute_dtype: torch.dtype,
@@ -153,10 +164,16 @@ class StateLayout:
 
     def stream_pieces(self, key: str) -> list[tuple[int, int, dict[str, str]]]:
         """(lo, hi, {master / exp_avg / exp_avg_sq: manager key}) of each piece of group
-        ``key``'s optimizer state, as offload.AdamStream takes them."""
-        per = [self.pieces(key, kind) for kind in STATE_CLASSES]
+        ``key``'s optimizer state, as offload.AdamStream takes them (no master with a bf16
+        master: the stream reads the param)."""
+        kinds = [c for c in STATE_CLASSES if c in self.kinds(key)]
+        per = [self.pieces(key, kind) for kind in kinds]
         return [(parts[0][1], parts[0][2], {str(c): p[0] for c, p in zip(
-                    STATE_CLASSES, parts, strict=True)}) for parts in zip(*per, strict=True)]
+                    kinds, parts, strict=True)}) for parts in zip(*per, strict=True)]
+
+    def master_salt(self, key: str) -> int:
+        """The salt of group ``key``'s bf16 master rounding on this rank (bf16_master)."""
+        return shard_salt(f"{key}@rank{self.rank}")
 
     def specs(self) -> list[ShardSpec]:
         """Every piece as the tier manager holds it, in declaration order (blocks in
@@ -233,6 +250,8 @@ class StateLayout:
     def _piece_bytes(self, g: _Group, lo: int, hi: int) -> int:
         low = torch.finfo(g.dtype).bits // 8 if g.dtype != torch.float32 else 0
         whole = hi - lo == g.numel  # one piece: its param is carved from the ring too
+        if self.master_precision == "bf16":  # the param is the master: in the ring if whole
+            return piece_bytes(hi - lo, self.state_precision, 0, 2 if whole else 0)
         return piece_bytes(hi - lo, self.state_precision, low if whole else 0)
 
     def param_ring_bytes(self) -> int:

@@ -212,6 +212,17 @@ def state_precision(config: Config, homes: Mapping[TensorClass, OffloadDevice]) 
     return prec
 
 
+def master_precision(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> str:
+    """fp32, or bf16: the compute copy is the master ([Note: bf16 master weights] in
+    offload/bf16_master.py); bf16 needs the CPU Adam and bf16 compute (the config checks
+    both; the homes may still put the optimizer on the device: an error naming the key)."""
+    prec = config.offload.optimizer.master_precision
+    if prec != "fp32" and optimizer_on_device(homes):
+        raise ValueError(f"offload.optimizer.master_precision={prec!r} needs the CPU Adam, "
+                         "but the optimizer state lives on the device; set it to 'fp32'")
+    return prec
+
+
 def needs_swap(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> bool:
     """Whether a swap store is needed (a class homed on nvme, or placed by the planner);
     an nvme home without a swap directory is an error naming the fix."""

@@ -30,7 +30,7 @@ from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.state_layout import Pieces, RingRequest, StateLayout
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload import TierManager
-from tierzero.offload.settings import OPTIMIZER_CLASSES, TensorClass, Tier
+from tierzero.offload.settings import TensorClass, Tier
 from tierzero.offload.state_codec import StoredLayout, decode, encode, moment_nbytes
 
 
@@ -51,7 +51,9 @@ class TieredShardStore(ShardStore):
     """
 
     def __init__(self, device: torch.device, config: Config,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32, *, rank: int = 0) -> None:
+        """rank: this rank, which names its shards in the salt of a bf16 master's
+        stochastic rounding ([Note: bf16 master weights] in offload/bf16_master.py)."""
         super().__init__(device, grad_dtype)
         self.config = config
         self.homes = tier_config.homes_from(config)
@@ -67,7 +69,8 @@ class TieredShardStore(ShardStore):
             state_precision=tier_config.state_precision(config, self.homes),
             # a dry run (tierzero plan, on meta) counts bytes: [Note: dry-run pieces]
             coarse=device.type == "meta",
-            ring=RingRequest(o.buffer_count, o.buffer_bytes), grad_dtype=grad_dtype)
+            ring=RingRequest(o.buffer_count, o.buffer_bytes), grad_dtype=grad_dtype,
+            master_precision=tier_config.master_precision(config, self.homes), rank=rank)
 
     @property
     def keeps_views(self) -> bool:
@@ -158,7 +161,7 @@ class TieredShardStore(ShardStore):
         if not pend.trainable:
             return
         zeros = torch.zeros_like(pend.init)
-        for kind in OPTIMIZER_CLASSES:
+        for kind in self.layout.kinds(key)[1:]:  # the optimizer's (no master if bf16)
             src = pend.init if kind == "master" else zeros
             if kind == "grad":  # [Note: gradient precision] in shards/grad_precision.py
                 src = src.to(self.grad_dtype)
@@ -169,7 +172,7 @@ class TieredShardStore(ShardStore):
                 else:
                     mgr.place(mkey, src[lo:hi]).wait()
         if not self.optimizer_offloaded:
-            for kind in OPTIMIZER_CLASSES:
+            for kind in self.layout.kinds(key)[1:]:
                 self._views[(key, kind)] = mgr.pin(f"{key}:{kind}", "device").wait()
 
     def _mgr(self) -> TierManager:
@@ -349,7 +352,14 @@ class TieredShardStore(ShardStore):
     def nbytes(self) -> dict[str, int]:
         return self.layout.nbytes()
 
+    @property
+    def master_precision(self) -> str:
+        """fp32, or bf16: the param is the master ([Note: bf16 master weights])."""
+        return self.layout.master_precision
+
     def write_param_from_master(self, key: str) -> None:
+        if not self.layout.has(key, "master"):  # a bf16 master: param is the master
+            return
         with self.use(key, "master") as master, self.use(
                 key, "param", compute=False, overwrite=True) as p16:
             p16.copy_(master)

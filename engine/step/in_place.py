@@ -93,12 +93,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
+from tierzero.engine.step.group_update import update_group
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.engine.step.worker_time import OverlapClock, threads_during_backward
-from tierzero.offload import AdamHyper, AdamThreads, PipelineStats, adam_update
-from tierzero.offload.settings import MOMENT_CLASSES
+from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
 from tierzero.offload.step_seam import DeferredEnds, DeferredWatch
-from tierzero.swap import trace
 
 log = logging.getLogger(__name__)
 
@@ -155,32 +154,9 @@ class InPlaceStep:
 
     def update(self, key: str, hyper: AdamHyper, step: float, grad_scale: float,
                threads: AdamThreads | None) -> float:
-        """One group in place: master and moments where they live; param in host memory
-        written as the kernel's shadow, on the device copied from the master after.
-        Returns the kernel's seconds."""
-        store = self._store
-        with contextlib.ExitStack() as held:
-            # compressed moments (offload.optimizer.state_precision) as their stored bytes:
-            # the kernel decodes and encodes them in its pass
-            state = store.state_precision
-            master = held.enter_context(store.use(key, "master", writable=True))
-            exp_avg, exp_avg_sq = (
-                held.enter_context(store.use(key, kind, writable=True, raw=True))
-                for kind in MOMENT_CLASSES)
-            # a deferred update reads the gradient its step measured, not the mark the
-            # zero_grad() after that step made ([Note: gradients zeroed on first use])
-            grad = held.enter_context(store.use(key, "grad", as_reduced=self._in_deferred))
-            p16 = held.enter_context(store.use(key, "param", writable=True, compute=False))
-            shadow = p16 if self._shadow is not None and p16.device.type == "cpu" else None
-            t = time.perf_counter()
-            with trace.span("adam", key, numel=master.numel()):
-                adam_update(master, exp_avg, exp_avg_sq, grad, hyper=hyper, step=step,
-                            grad_scale=grad_scale, shadow=shadow, threads=threads,
-                            state=state)
-            seconds = time.perf_counter() - t
-            if shadow is None:
-                p16.copy_(master)  # rounds to the compute dtype; host->device on CUDA
-        return seconds
+        """One group in place (step/group_update.py); returns the kernel's seconds."""
+        return update_group(self._store, key, hyper, step, grad_scale=grad_scale,
+                            threads=threads, shadow=self._shadow, as_reduced=self._in_deferred)
 
     # -- a step begun during backward ----------------------------------------------------
     def begin(self, hyper: AdamHyper, step: float) -> None:

@@ -58,6 +58,8 @@ class StreamedStep:
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
         layout = store.layout  # keys and pieces, as the store keeps them
+        # a bf16 master is the param itself ([Note: bf16 master weights]): no shadow
+        bf16 = layout.master_precision == "bf16"
         self.stream = AdamStream(
             manager, [{n: layout.manager_key(k, n) for n in STEP_CLASSES} for k in self._keys],
             [layout.numel(k) for k in self._keys], order=self._indices(order),
@@ -65,13 +67,17 @@ class StreamedStep:
             # master and moments in pieces of offload.optimizer.chunk_numel ([Note: optimizer
             # state in chunks] in offload/adam_stream.py): one list of pieces per group
             chunks=[layout.stream_pieces(k) for k in self._keys],
-            shadow=shadow, threads=threads,
+            shadow=None if bf16 else shadow, threads=threads,
             # zero_grad() follows every step: a consumed gradient is never read again
             # ([Note: gradient home] in engine/shards/tier_config.py)
-            consume_grads=True, state=layout.state_precision)
-        self._deferred = DeferredStream(
-            self.stream, self._keys, [layout.manager_key(k, "param") if layout.has(k, "param")
-                                      else None for k in self._keys], manager, threads)
+            consume_grads=True, state=layout.state_precision,
+            master=layout.master_precision,
+            salts=[layout.master_salt(k) for k in self._keys] if bf16 else None)
+        # the param writes a deferred update announces (expect_writes); not a bf16 master's:
+        # the update itself reads that param first, so the announcement would hold its read
+        announced = [layout.manager_key(k, "param") if layout.has(k, "param") and not bf16
+                     else None for k in self._keys]
+        self._deferred = DeferredStream(self.stream, self._keys, announced, manager, threads)
 
     @property
     def _all(self) -> frozenset[int]:

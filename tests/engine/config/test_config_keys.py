@@ -58,6 +58,8 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.optimizer.chunk_numel", 1 << 20, 4096, 4096, {}),
     ("offload.optimizer.state_precision", "fp32", "int8", "int8",
      {"offload": {"optimizer": {"device": "cpu"}}}),
+    ("offload.optimizer.master_precision", "fp32", "bf16", "bf16",
+     {"precision": "bf16", "offload": {"optimizer": {"device": "cpu"}}}),
     ("offload.optimizer.grad_device", "auto", "cpu", "cpu",
      {"offload": {"optimizer": {"device": "cpu"}}}),
     ("offload.optimizer.overlap_step", True, False, False, {}),
