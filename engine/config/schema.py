@@ -84,7 +84,8 @@ class PrecisionConfig:
 
     dtype: Dtype = field(
         default="bf16",
-        metadata=meta("dtype of gathered params and activations; master weights are fp32"),
+        metadata=meta("dtype of gathered params and activations; master weights are fp32 "
+                      "(or the bf16 params themselves: offload.optimizer.master_precision)"),
     )
     loss_scale: LossScaleConfig = field(
         default_factory=LossScaleConfig, metadata=meta("fp16 loss scaling")
