@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -242,22 +243,31 @@ def _run_compressed(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch
     out_ptr = shadow.data_ptr() if shadow is not None else None
     okind = _KIND[shadow.dtype] if shadow is not None else 0
     step_q = prepared.kernel.step_q
-    # int8: the kernel's ranges start on block boundaries, so threads split whole blocks
-    unit = BLOCK if state == "int8" else 1
 
     def part(lo: int, hi: int) -> None:
-        lo, hi = lo * unit, min(n, hi * unit)
         rc = step_q(pp, mp, ms, vp, vs, gp, gkind, out_ptr, okind, skind, lo, hi, hp_ref, seed,
                     offset)
         if rc != 0:
             raise RuntimeError(f"tz_adam_step_q rejected its arguments (rc={rc}, kinds "
                                f"{gkind}/{okind}/{skind}, range {lo}:{hi})")
 
+    _split(n, state, threads, part)
+
+
+def _split(n: int, state: str, threads: AdamThreads | None,
+           part: Callable[[int, int], None]) -> None:
+    """`part(lo, hi)` over the element range [0, n), on `threads` when given. int8: the
+    kernel's ranges start on block boundaries, so threads split whole blocks."""
+    unit = BLOCK if state == "int8" else 1
+
+    def blocks(lo: int, hi: int) -> None:
+        part(lo * unit, min(n, hi * unit))
+
     units = -(-n // unit)
     if threads is None:
-        part(0, units)
+        blocks(0, units)
     else:
-        threads.run(units, part, max(1, MIN_PER_THREAD // unit))
+        threads.run(units, blocks, max(1, MIN_PER_THREAD // unit))
 
 
 def _run_bf16_master(prepared: PreparedStep, master: torch.Tensor, exp_avg: torch.Tensor,
@@ -291,20 +301,14 @@ def _run_bf16_master(prepared: PreparedStep, master: torch.Tensor, exp_avg: torc
     pp, mp, vp, gp = master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr()
     gkind = _KIND[grad.dtype]
     step_b = prepared.kernel.step_b
-    unit = BLOCK if state == "int8" else 1  # int8: threads split whole blocks
 
     def part(lo: int, hi: int) -> None:
-        lo, hi = lo * unit, min(n, hi * unit)
         rc = step_b(pp, mp, ms, vp, vs, gp, gkind, skind, lo, hi, hp_ref, seed, offset, key)
         if rc != 0:
             raise RuntimeError(f"tz_adam_step_b rejected its arguments (rc={rc}, kinds "
                                f"{gkind}/{skind}, range {lo}:{hi})")
 
-    units = -(-n // unit)
-    if threads is None:
-        part(0, units)
-    else:
-        threads.run(units, part, max(1, MIN_PER_THREAD // unit))
+    _split(n, state, threads, part)
 
 
 def to_low_precision(src: torch.Tensor, dst: torch.Tensor, threads: AdamThreads | None = None,
