@@ -267,6 +267,13 @@ def in_place_of(eng: object) -> InPlaceStep | None:
     return runner if isinstance(runner, InPlaceStep) else None
 
 
+def streamed_runner(eng: object) -> StreamedStep:
+    """The streamed CPU Adam runner of an engine's offloaded step (asserted to be one)."""
+    runner = runner_of(eng)
+    assert isinstance(runner, StreamedStep), runner
+    return runner
+
+
 def stream_of(eng: object) -> AdamStream | None:
     """The AdamStream inside an engine's (or driver's) streamed runner, else None."""
     runner = runner_of(eng)

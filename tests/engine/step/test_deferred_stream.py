@@ -38,6 +38,9 @@ from engine_helpers import (
     make_model,
     offload_config,
 )
+from engine_helpers import (
+    streamed_runner as runner,
+)
 from test_deferred_step import assert_within_fp16_noise, grad_scaler_train
 
 from tierzero import engine
@@ -46,7 +49,6 @@ from tierzero.engine.config import Config
 from tierzero.engine.config.schema import LossScaleConfig, PrecisionConfig
 from tierzero.engine.engine import ZeroEngine
 from tierzero.engine.step.offloaded import OffloadedStep, StepMode
-from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload.adam_stream import AdamStream
 
 # loss multipliers: the gradient norm is about 1.5 at x1 and 0.75 at x0.5, so clipping at
@@ -70,12 +72,6 @@ def nvme_cfg(path: Path, *, overlap: bool = True, clip: float = 1.0, fp16: bool 
         ls = LossScaleConfig(initial_scale_power=8, growth_interval=2, hysteresis=1)
         cfg = dataclasses.replace(cfg, precision=PrecisionConfig(dtype="fp16", loss_scale=ls))
     return cfg
-
-
-def runner(eng: ZeroEngine) -> StreamedStep:
-    driver = eng.step_driver
-    assert isinstance(driver, OffloadedStep) and isinstance(driver.runner, StreamedStep)
-    return driver.runner
 
 
 def train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -22,13 +22,13 @@ from engine_helpers import (
     offload_config,
     record_grad_stats,
 )
+from engine_helpers import (
+    streamed_runner as runner,
+)
 
 from tierzero import engine
 from tierzero.engine.config import Config
 from tierzero.engine.config.schema import LossScaleConfig, PrecisionConfig
-from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.step.offloaded import OffloadedStep
-from tierzero.engine.step.streamed import StreamedStep
 
 
 def nvme_config(path: Path, *, overlap: bool, clip: float = 1.0, gas: int = 1,
@@ -42,14 +42,6 @@ def nvme_config(path: Path, *, overlap: bool, clip: float = 1.0, gas: int = 1,
         ls = LossScaleConfig(initial_scale_power=8, growth_interval=2, hysteresis=1)
         cfg = dataclasses.replace(cfg, precision=PrecisionConfig(dtype="fp16", loss_scale=ls))
     return cfg
-
-
-def runner(eng: ZeroEngine) -> StreamedStep:
-    driver = eng.step_driver
-    assert isinstance(driver, OffloadedStep)
-    step = driver.runner
-    assert isinstance(step, StreamedStep)
-    return step
 
 
 @pytest.mark.parametrize(("clip", "gas"), [(1.0, 1), (0.5, 2), (1e-3, 1)])
