@@ -44,6 +44,10 @@ runs the tierzero child once per `batch.schedule` ([Note: layer-major schedule])
 same run; a table compares each schedule's NVMe bytes, step time and tokens/s with the
 first's.
 
+`--trace PATH` records each tierzero row's last step (swap/trace.py) into PATH.<row> and
+adds where its time went to the row (benchmarks/trace_summary.py: the drive's busy and idle
+seconds, what the training thread did while it was idle, each thread's time by kind).
+
 A watchdog in the parent samples each child's RSS (with its subprocesses) every 0.2 s and
 kills it when it passes --child-max-rss (default min(14 GiB, 0.6 x the memory available at
 the start)), when the machine's available memory falls below --min-available (default
@@ -197,6 +201,10 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
     from tierzero.engine.config import load_config
     from tierzero.engine.shards.tiered import TieredShardStore
     from tierzero.engine.train.model_source import build_model
+    from tierzero.swap import trace
+
+    sys.path.insert(0, str(HERE))
+    import trace_summary  # benchmarks/trace_summary.py
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
@@ -234,12 +242,21 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), mb[1].flatten())
 
+    traced: dict[str, Any] | None = None
     for step in range(1, args.steps + 1):
         io0 = io_bytes()
         t = ph.start(f"step {step}")
-        # one optimizer step of --grad-accum micro-batches, in the config's batch.schedule
-        losses = eng.train_batch([(ids, labels)] * args.grad_accum, loss_fn)
+        # one optimizer step of --grad-accum micro-batches, in the config's batch.schedule;
+        # with --trace the last one is recorded (swap/trace.py) and summarized
+        rec = trace.Recorder() if args.trace and step == args.steps else None
+        with trace.recording(rec) if rec is not None else contextlib.nullcontext():
+            losses = eng.train_batch([(ids, labels)] * args.grad_accum, loss_fn)
         io1 = io_bytes()
+        if rec is not None:
+            doc = rec.document()
+            traced = trace_summary.summarize(doc)
+            with open(args.trace, "w", encoding="utf-8") as f:
+                json.dump(doc, f)
         ph.end(f"step {step}", t, loss=float(sum(float(x) for x in losses) / len(losses)),
                nvme_read=io1[0] - io0[0], nvme_written=io1[1] - io0[1],
                tokens=args.grad_accum * args.batch * args.seq, schedule=eng.schedule,
@@ -250,7 +267,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
     return {"engine": "tierzero", "params": n_params, "base_rss": ph.base,
             "phases": ph.rows, "swap_files_left": left,
             "homes": (report["tiers"] or {}).get("homes"),
-            "optimizer_step": report.get("optimizer_step")}
+            "optimizer_step": report.get("optimizer_step"), "trace_summary": traced}
 
 
 def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -458,7 +475,7 @@ def _largest_param(args: argparse.Namespace) -> int:
 
 def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
               args: argparse.Namespace, *, config: str | None = None,
-              ds_build: str = "whole") -> dict[str, Any]:
+              ds_build: str = "whole", trace_tag: str = "") -> dict[str, Any]:
     cmd = [python, str(Path(__file__).resolve()), "--child", which, "--model", paths["model"],
            "--config", config or paths["config"],
            "--swap-dir", swap_dir, "--steps", str(args.steps), "--ds-build", ds_build,
@@ -467,6 +484,8 @@ def run_child(python: str, which: str, paths: dict[str, str], swap_dir: str,
            "--clip", str(args.clip), "--ds-sub-group-size", str(args.ds_sub_group_size),
            "--ds-param-buffers", str(args.ds_param_buffers),
            "--ds-param-buffer-elements", str(_largest_param(args)),
+           *(["--trace", f"{args.trace}.{trace_tag}"] if args.trace and which == "tierzero"
+             else []),
            "--vocab", str(int((LLAMA_QUICK if args.quick else LLAMA_2B)["vocab_size"]))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -668,6 +687,9 @@ def main() -> None:
     ap.add_argument("--ds-param-buffer-elements", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true",
                     help="the same architecture at 33.6M parameters")
+    ap.add_argument("--trace", metavar="PATH",
+                    help="record each tierzero row's last step (swap/trace.py) into PATH.<row> "
+                    "and add where its time went (benchmarks/trace_summary.py) to the row")
     ap.add_argument("--plan-only", action="store_true",
                     help="print tierzero plan's host prediction for this run and exit")
     ap.add_argument("--out", default="bench_out/scale_bench.json")
@@ -766,7 +788,8 @@ def main() -> None:
                              f"{bw['read_gbps']:.2f} GB/s)\n")
             row = run_child(python, which, paths, swap_dir, args,
                             config=paths.get(f"config:{prec}:{schedule}"),
-                            ds_build=variant if which == "deepspeed" else "whole")
+                            ds_build=variant if which == "deepspeed" else "whole",
+                            trace_tag=name.replace(":", "_").replace("@", "_"))
             row["state_precision"], row["disk"] = prec, bw
             row["schedule"] = schedule if which == "tierzero" else "micro_step"
             params = int(row.get("params", 0))
@@ -791,6 +814,8 @@ def main() -> None:
             brief = {k: v for k, v in row.items() if k not in ("rss_trace", "phases")}
             sys.stderr.write(f"{name}: {scale_result(row)}; "
                              f"{json.dumps(row.get('summary') or brief)[:1500]}\n")
+            if row.get("trace_summary"):
+                sys.stderr.write(f"{name}: traced step: {json.dumps(row['trace_summary'])}\n")
         result["table"] = scale_table(result["rows"])
         result["schedule_table"] = schedule_table(result["rows"])
         for line in result["table"] + result["schedule_table"]:

@@ -1,0 +1,127 @@
+"""Where a traced step's time goes: the drive's busy and idle time, and each thread's.
+
+Reads a trace the engine recorded (swap/trace.py's Recorder: `tierzero train --trace`, or
+scale_bench.py --trace) and reports, over the traced window:
+
+- the drive: seconds with at least one NVMe read in flight, one write, either; the idle
+  rest, split by what the training thread (lane 0) was doing meanwhile (its innermost
+  span: compute, gather, stall, adam, ...), so an idle drive under a step that should be
+  the drive's time names its cause;
+- each thread (lane): seconds by its innermost span's kind (nested spans count once, for
+  the innermost), and the seconds in none.
+
+    .venv/bin/python benchmarks/trace_summary.py trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections import defaultdict
+from typing import Any
+
+Interval = tuple[float, float]  # seconds, [start, end)
+
+
+def _union(spans: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[Interval]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _complement(spans: list[Interval], window: Interval) -> list[Interval]:
+    out, at = [], window[0]
+    for a, b in spans:
+        if a > at:
+            out.append((at, min(a, window[1])))
+        at = max(at, b)
+    if at < window[1]:
+        out.append((at, window[1]))
+    return [(a, b) for a, b in out if b > a]
+
+
+def _innermost(events: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """One lane's time cut into segments, each labelled with the kind of the innermost
+    span open then (the latest started; the shorter on a tie); no label where none is."""
+    spans = sorted(((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, e["cat"]) for e in events),
+                   key=lambda s: (s[0], -(s[1] - s[0])))
+    cuts = sorted({t for s in spans for t in s[:2]})
+    out: list[tuple[float, float, str]] = []
+    active: list[tuple[float, float, str]] = []
+    i = 0
+    for a, b in itertools.pairwise(cuts):
+        while i < len(spans) and spans[i][0] <= a:
+            active.append(spans[i])
+            i += 1
+        active = [s for s in active if s[1] > a]
+        if active:
+            inner = max(active, key=lambda s: (s[0], -(s[1] - s[0])))
+            out.append((a, b, inner[2]))
+    return out
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    if not events:
+        return {"window_s": 0.0}
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    window = (min(e["ts"] for e in events) / 1e6,
+              max(e["ts"] + e["dur"] for e in events) / 1e6)
+    io = {op: _union([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
+                      if e["cat"] == f"nvme_{op}"]) for op in ("read", "write")}
+    busy = _union(io["read"] + io["write"])
+    idle = _complement(busy, window)
+    by_lane: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        by_lane[e["tid"]].append(e)
+    lanes: dict[str, dict[str, float]] = {}
+    segments: dict[int, list[tuple[float, float, str]]] = {}
+    for tid, evs in sorted(by_lane.items()):
+        segs = _innermost(evs)
+        segments[tid] = segs
+        kinds: dict[str, float] = defaultdict(float)
+        for a, b, k in segs:
+            kinds[k] += b - a
+        kinds["none"] = (window[1] - window[0]) - sum(kinds.values())
+        lanes[f"{tid}:{names.get(tid, '?')}"] = {k: round(v, 3) for k, v in
+                                                 sorted(kinds.items(), key=lambda kv: -kv[1])}
+    idle_by: dict[str, float] = defaultdict(float)
+    main = segments.get(0, [])
+    for a, b in idle:
+        covered = 0.0
+        for s, e, k in main:
+            lo, hi = max(a, s), min(b, e)
+            if hi > lo:
+                idle_by[k] += hi - lo
+                covered += hi - lo
+        idle_by["none"] += (b - a) - covered
+    return {"window_s": round(window[1] - window[0], 3),
+            "drive": {"read_busy_s": round(_length(io["read"]), 3),
+                      "write_busy_s": round(_length(io["write"]), 3),
+                      "busy_s": round(_length(busy), 3),
+                      "idle_s": round(_length(idle), 3),
+                      "idle_by_training_thread": {k: round(v, 3) for k, v in sorted(
+                          idle_by.items(), key=lambda kv: -kv[1])}},
+            "lanes": lanes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", help="a trace JSON the engine wrote")
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        print(json.dumps(summarize(json.load(f)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
