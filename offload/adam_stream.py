@@ -73,7 +73,8 @@ from .errors import OffloadError
 from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .param_assembly import ParamAssembly
-from .settings import STATE_CLASSES, Tier
+from .settings import STATE_CLASSES
+from .shard_inputs import ShardAhead
 from .state_codec import check_precision
 from .stream_parts import (
     Chunk,
@@ -159,7 +160,12 @@ class AdamStream:
         low = self._param_dtype
         whole = [page_up(low.itemsize * self._numels[i]) for i, cs in enumerate(self._chunks)
                  if len(cs) > 1 and "param" in self._keys[i]]
-        self._p16 = ParamAssembly(manager, whole, low) if whole else None
+        # a bf16 master's room holds one more param: the next shard's, read ahead
+        self._p16 = (ParamAssembly(manager, whole, low, regions=3 if master == "bf16" else 2)
+                     if whole else None)
+        self._inputs = ShardAhead(manager, self._keys, self._numels,
+                                  [len(cs) for cs in self._chunks], self._p16,
+                                  read_param=master == "bf16")
         self._seq: list[Chunk] = []  # every piece, in step order
         self._first: list[int] = []  # position in _seq of each order position's first piece
         self._sequence()
@@ -179,19 +185,23 @@ class AdamStream:
     # ----------------------------------------------------------------- step
     def step(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> PipelineStats:
         """One Adam update of every shard; returns with the last writes in flight."""
-        self.begin(hyper, step, grad_scale)
+        self.begin(hyper, step, grad_scale, grads_final=True)
         return self.finish()
 
     # A step in parts, for starting it while backward still runs: begin(), then
     # mark_final() as each shard's gradient is final (the shards are updated in `order`, as
     # far as the final ones reach), then finish() updates the rest.
-    def begin(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0) -> None:
+    def begin(self, hyper: AdamHyper, step: float, grad_scale: float = 1.0, *,
+              grads_final: bool = False) -> None:
+        """grads_final: every gradient is final already (mark_final only paces the update),
+        so each shard's inputs are read one shard ahead ([Note: shard inputs read ahead])."""
         if self._closed:
             raise OffloadError("AdamStream.begin() after close()")
         if self._open is not None:
             raise OffloadError("AdamStream.begin() while a step is open; finish() or abort() "
                                "it first")
-        self._open = OpenStep(hyper, step, grad_scale, time.perf_counter())
+        self._open = OpenStep(hyper, step, grad_scale, time.perf_counter(),
+                              grads_final=grads_final)
 
     @property
     def order(self) -> list[int]:
@@ -220,10 +230,6 @@ class AdamStream:
             self._first.append(at)
             at += len(self._chunks[i])
 
-    @property
-    def is_open(self) -> bool:
-        return self._open is not None
-
     def mark_final(self, indices: Sequence[int]) -> None:
         """These shards' gradients will not change this step: update every shard, in order,
         up to the first whose gradient is not final yet."""
@@ -234,6 +240,7 @@ class AdamStream:
     def finish(self) -> PipelineStats:
         """Update the shards not updated yet; the step is closed."""
         op = self._need_open("finish")
+        op.grads_final = True  # the rest is updated now: its gradients are final
         self._advance(op, everything=True)
         self._open = None
         try:
@@ -277,18 +284,14 @@ class AdamStream:
             self._next_read(op, self._first[pos])
             return
         keys = self._keys[index]
-        gkey = keys["grad"]
-        tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
-        # 1D, its home (host) or a cache; not a use of the order prefetch follows
-        grad = self._mgr.fetch(gkey, tier, ordered=False).wait()
+        inputs = self._inputs.take(pos, index)  # [Note: shard inputs read ahead]
         try:
-            taken = (self._p16.take(self._numels[index]) if self._p16 is not None
-                     and len(pieces) > 1 and "param" in keys else None)
+            if op.grads_final:
+                self._inputs.ahead(pos, self._order)
+            t = time.perf_counter()
+            grad, taken = self._inputs.ready(inputs, index)
+            op.wait += time.perf_counter() - t
             whole = None if taken is None else taken[1]
-            if whole is not None and self._master == "bf16":  # the master, read whole
-                t = time.perf_counter()
-                self._mgr.read_into(keys["param"], whole).wait()
-                op.wait += time.perf_counter() - t
             for j, piece in enumerate(pieces):
                 rd = self._next_read(op, self._first[pos] + j)
                 op.compute += self._update(rd.bufs, piece, grad, whole, op)
@@ -296,9 +299,9 @@ class AdamStream:
             if taken is not None and self._p16 is not None:
                 self._p16.write(keys["param"], *taken, keep_host=index in self._keep)
         finally:
-            self._mgr.release(gkey, tier)
+            self._mgr.release(inputs.gkey, inputs.tier)
             if self._consume:
-                self._mgr.discard(gkey)
+                self._mgr.discard(inputs.gkey)
 
     def _next_read(self, op: OpenStep, at: int) -> StreamRead:
         """The read of piece ``_seq[at]``, waited for and current."""
@@ -314,7 +317,8 @@ class AdamStream:
         for key, version in seen:  # written by someone else since: read again
             if self._mgr.version(key) != version:
                 name = next(c for c in STATE_CLASSES if piece.keys.get(c) == key)
-                self._mgr.read_into(key, rd.bufs.part(name, piece.numel)).wait()
+                self._mgr.read_into(key, rd.bufs.part(name, piece.numel),
+                                    replacing=self._inputs.is_param(piece.shard, key)).wait()
         return rd
 
     def _update(self, bufs: StreamSet, piece: Chunk, grad: torch.Tensor,
@@ -421,9 +425,10 @@ class AdamStream:
         out: list[tuple[str, int, TierTransfer]] = []
         for c in [c for c in STATE_CLASSES if c in piece.keys] if n else ():
             key = piece.keys[c]
+            mine = self._inputs.is_param(piece.shard, key)  # a bf16 master: we write it
             version = self._mgr.version(key)  # before the read: a later change is caught
-            out.append((key, version,
-                        self._mgr.read_into(key, bufs.part(c, n), background=background)))
+            out.append((key, version, self._mgr.read_into(
+                key, bufs.part(c, n), background=background, replacing=mine)))
         return out
 
     @property
@@ -462,6 +467,7 @@ class AdamStream:
         self._unwind()
 
     def _unwind(self) -> None:
+        self._inputs.drop()
         for rd in self._ahead:
             rd.settle()
         for parts in [self._carry, *(p for _, p in self._writes), self._p16_writes()]:

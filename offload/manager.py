@@ -134,13 +134,20 @@ class TierManager(SnapshotCore):
         file, dirty from the start: loading a checkpoint reads the checkpoint only,
         not the state it replaces too. The view's contents are undefined until written.
         """
+        return self._fetch(key, tier, writable=writable, discard=discard, ordered=ordered,
+                           replacing=False)
+
+    def _fetch(self, key: str, tier: Tier, *, writable: bool, discard: bool, ordered: bool,
+               replacing: bool) -> TierTransfer:
+        """fetch(); `replacing`: the caller is the expected write's own writer (read_into)."""
         if discard and not writable:
             raise OffloadError(f"fetch({key!r}, discard=True) needs writable=True: the "
                                "view's old contents are not read")
         with self._lock:
             rec = self._rec(key)
             self._check_tier(rec, tier, "fetch")
-            self._wait_expected(key, "fetch")
+            if not replacing:
+                self._wait_expected(key, "fetch")
             self._settle_all()
             # a fetch that overwrites a shard the order does not list (a fresh gradient:
             # nothing to read ahead) does not depart from the order
@@ -199,19 +206,24 @@ class TierManager(SnapshotCore):
         with self._lock:
             return self._rec(key).version
 
-    def read_into(self, key: str, out: torch.Tensor, *, background: bool = False
-                  ) -> TierTransfer:
+    def read_into(self, key: str, out: torch.Tensor, *, background: bool = False,
+                  replacing: bool = False) -> TierTransfer:
         """Copy the shard's newest data into the caller's host buffer ``out``; no cache is
         made. A shard homed on NVMe with no host cache is read straight from the swap file
         into ``out`` (page-aligned: O_DIRECT, no pool buffer, no extra copy; the swap store
         orders it after earlier writes of the key); otherwise ``out`` is copied from the
         fastest present copy at once. Keep ``out`` alive until ``wait()``.
         background=True: read-ahead, wanted later; its NVMe read goes behind every other
-        read (parameter fetches first; SwapStore.read)."""
+        read (parameter fetches first; SwapStore.read).
+        replacing=True: the caller is the one whose write of the key was announced
+        (expect_writes) and reads the data it is about to replace (a bf16 master is the
+        param): it does not wait for its own write, and its read is not a use of the
+        prefetch order."""
         with self._lock:
             rec = self._rec(key)
             self._check_out(rec, out, "read_into")
-            self._wait_expected(key, "read_into")
+            if not replacing:
+                self._wait_expected(key, "read_into")
             self._settle_all()
             if rec.home == "nvme" and rec.copies["host"].state is State.ABSENT:
                 self._wait_settled(rec, "nvme")  # a write of the key lands first
@@ -219,7 +231,8 @@ class TierManager(SnapshotCore):
                 self._acct.moved_bytes(t.direction, rec.spec.cls, t.nbytes)
                 return t
         tier: Tier = "device" if rec.home == "device" else "host"
-        view = self.fetch(key, tier).wait()
+        view = self._fetch(key, tier, writable=False, discard=False, ordered=not replacing,
+                           replacing=replacing).wait()
         try:
             out.reshape(-1).copy_(view)
         finally:

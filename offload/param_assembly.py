@@ -2,7 +2,9 @@
 
 Param is gathered whole, so the streamed CPU Adam ([Note: optimizer state in chunks] in
 offload/adam_stream.py) writes it once its last piece is updated: it is assembled in a
-second host ring with room for two shards, so one is written while the next is assembled.
+second host ring with room for two shards, so one is written while the next is assembled
+(three with a bf16 master: the next shard's param, which is its master, is read ahead,
+[Note: shard inputs read ahead] in offload/shard_inputs.py).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ class ParamAssembly:
     """Room for the whole new param of the shards in several pieces (`whole_bytes`: each
     one's, page-aligned) and its writes in flight, oldest first."""
 
-    def __init__(self, manager: TierManager, whole_bytes: list[int], dtype: torch.dtype
-                 ) -> None:
+    def __init__(self, manager: TierManager, whole_bytes: list[int], dtype: torch.dtype,
+                 *, regions: int = 2) -> None:
         self._mgr = manager
         self._dtype = dtype  # the param's: the compute dtype, the bf16 master, or fp32 (the master)
-        self._ring = HostRing(param_assembly_bytes(whole_bytes), lambda nbytes:
+        self._ring = HostRing(param_assembly_bytes(whole_bytes, regions), lambda nbytes:
                               manager.host_empty(nbytes, torch.uint8, purpose="adam_param"))
         self._writes: deque[tuple[int, TierTransfer]] = deque()  # (ring start, write)
 

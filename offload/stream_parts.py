@@ -190,6 +190,7 @@ class OpenStep:
     t0: float
     pos: int = 0  # shards of `order` updated so far (each with all its chunks)
     final: set[int] = field(default_factory=set)  # shards whose gradient is final
+    grads_final: bool = False  # every gradient is (the inputs are read one shard ahead)
     compute: float = 0.0
     wait: float = 0.0
 

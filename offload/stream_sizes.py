@@ -47,10 +47,12 @@ def ring_capacity(requested: int, piece_sizes: Iterable[int]) -> int:
     return page_up(max(requested, *piece_sizes, 0))
 
 
-def param_assembly_bytes(whole_bytes: Sequence[int]) -> int:
+def param_assembly_bytes(whole_bytes: Sequence[int], regions: int = 2) -> int:
     """Host bytes where the new param of shards in several pieces is assembled: room for
-    two of the largest (``whole_bytes``: each such shard's param, page-aligned)."""
-    return 2 * max(whole_bytes) if whole_bytes else 0
+    ``regions`` of the largest (``whole_bytes``: each such shard's param, page-aligned):
+    two, one assembled while one is written; three with a bf16 master, whose next param
+    is read ahead ([Note: shard inputs read ahead] in offload/shard_inputs.py)."""
+    return regions * max(whole_bytes) if whole_bytes else 0
 
 
 def carve(ring: HostRing, start: int, numel: int, state: str, shadow: torch.dtype | None,

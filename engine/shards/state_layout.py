@@ -256,14 +256,15 @@ class StateLayout:
 
     def param_ring_bytes(self) -> int:
         """Host bytes where the stream assembles the new param of shards in several
-        pieces: two of the largest such shard ([Note: optimizer state in chunks])."""
+        pieces: two of the largest such shard ([Note: optimizer state in chunks]); three
+        with a bf16 master ([Note: shard inputs read ahead] in offload/shard_inputs.py)."""
         if not self.chunk_numel:
             return 0
         whole = [page_up(g.numel * (torch.finfo(g.dtype).bits // 8
                                     if g.dtype != torch.float32 else 4))
                  for g in self._groups.values()
                  if len(g.kinds) > 1 and g.numel > self.chunk_numel]
-        return param_assembly_bytes(whole)
+        return param_assembly_bytes(whole, 3 if self.master_precision == "bf16" else 2)
 
     def pipeline_bytes(self) -> int:
         """Host bytes the CPU Adam stream allocates outside the tier manager's pool: its

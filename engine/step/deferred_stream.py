@@ -98,7 +98,7 @@ class DeferredStream:
         self._expected = [p for k in keys if (p := self._params[self._index[k]]) is not None]
         self._mgr.expect_writes(self._expected)
         try:
-            self._stream.begin(hyper, step, grad_scale)
+            self._stream.begin(hyper, step, grad_scale, grads_final=True)  # after backward
         except BaseException:
             self._mgr.expect_writes(self._expected, False)
             raise

@@ -73,10 +73,11 @@ class StreamedStep:
             consume_grads=True, state=layout.state_precision,
             master=layout.master_precision,
             salts=[layout.master_salt(k) for k in self._keys] if bf16 else None)
-        # the param writes a deferred update announces (expect_writes); not a bf16 master's:
-        # the update itself reads that param first, so the announcement would hold its read
-        announced = [layout.manager_key(k, "param") if layout.has(k, "param") and not bf16
-                     else None for k in self._keys]
+        # the param writes a deferred update announces (expect_writes): no read-ahead of a
+        # param about to be replaced; a bf16 master's update reads its own param first
+        # (AdamStream reads it as the announced writer: TierManager.read_into replacing)
+        announced = [layout.manager_key(k, "param") if layout.has(k, "param") else None
+                     for k in self._keys]
         self._deferred = DeferredStream(self.stream, self._keys, announced, manager, threads)
 
     @property
@@ -173,7 +174,8 @@ class StreamedStep:
         Consumes the measurements."""
         try:
             return {key: (self._measured[key] if key in self._measured and key not in redo
-                          else grad_stat(self._store, key)) for key in self._keys}
+                          else grad_stat(self._store, key))
+                    for key in self._keys}
         finally:
             self.forget_measured()
 

@@ -310,9 +310,10 @@ def test_read_ahead_is_a_background_read(tmp_path: Path,
     calls: list[tuple[str, bool]] = []
     real = rig.mgr.read_into
 
-    def spy(key: str, out: torch.Tensor, *, background: bool = False) -> object:
+    def spy(key: str, out: torch.Tensor, *, background: bool = False,
+            replacing: bool = False) -> object:
         calls.append((key, background))
-        return real(key, out, background=background)
+        return real(key, out, background=background, replacing=replacing)
 
     monkeypatch.setattr(rig.mgr, "read_into", spy)
     stream = rig.stream(150_000)

@@ -470,3 +470,34 @@ def test_expected_writes_are_not_read_ahead_and_readers_wait_for_them(tmp_path: 
             mgr.read_into("p2", torch.empty(N))  # nobody writes it: refused after the wait
         mgr.expect_writes(["p2"], False)
         mgr.audit()
+
+
+def test_the_announced_writer_reads_what_it_replaces(tmp_path: Path) -> None:
+    """read_into(replacing=True) is the announced writer's own read (a bf16 master is the
+    param its deferred update writes): it does not wait for the expected write, reads the
+    current data from NVMe or from a host cache, and is not a use of the prefetch order;
+    everyone else still waits for the write."""
+    mgr, data = make(tmp_path, device_caches=3, pool=4, timeout=0.5)
+    with mgr:
+        mgr.expect_writes(["p0", "p1"])
+        out = torch.empty(N)
+        mgr.read_into("p0", out, replacing=True).wait()  # from its swap file
+        assert torch.equal(out, data["p0"])
+        mgr.expect_writes(["p1"], False)
+        mgr.fetch("p1", "host").wait()  # a host cache, then announced again
+        mgr.release("p1", "host")
+        mgr.expect_writes(["p1"])
+        before = mgr.memory_report()
+        mgr.read_into("p1", out, replacing=True).wait()
+        after = mgr.memory_report()
+        assert torch.equal(out, data["p1"])
+        assert after.moved["nvme_to_host"] == before.moved["nvme_to_host"]  # the cache's
+        assert after.order_mismatches == before.order_mismatches
+        with pytest.raises(OffloadError, match="expected write"):
+            mgr.read_into("p0", torch.empty(N))  # not the writer: waits, then refused
+        new = torch.full((N,), 7.0)
+        mgr.write_from("p0", new).wait()
+        mgr.write_from("p1", new).wait()
+        mgr.read_into("p0", out).wait()
+        assert torch.equal(out, new)
+        mgr.audit()

@@ -1,0 +1,141 @@
+"""A shard's whole-shard inputs to the streamed CPU Adam, read one shard ahead.
+
+[Note: shard inputs read ahead]
+The stream's ring reads each piece's master and moments ahead ([Note: streamed optimizer
+step] in offload/adam_stream.py), but two inputs are whole-shard: the gradient (one
+manager key per shard, used as a view of its host home or cache) and, with a bf16 master
+([Note: bf16 master weights] in offload/bf16_master.py), the param of a shard in several
+pieces, which is the master and is read whole into the param assembly room. Read only
+when the shard's turn came, both are waited for by whoever drives the update, with the
+drive idle behind them: at 2.07B with int8 moments they are most of the update's reads
+(gradient 1.6 and param 2 of its 5.6 B/param). So once every gradient of the step is
+final (a step run whole, or deferred into the next forward), the shard after the one
+being updated has its gradient fetched and its param read while this one updates:
+
+    driver   | update k          | update k+1        | ...
+    drive    | grad, param k+1   | grad, param k+2   |  (the pieces' state beside them)
+
+Only one shard ahead: the gradient held is one more pool buffer, and the param room has
+three regions instead of two (one being updated, one read ahead, one being written;
+stream_sizes.param_assembly_bytes). While backward still runs a gradient may change, so
+a step begun during backward reads the inputs when each shard's turn comes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import OffloadError
+from .manager import TierManager
+from .param_assembly import ParamAssembly
+from .settings import Tier
+from .transfer import TierTransfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardInputs:
+    """One shard's gradient, fetched (held until `release`), and the param room `taken`
+    from the assembly (start, view) with its read in flight (`param`; bf16 master)."""
+
+    pos: int
+    gkey: str
+    tier: Tier
+    grad: TierTransfer
+    taken: tuple[int, torch.Tensor] | None
+    param: TierTransfer | None
+
+
+class ShardAhead:
+    """Issues ShardInputs and keeps at most one read ahead; see [Note: shard inputs read
+    ahead]. `read_param`: the master is the bf16 param (read whole for a shard in pieces)."""
+
+    def __init__(self, manager: TierManager, keys: Sequence[Mapping[str, str]],
+                 numels: Sequence[int], pieces: Sequence[int], assembly: ParamAssembly | None,
+                 *, read_param: bool) -> None:
+        self._mgr = manager
+        self._keys = keys
+        self._numels = numels
+        self._pieces = pieces  # per shard: how many pieces
+        self._p16 = assembly
+        self._read_param = read_param
+        self._held: ShardInputs | None = None
+
+    def assembled(self, index: int) -> bool:
+        """The shard's new param is assembled whole (several pieces, with a param)."""
+        return (self._p16 is not None and self._pieces[index] > 1
+                and "param" in self._keys[index])
+
+    def issue(self, pos: int, index: int) -> ShardInputs:
+        """Start the reads of shard `index` (at `pos` of the step's order); nothing waited."""
+        keys = self._keys[index]
+        gkey = keys["grad"]
+        tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
+        # 1D, its home (host) or a cache; not a use of the order prefetch follows
+        grad = self._mgr.fetch(gkey, tier, ordered=False)
+        taken: tuple[int, torch.Tensor] | None = None
+        param: TierTransfer | None = None
+        try:
+            if self._read_param and self.assembled(index) and self._p16 is not None:
+                taken = self._p16.take(self._numels[index])
+                # its write is announced when the update is deferred: this is its writer
+                param = self._mgr.read_into(keys["param"], taken[1], replacing=True)
+        except BaseException:
+            self._settle(ShardInputs(pos, gkey, tier, grad, None, None))
+            raise
+        return ShardInputs(pos, gkey, tier, grad, taken, param)
+
+    def take(self, pos: int, index: int) -> ShardInputs:
+        """Shard `index`'s inputs: those read ahead for `pos`, else issued now."""
+        held, self._held = self._held, None
+        if held is not None:
+            if held.pos == pos:
+                return held
+            self._settle(held)
+            raise OffloadError(f"internal: the optimizer read shard {held.pos} of the step "
+                               f"ahead and is at shard {pos}")
+        return self.issue(pos, index)
+
+    def ahead(self, pos: int, order: Sequence[int]) -> None:
+        """Read ahead the next shard of `order` after `pos` that has elements."""
+        nxt = next((p for p in range(pos + 1, len(order)) if self._numels[order[p]]), None)
+        if self._held is None and nxt is not None:
+            self._held = self.issue(nxt, order[nxt])
+
+    def ready(self, inputs: ShardInputs, index: int
+              ) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
+        """Wait for the inputs: (the gradient's 1D view, the room of the new param when it is
+        assembled whole, taken now if it was not read into)."""
+        grad = inputs.grad.wait()
+        taken = inputs.taken
+        if taken is None and self.assembled(index) and self._p16 is not None:
+            taken = self._p16.take(self._numels[index])
+        if inputs.param is not None:  # a bf16 master, read whole
+            inputs.param.wait()
+        return grad, taken
+
+    def is_param(self, shard: int, key: str) -> bool:
+        """`key` is the shard's param (a bf16 master of a shard in one piece is read as its
+        "master"): the stream writes it, so an announced write of it is its own."""
+        return key == self._keys[shard].get("param")
+
+    def drop(self) -> None:
+        """Forget the read ahead (its reads settled, its gradient released)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._settle(held)
+
+    def _settle(self, inputs: ShardInputs) -> None:
+        """Wait for the reads into our buffers without raising, release the gradient."""
+        for t in (inputs.grad, inputs.param):
+            if t is not None:
+                try:
+                    t.wait()
+                except Exception as exc:  # an interrupt goes on up
+                    log.warning("while dropping the optimizer's read-ahead: %s", exc)
+        self._mgr.release(inputs.gkey, inputs.tier)
