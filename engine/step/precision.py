@@ -112,17 +112,43 @@ class GradStat:
     finite: bool  # no inf or NaN in it
 
 
-def grad_stat(store: ShardStore, key: str) -> GradStat:
+class UpcastScratch:
+    """One fp32 host buffer, reused to upcast gradient shards kept at compute precision
+    before their norm (one thread's): a fresh fp32 copy per shard pays its page faults
+    each time, most of the measuring time of a large model's backward. It grows to the
+    largest shard measured; `clear()` frees it (at the end of the pass)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def upcast(self, g: torch.Tensor) -> torch.Tensor:
+        """`g` (1D) as fp32: the same values as g.float(), in the reused buffer."""
+        n = g.numel()
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = None  # the old one is freed before the larger one is made
+            self._buf = torch.empty(n, dtype=torch.float32)
+        out = self._buf[:n]
+        out.copy_(g)
+        return out
+
+    def clear(self) -> None:
+        self._buf = None
+
+
+def grad_stat(store: ShardStore, key: str, scratch: UpcastScratch | None = None) -> GradStat:
     """The shard's fp32 L2 norm squared in float64 (ZeroEngine._clip sums these in a fixed
     order, whichever thread measured them) and whether every element is finite: a finite
     norm proves it; a non-finite one is checked element by element (the sum of squares of
-    finite values can overflow fp32)."""
+    finite values can overflow fp32). `scratch`: where a host shard kept at compute
+    precision is upcast (the calling thread's own)."""
     with store.use(key, "grad") as g:
         if g.is_meta:  # a dry run (tierzero plan): no values; ZeroEngine._clip reports none
             return GradStat(0.0, True)
         # a shard kept at compute precision is upcast first: the same fp32 norm, bit for
         # bit, as of its fp32 form ([Note: gradient precision] in shards/grad_precision.py)
-        g32 = g if g.dtype == torch.float32 else g.float()
+        g32 = (g if g.dtype == torch.float32 else
+               scratch.upcast(g) if scratch is not None and g.device.type == "cpu"
+               else g.float())
         norm = float(torch.linalg.vector_norm(g32).double().cpu())
         finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
     return GradStat(norm * norm, finite)

@@ -31,7 +31,7 @@ from tierzero.engine.config.schema import (
 )
 from tierzero.engine.shards.grad_precision import grad_dtype
 from tierzero.engine.shards.store import ShardStore
-from tierzero.engine.step.precision import grad_stat
+from tierzero.engine.step.precision import UpcastScratch, grad_stat
 
 STEPS = 4
 
@@ -139,6 +139,26 @@ def test_grad_stat_of_a_compute_dtype_shard_is_the_fp32_shards_bit_for_bit() -> 
             assert not grad_stat(store, "g").finite
         assert stats[0] == stats[1] and stats[0].finite
         assert stats[0].sq_norm > 0
+
+
+def test_grad_stat_upcast_into_a_reused_buffer_is_the_fresh_upcasts() -> None:
+    """UpcastScratch (StreamedStep's, kept through a measuring backward): shards of several
+    sizes, larger and smaller than the buffer holds, measure bit for bit as with a fresh
+    fp32 copy each; an inf is still seen; clear() frees the buffer."""
+    gen = torch.Generator().manual_seed(1)
+    scratch = UpcastScratch()
+    for n in (70_001, 5, 250_007, 1_000, 250_007):
+        values = (torch.randn(n, generator=gen) * 2).bfloat16()
+        store = ShardStore(torch.device("cpu"), torch.bfloat16)
+        store.add("g", torch.zeros(n), torch.bfloat16, True)
+        store.tensor("g", "grad").copy_(values)
+        assert grad_stat(store, "g", scratch) == grad_stat(store, "g")
+        store.tensor("g", "grad")[n // 2] = float("-inf")
+        assert not grad_stat(store, "g", scratch).finite
+    assert scratch.upcast(torch.ones(3, dtype=torch.bfloat16)).data_ptr() == \
+        scratch.upcast(torch.ones(250_007, dtype=torch.bfloat16)).data_ptr()  # reused
+    scratch.clear()
+    assert scratch._buf is None
 
 
 # -- bit-identical runs -----------------------------------------------------------------
