@@ -162,8 +162,9 @@ class OptimizerOffloadConfig(_TierHomeConfig):
     buffer_bytes: int | None = field(
         default=None,
         metadata=meta(
-            "bytes per CPU Adam buffer; null = the mean unit shard's master, moments and "
-            "param (the buffers together hold at least the largest shard)",
+            "bytes per CPU Adam buffer; null = the mean piece's master, moments and param "
+            "as fp32 state (compressed moments or a bf16 master fit several pieces to a "
+            "buffer); the buffers together hold at least the largest piece",
             gt=0,
             unit="bytes",
         ),

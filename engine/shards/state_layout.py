@@ -66,7 +66,8 @@ class _Group:
 
 @dataclass(frozen=True)
 class RingRequest:
-    """offload.optimizer.buffer_count buffers of buffer_bytes each (None: the mean piece)."""
+    """offload.optimizer.buffer_count buffers of buffer_bytes each (None: the mean piece
+    as fp32 state, StateLayout.ring_bytes)."""
 
     buffer_count: int
     buffer_bytes: int | None
@@ -235,24 +236,33 @@ class StateLayout:
 
     def ring_bytes(self) -> int:
         """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]): the
-        requested buffers (buffer_bytes None: the mean piece's master and moments, with the
-        bf16/fp16 param of a shard in one piece), at least the largest piece's; from the
-        real pieces, also in a dry run. 0 when nothing streams."""
+        requested buffers, at least the largest piece's; from the real pieces, also in a
+        dry run. 0 when nothing streams. buffer_bytes None: each buffer is the mean piece's
+        fp32 master and moments (with the bf16/fp16 param of a shard in one piece) whatever
+        the state and master precision: the ring's bytes are how far reads run ahead of
+        the update and writes behind it, which the drive needs in bytes, so compressed
+        pieces (int8 moments and a bf16 master: a sixth of the bytes) fill the same ring
+        several to a buffer instead of leaving the drive a sixth of the work in flight."""
         if not self.streamed:
             return 0
-        sizes = [self._piece_bytes(g, lo, hi) for g in self._groups.values()
-                 if len(g.kinds) > 1 and g.numel for lo, hi in self._real_bounds(g.numel)]
-        if not sizes:
+        bounds = [(g, lo, hi) for g in self._groups.values() if len(g.kinds) > 1 and g.numel
+                  for lo, hi in self._real_bounds(g.numel)]
+        if not bounds:
             return 0
-        each = self.ring.buffer_bytes or sum(sizes) // len(sizes)
+        sizes = [self._piece_bytes(g, lo, hi) for g, lo, hi in bounds]
+        fp32 = [self._piece_bytes(g, lo, hi, fp32=True) for g, lo, hi in bounds]
+        each = self.ring.buffer_bytes or sum(fp32) // len(fp32)
         return ring_capacity(self.ring.buffer_count * each, sizes)
 
-    def _piece_bytes(self, g: _Group, lo: int, hi: int) -> int:
+    def _piece_bytes(self, g: _Group, lo: int, hi: int, *, fp32: bool = False) -> int:
+        """A piece's ring bytes; `fp32`: as if its master and moments were fp32."""
         low = torch.finfo(g.dtype).bits // 8 if g.dtype != torch.float32 else 0
         whole = hi - lo == g.numel  # one piece: its param is carved from the ring too
-        if self.master_precision == "bf16":  # the param is the master: in the ring if whole
+        if self.master_precision == "bf16" and not fp32:
+            # the param is the master: in the ring if the shard is whole
             return piece_bytes(hi - lo, self.state_precision, 0, 2 if whole else 0)
-        return piece_bytes(hi - lo, self.state_precision, low if whole else 0)
+        return piece_bytes(hi - lo, "fp32" if fp32 else self.state_precision,
+                           low if whole else 0)
 
     def param_ring_bytes(self) -> int:
         """Host bytes where the stream assembles the new param of shards in several
