@@ -501,3 +501,33 @@ def test_the_announced_writer_reads_what_it_replaces(tmp_path: Path) -> None:
         mgr.read_into("p0", out).wait()
         assert torch.equal(out, new)
         mgr.audit()
+
+
+def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path) -> None:
+    """[Note: host caches cleaned ahead]: with no pool room left for one more dirty cache
+    (no free buffer, no clean cache to drop), the least recently used dirty cache starts
+    its write and stays cached, clean; the next demand takes its buffer without writing
+    anything, the other dirty cache keeps its data, and what was written reads back."""
+    sp = [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(3)]
+    settings = cpu_settings({"grad": "nvme"}, device=1 << 20, host=1 << 20, buffer_count=2)
+    with store(tmp_path) as swap, TierManager(sp, settings, swap=swap) as mgr:
+        for x in sp:
+            mgr.place(x.key, torch.zeros(N)).wait()
+        mgr.synchronize()
+        written = mgr.memory_report().moved["host_to_nvme"]
+        for i in range(2):  # two fresh gradients fill the pool, dirty
+            mgr.fetch(f"g{i}", "host", writable=True, discard=True).wait().fill_(i + 1.0)
+            mgr.release(f"g{i}", "host")
+        mgr.synchronize()
+        host = {k: mgr._records[k].copies["host"].state for k in ("g0", "g1")}
+        assert host == {"g0": State.CLEAN, "g1": State.DIRTY}  # g0, the older, went first
+        assert mgr.memory_report().moved["host_to_nvme"] == written + 4 * N  # g0 only
+        mgr.fetch("g2", "host", writable=True, discard=True).wait().fill_(3.0)
+        mgr.release("g2", "host")
+        assert mgr._records["g0"].copies["host"].state is State.ABSENT  # dropped: it was clean
+        mgr.synchronize()
+        for i in range(3):
+            out = torch.empty(N)
+            mgr.read_into(f"g{i}", out).wait()
+            assert bool((out == i + 1.0).all()), i
+        mgr.audit()
