@@ -367,12 +367,14 @@ class ResidencyCore:
                 continue
             self._cond.wait(left)
 
-    def _victim(self, tier: Tier, rec: ShardRecord, *, demand: bool) -> ShardRecord | None:
-        """The evictable cache on ``tier`` used furthest in the future (then least recently).
+    def _victim(self, tier: Tier, rec: ShardRecord | None, *, demand: bool
+                ) -> ShardRecord | None:
+        """The evictable cache on ``tier`` used furthest in the future (then least recently),
+        to make room for ``rec`` (None: for whoever asks next).
 
         Prefetch may only take clean caches whose next use is after its own shard's.
         """
-        limit = -math.inf if demand else self._pf.next_use(rec.spec.key)
+        limit = -math.inf if demand or rec is None else self._pf.next_use(rec.spec.key)
         best: ShardRecord | None = None
         best_score = (-math.inf, 0.0)
         for other in self._records.values():
@@ -456,34 +458,25 @@ class ResidencyCore:
     # A dirty host cache of an NVMe-homed shard (a gradient reduced into the staging pool)
     # is written down only when its buffer is needed: the caller that needs the room (the
     # next reduction) then waits for the whole write (at 2.07B about 0.1 s per unit, 2 s of
-    # a backward). So when the pool has no room for one more dirty cache's worth, free or
-    # held by clean caches that could be dropped at once, the least useful dirty cache
-    # (the victim eviction would pick) starts its write now and stays as a clean cache:
-    # the next demand drops it without waiting. At most one such write is in flight, and
-    # it is one a later eviction would have made; a cache dropped unwritten before (a
-    # gradient consumed by the step) may be written once more per step.
+    # a backward). So when the pool has no room for one more dirty cache's worth and the
+    # cache the next demand would evict (_victim: used furthest ahead) is dirty, its write
+    # starts now and it stays cached, clean: the demand drops it without waiting. One such
+    # write in flight at a time; it is a write that eviction would have made, except for
+    # a gradient the step would have consumed and dropped unwritten.
     def _clean_ahead(self) -> None:
-        ready = 0  # bytes a demand can take without waiting
-        dirty: list[ShardRecord] = []
+        need = 0
         for rec in self._records.values():
             copy = rec.copies["host"]
-            if copy.role is not Role.CACHE or rec.home != "nvme":
+            if copy.role is not Role.CACHE:
                 continue
             if copy.state is State.STORING and not copy.drop_when_clean:
                 return  # one cleaned ahead is in flight
-            if (copy.users or copy.pinned or copy.drop_when_clean
-                    or rec.copies["device"].state is not State.ABSENT):
-                continue
-            if copy.state is State.CLEAN:
-                ready += rec.spec.nbytes
-            elif copy.state is State.DIRTY and rec.copies["nvme"].state not in TRANSIENT:
-                dirty.append(rec)
-        if not dirty:
+            if copy.state is State.DIRTY:
+                need = max(need, rec.spec.nbytes)
+        if not need or self._pool.can_take(need):
             return
-        need = max(r.spec.nbytes for r in dirty)
-        if ready >= need or self._pool.can_take(need):
-            return
-        victim = max(dirty, key=lambda r: (math.inf if r.spec.key in self._expected
-                                           else self._pf.next_use(r.spec.key),
-                                           -float(r.copies["host"].last_use)))
-        self._store(victim, "host")
+        victim = self._victim("host", None, demand=True)
+        if (victim is not None and victim.copies["host"].state is State.DIRTY
+                and victim.copies["device"].state is State.ABSENT
+                and victim.copies[victim.below("host")].state not in TRANSIENT):
+            self._store(victim, "host")
