@@ -346,9 +346,9 @@ def record_grad_stats(monkeypatch: Any) -> tuple[list[tuple[str, bool]], list[bo
     in_backward = [False]
     real_stat = streamed_mod.grad_stat
 
-    def stat(store: object, key: str) -> object:
+    def stat(store: object, key: str, *rest: object) -> object:
         calls.append((key, in_backward[0]))
-        return real_stat(store, key)  # type: ignore[arg-type]
+        return real_stat(store, key, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(streamed_mod, "grad_stat", stat)
     return calls, in_backward
