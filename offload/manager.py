@@ -48,6 +48,7 @@ import torch
 
 from tierzero.swap import trace
 
+from .audit import check_records
 from .errors import OffloadError
 from .report import MemoryReport
 from .residency import Copy, Op, Role, ShardRecord, State, transition
@@ -134,12 +135,21 @@ class TierManager(SnapshotCore):
         file, dirty from the start: loading a checkpoint reads the checkpoint only,
         not the state it replaces too. The view's contents are undefined until written.
         """
-        return self._fetch(key, tier, writable=writable, discard=discard, ordered=ordered,
-                           replacing=False)
+        return _demanded(self._fetch(key, tier, writable=writable, discard=discard,
+                                     ordered=ordered, replacing=False), key)
+
+    def fetch_ahead(self, key: str, tier: Tier) -> TierTransfer | None:
+        """fetch(key, tier, ordered=False) for a caller reading ahead while it holds other
+        shards: None, holding nothing, when the copy would need room it cannot get at
+        once (a free buffer, or a clean cache used later); it never waits for room, so it
+        cannot wait on what its caller holds ([Note: shard inputs read ahead])."""
+        return self._fetch(key, tier, writable=False, discard=False, ordered=False,
+                           replacing=False, ahead=True)
 
     def _fetch(self, key: str, tier: Tier, *, writable: bool, discard: bool, ordered: bool,
-               replacing: bool) -> TierTransfer:
-        """fetch(); `replacing`: the caller is the expected write's own writer (read_into)."""
+               replacing: bool, ahead: bool = False) -> TierTransfer | None:
+        """fetch(); `replacing`: the caller is the expected write's own writer (read_into);
+        `ahead`: fetch_ahead (None where room is not free now)."""
         if discard and not writable:
             raise OffloadError(f"fetch({key!r}, discard=True) needs writable=True: the "
                                "view's old contents are not read")
@@ -165,8 +175,9 @@ class TierManager(SnapshotCore):
                 self._acct.misses += 1
                 self._fresh_host(rec)
             elif copy.state is State.ABSENT:
+                if not self._bring(rec, tier, demand=not ahead):
+                    return None  # fetch_ahead: no room now
                 self._acct.misses += 1
-                self._bring(rec, tier, demand=True)
             else:
                 self._acct.hits += 1
             copy.users += 1
@@ -231,8 +242,8 @@ class TierManager(SnapshotCore):
                 self._acct.moved_bytes(t.direction, rec.spec.cls, t.nbytes)
                 return t
         tier: Tier = "device" if rec.home == "device" else "host"
-        view = self._fetch(key, tier, writable=False, discard=False, ordered=not replacing,
-                           replacing=replacing).wait()
+        view = _demanded(self._fetch(key, tier, writable=False, discard=False,
+                                     ordered=not replacing, replacing=replacing), key).wait()
         try:
             out.reshape(-1).copy_(view)
         finally:
@@ -457,37 +468,10 @@ class TierManager(SnapshotCore):
                       self._pool.peak_in_use))
 
     def audit(self) -> None:
-        """Re-derive byte counts from the records and check every invariant; raise if broken."""
+        """Re-derive byte counts from the records and check every invariant; raise if broken
+        (offload/audit.py)."""
         with self._lock:
-            derived = dict.fromkeys(TIERS, 0)
-            slots = 0
-            for key, rec in self._records.items():
-                present = [t for t in TIERS if rec.copies[t].state is not State.ABSENT]
-                if present and present != list(TIERS[TIERS.index(present[0]):
-                                                     TIERS.index(rec.home) + 1]):
-                    raise OffloadError(f"audit: shard {key!r} has copies on {present}: caches "
-                                       f"are not inclusive down to its home {rec.home}")
-                for t in present:
-                    copy = rec.copies[t]
-                    if copy.slot is not None:
-                        slots += copy.slot.span
-                    else:
-                        derived[t] += rec.spec.nbytes
-                    if copy.role is Role.HOME and copy.state is State.DIRTY:
-                        raise OffloadError(f"audit: the home copy of {key!r} is dirty")
-                    if copy.users < 0:
-                        raise OffloadError(f"audit: {key!r} on {t} released more than fetched")
-            derived["host"] += self._pool.nbytes
-            for t in TIERS:
-                if derived[t] != self._acct.current(t):
-                    raise OffloadError(f"audit: {t} holds {derived[t]} bytes by the records but "
-                                       f"{self._acct.current(t)} by the counters")
-                if self._acct.peak[t] > self._acct.budget[t]:
-                    raise OffloadError(f"audit: {t} peaked at {self._acct.peak[t]} bytes, over "
-                                       f"its budget {self._acct.budget[t]}")
-            if slots != self._pool.in_use:
-                raise OffloadError(f"audit: {self._pool.in_use} pool buffers are taken but "
-                                   f"{slots} host caches hold one (leak)")
+            check_records(self._records, self._pool, self._acct)
 
     def close(self) -> None:
         """Finish in-flight work, stop the workers and free the pool."""
@@ -507,3 +491,9 @@ class TierManager(SnapshotCore):
                  tb: TracebackType | None) -> None:
         self.close()
 
+
+def _demanded(t: TierTransfer | None, key: str) -> TierTransfer:
+    """A demand fetch's transfer (it waits for room, so it always has one)."""
+    if t is None:
+        raise OffloadError(f"internal: a demand fetch of {key!r} returned no transfer")
+    return t

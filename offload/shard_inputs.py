@@ -15,10 +15,13 @@ being updated has its gradient fetched and its param read while this one updates
     driver   | update k          | update k+1        | ...
     drive    | grad, param k+1   | grad, param k+2   |  (the pieces' state beside them)
 
-Only one shard ahead: the gradient held is one more pool buffer, and the param room has
-three regions instead of two (one being updated, one read ahead, one being written;
-stream_sizes.param_assembly_bytes). While backward still runs a gradient may change, so
-a step begun during backward reads the inputs when each shard's turn comes.
+Only one shard ahead: the gradient held is one more pool buffer, taken only when the pool
+has room for it now (TierManager.fetch_ahead: waiting for room while holding the current
+shard's gradient could wait on that very hold; without room the shard is read in its
+turn), and the param room has three regions instead of two (one being updated, one read
+ahead, one being written; stream_sizes.param_assembly_bytes). While backward still runs a
+gradient may change, so a step begun during backward reads the inputs when each shard's
+turn comes.
 """
 
 from __future__ import annotations
@@ -71,13 +74,20 @@ class ShardAhead:
         return (self._p16 is not None and self._pieces[index] > 1
                 and "param" in self._keys[index])
 
-    def issue(self, pos: int, index: int) -> ShardInputs:
-        """Start the reads of shard `index` (at `pos` of the step's order); nothing waited."""
+    def issue(self, pos: int, index: int, *, ahead: bool = False) -> ShardInputs | None:
+        """Start the reads of shard `index` (at `pos` of the step's order); nothing waited.
+        `ahead`: while the caller holds the current shard's gradient: None when the
+        gradient's cache needs room the pool does not have now (TierManager.fetch_ahead:
+        waiting for room then could wait on what the caller holds)."""
         keys = self._keys[index]
         gkey = keys["grad"]
         tier: Tier = "device" if self._mgr.home_of(gkey) == "device" else "host"
         # 1D, its home (host) or a cache; not a use of the order prefetch follows
-        grad = self._mgr.fetch(gkey, tier, ordered=False)
+        got = (self._mgr.fetch_ahead(gkey, tier) if ahead
+               else self._mgr.fetch(gkey, tier, ordered=False))
+        if got is None:
+            return None
+        grad = got
         taken: tuple[int, torch.Tensor] | None = None
         param: TierTransfer | None = None
         try:
@@ -99,13 +109,17 @@ class ShardAhead:
             self._settle(held)
             raise OffloadError(f"internal: the optimizer read shard {held.pos} of the step "
                                f"ahead and is at shard {pos}")
-        return self.issue(pos, index)
+        now = self.issue(pos, index)
+        if now is None:
+            raise OffloadError(f"internal: the optimizer's fetch of shard {pos}'s inputs "
+                               "returned nothing")
+        return now
 
     def ahead(self, pos: int, order: Sequence[int]) -> None:
         """Read ahead the next shard of `order` after `pos` that has elements."""
         nxt = next((p for p in range(pos + 1, len(order)) if self._numels[order[p]]), None)
         if self._held is None and nxt is not None:
-            self._held = self.issue(nxt, order[nxt])
+            self._held = self.issue(nxt, order[nxt], ahead=True)  # None: read in its turn
 
     def ready(self, inputs: ShardInputs, index: int
               ) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
