@@ -82,6 +82,9 @@ class ResidencyCore:
         self._stat_lock = threading.Lock()  # stall time is added from callers' threads
         self._busy: set[str] = set()  # keys with a transient copy
         self._expected: set[str] = set()  # to be overwritten soon: not read ahead (expect_writes)
+        # a demand had to write a dirty cache down to make room ([Note: host caches cleaned
+        # ahead])
+        self._dirty_pressure = False
         self._closed = False
 
     def _rec(self, key: str, *, placed: bool = True) -> ShardRecord:
@@ -340,6 +343,8 @@ class ResidencyCore:
             victim = self._victim(tier, rec, demand=demand)
             if victim is not None:
                 trace.instant("evict", victim.spec.key, tier=tier, to_fit=rec.spec.key)
+                if demand and tier == "host" and victim.copies[tier].state is State.DIRTY:
+                    self._dirty_pressure = True
                 for t in TIERS[: TIERS.index(tier) + 1]:
                     if victim.copies[t].state is not State.ABSENT:
                         victim.copies[t].drop_when_clean = True
@@ -458,12 +463,16 @@ class ResidencyCore:
     # A dirty host cache of an NVMe-homed shard (a gradient reduced into the staging pool)
     # is written down only when its buffer is needed: the caller that needs the room (the
     # next reduction) then waits for the whole write (at 2.07B about 0.1 s per unit, 2 s of
-    # a backward). So when the pool has no room for one more dirty cache's worth and the
-    # cache the next demand would evict (_victim: used furthest ahead) is dirty, its write
-    # starts now and it stays cached, clean: the demand drops it without waiting. One such
-    # write in flight at a time; it is a write that eviction would have made, except for
-    # a gradient the step would have consumed and dropped unwritten.
+    # a backward). So once a demand has had to write a dirty cache down, whenever the pool
+    # has no room for one more dirty cache's worth and the cache the next demand would
+    # evict (_victim: used furthest ahead) is dirty, its write starts now and it stays
+    # cached, clean: the demand drops it without waiting. One such write in flight at a
+    # time; it is a write that eviction would have made, except for a gradient the step
+    # would have consumed and dropped unwritten. A run whose dirty caches all fit (never
+    # evicted dirty) writes nothing ahead: its caches stay dirty as before.
     def _clean_ahead(self) -> None:
+        if not self._dirty_pressure:
+            return
         need = 0
         for rec in self._records.values():
             copy = rec.copies["host"]

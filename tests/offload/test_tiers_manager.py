@@ -504,30 +504,75 @@ def test_the_announced_writer_reads_what_it_replaces(tmp_path: Path) -> None:
 
 
 def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path) -> None:
-    """[Note: host caches cleaned ahead]: with no pool room left for one more dirty cache
-    (no free buffer, no clean cache to drop), the least recently used dirty cache starts
-    its write and stays cached, clean; the next demand takes its buffer without writing
-    anything, the other dirty cache keeps its data, and what was written reads back."""
+    """[Note: host caches cleaned ahead]: dirty caches that fit stay dirty (nothing
+    written); once a demand has had to write one down, a pool with no room for one more
+    starts the write of the dirty cache the next demand would evict (the least recently
+    used) and keeps it cached, clean; the next demand drops it without writing anything,
+    and every value reads back."""
     sp = [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(3)]
     settings = cpu_settings({"grad": "nvme"}, device=1 << 20, host=1 << 20, buffer_count=2)
     with store(tmp_path) as swap, TierManager(sp, settings, swap=swap) as mgr:
         for x in sp:
             mgr.place(x.key, torch.zeros(N)).wait()
         mgr.synchronize()
-        written = mgr.memory_report().moved["host_to_nvme"]
-        for i in range(2):  # two fresh gradients fill the pool, dirty
+
+        def written() -> int:
+            return int(mgr.memory_report().moved["host_to_nvme"])
+
+        def host(*keys: str) -> dict[str, State]:
+            return {k: mgr._records[k].copies["host"].state for k in keys}
+
+        def fresh(i: int) -> None:
             mgr.fetch(f"g{i}", "host", writable=True, discard=True).wait().fill_(i + 1.0)
             mgr.release(f"g{i}", "host")
+
+        start = written()
+        for i in range(2):  # two fresh gradients fill the pool, dirty
+            fresh(i)
         mgr.synchronize()
-        host = {k: mgr._records[k].copies["host"].state for k in ("g0", "g1")}
-        assert host == {"g0": State.CLEAN, "g1": State.DIRTY}  # g0, the older, went first
-        assert mgr.memory_report().moved["host_to_nvme"] == written + 4 * N  # g0 only
-        mgr.fetch("g2", "host", writable=True, discard=True).wait().fill_(3.0)
-        mgr.release("g2", "host")
-        assert mgr._records["g0"].copies["host"].state is State.ABSENT  # dropped: it was clean
+        assert host("g0", "g1") == {"g0": State.DIRTY, "g1": State.DIRTY}
+        assert written() == start  # they fit: nothing written
+        fresh(2)  # a demand: g0 (least recently used) is written down and dropped
+        mgr.synchronize()
+        assert written() == start + 2 * 4 * N  # g0, and g1 cleaned ahead
+        assert host("g0", "g1", "g2") == {"g0": State.ABSENT, "g1": State.CLEAN,
+                                          "g2": State.DIRTY}
+        out = torch.empty(N)
+        mgr.read_into("g0", out).wait()  # no cache made: nothing evicted
+        assert bool((out == 1.0).all())
+        mgr.fetch("g0", "host").wait()  # a demand: g1, clean, is dropped unwritten
+        mgr.release("g0", "host")
+        assert host("g1")["g1"] is State.ABSENT
         mgr.synchronize()
         for i in range(3):
-            out = torch.empty(N)
             mgr.read_into(f"g{i}", out).wait()
             assert bool((out == i + 1.0).all()), i
+        mgr.audit()
+
+
+def test_fetch_ahead_takes_free_room_or_returns_none_holding_nothing(tmp_path: Path) -> None:
+    """fetch_ahead (the optimizer reading the next shard while it holds this one): with the
+    pool taken by a held cache and a dirty one it returns None at once, writes nothing and
+    holds nothing, where a demand fetch would write the dirty one down and wait; with a free
+    buffer it fetches like fetch(ordered=False)."""
+    sp = [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(3)]
+    settings = cpu_settings({"grad": "nvme"}, device=1 << 20, host=1 << 20, buffer_count=2)
+    with store(tmp_path) as swap, TierManager(sp, settings, swap=swap) as mgr:
+        data = {x.key: data_for(x, i) for i, x in enumerate(sp)}
+        for k, v in data.items():
+            mgr.place(k, v).wait()
+        mgr.synchronize()
+        mgr.fetch("g0", "host").wait()  # held, as the current shard's gradient
+        mgr.fetch("g1", "host", writable=True).wait().add_(1.0)
+        mgr.release("g1", "host")  # dirty
+        written = mgr.memory_report().moved["host_to_nvme"]
+        assert mgr.fetch_ahead("g2", "host") is None
+        assert mgr.memory_report().moved["host_to_nvme"] == written
+        assert mgr._records["g2"].copies["host"].users == 0
+        mgr.release("g0", "host")
+        mgr.evict("g0")  # a free buffer now
+        t = mgr.fetch_ahead("g2", "host")
+        assert t is not None and torch.equal(t.wait(), data["g2"])
+        mgr.release("g2", "host")
+        mgr.synchronize()
         mgr.audit()
