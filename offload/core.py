@@ -82,9 +82,9 @@ class ResidencyCore:
         self._stat_lock = threading.Lock()  # stall time is added from callers' threads
         self._busy: set[str] = set()  # keys with a transient copy
         self._expected: set[str] = set()  # to be overwritten soon: not read ahead (expect_writes)
-        # a demand had to write a dirty cache down to make room ([Note: host caches cleaned
-        # ahead])
-        self._dirty_pressure = False
+        # the largest dirty host cache a demand had to write down to make room, 0: none yet
+        # ([Note: host caches cleaned ahead])
+        self._dirty_pressure = 0
         self._closed = False
 
     def _rec(self, key: str, *, placed: bool = True) -> ShardRecord:
@@ -344,7 +344,7 @@ class ResidencyCore:
             if victim is not None:
                 trace.instant("evict", victim.spec.key, tier=tier, to_fit=rec.spec.key)
                 if demand and tier == "host" and victim.copies[tier].state is State.DIRTY:
-                    self._dirty_pressure = True
+                    self._dirty_pressure = max(self._dirty_pressure, victim.spec.nbytes)
                 for t in TIERS[: TIERS.index(tier) + 1]:
                     if victim.copies[t].state is not State.ABSENT:
                         victim.copies[t].drop_when_clean = True
@@ -464,26 +464,23 @@ class ResidencyCore:
     # is written down only when its buffer is needed: the caller that needs the room (the
     # next reduction) then waits for the whole write (at 2.07B about 0.1 s per unit, 2 s of
     # a backward). So once a demand has had to write a dirty cache down, whenever the pool
-    # has no room for one more dirty cache's worth and the cache the next demand would
-    # evict (_victim: used furthest ahead) is dirty, its write starts now and it stays
-    # cached, clean: the demand drops it without waiting. One such write in flight at a
-    # time; it is a write that eviction would have made, except for a gradient the step
-    # would have consumed and dropped unwritten. A run whose dirty caches all fit (never
-    # evicted dirty) writes nothing ahead: its caches stay dirty as before.
+    # has no room for the largest such cache and the cache the next demand would evict
+    # (_victim: used furthest ahead) is dirty, its write starts now and it stays cached,
+    # clean: the demand drops it without waiting. One such write in flight at a time; it
+    # is a write that eviction would have made, except for a gradient the step would have
+    # consumed and dropped unwritten. A run whose dirty caches all fit (never evicted
+    # dirty) writes nothing ahead: its caches stay dirty as before. Called from every
+    # _pump: the checks before the victim scan look at the pool and the transfers in
+    # flight only.
     def _clean_ahead(self) -> None:
-        if not self._dirty_pressure:
-            return
-        need = 0
-        for rec in self._records.values():
-            copy = rec.copies["host"]
-            if copy.role is not Role.CACHE:
-                continue
-            if copy.state is State.STORING and not copy.drop_when_clean:
-                return  # one cleaned ahead is in flight
-            if copy.state is State.DIRTY:
-                need = max(need, rec.spec.nbytes)
+        need = self._dirty_pressure
         if not need or self._pool.can_take(need):
             return
+        for key in self._busy:  # a cache being written ahead is in flight (transient)
+            copy = self._records[key].copies["host"]
+            if (copy.state is State.STORING and copy.role is Role.CACHE
+                    and not copy.drop_when_clean):
+                return
         victim = self._victim("host", None, demand=True)
         if (victim is not None and victim.copies["host"].state is State.DIRTY
                 and victim.copies["device"].state is State.ABSENT
