@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import full_params, make_batches, make_config, make_model
+from engine_helpers import full_params, make_batches, make_config, make_model, train_steps
 
 from tierzero import engine
 from tierzero.engine.config import (
@@ -69,12 +69,7 @@ def run(cfg: Config, steps: int = STEPS) -> tuple[list[float], dict[str, torch.T
     model = make_model()
     eng, _, _, _ = engine.initialize(model=model, config=cfg, device="cpu")
     try:
-        losses = []
-        for ids, tg in make_batches(steps):
-            loss = eng(ids, tg)
-            eng.backward(loss)
-            eng.step()
-            losses.append(float(loss.detach()))
+        losses = train_steps(eng, make_batches(steps))
         return losses, full_params(eng, model), eng.memory_report()
     finally:
         eng.close()
