@@ -253,10 +253,8 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
             losses = eng.train_batch([(ids, labels)] * args.grad_accum, loss_fn)
         io1 = io_bytes()
         if rec is not None:
-            doc = rec.document()
-            traced = trace_summary.summarize(doc)
-            with open(args.trace, "w", encoding="utf-8") as f:
-                json.dump(doc, f)
+            traced = trace_summary.summarize(rec.document())
+            rec.write(args.trace)  # atomic, 0600, never through a planted link
         ph.end(f"step {step}", t, loss=float(sum(float(x) for x in losses) / len(losses)),
                nvme_read=io1[0] - io0[0], nvme_written=io1[1] - io0[1],
                tokens=args.grad_accum * args.batch * args.seq, schedule=eng.schedule,
