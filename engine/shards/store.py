@@ -33,7 +33,9 @@ store turns the mark into zeros when the shard is first used, so callers keep no
   the bytes its step measured, not the mark zero_grad() made after that step;
 - the streamed CPU Adam reads gradients through the tier manager, past `use()`, so it
   has the marked ones written first (`write_zeroed_grads`).
-Every zero written this way is one the eager memset would have written; none is added.
+A new shard's gradient (`add`) is zero and marked so too: the first step's reductions
+write their gradients instead of reading zeros back (from NVMe, where it is homed) to add
+to. Every zero written this way is one the eager memset would have written; none is added.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class ShardStore:
                 dtype = self.grad_dtype if kind == "grad" else torch.float32
                 tensors[kind] = torch.zeros(n, dtype=dtype, device=self.device)
         self._records[key] = _Record(n, tensors)
+        if trainable:
+            self._zeroed.add(key)  # a new gradient is zero: [Note: gradients zeroed on first use]
 
     def tensor(self, key: str, kind: TensorClass) -> torch.Tensor:
         """The shard itself (a marked gradient zeroed first: [Note: gradients zeroed on

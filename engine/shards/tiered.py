@@ -134,6 +134,8 @@ class TieredShardStore(ShardStore):
             raise ValueError(f"shard group {key!r} registered twice")
         self._added.add(key)
         self._place(key, _Pending(master_init.detach().float(), compute_dtype, trainable))
+        if trainable:
+            self._zeroed.add(key)  # placed as zeros: [Note: gradients zeroed on first use]
 
     def finalize(self) -> None:
         """Plan placement over every declared shard and start the tier manager."""
