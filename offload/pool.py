@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tierzero import swap
+from tierzero.offload.huge_pages import advise_huge
 
 from . import numa
 from .budget import memlock_limit
@@ -52,6 +53,10 @@ class HostAllocator:
             pin = False
         with numa.local_to(self.node) as bound:
             data = swap.aligned_empty(nbytes, torch.uint8, pin_memory=pin)
+            if not pin:
+                # the C heap's memory, fresh for each buffer (pinned memory is the CUDA
+                # host allocator's): [Note: huge pages for per-step host buffers]
+                advise_huge(data)
             if bound:
                 data.zero_()  # first touch inside the binding puts the pages on the node
         if pin:

@@ -32,6 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from tierzero.offload.huge_pages import advise_huge
 from tierzero.swap import KeptRegion, trace
 
 from .errors import TransferError
@@ -199,8 +200,10 @@ class Mover:
 
     def empty_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A device buffer owned by the H2D copy stream (see [Note: device buffers])."""
-        if self.device.type != "cuda":
-            return torch.empty(numel, dtype=dtype, device=self.device)
+        if self.device.type != "cuda":  # host memory, fresh each time: huge pages
+            t = torch.empty(numel, dtype=dtype, device=self.device)
+            advise_huge(t)  # [Note: huge pages for per-step host buffers] in huge_pages.py
+            return t
         with torch.cuda.stream(self._streams["host_to_device"]):
             return torch.empty(numel, dtype=dtype, device=self.device)
 

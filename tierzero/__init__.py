@@ -12,6 +12,13 @@ an editable install and the wheel all import the same names (`tierzero.engine.*`
 and no top-level `engine` or `configs` package of ours can collide with a user's.
 """
 
+import os
+
+# torch's CPU allocator puts every tensor of 2 MiB or more on transparent huge pages when
+# this is set at its first allocation: [Note: huge pages for per-step host buffers] in
+# offload/huge_pages.py. Set only where the environment does not say (0 turns it off).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from tierzero.engine import (
     CheckpointError,
     Config,

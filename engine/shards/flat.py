@@ -25,6 +25,7 @@ from torch import nn
 from tierzero.engine.collectives import Comm, PendingReduce
 from tierzero.engine.init.context import forget, full_values
 from tierzero.engine.shards.store import ShardStore
+from tierzero.offload.huge_pages import advise_huge
 
 # Shards are whole multiples of 128 elements so vectorised Adam kernels and
 # aligned I/O never see a ragged tail.
@@ -118,6 +119,9 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
             storage = base.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(group.padded_numel * base.element_size())
+                # fresh host memory on a CPU device: [Note: huge pages for per-step host
+                # buffers] in offload/huge_pages.py
+                advise_huge(base)
             comm.all_gather(base, shard, group.key)
         for s in group.slots:
             s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierzero.engine.config import LossScaleConfig
+from tierzero.offload.huge_pages import advise_huge
 
 if TYPE_CHECKING:
     from tierzero.engine.collectives import Comm
@@ -127,6 +128,7 @@ class UpcastScratch:
         if self._buf is None or self._buf.numel() < n:
             self._buf = None  # the old one is freed before the larger one is made
             self._buf = torch.empty(n, dtype=torch.float32)
+            advise_huge(self._buf)  # [Note: huge pages for per-step host buffers]
         out = self._buf[:n]
         out.copy_(g)
         return out
