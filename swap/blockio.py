@@ -18,7 +18,7 @@ from tierzero.swap.allocator import round_up
 from tierzero.swap.errors import SwapError
 from tierzero.swap.fileio import FileIO
 from tierzero.swap.header import HEADER_BYTES, Header, combine_block_crcs, crc32, dtype_name
-from tierzero.swap.request import Request
+from tierzero.swap.request import Request, max_task_bytes
 
 __all__ = ["BlockIO", "WorkerBuffers"]
 
@@ -27,7 +27,8 @@ class WorkerBuffers:
     """One I/O thread's aligned scratch memory: a bounce block and a header page."""
 
     def __init__(self, block_size: int) -> None:
-        self.bounce = aligned_empty(block_size, torch.uint8)  # 1D uint8, ALIGN-aligned
+        # 1D uint8, ALIGN-aligned: the longest I/O ([Note: short last block])
+        self.bounce = aligned_empty(max_task_bytes(block_size), torch.uint8)
         self.bounce_view = self.bounce.numpy().data
         self.header = aligned_empty(HEADER_BYTES, torch.uint8)  # 1D uint8, one page
         self.header_view = self.header.numpy().data
@@ -47,7 +48,8 @@ class BlockIO:
     def run_block(
         self, req: Request, index: int, wb: WorkerBuffers
     ) -> tuple[SwapError | None, int]:
-        """Move one block; return (its error or None, bytes that went through the bounce)."""
+        """Move one I/O's blocks; return (its error or None, bytes that went through the
+        bounce)."""
         try:
             if req.op == "write":
                 return None, self.write_block(req, index, wb)
@@ -93,7 +95,7 @@ class BlockIO:
             raise SwapError("internal: write has no region", path=self.path, key=req.key)
         src = req.view[start : start + length]
         if self.checksum:
-            req.crcs[index] = crc32(src, 0)
+            self._crcs(req, index)
         offset = req.entry.offset + HEADER_BYTES + start
         if self._bounce(req, length):
             padded = round_up(length)
@@ -120,8 +122,14 @@ class BlockIO:
         else:
             self._pread_all(req, req.view[start : start + length], offset, length)
         if self.verify:
-            req.crcs[index] = crc32(req.view[start : start + length], 0)
+            self._crcs(req, index)
         return bounced
+
+    @staticmethod
+    def _crcs(req: Request, index: int) -> None:
+        """The CRC-32 of each checksum block I/O `index` moved ([Note: short last block])."""
+        for block, lo, n in req.crc_blocks(index):
+            req.crcs[block] = crc32(req.view[lo : lo + n], 0)
 
     def write_header(self, req: Request, wb: WorkerBuffers) -> None:
         """After every payload block landed: the header commits the region on disk."""

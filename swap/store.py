@@ -347,7 +347,7 @@ class SwapStore:
                        generation=generation, direct_buffer=aligned, block_size=self.block_size)
 
     def _submit_locked(self, req: Request, done: list[Request]) -> None:
-        req.crcs = [0] * req.n_tasks
+        req.crcs = [0] * req.n_blocks
         if req.deps_left == 0:
             self._queues.runnable(req)
             self._admit_locked(done)
