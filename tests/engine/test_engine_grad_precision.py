@@ -183,12 +183,15 @@ def test_bf16_gradients_train_bitwise_as_fp32_gradients(
     if offload != "none":
         assert (2 * low["tiers"]["homes"]["grad"][{"cpu": "host", "nvme": "nvme"}[offload]]
                 == full["tiers"]["homes"]["grad"][{"cpu": "host", "nvme": "nvme"}[offload]])
-    if offload == "nvme":  # clipping keeps each gradient past backward: written, read back
-        # (at most half the bytes: a 2-byte gradient takes one staging buffer where an fp32
-        # one takes two, so fewer are evicted to the disk)
+    if offload == "nvme":  # clipping keeps each gradient past backward: written down
+        # under pool pressure and read back for the update, at most half the bytes (a
+        # 2-byte gradient takes one staging buffer where an fp32 one takes two, so fewer
+        # are evicted). The 2-byte run may read none back: which of its gradients are
+        # still cached when the update comes depends on when each write-behind ran.
         read, written = nvme_grad_bytes(low)
         full_read, full_written = nvme_grad_bytes(full)
-        assert 0 < 2 * read <= full_read and 0 < 2 * written <= full_written
+        assert 2 * read <= full_read and 0 < 2 * written <= full_written
+        assert full_read > 0
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
