@@ -1,9 +1,9 @@
 """Transparent huge pages for the large host buffers allocated on every step.
 
 [Note: huge pages for per-step host buffers] On a CPU compute device a unit's gather
-buffer (engine/shards/flat.py), the device tier's copy of a shard
-(TierTransfer.empty_device) and autograd's gradients and activations are host memory
-allocated and freed for every unit of every step. glibc serves a block this large by
+buffer (engine/shards/flat.py), the device tier's copy of a shard (Mover.empty_device in
+offload/transfer.py) and autograd's gradients and activations are host memory allocated
+and freed for every unit of every step. glibc serves a block this large by
 mmap (and host_heap.py's malloc_trim hands back the smaller ones), so each allocation is
 fresh memory that the kernel faults in and zeroes 4 KiB at a time as it is first
 written: at 2.07B parameters that is tens of gigabytes of 4 KiB faults a step, on the
