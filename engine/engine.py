@@ -1,8 +1,7 @@
 """ZeroEngine: the training API over partitioned units (forward, backward, step).
 
-Composition happens in `ZeroEngine.__init__`, in order: ranks, units, flat
-shards in the shard store, scheduler, hooks, optimizer, lr schedule, loss
-scaler.
+Composition happens in `ZeroEngine.__init__`, in order: ranks, units, flat shards in the
+shard store, scheduler, hooks, optimizer, lr schedule, loss scaler.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ from tierzero.engine.config import Config
 from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_defaults import gather_bounds
 from tierzero.engine.host_heap import release_free_heap
-from tierzero.engine.layer_major import (
-    train_schedule,
-)
+from tierzero.engine.layer_major import train_schedule
 from tierzero.engine.schedule import Scheduler
 from tierzero.engine.shards.grad_precision import grad_dtype
 from tierzero.engine.shards.store import ShardStore
@@ -474,17 +471,18 @@ class ZeroEngine:
             raise RuntimeError("engine is closed; build a new one with engine.initialize()")
 
     def close(self, *, restore_params: bool = True) -> None:
-        """Remove hooks and leave every parameter gathered (usable as a plain module).
-
-        `restore_params=False`: leave every parameter released (size 0; the module is not
-        usable afterwards) instead of gathering each unit back from its tier: what a
-        process about to exit wants (tierzero train), since with parameters on NVMe the
-        gather reads the whole model, and with several ranks it is a collective that a
-        rank stopping alone would hang in. Idempotent."""
+        """Remove hooks and leave every parameter gathered (usable as a plain module); idempotent.
+        `restore_params=False` leaves them released (size 0): for a process about to exit,
+        where the gather would read the model from NVMe or hang in a collective. A background
+        save's or deferred update's failure is raised once threads stop and swap files go."""
         if self._closed:
             return
-        self._saver.close()  # a background save finishes (or raises) first
-        self.settle_optimizer()
+        failure: BaseException | None = None
+        for settle in (self._saver.close, self.settle_optimizer):  # a save finishes first
+            try:
+                settle()
+            except BaseException as exc:  # raised below, once everything is closed
+                failure, restore_params = failure or exc, False
         for unit in self.units:
             if restore_params:
                 self.scheduler.ensure_gathered(unit)
@@ -494,6 +492,9 @@ class ZeroEngine:
         self._hooks.close()
         self._state_dict_hook.remove()
         self._closed = True
-        self.step_driver.close()
-        self.store.close()
-        self.comm.close()
+        with contextlib.ExitStack() as ends:  # each runs, whatever the ones before raise
+            ends.callback(self.comm.close)
+            ends.callback(self.store.close)  # threads stopped, swap files removed
+            self.step_driver.close()  # may raise a write that failed in the update
+        if failure is not None:
+            raise failure

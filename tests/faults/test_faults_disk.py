@@ -167,3 +167,34 @@ def test_swap_write_enospc_mid_run_is_one_line(tmp_path: Path,
     assert "is full: the swap file could not be written (ENOSPC)" in err, err
     assert ".scratch.swp" in err and "Nothing was lost" in err
     assert not list(swap.rglob("*.swp"))
+
+
+@pytest.mark.parametrize("where", ["settle", "close"])
+def test_close_raises_a_failed_deferred_update_after_removing_the_swap_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A write that failed in the optimizer's update (as one into a full swap file does),
+    raised where the engine settles the update or where it closes the update's stream, is
+    raised by eng.close() only once the threads are stopped and the swap files removed:
+    `tierzero train` exits with its one line and leaves no scratch file behind. Before,
+    close() raised from either and never closed the store."""
+    from engine_helpers import make_batches, make_config, make_model, offload_config, train_steps
+
+    eng, _, _, _ = engine.initialize(
+        model=make_model(), config=offload_config(make_config(clip=1.0), "nvme", tmp_path),
+        device="cpu")
+    train_steps(eng, make_batches(2))
+    assert list(tmp_path.rglob("*.scratch.swp"))
+    driver = eng.step_driver
+    real = getattr(driver, where)
+
+    def failing(**kwargs: Any) -> None:
+        real(**kwargs)
+        raise RuntimeError("the deferred update failed: ENOSPC")
+
+    monkeypatch.setattr(driver, where, failing)
+    with pytest.raises(RuntimeError, match="deferred update failed"):
+        eng.close()
+    assert not list(tmp_path.rglob("*.scratch.swp"))
+    eng.close()  # closed: idempotent, nothing raised again
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        eng.step()
