@@ -62,7 +62,8 @@ class ZeroEngine:
 
     def __init__(self, module: nn.Module, config: Config,
                  optimizer_factory: OptimizerFactory, comm: Comm | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, *, host_compute: bool | None = None) -> None:
+        """host_compute: TieredShardStore's (a dry run on meta planning CUDA says False)."""
         self.module = module
         self.comm = comm or Comm()
         # Batch sizes resolved for this world size (ConfigError when they do not fit).
@@ -72,12 +73,12 @@ class ZeroEngine:
         self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
         specs = unit_specs(module, config.zero, self.comm)
         self._move_buffers()
-        # Plain device-resident shards, or the tier manager when anything is offloaded:
-        # chosen once; afterwards the store says what callers may do ([Note: shard
-        # residency] in shards/store.py).
-        # fp32 gradient shards, or the compute dtype's where exact ([Note: gradient precision])
+        # Plain device-resident shards, or the tier manager when anything is offloaded, chosen
+        # once ([Note: shard residency] in shards/store.py); fp32 gradient shards, or the
+        # compute dtype's where exact ([Note: gradient precision])
         grads = grad_dtype(self.config, self.comm.world_size)
-        tiered = (TieredShardStore(self.device, self.config, grads, rank=self.comm.rank)
+        tiered = (TieredShardStore(self.device, self.config, grads, rank=self.comm.rank,
+                                   host_compute=host_compute)
                   if offload_wanted(self.config) else None)
         self.store: ShardStore = ShardStore(self.device, grads) if tiered is None else tiered
         builder = UnitBuilder.for_specs(specs, dtype=self.dtype, comm=self.comm,
@@ -125,9 +126,8 @@ class ZeroEngine:
         self._init_run(module)
 
     def _init_run(self, module: nn.Module) -> None:
-        """The per-run state beside the step: step counters and the last step's gradient
-        norm, wall-clock log, background saver, host activations, the schedule train_batch
-        runs."""
+        """Per-run state beside the step: step counters, the last gradient norm, wall-clock
+        log, background saver, host activations, the schedule train_batch runs."""
         self.global_steps = 0
         self.skipped_steps = 0
         self.optimizer_step_s = 0.0  # cumulative seconds in step() called by train_batch

@@ -21,14 +21,17 @@ schedule needs instead:
                                 the root, and its last block's backward follows at once).
                                 Every other unit is read again in backward: its NVMe bytes
                                 once more per step, read ahead by the prefetch window.
-  offload.budgets.device_bytes  the device-homed shards (offload.*.device none) + two of
-                                the largest shard fetched to the device (param, to be
-                                gathered): the one being gathered and the next one,
-                                fetched ahead; at least the cache room placement reserves
-                                (one of the largest param or gradient shard homed
-                                below). A device cache on a CPU only copies a host cache.
-                                With an `auto` home the planner fills the device tier from
-                                its budget, so there it stays the available memory.
+  offload.budgets.device_bytes  the device-homed shards (offload.*.device none), at least
+                                the cache room placement reserves (one of the largest
+                                param or gradient shard homed below). A param homed below
+                                is gathered from its host copy, not fetched to the device
+                                first ([Note: params gathered from host memory] in
+                                shards/tiered.py): a device cache on a CPU would only copy
+                                a host cache. (A dry run on meta planning a CUDA machine
+                                fetches params to the device: two of the largest, the one
+                                being gathered and the next.) With an `auto` home the
+                                planner fills the device tier from its budget, so there
+                                it stays the available memory.
 
 With CUDA the GPU-sized defaults stay (2 GB; free device memory). A value the user sets,
 including through DeepSpeed's stage3_max_live_parameters / stage3_max_reuse_distance,

@@ -228,7 +228,7 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     """
     config = dry_config(config, device_is_host=device_is_host)
     built_bytes = model_bytes(module)  # before the engine re-points the parameters
-    eng = _build_engine(module, config, world_size)
+    eng = _build_engine(module, config, world_size, device_is_host)
     try:
         store = eng.store if isinstance(eng.store, TieredShardStore) else None
         out = _placed(eng, store, built_bytes, world_size)
@@ -245,16 +245,20 @@ def dry_run(module: nn.Module, config: Config, *, world_size: int = 1, steps: in
     return out
 
 
-def _build_engine(module: nn.Module, config: Config, world_size: int) -> ZeroEngine:
+def _build_engine(module: nn.Module, config: Config, world_size: int,
+                  device_is_host: bool) -> ZeroEngine:
     """The real engine on `module`, on meta, its collectives shape checks for `world_size`
-    ranks; placement and pool logging (INFO) kept quiet while it builds."""
+    ranks, its params gathered as on the planned machine ([Note: params gathered from host
+    memory] in shards/tiered.py); placement and pool logging (INFO) kept quiet while it
+    builds."""
     opt = config.optimizer
     factory = torch_adam_factory(opt.type, opt.lr, opt.betas, opt.eps, opt.weight_decay)
     quiet = logging.getLogger("tierzero.offload")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # placement and pool explain themselves at INFO
     try:
-        return ZeroEngine(module, config, factory, comm=DryComm(world_size), device=META)
+        return ZeroEngine(module, config, factory, comm=DryComm(world_size), device=META,
+                          host_compute=device_is_host)
     finally:
         quiet.setLevel(level)
 

@@ -94,12 +94,16 @@ def swap_dir(config: Config) -> str | None:
 
 
 def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0,
-                  specs: Sequence[ShardSpec] = ()) -> TierSettings:
+                  specs: Sequence[ShardSpec] = (), params_to_device: bool = False
+                  ) -> TierSettings:
     """offload.TierSettings from the engine config (budgets, pool, prefetch windows).
 
     `host_outside`: host bytes the engine allocates itself (the CPU Adam's pipeline
     buffers); offload.budgets.host_bytes covers them too, so the manager gets the rest.
     `specs`: every shard the manager will hold (sizes the CPU stand-in's device tier).
+    `params_to_device`: param shards are fetched to the device tier to be gathered (not
+    when the device is host memory: [Note: params gathered from host memory] in
+    shards/tiered.py; a dry run on meta planning CUDA).
     """
     b = config.offload.budgets
     dev_budget = b.device_bytes
@@ -114,7 +118,7 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
             below = [s for s in specs if homes[s.cls] != "none"]
             dev_budget = cpu_device_budget(
                 homed=sum(s.nbytes for s in specs if homes[s.cls] == "none"),
-                fetched=[s.nbytes for s in below if s.cls == "param"],
+                fetched=[s.nbytes for s in below if s.cls == "param" and params_to_device],
                 reserve=max((s.nbytes for s in below if s.cls in STEP_CLASSES),
                             default=0))
     reserve = {} if b.host_reserve_bytes is None else {"host_reserve": b.host_reserve_bytes}

@@ -25,6 +25,7 @@ import torch
 
 from tierzero import swap
 from tierzero.engine.config import Config
+from tierzero.engine.host_defaults import device_is_host
 from tierzero.engine.shards import tier_config
 from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.state_layout import Pieces, RingRequest, StateLayout
@@ -51,10 +52,15 @@ class TieredShardStore(ShardStore):
     """
 
     def __init__(self, device: torch.device, config: Config,
-                 grad_dtype: torch.dtype = torch.float32, *, rank: int = 0) -> None:
+                 grad_dtype: torch.dtype = torch.float32, *, rank: int = 0,
+                 host_compute: bool | None = None) -> None:
         """rank: this rank, which names its shards in the salt of a bf16 master's
-        stochastic rounding ([Note: bf16 master weights] in offload/bf16_master.py)."""
+        stochastic rounding ([Note: bf16 master weights] in offload/bf16_master.py).
+        host_compute: the compute device's memory is host memory ([Note: params gathered
+        from host memory]); None: no CUDA (`device_is_host`). A dry run on meta planning a
+        CUDA machine says False."""
         super().__init__(device, grad_dtype)
+        self.host_compute = device_is_host(device) if host_compute is None else host_compute
         self.config = config
         self.homes = tier_config.homes_from(config)
         self._added: set[str] = set()
@@ -151,7 +157,7 @@ class TieredShardStore(ShardStore):
         try:
             settings = tier_config.tier_settings(
                 self.config, self.device, host_outside=self.layout.pipeline_bytes(),
-                specs=specs)
+                specs=specs, params_to_device=not self.host_compute)
             self.manager = TierManager(specs, settings, swap=self.swap)
         except BaseException:
             self.close()
@@ -185,16 +191,21 @@ class TieredShardStore(ShardStore):
 
     # -- access ------------------------------------------------------------------------
     def tier_for(self, key: str, kind: TensorClass, *, compute: bool = True) -> Tier:
-        """Where `kind` is read or written: param for compute (gathers) on the device;
+        """Where `kind` is read or written: param for compute (gathers) on the device,
+        unless the device is host memory ([Note: params gathered from host memory]);
         otherwise on its home, host for anything below it.
 
-        With the CPU as the compute device, a param homed in host memory is gathered
-        straight from its home: the "device" tier is host memory too, and a copy into it
-        would only add an allocation and a copy per gather (the gather copies the shard
-        into the unit's full buffer anyway)."""
+        [Note: params gathered from host memory] When the compute device's memory is host
+        memory (a CPU run, or a dry run planning one), a param shard homed in host memory
+        or on NVMe is gathered from its host copy: its home, or the host cache an NVMe read
+        fills (a pool buffer). The "device" tier is host memory too, so a copy into it
+        would only add an allocation and a host-to-host copy of every gathered byte (the
+        gather copies the shard into the unit's full buffer anyway); the NVMe read-ahead
+        (the NVMe window, into the pool) is the gather's prefetch. A shard homed on the
+        device (offload none) stays there. With CUDA the param is copied to the device
+        first, where the all-gather reads it."""
         home = self._mgr().home_of(self.layout.pieces(key, kind)[0][0])
-        if kind == "param" and compute and not (self.device.type == "cpu"
-                                                  and home == "host"):
+        if kind == "param" and compute and not self.host_compute:
             return "device"
         return "device" if home == "device" else "host"
 

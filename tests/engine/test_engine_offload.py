@@ -149,15 +149,18 @@ def test_offload_two_ranks_match_ddp_reference(tmp_path: Path) -> None:
 
 def test_prefetch_follows_trace_and_reuse_distance_bounds_live(tmp_path: Path) -> None:
     """From the second step the tier manager gets the param order from the unit trace:
-    every fetch follows it (no mismatch) and NVMe reads are issued ahead. Units reused soon
-    stay gathered between forward and backward unless zero.max_live_bytes forbids it; the
-    result is bitwise the same either way."""
+    every fetch follows it (no mismatch) and NVMe reads are issued ahead (a staging pool
+    of two buffers cannot keep every param cached from the update that wrote it to its
+    backward). Units reused soon stay gathered between forward and backward unless
+    zero.max_live_bytes forbids it; the result is bitwise the same either way."""
     batches = make_batches(4)
     runs = {}
     for live in (2_000_000_000, 0):
         base = make_config(clip=0.5)
         cfg = offload_config(dataclasses.replace(
             base, zero=dataclasses.replace(base.zero, max_live_bytes=live)), "nvme", tmp_path)
+        cfg = dataclasses.replace(cfg, offload=dataclasses.replace(
+            cfg.offload, params=dataclasses.replace(cfg.offload.params, buffer_count=2)))
         model = make_model()
         eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
         for ids, tg in batches:

@@ -89,9 +89,10 @@ def test_dry_run_bytes_equal_a_real_run(tmp_path: Path) -> None:
     dry = dry_run(module, config, steps=3)
     real = real_steps(config, steps=3)
     assert_matches(real, dry, 3)
-    # sanity: the step moves something on every path the tiers have
-    p16 = 2 * sum(n for _, n in model_shape("builtin:tiny").units)  # padded shards below
-    assert real[-1].host_to_device >= p16 > 0 and real[-1].nvme_written > 0
+    # sanity: the step moves something on every path the tiers have on a CPU, where params
+    # are gathered from host memory ([Note: params gathered from host memory])
+    assert real[-1].nvme_read > 0 and real[-1].nvme_written > 0
+    assert real[-1].host_to_device == 0
     assert dry.step().adam_params > 0
 
 

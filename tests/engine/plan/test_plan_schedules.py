@@ -47,8 +47,9 @@ def test_dry_run_counts_each_schedule_as_a_real_run(tmp_path: Path, schedule: st
 
 def test_layer_major_moves_one_pass_of_parameters(tmp_path: Path) -> None:
     """Per optimizer step of ACCUM micro-batches on the 25.5M built-in model with a small
-    staging pool (parameters do not stay cached): layer-major copies each unit's
-    parameters in once per pass and reduces each gradient once, micro-step ACCUM times."""
+    staging pool (parameters do not stay cached), planned for a CUDA machine (params are
+    copied to the device to be gathered): layer-major copies each unit's parameters in
+    once per pass and reduces each gradient once, micro-step ACCUM times."""
     def config(schedule: str) -> engine.Config:
         return engine.load_config({
             "zero": {"stage": 3}, "precision": "bf16",
@@ -56,7 +57,7 @@ def test_layer_major_moves_one_pass_of_parameters(tmp_path: Path) -> None:
             "offload": {"device": "nvme", "path": str(tmp_path), "buffer_count": 8}})
 
     with torch.device("meta"):
-        runs = {s: dry_run(TinyLM(SIZES["small"]), config(s), steps=2)
+        runs = {s: dry_run(TinyLM(SIZES["small"]), config(s), steps=2, device_is_host=False)
                 for s in ("layer_major", "micro_step")}
     lm, ms = (runs[s].step() for s in ("layer_major", "micro_step"))
     assert ms.grads_to_host == ACCUM * lm.grads_to_host > 0
