@@ -169,7 +169,12 @@ class TierManager(SnapshotCore):
                 self._preserve(rec)
             self._flush_above(rec, tier, drop=writable)
             copy = rec.copies[tier]
-            if copy.state in (State.STORING, State.FILLING):
+            # [Note: reading a cache while it is written down] A cache being written one
+            # tier down (STORING) holds the newest data and the write only reads it: a
+            # read-only holder takes it at once (its hold keeps the buffer past the write,
+            # and voids an eviction that started the write); a writable one waits, as a
+            # write must not change bytes being written. A copy FILLING has no data yet.
+            if copy.state is State.FILLING or (copy.state is State.STORING and writable):
                 self._wait_settled(rec, tier)
             if copy.state is State.ABSENT and discard and tier == "host" and rec.home == "nvme":
                 self._acct.misses += 1

@@ -6,6 +6,7 @@ for bit the same while the next forward's first gathers stop reading NVMe."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tiers_util import cpu_settings, data_for, store
 from tierzero import engine
 from tierzero.offload import AdamStream, ShardSpec, State, TierManager
 from tierzero.offload.transfer import Mover
+from tierzero.swap.fileio import FileIO
 
 N = 4096  # bf16 elements: 8 KiB, two pages
 
@@ -62,6 +64,73 @@ def test_kept_write_is_a_dirty_cache_stored_down_then_a_clean_hit(tmp_path: Path
         mgr.read_into("p0", out).wait()
         assert torch.equal(out, got)
         mgr.audit()
+
+
+class GatedWrites(FileIO):
+    """Every pwrite waits until `gate` is set: a write-back stays in flight until then."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        if not self.gate.wait(30):
+            raise OSError("test gate never opened")
+        return super().pwrite(fd, buf, offset)
+
+
+def test_a_cache_being_written_down_is_read_at_once(tmp_path: Path) -> None:
+    """[Note: reading a cache while it is written down] in offload/manager.py: a read-only
+    fetch of a kept cache whose write is still in flight returns the new bytes without
+    waiting for the write, holds the buffer past it (also against the eviction that a
+    write-back may have been started for), and a writable fetch still waits for it."""
+    io = GatedWrites()
+    io.gate.set()  # the initial placement writes through
+    specs = [ShardSpec(f"p{i}", "param", N, torch.bfloat16) for i in range(3)]
+    mgr = TierManager(specs, cpu_settings({"param": "nvme"}, device=1 << 20, host=1 << 20,
+                                          buffer_count=3),
+                      swap=store(tmp_path, fileio=io))
+    with mgr:
+        for i, s in enumerate(specs):
+            mgr.place(s.key, data_for(s, i)).wait()
+        mgr.synchronize()
+        rec = mgr._records["p0"]
+        io.gate.clear()
+        new = torch.randn(N).to(torch.bfloat16)
+        written = mgr.write_from("p0", new, keep_host=True)
+        assert rec.copies["host"].state is State.STORING  # held at the gate
+        mgr.evict("p0")  # asks for the cache to go once written
+        fetched = mgr.fetch("p0", "host")
+        assert fetched.done() and not written.done()  # the write cannot have landed
+        assert torch.equal(fetched.wait(), new)
+        writer_done = threading.Event()
+
+        def fetch_writable() -> None:
+            mgr.fetch("p1", "host", writable=True).wait()
+            writer_done.set()
+
+        # a writable fetch of a cache being written down waits for the write
+        mgr.fetch("p1", "host", writable=True).wait().fill_(2.0)
+        mgr.release("p1")
+        mgr.evict("p1")  # dirty: its write-back starts, held at the gate
+        assert mgr._records["p1"].copies["host"].state is State.STORING
+        writer = threading.Thread(target=fetch_writable)
+        writer.start()
+        assert not writer_done.wait(0.2)  # it cannot pass the gate's write
+        io.gate.set()
+        writer.join(30)
+        assert writer_done.is_set()
+        mgr.release("p1")
+        written.wait()
+        mgr.synchronize()
+        assert rec.copies["host"].state is State.CLEAN  # the hold outlived the eviction
+        assert torch.equal(fetched.wait(), new)
+        mgr.release("p0")
+        mgr.audit()
+        out = torch.empty(N, dtype=torch.bfloat16)
+        mgr.evict("p0")
+        mgr.synchronize()
+        mgr.read_into("p0", out).wait()
+        assert torch.equal(out, new)  # the write landed whole
 
 
 def test_kept_write_falls_back_to_a_direct_write_when_the_pool_is_full(tmp_path: Path
