@@ -15,8 +15,11 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
 - NVMe bytes per step (/proc/self/io: block-layer bytes of the child; the swap store uses
   O_DIRECT) and the tier manager's moved bytes;
 - step time against the disk: the same directory's O_DIRECT sequential write and read
-  bandwidth measured in this run (a file of --bw-bytes, 64 MiB requests), so
-  `io_bound_s` = read/read_bw + written/write_bw is the least time the step's traffic needs;
+  bandwidth measured in this run (a file of --bw-bytes, 64 MiB requests), each alone and
+  both running together (`mixed_gbps`), so `io_bound_s` = max(read/read_bw,
+  written/write_bw, (read + written)/mixed_bw) is the least time the step's traffic needs
+  with its reads and writes sharing the drive (`io_serial_s` = read/read_bw +
+  written/write_bw, one direction at a time, as rows before 2026-12-03 13:00 reported);
 - whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
   so a working optimizer lowers it).
 
@@ -69,6 +72,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import mmap
@@ -129,36 +133,58 @@ def files_under(path: str) -> list[str]:
 
 # -- the disk -------------------------------------------------------------------------------
 def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[str, float]:
-    """GB/s of one O_DIRECT sequential write (fsynced) then read of `nbytes` in `directory`."""
+    """GB/s of `nbytes` in `directory` through O_DIRECT: one sequential write (fsynced), one
+    sequential read, then a read of that file and a write of a second one running together
+    (`mixed_gbps`, both directions' bytes over the time until both end): a step's reads
+    and writes share the drive, which may move more or fewer bytes a second so than either
+    direction alone."""
     path = os.path.join(directory, "bandwidth.bin")
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(1 << 20) * (chunk >> 20))
+    path2 = os.path.join(directory, "bandwidth2.bin")
+    bufs = [mmap.mmap(-1, chunk) for _ in range(2)]  # page-aligned, as O_DIRECT needs
+    for buf in bufs:
+        buf.write(os.urandom(1 << 20) * (chunk >> 20))
     n = max(1, nbytes // chunk)
     flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT
-    try:
-        fd = os.open(path, flags | os.O_WRONLY, 0o600)
+
+    def write(where: str, buf: mmap.mmap) -> None:
+        fd = os.open(where, flags | os.O_WRONLY, 0o600)
         try:
-            t0 = time.perf_counter()
             for _ in range(n):
                 os.write(fd, buf)
             os.fsync(fd)
-            write_s = time.perf_counter() - t0
         finally:
             os.close(fd)
+
+    def read(buf: mmap.mmap) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
         try:
-            t0 = time.perf_counter()
             for _ in range(n):
                 os.readv(fd, [buf])
-            read_s = time.perf_counter() - t0
         finally:
             os.close(fd)
+
+    try:
+        t0 = time.perf_counter()
+        write(path, bufs[0])
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        read(bufs[0])
+        read_s = time.perf_counter() - t0
+        # the syscalls release the GIL: the two threads keep the drive busy both ways
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            t0 = time.perf_counter()
+            both = [pool.submit(write, path2, bufs[1]), pool.submit(read, bufs[0])]
+            for f in both:
+                f.result()  # raises what the thread raised
+            mixed_s = time.perf_counter() - t0
     finally:
-        buf.close()
-        if os.path.exists(path):
-            os.unlink(path)
+        for buf in bufs:
+            buf.close()
+        for where in (path, path2):
+            if os.path.exists(where):
+                os.unlink(where)
     return {"bytes": n * chunk, "write_gbps": n * chunk / write_s / 1e9,
-            "read_gbps": n * chunk / read_s / 1e9}
+            "read_gbps": n * chunk / read_s / 1e9, "mixed_gbps": 2 * n * chunk / mixed_s / 1e9}
 
 
 # -- children -------------------------------------------------------------------------------
@@ -545,8 +571,12 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
         "losses": [p["loss"] for p in steps]}
     if steady:
         mid = sorted(steady, key=lambda p: p["s"])[len(steady) // 2]
-        io_s = mid["nvme_read"] / (bw["read_gbps"] * 1e9) + \
-            mid["nvme_written"] / (bw["write_gbps"] * 1e9)
+        read_s = mid["nvme_read"] / (bw["read_gbps"] * 1e9)
+        write_s = mid["nvme_written"] / (bw["write_gbps"] * 1e9)
+        # the least time, reads and writes sharing the drive (step_bench.io_seconds)
+        io_s = max(read_s, write_s,
+                   (mid["nvme_read"] + mid["nvme_written"]) / (bw["mixed_gbps"] * 1e9))
+        out["io_serial_s"] = read_s + write_s  # one direction at a time (earlier rows)
         before = phases[phases.index(mid) - 1]
         if mid.get("moved_by_class") and before.get("moved_by_class"):
             # the tier manager's bytes of this step per direction and tensor class
@@ -612,7 +642,7 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
     """Markdown rows: each tierzero state precision's NVMe bytes and step against fp32's."""
     base = (rows.get("tierzero") or {}).get("summary") or {}
     out = ["| state_precision | NVMe read / step | written / step | bytes vs fp32 | step | "
-           "vs fp32 | io_bound_s | disk w/r GB/s |", "| --- |" + " ---: |" * 7]
+           "vs fp32 | io_bound_s | disk w/r/both GB/s |", "| --- |" + " ---: |" * 7]
     for name, row in rows.items():
         s = row.get("summary") or {}
         if not name.startswith("tierzero") or "step_s" not in s:
@@ -627,7 +657,8 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
                    f"{s['nvme_read_per_step'] / 1e9:.2f} GB | "
                    f"{s['nvme_written_per_step'] / 1e9:.2f} GB | {vs} | {s['step_s']:.1f} s | "
                    f"{vs_step} | {s['io_bound_s']:.1f} s | "
-                   f"{row['disk']['write_gbps']:.2f} / {row['disk']['read_gbps']:.2f} |")
+                   f"{row['disk']['write_gbps']:.2f} / {row['disk']['read_gbps']:.2f} / "
+                   f"{row['disk']['mixed_gbps']:.2f} |")
     return out
 
 
@@ -752,7 +783,8 @@ def main() -> None:
         bw = disk_bandwidth(run_dir, args.bw_bytes)
         result["disk"] = bw
         sys.stderr.write(f"disk: write {bw['write_gbps']:.2f} GB/s, read "
-                         f"{bw['read_gbps']:.2f} GB/s (O_DIRECT, {bw['bytes'] / GiB:.1f} GiB)\n")
+                         f"{bw['read_gbps']:.2f} GB/s, both together {bw['mixed_gbps']:.2f} "
+                         f"GB/s (O_DIRECT, {bw['bytes'] / GiB:.1f} GiB)\n")
         if "tierzero" in engines:
             result["plan"] = plan_prediction(paths["model"], paths["config"], args.seq,
                                              args.batch)
@@ -783,7 +815,7 @@ def main() -> None:
             if n:  # a virtual disk drifts between minutes: each row against its own measure
                 bw = disk_bandwidth(run_dir, args.bw_bytes)
             sys.stderr.write(f"{name}: running (disk: write {bw['write_gbps']:.2f}, read "
-                             f"{bw['read_gbps']:.2f} GB/s)\n")
+                             f"{bw['read_gbps']:.2f}, together {bw['mixed_gbps']:.2f} GB/s)\n")
             row = run_child(python, which, paths, swap_dir, args,
                             config=paths.get(f"config:{prec}:{schedule}"),
                             ds_build=variant if which == "deepspeed" else "whole",
