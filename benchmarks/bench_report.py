@@ -26,6 +26,14 @@ def num(row: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
     return format(value / scale, spec)
 
 
+def drive_seconds(read: float, written: float, read_gbps: float, write_gbps: float,
+                  mixed_gbps: float) -> float:
+    """The least time a drive needs to read `read` and write `written` bytes, given its
+    GB/s reading alone, writing alone and doing both at once (reads and writes share it)."""
+    return max(read / (read_gbps * 1e9), written / (write_gbps * 1e9),
+               (read + written) / (mixed_gbps * 1e9))
+
+
 def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from a configuration's rounds: a field with numbers is their median over
     the rounds that have one (None in the others, as an overlap without a bound), anything

@@ -136,8 +136,8 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
     """GB/s of `nbytes` in `directory` through O_DIRECT: one sequential write (fsynced), one
     sequential read, then a read of that file and a write of a second one running together
     (`mixed_gbps`, both directions' bytes over the time until both end): a step's reads
-    and writes share the drive, which may move more or fewer bytes a second so than either
-    direction alone."""
+    and writes share the drive, which may move more or fewer bytes a second then than in
+    either direction alone."""
     path = os.path.join(directory, "bandwidth.bin")
     path2 = os.path.join(directory, "bandwidth2.bin")
     bufs = [mmap.mmap(-1, chunk) for _ in range(2)]  # page-aligned, as O_DIRECT needs
@@ -571,12 +571,13 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
         "losses": [p["loss"] for p in steps]}
     if steady:
         mid = sorted(steady, key=lambda p: p["s"])[len(steady) // 2]
-        read_s = mid["nvme_read"] / (bw["read_gbps"] * 1e9)
-        write_s = mid["nvme_written"] / (bw["write_gbps"] * 1e9)
-        # the least time, reads and writes sharing the drive (step_bench.io_seconds)
-        io_s = max(read_s, write_s,
-                   (mid["nvme_read"] + mid["nvme_written"]) / (bw["mixed_gbps"] * 1e9))
-        out["io_serial_s"] = read_s + write_s  # one direction at a time (earlier rows)
+        from bench_report import drive_seconds  # benchmarks/bench_report.py
+
+        io_s = drive_seconds(mid["nvme_read"], mid["nvme_written"], bw["read_gbps"],
+                             bw["write_gbps"], bw["mixed_gbps"])
+        # one direction at a time, as rows before the mixed measurement reported
+        out["io_serial_s"] = (mid["nvme_read"] / (bw["read_gbps"] * 1e9)
+                              + mid["nvme_written"] / (bw["write_gbps"] * 1e9))
         before = phases[phases.index(mid) - 1]
         if mid.get("moved_by_class") and before.get("moved_by_class"):
             # the tier manager's bytes of this step per direction and tensor class

@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import machine  # noqa: E402  (benchmarks/machine.py)
 from bench_models import MLPModel  # noqa: E402  (benchmarks/bench_models.py)
-from bench_report import median_row, step_line  # noqa: E402  (benchmarks/bench_report.py)
+from bench_report import drive_seconds, median_row, step_line  # noqa: E402  (benchmarks/bench_report.py)
 from ds_pairs import deepspeed_configs, report_deepspeed  # noqa: E402  (benchmarks/ds_pairs.py)
 
 from tierzero import engine, swap  # noqa: E402
@@ -301,8 +301,7 @@ def disk_bandwidth(directory: str, nbytes: int) -> dict[str, float]:
 
 def io_seconds(read: float, write: float, bw: dict[str, float]) -> float:
     """The least time the disk `bw` needs to read `read` and write `write` bytes."""
-    return max(read / (bw["read_gbs"] * 1e9), write / (bw["write_gbs"] * 1e9),
-               (read + write) / (bw["mixed_gbs"] * 1e9))
+    return drive_seconds(read, write, bw["read_gbs"], bw["write_gbs"], bw["mixed_gbs"])
 
 
 def add_overlap(runs: dict[str, list[dict[str, Any]]], bw: dict[str, float]) -> None:

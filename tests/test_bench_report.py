@@ -131,3 +131,12 @@ def test_scale_bench_watchdog_stops_a_child_over_its_rss_cap() -> None:
     row = {"killed": dog.why, "killed_phase": dog.killed_phase, "peak_rss_wait4": dog.rss_max}
     assert bench_report.stopped_text(row).startswith(
         f"stopped at {dog.rss_max / 1e9:.1f} GB during initialize")
+
+
+def test_drive_seconds_is_the_slowest_of_each_direction_and_both_together() -> None:
+    # 4 GB read at 2 GB/s, 2 GB written at 1 GB/s: 2 s each way; 6 GB both ways at 3 GB/s
+    assert bench_report.drive_seconds(4e9, 2e9, 2.0, 1.0, 3.0) == pytest.approx(2.0)
+    # a drive that shares its bandwidth between reads and writes: both at once bound it
+    assert bench_report.drive_seconds(4e9, 2e9, 2.0, 1.0, 1.5) == pytest.approx(4.0)
+    # one direction slower alone than both at once: that direction bounds it
+    assert bench_report.drive_seconds(4e9, 0.0, 1.0, 1.0, 8.0) == pytest.approx(4.0)
