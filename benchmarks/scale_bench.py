@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import mmap
 import os
@@ -220,6 +221,33 @@ def _batch(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor
     return ids, torch.roll(ids, -1, 1)
 
 
+def _fingerprints(model: torch.nn.Module) -> list[dict[str, float]]:
+    """Record, for each module with parameters of its own, a sample of the weights its first
+    forward call of a step computed with (every 4099th element of each parameter, summed in
+    float64): the step's losses can then be traced to the weights each layer saw. The hooks
+    run after the engine's gather hooks (registered later), so the parameters are gathered;
+    the caller takes and resets the step's record (one dict in a list)."""
+    seen: list[dict[str, float]] = [{}]
+
+    def hook(name: str) -> Any:
+        def record(module: torch.nn.Module, _inputs: Any) -> None:
+            if name not in seen[0]:
+                seen[0][name] = sum(float(p.detach().reshape(-1)[::4099].double().sum())
+                                    for p in module.parameters(recurse=False))
+        return record
+
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(hook(name))
+    return seen
+
+
+def _digest(prints: dict[str, float]) -> str:
+    """A short hash of a step's weight fingerprints (equal rows print equal digests)."""
+    text = json.dumps(sorted(prints.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
 def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
@@ -262,6 +290,7 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
 
     ph.end("initialize", t, **split())
     ids, labels = _batch(args.vocab, args.batch, args.seq)
+    seen = _fingerprints(model)
 
     def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         out = eng(input_ids=mb[0])
@@ -281,7 +310,9 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
         if rec is not None:
             traced = trace_summary.summarize(rec.document())
             rec.write(args.trace)  # atomic, 0600, never through a planted link
+        prints, seen[:] = dict(seen[0]), [{}]
         ph.end(f"step {step}", t, loss=float(sum(float(x) for x in losses) / len(losses)),
+               weights_seen=prints, weights_digest=_digest(prints),
                nvme_read=io1[0] - io0[0], nvme_written=io1[1] - io0[1],
                tokens=args.grad_accum * args.batch * args.seq, schedule=eng.schedule,
                **split())
@@ -568,7 +599,8 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
         "peak_growth": peak["peak_growth"], "peak_phase": peak["phase"],
         "peak_over_state": peak["peak_growth"] / state_bytes,
         "peak_rss": row["peak_rss_wait4"],
-        "losses": [p["loss"] for p in steps]}
+        "losses": [p["loss"] for p in steps],
+        "weights_digests": [p.get("weights_digest") for p in steps]}
     if steady:
         mid = sorted(steady, key=lambda p: p["s"])[len(steady) // 2]
         from bench_report import drive_seconds  # benchmarks/bench_report.py

@@ -140,3 +140,34 @@ def test_drive_seconds_is_the_slowest_of_each_direction_and_both_together() -> N
     assert bench_report.drive_seconds(4e9, 2e9, 2.0, 1.0, 1.5) == pytest.approx(4.0)
     # one direction slower alone than both at once: that direction bounds it
     assert bench_report.drive_seconds(4e9, 0.0, 1.0, 1.0, 8.0) == pytest.approx(4.0)
+
+
+def test_scale_bench_fingerprints_the_weights_each_module_first_computes_with() -> None:
+    import torch
+
+    from benchmarks import scale_bench
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 90), torch.nn.ReLU(),
+                                torch.nn.Linear(90, 5000, bias=False))
+    seen = scale_bench._fingerprints(model)
+    x = torch.randn(2, 100)
+    model(x)
+    first = dict(seen[0])
+    # modules with parameters of their own only; every 4099th element of each, summed
+    assert sorted(first) == ["0", "2"]
+    w0, b0, w2 = model[0].weight, model[0].bias, model[2].weight
+    want0 = (float(w0.detach().reshape(-1)[::4099].double().sum())
+             + float(b0.detach().reshape(-1)[::4099].double().sum()))
+    assert first["0"] == want0
+    assert first["2"] == float(w2.detach().reshape(-1)[::4099].double().sum())
+    with torch.no_grad():
+        w2.reshape(-1)[4099] += 1.0  # a sampled element
+    model(x)  # a module's first call of the step is what counts
+    assert seen[0] == first
+    seen[:] = [{}]  # the next step
+    model(x)
+    assert seen[0]["0"] == first["0"]
+    assert seen[0]["2"] == pytest.approx(first["2"] + 1.0, abs=1e-6)  # an fp32 element
+    assert scale_bench._digest(first) != scale_bench._digest(seen[0])
+    assert scale_bench._digest(first) == scale_bench._digest(dict(first))
