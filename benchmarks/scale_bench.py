@@ -21,7 +21,9 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
   with its reads and writes sharing the drive (`io_serial_s` = read/read_bw +
   written/write_bw, one direction at a time, as rows before 2026-12-03 13:00 reported);
 - whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
-  so a working optimizer lowers it).
+  so a working optimizer lowers it), and a fingerprint of the weights each module's first
+  forward call of the step computed with (`weights_seen`, and its `weights_digest`): rows
+  with equal digests ran their forward on the same weights.
 
 `--state-precisions fp32,bf16,int8` runs the tierzero child once per
 `offload.optimizer.state_precision` (Adam moments kept as fp32, bf16 or blockwise int8),
