@@ -2,9 +2,10 @@
 
 Runs on the store's I/O threads, outside the store lock. With O_DIRECT, a
 block goes straight from/to the caller's memory when the buffer is
-ALIGN-aligned and the block length is a multiple of ALIGN; otherwise (an
-unaligned caller buffer, or the last partial page of a payload) it goes
-through the thread's own aligned bounce buffer, zero-padded to ALIGN.
+ALIGN-aligned and the block length is a multiple of ALIGN. A block of an
+unaligned caller buffer goes through the thread's own aligned bounce buffer,
+zero-padded to ALIGN; of an aligned buffer whose payload ends mid-page, only that
+last partial page does (the aligned head moves direct, then one page bounced).
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ class BlockIO:
         if self.checksum:
             self._crcs(req, index)
         offset = req.entry.offset + HEADER_BYTES + start
+        if self._bounce(req, length) and req.direct_buffer:
+            # an aligned buffer with a ragged end: only its last page goes through the bounce
+            head = length - length % ALIGN
+            if head:
+                self._pwrite_all(req, src[:head], offset)
+            tail = length - head
+            wb.bounce[:tail].copy_(req.data[start + head : start + length])
+            wb.bounce[tail:ALIGN].zero_()
+            self._pwrite_all(req, wb.bounce_view[:ALIGN], offset + head)
+            return tail
         if self._bounce(req, length):
             padded = round_up(length)
             wb.bounce[:length].copy_(req.data[start : start + length])
@@ -115,7 +126,17 @@ class BlockIO:
             raise SwapError("internal: read has no region", path=self.path, key=req.key)
         offset = req.entry.offset + HEADER_BYTES + start
         bounced = 0
-        if self._bounce(req, length):
+        if self._bounce(req, length) and req.direct_buffer:
+            # as in write_block: the aligned head straight into the buffer, the last page
+            # through the bounce
+            head = length - length % ALIGN
+            if head:
+                self._pread_all(req, req.view[start : start + head], offset, head)
+            tail = length - head
+            self._pread_all(req, wb.bounce_view[:ALIGN], offset + head, tail)
+            req.data[start + head : start + length].copy_(wb.bounce[:tail])
+            bounced = tail
+        elif self._bounce(req, length):
             self._pread_all(req, wb.bounce_view[: round_up(length)], offset, length)
             req.data[start : start + length].copy_(wb.bounce[:length])
             bounced = length

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tierzero.swap import SwapError, SwapStore, aligned_empty, is_aligned
+from tierzero.swap.fileio import FileIO
 
 DTYPES = [torch.uint8, torch.int8, torch.bool, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -159,3 +160,33 @@ def test_pinned_buffers_round_trip_to_the_gpu(tmp_path: Path) -> None:
         assert torch.equal(on_gpu, src_gpu)
         st = s.stats()
     assert st.write.bounced_bytes <= 4096  # aligned pinned source: only the tail page
+
+
+def test_an_aligned_buffer_with_a_ragged_end_bounces_only_its_last_page(tmp_path: Path) -> None:
+    # 2 blocks and 3 pages and 100 bytes: the aligned head of the last block moves direct,
+    # its last 100 bytes through the bounce, each way; what comes back is what was written
+    class Lengths(FileIO):
+        def __init__(self) -> None:
+            self.lengths: list[int] = []
+
+        def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+            self.lengths.append(len(buf))
+            return super().pwrite(fd, buf, offset)
+
+        def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+            self.lengths.append(len(buf))
+            return super().pread(fd, buf, offset)
+
+    n = 2 * (1 << 16) + 3 * 4096 + 100
+    io = Lengths()
+    with SwapStore(tmp_path, block_size=1 << 16, fileio=io, verify=True) as s:
+        src = aligned_empty(n, torch.uint8)
+        src.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+        out = aligned_empty(n, torch.uint8).fill_(7)
+        s.write("k", src).wait()
+        s.read("k", out=out).wait()
+        st = s.stats()
+    assert s.direct
+    assert torch.equal(out, src)
+    assert st.write.bounced_bytes == st.read.bounced_bytes == 100
+    assert all(length % 4096 == 0 for length in io.lengths)  # O_DIRECT's rule, every call
