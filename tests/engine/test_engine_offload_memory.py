@@ -8,7 +8,8 @@ pipeline buffer sets), device 64 MiB (the CPU stand-in tier's param caches).
 
 Overhead allowed beyond the budgets: 128 MiB for what the tier manager does not own —
 gathered units (bf16 full buffers, 8.4 MB each, two or three live) and their `.grad`,
-activations (batch 8), the swap I/O threads' bounce blocks (4 x 1 MiB), thread stacks.
+activations (batch 8), the swap I/O threads' bounce blocks (8 x 4 MiB of address space,
+touched only for unaligned data), thread stacks.
 Measured here: 58 MiB.
 
 The child runs with MALLOC_MMAP_THRESHOLD_ = 1 MiB. glibc's default *dynamic* mmap
