@@ -22,8 +22,9 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
   written/write_bw, one direction at a time, as rows before 2026-12-03 13:00 reported);
 - whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
   so a working optimizer lowers it), and a fingerprint of the weights each module's first
-  forward call of the step computed with (`weights_seen`, and its `weights_digest`): rows
-  with equal digests ran their forward on the same weights.
+  forward call of the step computed with (`weights_seen`, and its `weights_digest`: small
+  parameters whole, large ones sampled and their last 4096 elements): rows with equal
+  digests ran their forward on the same weights, as far as the fingerprint sees.
 
 `--state-precisions fp32,bf16,int8` runs the tierzero child once per
 `offload.optimizer.state_precision` (Adam moments kept as fp32, bf16 or blockwise int8),
@@ -224,24 +225,33 @@ def _batch(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _fingerprints(model: torch.nn.Module) -> list[dict[str, float]]:
-    """Record, for each module with parameters of its own, a sample of the weights its first
-    forward call of a step computed with (every 4099th element of each parameter, summed in
-    float64): the step's losses can then be traced to the weights each layer saw. The hooks
-    run after the engine's gather hooks (registered later), so the parameters are gathered;
-    the caller takes and resets the step's record (one dict in a list)."""
+    """Record, for each module with parameters of its own, a fingerprint of the weights its
+    first forward call of a step computed with (`_weights_sum`): the step's losses can then
+    be traced to the weights each layer saw. The hooks run after the engine's gather hooks
+    (registered later), so the parameters are gathered; the caller takes and resets the
+    step's record (one dict in a list)."""
     seen: list[dict[str, float]] = [{}]
 
     def hook(name: str) -> Any:
         def record(module: torch.nn.Module, _inputs: Any) -> None:
             if name not in seen[0]:
-                seen[0][name] = sum(float(p.detach().reshape(-1)[::4099].double().sum())
-                                    for p in module.parameters(recurse=False))
+                seen[0][name] = sum(_weights_sum(p) for p in module.parameters(recurse=False))
         return record
 
     for name, module in model.named_modules():
         if any(True for _ in module.parameters(recurse=False)):
             module.register_forward_pre_hook(hook(name))
     return seen
+
+
+def _weights_sum(p: torch.Tensor) -> float:
+    """A parameter's values summed in float64: all of them for a small one (up to 65536
+    elements: norms, biases), else every 4099th element plus the last 4096 (the page a
+    shard's ragged end shares, read through a different path: swap/blockio.py)."""
+    flat = p.detach().reshape(-1)
+    if flat.numel() <= 65536:
+        return float(flat.double().sum())
+    return float(flat[::4099].double().sum()) + float(flat[-4096:].double().sum())
 
 
 def _digest(prints: dict[str, float]) -> str:

@@ -154,20 +154,23 @@ def test_scale_bench_fingerprints_the_weights_each_module_first_computes_with() 
     x = torch.randn(2, 100)
     model(x)
     first = dict(seen[0])
-    # modules with parameters of their own only; every 4099th element of each, summed
+    # modules with parameters of their own only; small parameters summed whole, a large one
+    # every 4099th element and its last 4096
     assert sorted(first) == ["0", "2"]
     w0, b0, w2 = model[0].weight, model[0].bias, model[2].weight
-    want0 = (float(w0.detach().reshape(-1)[::4099].double().sum())
-             + float(b0.detach().reshape(-1)[::4099].double().sum()))
-    assert first["0"] == want0
-    assert first["2"] == float(w2.detach().reshape(-1)[::4099].double().sum())
+    assert first["0"] == float(w0.detach().double().sum()) + float(b0.detach().double().sum())
+    flat = w2.detach().reshape(-1)
+    assert first["2"] == (float(flat[::4099].double().sum())
+                          + float(flat[-4096:].double().sum()))
     with torch.no_grad():
         w2.reshape(-1)[4099] += 1.0  # a sampled element
+        w2.reshape(-1)[-1] += 2.0  # one of the last page's
+        w0.reshape(-1)[17] += 4.0  # a small parameter's: every element counts
     model(x)  # a module's first call of the step is what counts
     assert seen[0] == first
     seen[:] = [{}]  # the next step
     model(x)
-    assert seen[0]["0"] == first["0"]
-    assert seen[0]["2"] == pytest.approx(first["2"] + 1.0, abs=1e-6)  # an fp32 element
+    assert seen[0]["0"] == pytest.approx(first["0"] + 4.0, abs=1e-5)  # fp32 elements
+    assert seen[0]["2"] == pytest.approx(first["2"] + 3.0, abs=1e-5)
     assert scale_bench._digest(first) != scale_bench._digest(seen[0])
     assert scale_bench._digest(first) == scale_bench._digest(dict(first))
