@@ -272,10 +272,11 @@ class OffloadConfig:
 class NvmeConfig:
     """I/O settings of the NVMe tier (swap.SwapStore)."""
 
-    # 4 MiB requests on 8 threads (32 MiB in flight): at 2.07B on NVMe the step ran at a
-    # median 9 % less time than with 1 MiB on 4, same bytes (benchmarks/RESULTS.md, "Deeper
-    # NVMe queue"); a thread's bounce block (max_task_bytes) is touched only for unaligned
-    # data, which the engine's buffers are not.
+    # Each I/O thread has one request in flight: 4 MiB requests on 8 threads keep 32 MiB
+    # queued, which the drive needs to approach its sequential rate under the step's mixed
+    # reads and writes (benchmarks/RESULTS.md, "Deeper NVMe queue"). A thread's bounce block
+    # (max_task_bytes) is touched only by unaligned buffers, which the engine's are not (an
+    # aligned buffer's ragged end bounces one page: swap/blockio.py).
     block_size: int = field(
         default=4 * MiB,
         metadata=meta("bytes per I/O request; a multiple of 4096", gt=0, le=1 << 30,
