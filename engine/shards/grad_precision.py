@@ -16,7 +16,7 @@ the store keeps the `grad` class in the compute dtype, on whichever store and ti
 lives (device, host, NVMe; offload none, cpu, nvme; every stage), and every reader
 upcasts where it uses it: the CPU Adam kernel reads bf16/fp16 gradients and converts
 each element exactly before the same fp32 arithmetic (offload/_adam_kernel.c); the norm
-and overflow measurement upcasts the shard first (precision.grad_stat); the torch
+and overflow measurement upcasts the shard block by block (precision.grad_stat); the torch
 optimizer over device-resident state gets fp32 copies for its step (step/device.py). An
 exact upcast changes no value, so the results are bit for bit those of fp32 gradient
 shards, and `tierzero plan`, memory_report() and the tier budgets count
@@ -29,10 +29,11 @@ schedule] in layer_major.py): with several micro-batches anyway, and even with o
 folds the two parts of a tied weight there separately, an fp32 sum; so a layer_major
 config keeps fp32 shards (auto picks layer-major only with accumulation).
 
-The measurement's upcast is a transient fp32 copy of the shard it measures (beside the
-tiers, freed at once): torch's norm of a bf16/fp16 tensor either rounds its
-result to that dtype or, asked for fp32, makes the same copy, and a norm taken in pieces
-would sum in another order than the fp32 shard's, changing the clipped result.
+The measurement upcasts the shard a block at a time into a small scratch (beside the
+tiers): torch's norm of a bf16/fp16 tensor either rounds its result to that dtype or,
+asked for fp32, copies the whole shard first; the blocks are those an fp32 shard is
+measured in, so the norm is the same float ([Note: the gradient norm in blocks] in
+step/precision.py).
 
 One exception is left inside the case: a group whose gradient gets a second
 contribution in the same step (a late gradient, [Note: late gradients] in

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierzero.engine.config import LossScaleConfig
-from tierzero.offload.huge_pages import advise_huge
 
 if TYPE_CHECKING:
     from tierzero.engine.collectives import Comm
@@ -109,51 +108,74 @@ class LossScaler:
 class GradStat:
     """What clipping and the fp16 overflow check need of one gradient shard."""
 
-    sq_norm: float  # squared fp32 L2 norm of the shard, as a float64
+    sq_norm: float  # squared L2 norm of the shard in float64 ([Note: the gradient norm in blocks])
     finite: bool  # no inf or NaN in it
 
 
-class UpcastScratch:
-    """One fp32 host buffer, reused to upcast gradient shards kept at compute precision
-    before their norm (one thread's): a fresh fp32 copy per shard pays its page faults
-    each time, most of the measuring time of a large model's backward. It grows to the
-    largest shard measured; `clear()` frees it (at the end of the pass)."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-
-    def upcast(self, g: torch.Tensor) -> torch.Tensor:
-        """`g` (1D) as fp32: the same values as g.float(), in the reused buffer."""
-        n = g.numel()
-        if self._buf is None or self._buf.numel() < n:
-            self._buf = None  # the old one is freed before the larger one is made
-            self._buf = torch.empty(n, dtype=torch.float32)
-            advise_huge(self._buf)  # [Note: huge pages for per-step host buffers]
-        out = self._buf[:n]
-        out.copy_(g)
-        return out
-
-    def clear(self) -> None:
-        self._buf = None
+# [Note: the gradient norm in blocks]
+# A gradient shard's squared norm (GradStat.sq_norm) is the float64 sum, in order, of the
+# squares of the fp32 L2 norms of its blocks of NORM_BLOCK elements; a bf16 / fp16 block is
+# upcast exactly first. On the CPU, torch's vector_norm runs on one thread summing squares
+# in a few fp32 accumulators, so its error grows with the shard (a large model's layer is
+# tens of millions of elements: benchmarks/RESULTS.md), and a bf16 shard would need a
+# whole fp32 copy first (written, then read back). In blocks each piece is
+# upcast into a 512 KiB scratch that stays in cache, each block's norm is good to fp32
+# rounding, and the sum depends neither on torch's thread count nor on the thread that
+# measures (torch's CPU norm kernel reduces on the calling thread; a test holds it to the
+# same float with 1 and 2 threads). The fp32 shard and the same shard kept at compute
+# precision still measure bit for bit alike ([Note: gradient precision] in
+# shards/grad_precision.py): the same blocks, upcast exactly, summed in the same order.
+# On a GPU the blocks are the rows of a (rows, NORM_BLOCK) view, normed in one kernel and
+# their squares summed in float64 on the device: no round trip to the host per block.
+NORM_BLOCK = 1 << 17
 
 
-def grad_stat(store: ShardStore, key: str, scratch: UpcastScratch | None = None) -> GradStat:
-    """The shard's fp32 L2 norm squared in float64 (ZeroEngine._clip sums these in a fixed
-    order, whichever thread measured them) and whether every element is finite: a finite
-    norm proves it; a non-finite one is checked element by element (the sum of squares of
-    finite values can overflow fp32). `scratch`: where a host shard kept at compute
-    precision is upcast (the calling thread's own)."""
-    with store.use(key, "grad") as g:
-        if g.is_meta:  # a dry run (tierzero plan): no values; ZeroEngine._clip reports none
+def _sq_norm_cpu(g: torch.Tensor) -> float:
+    n = g.numel()
+    if g.dtype == torch.float32:
+        scratch = None
+    else:
+        scratch = torch.empty(min(n, NORM_BLOCK), dtype=torch.float32)
+    total = 0.0
+    for lo in range(0, n, NORM_BLOCK):
+        block = g[lo:lo + NORM_BLOCK]
+        if scratch is not None:
+            part = scratch[:block.numel()]
+            part.copy_(block)
+            block = part
+        norm = float(torch.linalg.vector_norm(block))
+        total += norm * norm
+    return total
+
+
+def _sq_norm_device(g: torch.Tensor) -> float:
+    n = g.numel()
+    rows, tail = divmod(n, NORM_BLOCK)
+    parts = []
+    if rows:
+        parts.append(torch.linalg.vector_norm(g[:rows * NORM_BLOCK].view(rows, NORM_BLOCK),
+                                              dim=1, dtype=torch.float32))
+    if tail:
+        parts.append(torch.linalg.vector_norm(g[rows * NORM_BLOCK:],
+                                              dtype=torch.float32).reshape(1))
+    if not parts:
+        return 0.0
+    return float(torch.cat(parts).double().square().sum().cpu())
+
+
+def grad_stat(store: ShardStore, key: str) -> GradStat:
+    """The shard's squared norm in float64, in blocks ([Note: the gradient norm in
+    blocks]; ZeroEngine._clip sums these in a fixed order, whichever thread measured
+    them) and whether every element is finite: a finite norm proves it; a non-finite one
+    is checked element by element (the sum of squares of finite values can overflow
+    fp32)."""
+    with store.use(key, "grad") as shard:
+        if shard.is_meta:  # a dry run (tierzero plan): no values; ZeroEngine._clip reports none
             return GradStat(0.0, True)
-        # a shard kept at compute precision is upcast first: the same fp32 norm, bit for
-        # bit, as of its fp32 form ([Note: gradient precision] in shards/grad_precision.py)
-        g32 = (g if g.dtype == torch.float32 else
-               scratch.upcast(g) if scratch is not None and g.device.type == "cpu"
-               else g.float())
-        norm = float(torch.linalg.vector_norm(g32).double().cpu())
-        finite = math.isfinite(norm) or bool(torch.isfinite(g).all())
-    return GradStat(norm * norm, finite)
+        g = shard.reshape(-1)
+        sq = _sq_norm_cpu(g) if g.device.type == "cpu" else _sq_norm_device(g)
+        finite = math.isfinite(sq) or bool(torch.isfinite(g).all())
+    return GradStat(sq, finite)
 
 
 def global_grad_norm(stats: Mapping[str, GradMeasure], keys: Sequence[str], comm: Comm,

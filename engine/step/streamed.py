@@ -18,7 +18,7 @@ import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.deferred_stream import DeferredStream
-from tierzero.engine.step.precision import GradStat, UpcastScratch, grad_stat
+from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import STEP_CLASSES
 from tierzero.offload.step_seam import DeferredWatch, GradMeasure
@@ -55,9 +55,6 @@ class StreamedStep:
             raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
         self._store = store
         self._measured: dict[str, GradStat] = {}
-        # measure() and grad_stats() run on the training thread: one upcast buffer, kept
-        # through a measuring backward, freed with the measurements
-        self._scratch = UpcastScratch()
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
         layout = store.layout  # keys and pieces, as the store keeps them
@@ -165,12 +162,11 @@ class StreamedStep:
         """These groups' gradient shards are final: measured now, on this thread."""
         for key in keys:
             if key not in self._measured:
-                self._measured[key] = grad_stat(self._store, key, self._scratch)
+                self._measured[key] = grad_stat(self._store, key)
 
     def forget_measured(self) -> None:
-        """Drop every measurement (the gradients changed since) and the upcast buffer."""
+        """Drop every measurement (the gradients changed since)."""
         self._measured.clear()
-        self._scratch.clear()
 
     def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure]:
         """Every group's GradStat, in group order: the one taken during backward, else
@@ -178,7 +174,7 @@ class StreamedStep:
         Consumes the measurements."""
         try:
             return {key: (self._measured[key] if key in self._measured and key not in redo
-                          else grad_stat(self._store, key, self._scratch))
+                          else grad_stat(self._store, key))
                     for key in self._keys}
         finally:
             self.forget_measured()
