@@ -34,6 +34,14 @@ def drive_seconds(read: float, written: float, read_gbps: float, write_gbps: flo
                (read + written) / (mixed_gbps * 1e9))
 
 
+def fastest_drive(*measured: dict[str, float]) -> dict[str, float]:
+    """Each GB/s field of several measurements of one drive (before and after a row) at
+    its highest: a bound from it is the least time the drive could have needed at any of
+    those moments, so a drive that drifts during a row does not flatter the row."""
+    fields = ("read_gbps", "write_gbps", "mixed_gbps")
+    return {k: max(m[k] for m in measured) for k in fields}
+
+
 def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from a configuration's rounds: a field with numbers is their median over
     the rounds that have one (None in the others, as an overlap without a bound), anything

@@ -31,10 +31,13 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
 one after another in the same run, and adds a table of each choice's NVMe bytes and step
 time against fp32's. A choice may carry `+bf16master` (`int8+bf16master`): that row also
 sets `offload.optimizer.master_precision: bf16` (no fp32 master: [Note: bf16 master
-weights] in offload/bf16_master.py). Every row after the first measures the disk again
-right before it (a virtual disk drifts between minutes) and reports against its own
-measurement; each step's bytes per direction and tensor class (the tier manager's
-`moved_by_class`) are in the row.
+weights] in offload/bf16_master.py). The disk is measured again right after every row (a
+virtual disk drifts between minutes; that measurement is also the next row's "before"):
+a row's `disk` is the measurement before it, `disk_after` the one after, and its
+`io_bound_s` takes each rate at the faster of the two (bench_report.fastest_drive: the
+least time the drive could have needed), `io_bound_before_s` the one before alone; each
+step's bytes per direction and tensor class (the tier manager's `moved_by_class`) are in
+the row.
 
 DeepSpeed ZeRO-Infinity on the same config.json (`offload_param` and `offload_optimizer` on
 NVMe, `stage3_prefetch_bucket_size: 0`, clipping as --clip, bf16, AdamW) runs the same child
@@ -811,7 +814,11 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE))
     import machine  # benchmarks/machine.py
-    from bench_report import scale_result, scale_table  # benchmarks/bench_report.py
+    from bench_report import (  # benchmarks/bench_report.py
+        fastest_drive,
+        scale_result,
+        scale_table,
+    )
 
     # SIGTERM unwinds like Ctrl-C, so the finally below removes the run directory (and
     # run_child's kills its child)
@@ -839,7 +846,7 @@ def main() -> None:
                  if "deepspeed" in engines else [])
         sys.stderr.write(f"children stop at {args.child_max_rss / 1e9:.1f} GB of RSS "
                          f"(--child-max-rss)\n")
-        for n, (which, variant, schedule) in enumerate(runs):
+        for which, variant, schedule in runs:
             # tierzero rows: one per state precision and batch.schedule; DeepSpeed rows: one
             # per model build
             sub_group = (f":sub_group_size={args.ds_sub_group_size}"
@@ -857,19 +864,27 @@ def main() -> None:
             python = sys.executable if which == "tierzero" else args.deepspeed_python
             swap_dir = os.path.join(run_dir, f"swap-{which}")
             os.makedirs(swap_dir, 0o700, exist_ok=True)  # removed after the previous row
-            if n:  # a virtual disk drifts between minutes: each row against its own measure
-                bw = disk_bandwidth(run_dir, args.bw_bytes)
             sys.stderr.write(f"{name}: running (disk: write {bw['write_gbps']:.2f}, read "
                              f"{bw['read_gbps']:.2f}, together {bw['mixed_gbps']:.2f} GB/s)\n")
             row = run_child(python, which, paths, swap_dir, args,
                             config=paths.get(f"config:{prec}:{schedule}"),
                             ds_build=variant if which == "deepspeed" else "whole",
                             trace_tag=name.replace(":", "_").replace("@", "_"))
-            row["state_precision"], row["disk"] = prec, bw
+            # the drive right after the row: against the faster of before and after, and
+            # the next row's measurement before it
+            after = disk_bandwidth(run_dir, args.bw_bytes)
+            row["state_precision"], row["disk"], row["disk_after"] = prec, bw, after
             row["schedule"] = schedule if which == "tierzero" else "micro_step"
             params = int(row.get("params", 0))
-            row["summary"] = (summarize(row, bw, int(state_bytes_per_param(prec) * params))
-                              if params else {})
+            if params:
+                state = int(state_bytes_per_param(prec) * params)
+                row["summary"] = summarize(row, fastest_drive(bw, after), state)
+                if "io_bound_s" in row["summary"]:
+                    row["summary"]["io_bound_before_s"] = summarize(row, bw, state)[
+                        "io_bound_s"]
+            else:
+                row["summary"] = {}
+            bw = after
             own = paths.get(f"config:{prec}:{schedule}", "")
             plan = (plan_prediction(paths["model"], own, args.seq, args.batch)
                     if own != paths["config"] else result.get("plan", {})

@@ -142,6 +142,15 @@ def test_drive_seconds_is_the_slowest_of_each_direction_and_both_together() -> N
     assert bench_report.drive_seconds(4e9, 0.0, 1.0, 1.0, 8.0) == pytest.approx(4.0)
 
 
+def test_fastest_drive_takes_each_rate_at_its_highest() -> None:
+    before = {"read_gbps": 2.0, "write_gbps": 1.5, "mixed_gbps": 1.8, "bytes": 1.0}
+    after = {"read_gbps": 1.7, "write_gbps": 2.1, "mixed_gbps": 1.9, "bytes": 1.0}
+    assert bench_report.fastest_drive(before, after) == {
+        "read_gbps": 2.0, "write_gbps": 2.1, "mixed_gbps": 1.9}
+    assert bench_report.fastest_drive(before) == {
+        "read_gbps": 2.0, "write_gbps": 1.5, "mixed_gbps": 1.8}
+
+
 def test_scale_bench_fingerprints_the_weights_each_module_first_computes_with() -> None:
     import torch
 
