@@ -296,13 +296,15 @@ def _sub_group_size(value: Any, ds_key: str, out: Mapped) -> None:
     closes a sub-group once it holds at least sub_group_size elements, so 0 makes every
     parameter its own sub-group (stage3.py, _create_fp16_sub_groups): the finest tiling it
     has. tierzero's pieces cut a flat shard at chunk_numel elements whatever the
-    parameters, so 0 keeps the default piece size and says so."""
+    parameters, so 0 keeps the default piece size (one request per moment piece) and says
+    so."""
     count: int = values.coerce(value, int, {"ge": 0}, ds_key)
     if count == 0:
         out.ignore(ds_key, "0 (DeepSpeed: one sub-group per parameter): tierzero streams "
                    "optimizer state in pieces of offload.optimizer.chunk_numel elements "
-                   "(default 1048576), no larger than DeepSpeed's per-parameter groups of a "
-                   "large model's matrices; set offload.optimizer.chunk_numel to change it")
+                   "(default: one nvme.block_size request per moment piece, 1-4M elements), "
+                   "no larger than DeepSpeed's per-parameter groups of a large model's "
+                   "matrices; set offload.optimizer.chunk_numel to change it")
     else:
         out.set("offload.optimizer.chunk_numel", count, ds_key)
 

@@ -163,19 +163,22 @@ class OptimizerOffloadConfig(_TierHomeConfig):
         default=None,
         metadata=meta(
             "bytes per CPU Adam buffer; null = the mean piece's master, moments and param "
-            "as fp32 state (compressed moments or a bf16 master fit several pieces to a "
-            "buffer); the buffers together hold at least the largest piece",
+            "as fp32 state, cut as fp32 moments are (compressed moments or a bf16 master "
+            "fit several pieces to a buffer); the buffers together hold at least the "
+            "largest piece",
             gt=0,
             unit="bytes",
         ),
     )
     # [Note: optimizer state in chunks] in offload/adam_stream.py
-    chunk_numel: int = field(
-        default=1 << 20,
+    chunk_numel: int | None = field(
+        default=None,
         metadata=meta(
             "elements per piece of a shard's master and moments when they stream from NVMe "
             "(DeepSpeed's sub_group_size): each piece has its own swap region and the CPU "
-            "Adam's ring holds pieces, so host memory does not grow with the largest unit",
+            "Adam's ring holds pieces, so host memory does not grow with the largest unit; "
+            "null = one moment piece per nvme.block_size request (at 4 MiB: 1M elements "
+            "with fp32 moments, 2M with bf16, about 4M with int8)",
             gt=0,
         ),
     )

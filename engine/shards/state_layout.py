@@ -67,10 +67,12 @@ class _Group:
 @dataclass(frozen=True)
 class RingRequest:
     """offload.optimizer.buffer_count buffers of buffer_bytes each (None: the mean piece
-    as fp32 state, StateLayout.ring_bytes)."""
+    as fp32 state, StateLayout.ring_bytes), the shards cut for that mean at `piece_numel`
+    elements (None: at the real pieces)."""
 
     buffer_count: int
     buffer_bytes: int | None
+    piece_numel: int | None = None
 
 
 class StateLayout:
@@ -227,9 +229,10 @@ class StateLayout:
         return out
 
     # -- the streamed CPU Adam's host buffers (offload/stream_sizes.py) ----------------
-    def _real_bounds(self, n: int) -> list[tuple[int, int]]:
-        """[lo, hi) of each piece a shard of ``n`` elements has in a real run."""
-        step = self.chunk_numel
+    def _real_bounds(self, n: int, step: int | None = None) -> list[tuple[int, int]]:
+        """[lo, hi) of each piece a shard of ``n`` elements has in a real run (cut at
+        `step` elements instead: the ring's default, RingRequest.piece_numel)."""
+        step = self.chunk_numel if step is None else step
         if not step or n <= step:
             return [(0, n)]
         return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
@@ -239,18 +242,21 @@ class StateLayout:
         requested buffers, at least the largest piece's; from the real pieces, also in a
         dry run. 0 when nothing streams. buffer_bytes None: each buffer is the mean piece's
         fp32 master and moments (with the bf16/fp16 param of a shard in one piece) whatever
-        the state and master precision: the ring's bytes are how far reads run ahead of
-        the update and writes behind it, which the drive needs in bytes, so compressed
-        pieces (int8 moments and a bf16 master: a sixth of the bytes) fill the same ring
-        several to a buffer instead of leaving the drive a sixth of the work in flight."""
+        the state and master precision, the shards cut at RingRequest.piece_numel (fp32's
+        pieces: [Note: a moment piece is one request] in tier_config.py): the ring's bytes
+        are how far reads run ahead of the update and writes behind it, which the drive
+        needs in bytes, so compressed pieces (int8 moments and a bf16 master: a sixth of
+        the bytes, in pieces of four times the elements) fill the same ring several to a
+        buffer instead of leaving the drive a sixth of the work in flight."""
         if not self.streamed:
             return 0
-        bounds = [(g, lo, hi) for g in self._groups.values() if len(g.kinds) > 1 and g.numel
-                  for lo, hi in self._real_bounds(g.numel)]
+        state = [g for g in self._groups.values() if len(g.kinds) > 1 and g.numel]
+        bounds = [(g, lo, hi) for g in state for lo, hi in self._real_bounds(g.numel)]
         if not bounds:
             return 0
         sizes = [self._piece_bytes(g, lo, hi) for g, lo, hi in bounds]
-        fp32 = [self._piece_bytes(g, lo, hi, fp32=True) for g, lo, hi in bounds]
+        fp32 = [self._piece_bytes(g, lo, hi, fp32=True) for g in state
+                for lo, hi in self._real_bounds(g.numel, self.ring.piece_numel)]
         each = self.ring.buffer_bytes or sum(fp32) // len(fp32)
         return ring_capacity(self.ring.buffer_count * each, sizes)
 

@@ -23,6 +23,7 @@ from tierzero.engine.config import Config, NvmeConfig
 from tierzero.engine.host_defaults import cpu_device_budget, device_is_host
 from tierzero.offload import Budgets, PoolSettings, PrefetchSettings, ShardSpec, TierSettings
 from tierzero.offload.settings import STATE_CLASSES, STEP_CLASSES, OffloadDevice, TensorClass
+from tierzero.offload.state_codec import BLOCK, moment_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +201,47 @@ def state_in_host(homes: Mapping[TensorClass, OffloadDevice]) -> bool:
 
 def chunk_numel(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> int:
     """Elements per piece of master and moments (0: whole shards): only where the CPU Adam
-    streams them ([Note: optimizer state in chunks] in offload/adam_stream.py)."""
+    streams them ([Note: optimizer state in chunks] in offload/adam_stream.py); unset, a
+    moment piece of one request ([Note: a moment piece is one request])."""
     if optimizer_on_device(homes) or state_in_host(homes):
         return 0
-    return config.offload.optimizer.chunk_numel
+    chosen = config.offload.optimizer.chunk_numel
+    if chosen is not None:
+        return chosen
+    return request_chunk_numel(config.nvme.block_size, state_precision(config, homes))
+
+
+# [Note: a moment piece is one request]
+# The CPU Adam streams master and moments in pieces, each read and written as its own
+# requests. With offload.optimizer.chunk_numel unset, a piece has as many elements as make
+# one moment exactly one nvme.block_size request, or just under: block_size / 4 elements
+# of fp32 moments (1M at the default 4 MiB), twice that in bf16, and about four times
+# (codes and scales) in int8. A fixed element count would cut compressed moments into
+# requests of a quarter block, and the drive moves fewer bytes a second in small requests
+# (benchmarks/RESULTS.md). The count is a multiple of the int8 codec's block, so the
+# blocks, and every value, are those of any other such cut. The ring's default buffer is
+# the mean piece's state as if fp32, the shards cut as fp32 moments would be
+# (ring_piece_numel, StateLayout.ring_bytes): the same ring bytes at every state
+# precision, which larger compressed pieces fill fewer to a buffer, instead of a ring
+# four times the bytes with int8 moments (host memory a tight budget would take from the
+# state's placement).
+def ring_piece_numel(config: Config) -> int:
+    """The piece the CPU Adam ring's default buffers are sized by: chunk_numel if set,
+    else fp32 moments' piece of one request ([Note: a moment piece is one request])."""
+    chosen = config.offload.optimizer.chunk_numel
+    return chosen if chosen is not None else request_chunk_numel(config.nvme.block_size,
+                                                                 "fp32")
+
+
+def request_chunk_numel(block_size: int, precision: str) -> int:
+    """The most elements, a multiple of state_codec.BLOCK, whose one moment in `precision`
+    fits in `block_size` bytes (one BLOCK at least)."""
+    n = max(BLOCK, block_size // BLOCK * BLOCK)  # no format stores under a byte an element
+    while n > BLOCK and moment_nbytes(n, precision) > block_size:
+        over = moment_nbytes(n, precision) - block_size
+        per = moment_nbytes(n, precision) / n  # bytes an element, scales included
+        n -= max(BLOCK, int(over / per) // BLOCK * BLOCK)
+    return n
 
 
 def state_precision(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> str:

@@ -75,7 +75,8 @@ class TieredShardStore(ShardStore):
             state_precision=tier_config.state_precision(config, self.homes),
             # a dry run (tierzero plan, on meta) counts bytes: [Note: dry-run pieces]
             coarse=device.type == "meta",
-            ring=RingRequest(o.buffer_count, o.buffer_bytes), grad_dtype=grad_dtype,
+            ring=RingRequest(o.buffer_count, o.buffer_bytes,
+                             tier_config.ring_piece_numel(config)), grad_dtype=grad_dtype,
             master_precision=tier_config.master_precision(config, self.homes), rank=rank)
 
     @property

@@ -70,7 +70,7 @@ def test_axolotl_zero3_values() -> None:
                                 auto_values=TRAINING_ARGS)
     why = reasons(config)
     assert "one sub-group per parameter" in why["zero_optimization.sub_group_size"]
-    assert config.offload.optimizer.chunk_numel == 1 << 20  # the default
+    assert config.offload.optimizer.chunk_numel is None  # the default
     assert (config.zero.max_live_bytes, config.zero.max_reuse_distance_bytes) == (0, 0)
     assert config.precision.dtype == "bf16"  # "enabled": true, whatever the Trainer says
     assert config.offload.params.device == config.offload.optimizer.device == "cpu"
@@ -131,7 +131,7 @@ ACCEPTED = [
     (ds(zero_optimization={"stage": 3, "sub_group_size": "1000"}),
      "offload.optimizer.chunk_numel", 1000),
     (ds(zero_optimization={"stage": 3, "sub_group_size": 0}),
-     "offload.optimizer.chunk_numel", 1 << 20),
+     "offload.optimizer.chunk_numel", None),
     # overlap_comm: null is DeepSpeed's default, on at stage 3 only
     (ds(zero_optimization={"stage": 3, "overlap_comm": None}), "zero.overlap_comm", True),
     (ds(zero_optimization={"stage": 2, "overlap_comm": None}), "zero.overlap_comm", False),
@@ -151,7 +151,7 @@ ACCEPTED = [
     (ds(zero_optimization={"stage": 3, "stage3_max_live_parameters": "auto"}),
      "zero.max_live_bytes", None),
     (ds(zero_optimization={"stage": 3, "sub_group_size": "auto"}),
-     "offload.optimizer.chunk_numel", 1 << 20),
+     "offload.optimizer.chunk_numel", None),
     (ds(zero_optimization={"stage": "auto"}), "zero.stage", 0),
     # the deprecated boolean form of zero_optimization
     (ds(zero_optimization=True), "zero.stage", 1),

@@ -55,7 +55,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.optimizer.pin_memory", True, False, False, {}),
     ("offload.optimizer.buffer_count", 4, 6, 6, {}),
     ("offload.optimizer.buffer_bytes", None, 4096, 4096, {}),
-    ("offload.optimizer.chunk_numel", 1 << 20, 4096, 4096, {}),
+    ("offload.optimizer.chunk_numel", None, 4096, 4096, {}),
     ("offload.optimizer.state_precision", "fp32", "int8", "int8",
      {"offload": {"optimizer": {"device": "cpu"}}}),
     ("offload.optimizer.master_precision", "fp32", "bf16", "bf16",
