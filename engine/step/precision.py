@@ -115,35 +115,48 @@ class GradStat:
 # [Note: the gradient norm in blocks]
 # A gradient shard's squared norm (GradStat.sq_norm) is the float64 sum, in order, of the
 # squares of the fp32 L2 norms of its blocks of NORM_BLOCK elements; a bf16 / fp16 block is
-# upcast exactly first. On the CPU, torch's vector_norm runs on one thread summing squares
-# in a few fp32 accumulators, so its error grows with the shard (a large model's layer is
-# tens of millions of elements: benchmarks/RESULTS.md), and a bf16 shard would need a
-# whole fp32 copy first (written, then read back). In blocks each piece is
-# upcast into a 512 KiB scratch that stays in cache, each block's norm is good to fp32
-# rounding, and the sum depends neither on torch's thread count nor on the thread that
-# measures (torch's CPU norm kernel reduces on the calling thread; a test holds it to the
-# same float with 1 and 2 threads). The fp32 shard and the same shard kept at compute
-# precision still measure bit for bit alike ([Note: gradient precision] in
-# shards/grad_precision.py): the same blocks, upcast exactly, summed in the same order.
+# upcast exactly first. On the CPU, torch's vector_norm of a whole shard runs on one
+# thread summing squares in a few fp32 accumulators, so its error grows with the shard (a
+# large model's layer is tens of millions of elements: benchmarks/RESULTS.md), and a bf16
+# shard would need a whole fp32 copy first (written, then read back). In blocks a few are
+# upcast at a time into a small scratch, each block's norm is good to fp32 rounding and
+# is reduced on one thread, and the sum depends neither on torch's thread count nor on
+# the thread that measures (a test holds it to the same float with 1 and 2 threads). The
+# fp32 shard and the same shard kept at compute precision still measure bit for bit alike
+# ([Note: gradient precision] in shards/grad_precision.py): the same blocks, upcast
+# exactly, summed in the same order.
 # On a GPU the blocks are the rows of a (rows, NORM_BLOCK) view, normed in one kernel and
 # their squares summed in float64 on the device: no round trip to the host per block.
 NORM_BLOCK = 1 << 17
 
 
+# Blocks normed per call on the CPU: one vector_norm over a (rows, NORM_BLOCK) view
+# reduces each row on one thread (the rows spread over torch's threads) with the same
+# float as that block alone; a call per block would hand the GIL back and forth with the
+# I/O threads thousands of times a shard.
+_BLOCKS_PER_CALL = 16
+
+
 def _sq_norm_cpu(g: torch.Tensor) -> float:
     n = g.numel()
-    if g.dtype == torch.float32:
-        scratch = None
-    else:
-        scratch = torch.empty(min(n, NORM_BLOCK), dtype=torch.float32)
-    total = 0.0
-    for lo in range(0, n, NORM_BLOCK):
-        block = g[lo:lo + NORM_BLOCK]
+    whole = n // NORM_BLOCK * NORM_BLOCK
+    step = NORM_BLOCK * _BLOCKS_PER_CALL
+    scratch = None
+    if g.dtype != torch.float32:  # upcast a call's blocks at a time (8 MiB of fp32)
+        scratch = torch.empty(min(max(whole, n - whole), step), dtype=torch.float32)
+    norms: list[float] = []
+    for lo, hi, rows in [(lo, min(whole, lo + step), True) for lo in range(0, whole, step)] \
+            + ([(whole, n, False)] if n > whole else []):
+        part = g[lo:hi]
         if scratch is not None:
-            part = scratch[:block.numel()]
-            part.copy_(block)
-            block = part
-        norm = float(torch.linalg.vector_norm(block))
+            scratch[:hi - lo].copy_(part)
+            part = scratch[:hi - lo]
+        if rows:
+            norms += torch.linalg.vector_norm(part.view(-1, NORM_BLOCK), dim=1).tolist()
+        else:  # the last, shorter block
+            norms.append(float(torch.linalg.vector_norm(part)))
+    total = 0.0
+    for norm in norms:  # in block order: the same sum whichever thread measures
         total += norm * norm
     return total
 

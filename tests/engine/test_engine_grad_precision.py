@@ -155,9 +155,10 @@ def test_grad_stat_of_a_compute_dtype_shard_is_the_fp32_shards_bit_for_bit() -> 
 def test_grad_stat_is_accurate_on_a_large_shard_and_independent_of_the_thread_count() -> None:
     """[Note: the gradient norm in blocks]: on 4M elements torch's one-call fp32 norm is
     off by about 6e-5 (relative; its error grows with the shard); the blocked squared norm
-    is within 1e-6 of the float64 sum of squares of the same values, and the same float
-    with 1 and 2 torch threads. The device form (a (rows, NORM_BLOCK) view normed by row,
-    run here on the CPU) is within the same bound."""
+    is within 1e-6 of the float64 sum of squares of the same values, the same float with
+    1 and 2 torch threads, and the sum of the blocks' norms taken one block at a time.
+    The device form (a (rows, NORM_BLOCK) view normed by row, run here on the CPU) is
+    within the same bound."""
     values = (torch.randn(4 * 1024 * 1024 + 256, generator=torch.Generator().manual_seed(2))
               * 0.01).bfloat16()
     exact = float(values.double().square().sum())
@@ -172,6 +173,12 @@ def test_grad_stat_is_accurate_on_a_large_shard_and_independent_of_the_thread_co
         torch.set_num_threads(threads)
     assert stats[0] == stats[1]
     assert abs(stats[0].sq_norm - exact) <= 1e-6 * exact
+    # the blocks normed several to a call are each the float of that block alone
+    one_by_one = 0.0
+    for lo in range(0, values.numel(), NORM_BLOCK):
+        norm = float(torch.linalg.vector_norm(values[lo:lo + NORM_BLOCK].float()))
+        one_by_one += norm * norm
+    assert stats[0].sq_norm == one_by_one
     device = precision._sq_norm_device(values)  # the GPU path, run on the CPU
     assert abs(device - exact) <= 1e-6 * exact
 
