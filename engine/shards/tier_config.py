@@ -235,13 +235,9 @@ def ring_piece_numel(config: Config) -> int:
 
 def request_chunk_numel(block_size: int, precision: str) -> int:
     """The most elements, a multiple of state_codec.BLOCK, whose one moment in `precision`
-    fits in `block_size` bytes (one BLOCK at least)."""
-    n = max(BLOCK, block_size // BLOCK * BLOCK)  # no format stores under a byte an element
-    while n > BLOCK and moment_nbytes(n, precision) > block_size:
-        over = moment_nbytes(n, precision) - block_size
-        per = moment_nbytes(n, precision) / n  # bytes an element, scales included
-        n -= max(BLOCK, int(over / per) // BLOCK * BLOCK)
-    return n
+    fits in `block_size` bytes (one BLOCK at least): every format stores whole codec
+    blocks in the same bytes each (int8: the codes and one scale)."""
+    return BLOCK * max(1, block_size // moment_nbytes(BLOCK, precision))
 
 
 def state_precision(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> str:

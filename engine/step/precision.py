@@ -141,20 +141,22 @@ def _sq_norm_cpu(g: torch.Tensor) -> float:
     n = g.numel()
     whole = n // NORM_BLOCK * NORM_BLOCK
     step = NORM_BLOCK * _BLOCKS_PER_CALL
-    scratch = None
-    if g.dtype != torch.float32:  # upcast a call's blocks at a time (8 MiB of fp32)
-        scratch = torch.empty(min(max(whole, n - whole), step), dtype=torch.float32)
+    # a bf16 / fp16 shard is upcast a call's blocks at a time (at most 8 MiB of fp32)
+    scratch = (None if g.dtype == torch.float32
+               else torch.empty(min(n, step), dtype=torch.float32))
+
+    def fp32(lo: int, hi: int) -> torch.Tensor:
+        if scratch is None:
+            return g[lo:hi]
+        scratch[:hi - lo].copy_(g[lo:hi])
+        return scratch[:hi - lo]
+
     norms: list[float] = []
-    for lo, hi, rows in [(lo, min(whole, lo + step), True) for lo in range(0, whole, step)] \
-            + ([(whole, n, False)] if n > whole else []):
-        part = g[lo:hi]
-        if scratch is not None:
-            scratch[:hi - lo].copy_(part)
-            part = scratch[:hi - lo]
-        if rows:
-            norms += torch.linalg.vector_norm(part.view(-1, NORM_BLOCK), dim=1).tolist()
-        else:  # the last, shorter block
-            norms.append(float(torch.linalg.vector_norm(part)))
+    for lo in range(0, whole, step):
+        rows = fp32(lo, min(whole, lo + step)).view(-1, NORM_BLOCK)
+        norms += torch.linalg.vector_norm(rows, dim=1).tolist()
+    if n > whole:  # the last, shorter block
+        norms.append(float(torch.linalg.vector_norm(fp32(whole, n))))
     total = 0.0
     for norm in norms:  # in block order: the same sum whichever thread measures
         total += norm * norm
