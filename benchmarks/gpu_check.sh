@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Issue 6's GPU session, prepared as one command (sized to end within 8 minutes on an H200):
-#   1. every CUDA test (pytest -m cuda: streams, events, pinned pool, device tiers);
-#   2. step_bench on the GPU: plain PyTorch and tierzero none / cpu / opt_nvme / all_nvme on
-#      both models, medians of 3 interleaved rounds, peak RSS and peak GPU memory.
+# The GPU session, prepared as one command (sized to end within 8 minutes on an H200):
+#   1. every CUDA test (pytest -m cuda: streams, events, pinned pool, device tiers, the
+#      deferred clipped step, 2-byte gradients, bf16 master, layer-major);
+#   2. default_run_bench on the GPU: `tierzero train`'s default config, the update in step()
+#      against the update deferred into the next forward (issue 30's step() share);
+#   3. step_bench on the GPU: plain PyTorch and tierzero none / cpu / opt_nvme / all_nvme on
+#      both models, medians of 2 interleaved rounds, peak RSS and peak GPU memory.
 # Run from the repository root on a machine with a CUDA build of torch:
 #     bash benchmarks/gpu_check.sh [OUTDIR]        (SWAP=/nvme/dir for the NVMe rows)
 # Nothing is installed or downloaded: the machine's own torch, transformers, psutil, ... are
@@ -20,9 +23,11 @@ print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else Non
       "cpus", os.cpu_count())
 PY
 status=0
-timeout 270 "$py" -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.log" \
-    || status=1
-timeout 180 "$py" benchmarks/step_bench.py --device cuda --models mlp,hf --repeats 3 --steps 3 \
+timeout 270 "$py" -m pytest -v -rs --durations=8 -m cuda tests -p no:cacheprovider 2>&1 \
+    | tee "$out/cuda_tests.log" || status=1
+timeout 90 "$py" benchmarks/default_run_bench.py --blocks 4 --block 3 --swap "${SWAP:-/tmp}" \
+    --out "$out/default_run_gpu.json" 2>&1 | tee "$out/default_run_gpu.log" || status=1
+timeout 130 "$py" benchmarks/step_bench.py --device cuda --models mlp,hf --repeats 2 --steps 3 \
     --warmup 2 --threads 8 --swap "${SWAP:-/tmp}" --out "$out/step_bench_gpu.json" 2>&1 \
     | tee "$out/step_bench_gpu.log" || status=1
 echo "gpu_check: exit $status (logs in $out)"
