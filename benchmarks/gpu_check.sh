@@ -5,7 +5,9 @@
 #   2. default_run_bench on the GPU: `tierzero train`'s default config, the update in step()
 #      against the update deferred into the next forward (issue 30's step() share);
 #   3. step_bench on the GPU: plain PyTorch and tierzero none / cpu / opt_nvme / all_nvme on
-#      both models, medians of 2 interleaved rounds, peak RSS and peak GPU memory.
+#      both models, medians of 2 interleaved rounds, peak RSS and peak GPU memory (24 child
+#      processes and a disk measurement before each NVMe one; a model's rows print once its
+#      rounds are done, so its time limit is the longest).
 # Run from the repository root on a machine with a CUDA build of torch:
 #     bash benchmarks/gpu_check.sh [OUTDIR]        (SWAP=/nvme/dir for the NVMe rows)
 # Nothing is installed or downloaded: the machine's own torch, transformers, psutil, ... are
@@ -27,7 +29,7 @@ timeout 270 "$py" -m pytest -v -rs --durations=8 -m cuda tests -p no:cacheprovid
     | tee "$out/cuda_tests.log" || status=1
 timeout 90 "$py" benchmarks/default_run_bench.py --blocks 4 --block 3 --swap "${SWAP:-/tmp}" \
     --out "$out/default_run_gpu.json" 2>&1 | tee "$out/default_run_gpu.log" || status=1
-timeout 130 "$py" benchmarks/step_bench.py --device cuda --models mlp,hf --repeats 2 --steps 3 \
+timeout 330 "$py" benchmarks/step_bench.py --device cuda --models mlp,hf --repeats 2 --steps 3 \
     --warmup 2 --threads 8 --swap "${SWAP:-/tmp}" --out "$out/step_bench_gpu.json" 2>&1 \
     | tee "$out/step_bench_gpu.log" || status=1
 echo "gpu_check: exit $status (logs in $out)"

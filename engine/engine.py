@@ -28,7 +28,7 @@ from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config
 from tierzero.engine.hooks import HookSet
-from tierzero.engine.host_defaults import gather_bounds
+from tierzero.engine.host_defaults import engine_device, gather_bounds
 from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.layer_major import train_schedule
 from tierzero.engine.schedule import Scheduler
@@ -47,12 +47,6 @@ from tierzero.offload.step_seam import GradMeasure, StepDriver
 log = logging.getLogger(__name__)
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # The step counters a checkpoint saves and restores (counters_state / load_counters).
 COUNTERS = ("micro_steps", "global_steps", "skipped_steps", "last_grad_norm")
 
@@ -68,7 +62,7 @@ class ZeroEngine:
         self.comm = comm or Comm()
         # Batch sizes resolved for this world size (ConfigError when they do not fit).
         self.config = config.check_world_size(self.comm.world_size)
-        self.device = device or _default_device()
+        self.device = engine_device(device)
         self.dtype = compute_dtype(config.precision.dtype)
         self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
         specs = unit_specs(module, config.zero, self.comm)

@@ -55,6 +55,17 @@ if TYPE_CHECKING:  # schedule.py imports the shard store, which imports this mod
 GPU_GATHER_BYTES = 2_000_000_000
 
 
+def engine_device(device: torch.device | None) -> torch.device:
+    """`device`, a CUDA device given without an index made the current one (threads that
+    make it theirs, as layer-major's, need the index); None: the current CUDA device, else
+    the CPU."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_is_host(device: torch.device) -> bool:
     """The compute device's memory is host memory: no CUDA (a CPU run, or a dry run on meta
     planning one)."""

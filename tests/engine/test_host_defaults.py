@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from engine_helpers import (
     assert_match,
@@ -26,7 +27,7 @@ from tierzero.engine.config.schema import (
     OptimizerOffloadConfig,
     ParamOffloadConfig,
 )
-from tierzero.engine.host_defaults import GPU_GATHER_BYTES, gather_bounds
+from tierzero.engine.host_defaults import GPU_GATHER_BYTES, engine_device, gather_bounds
 from tierzero.engine.models import SIZES, TinyLM
 from tierzero.engine.plan import dry_run
 from tierzero.engine.shards.tier_config import tier_settings
@@ -170,3 +171,18 @@ def test_cpu_device_tier_budget_is_what_the_schedule_needs() -> None:
     auto = {"device": "auto", "path": "/tmp"}
     assert _settings(auto, specs) > psutil.virtual_memory().available // 2
     assert _settings({**nvme, "budgets": {"device_bytes": 12345}}, specs) == 12345
+
+
+def test_engine_device_names_the_cuda_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA device given as "cuda" becomes the current one with its index (layer-major's
+    micro-batch threads set it as theirs, which takes an index: found on an H200); None is
+    the current CUDA device where there is one, else the CPU; others are kept."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert engine_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert engine_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert engine_device(torch.device("cpu")) == torch.device("cpu")
+    assert engine_device(torch.device("meta")) == torch.device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_device(None) == torch.device("cpu")

@@ -162,4 +162,7 @@ def test_trace_on_cuda_has_copy_lanes(tmp_path: Path) -> None:
              if e["ph"] == "M" and e["name"] == "thread_name"}
     h2d = [e for e in evs if e["cat"] == "copy" and e["args"]["direction"] == "host_to_device"]
     assert h2d and all(names[e["tid"]].startswith("tierzero-h2d") for e in h2d)
-    assert {e["cat"] for e in evs} - {"stall"} == set(KINDS) - {"stall"}
+    # every kind but those that depend on timing or cache pressure (as on the CPU, above;
+    # with the GPU's device budget nothing is evicted), and the copies
+    optional = {"stall", "prefetch", "evict", "writeback"}
+    assert {e["cat"] for e in evs} - optional == set(KINDS) - optional

@@ -66,7 +66,7 @@ def _train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
             out["losses"].append(float(loss.detach()))
             out["coefs"].append(eng.get_clip_coef())
             out["loss_scales"].append(eng.loss_scaler.scale if eng.loss_scaler else None)
-        out["params"] = full_params(eng, eng.module)
+        out["params"] = {k: v.cpu() for k, v in full_params(eng, eng.module).items()}
         out["report"] = eng.memory_report()
         out["skipped"] = eng.skipped_steps
     finally:
@@ -167,7 +167,8 @@ def test_cuda_layer_major_matches_micro_step(tmp_path: Path) -> None:
                 out = eng.train_batch(batches[s * gas:(s + 1) * gas], partial(_call, eng))
                 gathers.append(eng.scheduler.gathers - before)
                 losses += [float(x) for x in out]
-            runs[schedule] = (eng.schedule, gathers, losses, full_params(eng, eng.module))
+            params = {k: v.cpu() for k, v in full_params(eng, eng.module).items()}
+            runs[schedule] = (eng.schedule, gathers, losses, params)
         finally:
             eng.close()
     (s_ms, g_ms, l_ms, p_ms), (s_lm, g_lm, l_lm, p_lm) = runs["micro_step"], runs["layer_major"]
