@@ -48,8 +48,12 @@ def _train(eng: Any, start: int, stop: int) -> None:
 
 
 def _disk_bytes(eng: Any) -> int:
-    moved = eng.store.tier_report()["moved"]
-    return int(moved["nvme_to_host"] + moved["host_to_nvme"])
+    """NVMe bytes of the optimizer state (master and moments), both ways. Param reads are
+    left out: how many a step makes depends on which pool buffers still hold a kept param
+    ([Note: param kept in host memory] in offload/stream_parts.py), i.e. on timing."""
+    moved = eng.store.tier_report()["moved_by_class"]
+    return sum(int(moved[d].get(kind, 0)) for d in ("nvme_to_host", "host_to_nvme")
+               for kind in ("master", "exp_avg", "exp_avg_sq"))
 
 
 def _moments(eng: Any) -> dict[str, torch.Tensor]:
@@ -87,8 +91,8 @@ def test_nvme_stream_matches_host_in_place_and_moves_fewer_bytes(prec: str,
     # the moments differ by their pieces' blocks only where a piece boundary is not a block
     # boundary; 1024 is a multiple of the block, so they are the same
     assert all(torch.equal(host[2][k], nvme[2][k]) for k in host[2])
-    # the state's share of the bytes: 12 B/param fp32 each way -> 8 (bf16) / ~6 (int8)
-    assert nvme[1] < (0.85 if prec == "bf16" else 0.75) * fp32[1]
+    # the state's bytes: 12 B/param fp32 each way -> 8 (bf16) / ~6 (int8)
+    assert nvme[1] < (0.7 if prec == "bf16" else 0.55) * fp32[1]
     # and training tracks fp32
     diff = max(float((nvme[0][k] - fp32[0][k]).abs().max()) for k in fp32[0])
     assert 0 < diff < 0.05
