@@ -250,11 +250,19 @@ def decode_m(raw: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_flush(_blocks(val) * scales[:, None]).view(-1)[:n])
 
 
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sqrt correctly rounded, as the kernel's IEEE sqrtf: ATen's vectorised sqrt is
+    not, and how often it is an ulp off depends on the CPU (AVX-512 on AMD: about one
+    input in six), which would move codes by one from machine to machine. The fp64 root of
+    an fp32 value rounded once to fp32 is the correctly rounded fp32 root."""
+    return torch.sqrt(x.double()).float()
+
+
 def encode_v(v: torch.Tensor, out: torch.Tensor) -> None:
     """exp_avg_sq (fp32, 1D, >= 0) -> int8 bytes of sqrt(v)."""
     n = v.numel()
     codes, scales = split_int8(out, n)
-    b = _blocks(torch.sqrt(_flush(v.detach().float())))
+    b = _blocks(_sqrt(_flush(v.detach().float())))
     absmax = b.amax(dim=1)
     scale, inv = _block_scale(absmax, U_TOP)
     q = _encode_mag(_flush(b * inv[:, None]), _U_MANT)
