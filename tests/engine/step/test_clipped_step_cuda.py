@@ -12,24 +12,20 @@ test_deferred_step.assert_within_fp16_noise.
 
 from __future__ import annotations
 
-import copy
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_helpers import FP16_OVERFLOW_STEP, full_params, make_batches, make_config, make_model
+from engine_helpers import FP16_OVERFLOW_STEP, full_params, make_batches, make_model
 from test_deferred_step import assert_within_fp16_noise, grad_scaler_train
+from test_deferred_stream import SCALES, reference
 
 from tierzero import engine
 from tierzero.engine.config import Config
 
 pytestmark = pytest.mark.cuda
-
-# loss multipliers as tests/engine/step/test_deferred_stream.py: the gradient norm is about
-# 1.5 at x1 and 0.75 at x0.5, so clipping at 1.0 fires on the x1 steps only
-SCALES = (1.0, 0.5, 1.0, 0.5, 1.0, 0.5)
 
 
 def _config(tmp: Path, *, precision: str = "fp32", clip: float = 1.0, gas: int = 1,
@@ -74,32 +70,14 @@ def _train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
     return out
 
 
-def _reference(batches: list[tuple[torch.Tensor, torch.Tensor]], scales: tuple[float, ...],
-               clip: float) -> dict[str, Any]:
-    """Plain PyTorch on the GPU: fp32 AdamW, clip_grad_norm_ before each step."""
-    model = copy.deepcopy(make_model()).cuda()
-    o = make_config().optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                            weight_decay=o.weight_decay)
-    losses, norms = [], []
-    for (ids, tg), scale in zip(batches, scales, strict=True):
-        loss = model(ids.cuda(), tg.cuda())
-        (loss * scale).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms,
-            "params": {k: v.detach().float().cpu() for k, v in model.named_parameters()}}
-
-
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
 def test_cuda_deferred_clipped_step_matches_pytorch(tmp_path: Path, grads: str) -> None:
-    """fp32, clipping 1.0 firing on every other step, the update deferred into the next
+    """fp32, clipping 1.0 firing on the steps whose loss is not halved (SCALES), the
+    update deferred into the next
     forward: plain PyTorch's clip_grad_norm_ + AdamW on the same GPU."""
     batches = make_batches(len(SCALES))
     got = _train(_config(tmp_path, optimizer={"grad_device": grads}), batches, SCALES)
-    ref = _reference(batches, SCALES, 1.0)
+    ref = reference(batches, SCALES, 1.0, "cuda")
     fired = [n > 1.0 for n in ref["norms"]]
     assert any(fired) and not all(fired)
     for coef, norm in zip(got["coefs"], ref["norms"], strict=True):
@@ -123,7 +101,7 @@ def test_cuda_default_run_and_bf16_master_track_fp32(tmp_path: Path, master: str
     cfg = _config(tmp_path, precision="bf16", optimizer={
         "grad_device": "cpu", "master_precision": master, "state_precision": state})
     got = _train(cfg, batches, ones)
-    ref = _reference(batches, ones, 1.0)
+    ref = reference(batches, ones, 1.0, "cuda")
     diff = (torch.tensor(got["losses"]) - torch.tensor(ref["losses"])).abs().max()
     assert float(diff) < 0.03
     assert got["losses"][-1] < got["losses"][0]

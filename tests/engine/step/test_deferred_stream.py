@@ -101,22 +101,23 @@ def train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 def reference(batches: list[tuple[torch.Tensor, torch.Tensor]], scales: tuple[float, ...],
-              clip: float) -> dict[str, Any]:
-    """Plain PyTorch: AdamW on fp32 parameters, clip_grad_norm_ before each step."""
-    model = make_model()
+              clip: float, device: str = "cpu") -> dict[str, Any]:
+    """Plain PyTorch on `device`: AdamW on fp32 parameters, clip_grad_norm_ before each
+    step. The parameters come back as CPU copies."""
+    model = make_model().to(device)
     o = make_config().optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                             weight_decay=o.weight_decay)
     losses, norms = [], []
     for (ids, tg), scale in zip(batches, scales, strict=True):
-        loss = model(ids, tg)
+        loss = model(ids.to(device), tg.to(device))
         (loss * scale).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms,
-            "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+            "params": {k: v.detach().to("cpu", copy=True) for k, v in model.named_parameters()}}
 
 
 def same_checkpoints(a: Path, b: Path) -> None:
