@@ -61,9 +61,9 @@ def _config(tmp: Path, *, schedule: str, precision: str = "fp32", offload: str =
 
 
 def _train(model: nn.Module, cfg: Config, batches: list[Any], *, steps: int = STEPS,
-           loss_fn: Any = None) -> dict[str, Any]:
-    """train_batch over `steps` steps; losses, parameters and gathers per step."""
-    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+           loss_fn: Any = None, device: str = "cpu") -> dict[str, Any]:
+    """train_batch over `steps` steps on `device`; losses, parameters and gathers per step."""
+    eng, _, _, _ = engine.initialize(device=device, model=model, config=cfg)
     gas = cfg.batch.gradient_accumulation_steps or 1
     fn = loss_fn or (lambda mb: eng(*mb))
     losses: list[float] = []
@@ -130,6 +130,23 @@ def test_layer_major_matches_plain_pytorch(tmp_path: Path) -> None:
         torch.testing.assert_close(got["params"][k], v, atol=PARAM_ATOL, rtol=0, msg=k)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref.losses),
                                rtol=LOSS_RTOL, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_layer_major_matches_micro_step(tmp_path: Path) -> None:
+    """Layer-major micro-batching on the GPU (4 micro-batches, state on NVMe, clipping):
+    the micro-step schedule's parameters with a quarter of its gathers."""
+    batches = make_batches(STEPS * GAS)
+    runs = {s: _train(make_model(), _config(tmp_path / s, schedule=s, offload="nvme", clip=0.5),
+                      batches, device="cuda")
+            for s in ("micro_step", "layer_major")}
+    lm, ms = runs["layer_major"], runs["micro_step"]
+    assert (ms["schedule"], lm["schedule"]) == ("micro_step", "layer_major")  # no fallback
+    assert lm["gathers"][1] * GAS == ms["gathers"][1]
+    torch.testing.assert_close(torch.tensor(lm["losses"]), torch.tensor(ms["losses"]),
+                               rtol=1e-5, atol=0)
+    for k, want in ms["params"].items():
+        torch.testing.assert_close(lm["params"][k], want, rtol=0, atol=1e-4, msg=k)
 
 
 def test_fp16_overflow_skips_the_step_as_micro_step_does(tmp_path: Path) -> None:

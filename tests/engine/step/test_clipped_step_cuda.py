@@ -1,8 +1,9 @@
 """The default run's step on a CUDA device: the update under clipping deferred into the next
 forward ([Note: deferred streamed step] in engine/step/deferred_stream.py), 2-byte
-gradients, the bf16 master with int8 moments, an fp16 overflow skip, and layer-major
-micro-batching, each against plain PyTorch on the same GPU (or the CPU-side fp16 GradScaler
-reference), the gradients computed on the GPU and the optimizer state on NVMe.
+gradients, the bf16 master with int8 moments and an fp16 overflow skip, each against plain
+PyTorch on the same GPU (or the CPU-side fp16 GradScaler reference), the gradients computed
+on the GPU and the optimizer state on NVMe. Layer-major on the GPU:
+tests/engine/test_layer_major.py.
 
 Tolerances: fp32 runs as tests/engine/test_engine_cuda.py (params 1e-4 absolute, losses 1e-5
 relative: the CPU parity bounds with 10x margin for GPU reduction kernels); bf16 compute
@@ -12,7 +13,6 @@ test_deferred_step.assert_within_fp16_noise.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +28,16 @@ from tierzero.engine.config import Config
 pytestmark = pytest.mark.cuda
 
 
-def _config(tmp: Path, *, precision: str = "fp32", clip: float = 1.0, gas: int = 1,
-            schedule: str = "micro_step", optimizer: dict[str, Any] | None = None) -> Config:
+def _config(tmp: Path, *, precision: str = "fp32",
+            optimizer: dict[str, Any] | None = None) -> Config:
     """Params and optimizer state on NVMe in `tmp`, overlap_step on (the default)."""
     tmp.mkdir(parents=True, exist_ok=True)
     raw: dict[str, Any] = {
         "zero": {"stage": 3, "persistence_threshold_bytes": 0, "units": ["Block"]},
         "precision": precision,
-        "batch": {"gradient_accumulation_steps": gas, "schedule": schedule},
         "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1},
-        "gradient_clipping": clip,
+        "gradient_clipping": 1.0,
         "offload": {"params": {"device": "nvme", "path": str(tmp)},
                     "optimizer": {"device": "nvme", "path": str(tmp), **(optimizer or {})}},
     }
@@ -72,9 +71,8 @@ def _train(cfg: Config, batches: list[tuple[torch.Tensor, torch.Tensor]],
 
 @pytest.mark.parametrize("grads", ["cpu", "nvme"])
 def test_cuda_deferred_clipped_step_matches_pytorch(tmp_path: Path, grads: str) -> None:
-    """fp32, clipping 1.0 firing on the steps whose loss is not halved (SCALES), the
-    update deferred into the next
-    forward: plain PyTorch's clip_grad_norm_ + AdamW on the same GPU."""
+    """fp32, clipping 1.0 firing on the steps whose loss is not halved (SCALES), the update
+    deferred into the next forward: plain PyTorch's clip_grad_norm_ + AdamW on the GPU."""
     batches = make_batches(len(SCALES))
     got = _train(_config(tmp_path, optimizer={"grad_device": grads}), batches, SCALES)
     ref = reference(batches, SCALES, 1.0, "cuda")
@@ -122,36 +120,3 @@ def test_cuda_fp16_overflow_skips_the_step_like_grad_scaler(tmp_path: Path) -> N
     assert got["skipped"] == want_skipped == 1
     assert got["loss_scales"] == want_scales
     assert_within_fp16_noise(got["params"], want)
-
-
-def _call(eng: engine.ZeroEngine, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return eng(*mb)  # type: ignore[no-any-return]
-
-
-def test_cuda_layer_major_matches_micro_step(tmp_path: Path) -> None:
-    """Layer-major micro-batching on the GPU (4 micro-batches, state on NVMe, clipping):
-    the micro-step schedule's parameters with a quarter of its gathers."""
-    gas, steps = 4, 2
-    batches = make_batches(gas * steps)
-    runs = {}
-    for schedule in ("micro_step", "layer_major"):
-        eng, _, _, _ = engine.initialize(
-            device="cuda", model=make_model(),
-            config=_config(tmp_path / schedule, gas=gas, clip=0.5, schedule=schedule))
-        try:
-            gathers, losses = [], []
-            for s in range(steps):
-                before = eng.scheduler.gathers
-                out = eng.train_batch(batches[s * gas:(s + 1) * gas], partial(_call, eng))
-                gathers.append(eng.scheduler.gathers - before)
-                losses += [float(x) for x in out]
-            params = {k: v.cpu() for k, v in full_params(eng, eng.module).items()}
-            runs[schedule] = (eng.schedule, gathers, losses, params)
-        finally:
-            eng.close()
-    (s_ms, g_ms, l_ms, p_ms), (s_lm, g_lm, l_lm, p_lm) = runs["micro_step"], runs["layer_major"]
-    assert (s_ms, s_lm) == ("micro_step", "layer_major")  # no fallback
-    assert g_lm[1] * gas == g_ms[1]
-    torch.testing.assert_close(torch.tensor(l_lm), torch.tensor(l_ms), rtol=1e-5, atol=0)
-    for k, want in p_ms.items():
-        torch.testing.assert_close(p_lm[k], want, rtol=0, atol=1e-4, msg=k)
