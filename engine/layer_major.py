@@ -191,15 +191,21 @@ class _Baton:
 
 def _leaves_reached(outputs: list[torch.Tensor]) -> set[int]:
     """ids of the leaf tensors whose AccumulateGrad the graphs of `outputs` reach (a
-    unit's parameters, a root parameter used in or before the unit)."""
-    seen: set[int] = set()
+    unit's parameters, a root parameter used in or before the unit).
+
+    A graph node's Python object lives only while something refers to it (`next_functions`
+    makes one when none is alive), and a freed object's id is reused by the next one made:
+    the walk keeps every node it visited, else a node met for the first time could carry a
+    visited node's id and be skipped with everything behind it (seen on CUDA, where a
+    unit's parameters and the embedding before it went missing)."""
+    seen: dict[int, object] = {}  # id -> the node, held so that no id is reused
     out: set[int] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         var = getattr(node, "variable", None)  # an AccumulateGrad node
         if isinstance(var, torch.Tensor):
             out.add(id(var))

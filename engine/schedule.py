@@ -290,6 +290,11 @@ class Scheduler:
 
     def post_accumulate(self, unit: Unit, param: nn.Parameter) -> None:
         if self.layer_major is not None:
+            if unit.late_group(param) is not None:  # its sum would never reach the shard
+                raise RuntimeError(
+                    f"internal: a layer-major pass got a gradient of a parameter of "
+                    f"{unit.label!r} after its group was reduced ([Note: layer-major "
+                    "schedule]); the step is abandoned rather than run without it")
             self.sums.fold(unit, param)
             return
         late = unit.late_group(param)

@@ -31,8 +31,9 @@ from engine_helpers import (
 from torch import nn
 
 from tierzero import engine
+from tierzero.engine import layer_major
 from tierzero.engine.config import Config
-from tierzero.engine.layer_major import train_schedule
+from tierzero.engine.layer_major import _leaves_reached, train_schedule
 from tierzero.offload.step_seam import TrainingStateError
 
 GAS = 4
@@ -484,3 +485,57 @@ def test_an_error_in_one_micro_batch_stops_the_pass_and_the_engine_goes_on(
                                          offload="nvme"), batches[GAS:], steps=1)
     for k, v in fresh["params"].items():
         assert torch.equal(v, params[k]), k
+
+
+class _Node:
+    """A graph node whose Python object is made afresh on every `next_functions` access and
+    freed when dropped, as autograd's node objects can be: a freed object's id is reused."""
+
+    def __init__(self, children: list[Any], variable: torch.Tensor | None = None) -> None:
+        self._children = children
+        self.variable = variable
+
+    @property
+    def next_functions(self) -> tuple[tuple[_Node, int], ...]:
+        return tuple((_Node(c._children, c.variable), 0) for c in self._children)
+
+
+def test_leaves_reached_finds_every_leaf_when_node_objects_are_transient() -> None:
+    """`_leaves_reached` (which root groups wait for backward) with node objects that die as
+    the walk moves on: every leaf behind the output is found. A walk remembering visited
+    ids alone skipped a new node carrying a freed node's id, and with it the embedding
+    behind a unit: its gradient never reached the shard (the CUDA layer-major bug)."""
+    params = [torch.zeros(1, requires_grad=True) for _ in range(6)]
+
+    def chain(depth: int, leaf: torch.Tensor) -> _Node:
+        node = _Node([], leaf)
+        for _ in range(depth):
+            node = _Node([node])
+        return node
+
+    root = _Node([chain(d + 1, p) for d, p in enumerate(params)])
+
+    class Output:
+        grad_fn = root
+
+    got = _leaves_reached([Output()])  # type: ignore[list-item]
+    assert got == {id(p) for p in params}
+
+
+def test_a_gradient_after_its_group_was_reduced_abandons_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If a root group were reduced before backward although a unit's graph reaches one of
+    its parameters (the walk missing it), that parameter's later gradient raises instead of
+    being dropped in silence, and the step is abandoned: no parameter changes."""
+    monkeypatch.setattr(layer_major, "_leaves_reached", lambda outputs: set())
+    cfg = _config(tmp_path, schedule="layer_major")
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    with pytest.raises(RuntimeError, match="after its group was reduced"):
+        eng.train_batch(make_batches(GAS), lambda mb: eng(*mb))
+    assert eng.global_steps == 0
+    after = full_params(eng, model)
+    eng.close()
+    for k, v in after.items():
+        assert torch.equal(v, before[k]), k
