@@ -337,7 +337,12 @@ def run_child(ns: argparse.Namespace, model: str, config: str) -> dict[str, Any]
     env = dict(os.environ)
     if ns.mmap_threshold is not None:  # glibc: blocks above it are mmapped, freed at once
         env["MALLOC_MMAP_THRESHOLD_"] = str(ns.mmap_threshold)
+    start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    # progress: rows print once a model's rounds are done, so a run stopped by a time
+    # limit still shows how far it got and how long each child took
+    sys.stderr.write(f"  {model}/{config}: child done in {time.perf_counter() - start:.1f} s "
+                     f"(exit {proc.returncode})\n")
     if proc.returncode != 0:  # kept as a row: the other rows of the run still count
         sys.stderr.write(f"{model}/{config} failed (exit {proc.returncode}):\n"
                          f"{proc.stderr[-4000:]}\n")
