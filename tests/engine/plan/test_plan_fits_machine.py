@@ -67,8 +67,15 @@ def test_70b_on_24gb_device_128gb_host_recommends_a_config_below_the_host(
     out_file = tmp_path / "rec.yaml"
     code, out, _ = plan_cli(["--model", llama2_70b(tmp_path), "--device-mem", "24GB",
                              "--host-mem", "128GB", "--nvme-size", "4TB",
+                             "--nvme-read-gbps", "6", "--nvme-write-gbps", "5",
+                             "--copy-gbps", "25", "--adam-params-per-s", "2e9",
                              "--nvme-path", str(tmp_path), "--write", str(out_file)], capsys)
     assert code == 0, out
+    # the whole pipeline at 70B on this CPU-only machine: placement and the engine's dry run
+    # of every choice (formerly a test of its own in test_cli_plan_engine, on an 80 GB GPU
+    # and 512 GB of RAM; one 70B plan in the suite instead of two)
+    assert "68.98B parameters, 81 units" in out
+    assert "written/1,000 steps" in out and "n/a" not in out
     rec = yaml.safe_load(out_file.read_text())
     choice = rec["offload"]["device"]
     assert choice == "nvme", out
