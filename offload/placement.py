@@ -35,6 +35,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -84,7 +85,17 @@ class Plan:
     device_reserve: int  # device bytes kept free for caches of shards homed below
 
     def home_bytes(self, tier: Tier) -> int:
-        return sum(s.nbytes for k, s in self.specs.items() if self.homes[k] == tier)
+        return self._home_bytes.get(tier, 0)
+
+    @cached_property
+    def _home_bytes(self) -> dict[str, int]:
+        """Bytes homed per tier, summed once: the tier manager asks on every device-tier
+        fetch, and a 70B model has tens of thousands of shards. The plan's specs and homes
+        are not changed after placement."""
+        out: dict[str, int] = {}
+        for k, s in self.specs.items():
+            out[self.homes[k]] = out.get(self.homes[k], 0) + s.nbytes
+        return out
 
     @property
     def pool_bytes(self) -> int:

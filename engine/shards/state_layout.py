@@ -229,13 +229,16 @@ class StateLayout:
         return out
 
     # -- the streamed CPU Adam's host buffers (offload/stream_sizes.py) ----------------
-    def _real_bounds(self, n: int, step: int | None = None) -> list[tuple[int, int]]:
-        """[lo, hi) of each piece a shard of ``n`` elements has in a real run (cut at
-        `step` elements instead: the ring's default, RingRequest.piece_numel)."""
+    def _real_lengths(self, n: int, step: int | None = None) -> list[tuple[int, int]]:
+        """(length, how many) of the pieces a shard of ``n`` elements has in a real run
+        (cut at `step` elements instead: the ring's default, RingRequest.piece_numel): the
+        full pieces and the shorter last one. By length, not piece by piece: a 70B model
+        has tens of thousands of pieces, all of one or two lengths."""
         step = self.chunk_numel if step is None else step
         if not step or n <= step:
-            return [(0, n)]
-        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+            return [(n, 1)]
+        full, rest = divmod(n, step)
+        return [(step, full)] + ([(rest, 1)] if rest else [])
 
     def ring_bytes(self) -> int:
         """Host bytes of the CPU Adam stream's ring ([Note: streamed optimizer step]): the
@@ -251,23 +254,25 @@ class StateLayout:
         if not self.streamed:
             return 0
         state = [g for g in self._groups.values() if len(g.kinds) > 1 and g.numel]
-        bounds = [(g, lo, hi) for g in state for lo, hi in self._real_bounds(g.numel)]
-        if not bounds:
+        if not state:
             return 0
-        sizes = [self._piece_bytes(g, lo, hi) for g, lo, hi in bounds]
-        fp32 = [self._piece_bytes(g, lo, hi, fp32=True) for g in state
-                for lo, hi in self._real_bounds(g.numel, self.ring.piece_numel)]
-        each = self.ring.buffer_bytes or sum(fp32) // len(fp32)
+        sizes = {self._piece_bytes(g, length) for g in state
+                 for length, _ in self._real_lengths(g.numel)}
+        fp32 = [(self._piece_bytes(g, length, fp32=True), count) for g in state
+                for length, count in self._real_lengths(g.numel, self.ring.piece_numel)]
+        each = self.ring.buffer_bytes or (sum(b * c for b, c in fp32)
+                                          // sum(c for _, c in fp32))
         return ring_capacity(self.ring.buffer_count * each, sizes)
 
-    def _piece_bytes(self, g: _Group, lo: int, hi: int, *, fp32: bool = False) -> int:
-        """A piece's ring bytes; `fp32`: as if its master and moments were fp32."""
+    def _piece_bytes(self, g: _Group, length: int, *, fp32: bool = False) -> int:
+        """The ring bytes of a piece of `length` elements of `g`; `fp32`: as if its master
+        and moments were fp32."""
         low = torch.finfo(g.dtype).bits // 8 if g.dtype != torch.float32 else 0
-        whole = hi - lo == g.numel  # one piece: its param is carved from the ring too
+        whole = length == g.numel  # one piece: its param is carved from the ring too
         if self.master_precision == "bf16" and not fp32:
             # the param is the master: in the ring if the shard is whole
-            return piece_bytes(hi - lo, self.state_precision, 0, 2 if whole else 0)
-        return piece_bytes(hi - lo, "fp32" if fp32 else self.state_precision,
+            return piece_bytes(length, self.state_precision, 0, 2 if whole else 0)
+        return piece_bytes(length, "fp32" if fp32 else self.state_precision,
                            low if whole else 0)
 
     def param_ring_bytes(self) -> int:
