@@ -196,8 +196,8 @@ def _leaves_reached(outputs: list[torch.Tensor]) -> set[int]:
     A graph node's Python object lives only while something refers to it (`next_functions`
     makes one when none is alive), and a freed object's id is reused by the next one made:
     the walk keeps every node it visited, else a node met for the first time could carry a
-    visited node's id and be skipped with everything behind it (seen on CUDA, where a
-    unit's parameters and the embedding before it went missing)."""
+    visited node's id and be skipped with everything behind it, and a root group that
+    waits for backward reduced before its gradient came."""
     seen: dict[int, object] = {}  # id -> the node, held so that no id is reused
     out: set[int] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
