@@ -337,18 +337,29 @@ def fp16_overlap_runs(cfg_of: Callable[[bool], Config], n: int
     return s_on, k_on, p_on
 
 
-def record_grad_stats(monkeypatch: Any) -> tuple[list[tuple[str, bool]], list[bool]]:
-    """Every gradient measurement the streamed step takes, as (group key, whether the test
-    had flagged backward as running: set flag[0] around eng.backward)."""
+def record_grad_stats(monkeypatch: Any) -> tuple[list[tuple[str, bool]],
+                                                list[tuple[str, bool]], list[bool]]:
+    """Every gradient measurement the streamed step takes and every group handed to its
+    measuring worker ([Note: gradients measured where they are reduced]), each as (group
+    key, whether the test had flagged backward as running: set flag[0] around
+    eng.backward). Returns (measured, handed, flag)."""
     from tierzero.engine.step import streamed as streamed_mod
+    from tierzero.engine.step.measure import MeasureJobs
 
     calls: list[tuple[str, bool]] = []
+    handed: list[tuple[str, bool]] = []
     in_backward = [False]
     real_stat = streamed_mod.grad_stat
+    real_submit = MeasureJobs.submit
 
     def stat(store: object, key: str, *rest: object) -> object:
         calls.append((key, in_backward[0]))
         return real_stat(store, key, *rest)  # type: ignore[arg-type]
 
+    def submit(jobs: MeasureJobs, keys: Any) -> None:
+        handed.extend((k, in_backward[0]) for k in keys)
+        real_submit(jobs, keys)
+
     monkeypatch.setattr(streamed_mod, "grad_stat", stat)
-    return calls, in_backward
+    monkeypatch.setattr(MeasureJobs, "submit", submit)
+    return calls, handed, in_backward

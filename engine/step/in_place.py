@@ -94,6 +94,7 @@ import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.group_update import update_group
+from tierzero.engine.step.measure import MeasureJobs
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.engine.step.worker_time import OverlapClock, threads_during_backward
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
@@ -132,7 +133,6 @@ class InPlaceStep:
         self._closed = False
         # [Note: deferred step]: gradients measured on the worker during backward, the
         # update run on it during the next forward
-        self._measured: dict[str, Future[GradStat]] = {}
         self._deferred: dict[str, Future[float]] = {}  # group -> its pending update
         self._deferred_t0 = 0.0
         self._deferred_args: tuple[AdamHyper, float, float] | None = None  # of defer()
@@ -143,6 +143,8 @@ class InPlaceStep:
         self._deferred_failure: BaseException | None = None
         self._ends = DeferredEnds()  # groups whose deferred update ended; a save's watch
         self.clock = OverlapClock()  # the worker's seconds, hidden under compute or waited for
+        self._measured = MeasureJobs(self._measure_one, measure_here=self._measure_here,
+                                     waiting=self.clock.waiting)
 
     # -- the whole step after backward -------------------------------------------------
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
@@ -293,49 +295,24 @@ class InPlaceStep:
         """These groups' gradient shards are final: measure them on the worker."""
         if self._worker is None:
             raise RuntimeError("InPlaceStep.measure() without begin_measure()")
-        for key in keys:
-            if key not in self._measured:
-                self._measured[key] = self._worker.submit(self._measure_one, key)
+        self._measured.worker = self._worker
+        self._measured.submit(keys)
 
     def _measure_one(self, key: str) -> GradStat:
         with self.clock.busy():
             return grad_stat(self._store, key)
 
+    def _measure_here(self, key: str) -> GradStat:
+        return grad_stat(self._store, key)
+
     def forget_measured(self) -> None:
         """Drop every measurement (the gradients changed since): waits for those running."""
-        with self.clock.waiting():
-            for job in self._measured.values():
-                if not job.cancelled():  # taken over by grad_stats
-                    job.exception()
-        self._measured.clear()
+        self._measured.forget()
 
     def grad_stats(self, redo: set[str]) -> dict[str, GradStat]:
         """Every group's GradStat: the worker's, else (not handed over, or in `redo`:
         reduced again after it was measured) measured here. Consumes the measurements."""
-        out: dict[str, GradStat] = {}
-        try:
-            # Measurements the worker has not started are taken over here, from the back of
-            # its queue (it works from the front): the training thread would only wait.
-            for key in reversed(self._keys):
-                job = self._measured.get(key)
-                if job is not None and key not in redo and job.cancel():
-                    out[key] = grad_stat(self._store, key)
-            for key in self._keys:
-                job = self._measured.get(key)
-                if key in out:
-                    continue
-                if job is None or key in redo:
-                    out[key] = grad_stat(self._store, key)
-                    continue
-                try:
-                    with self.clock.waiting():
-                        out[key] = job.result()
-                except Exception as exc:
-                    raise RuntimeError(f"measuring the gradient of shard group {key!r} "
-                                       f"during backward failed: {exc}") from exc
-        finally:
-            self.forget_measured()
-        return out
+        return self._measured.collect(self._keys, redo)
 
     @property
     def deferred(self) -> bool:

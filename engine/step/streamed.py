@@ -13,31 +13,40 @@ step/deferred_stream.py: [Note: deferred streamed step]).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.deferred_stream import DeferredStream
+from tierzero.engine.step.measure import MeasureJobs
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import STEP_CLASSES
 from tierzero.offload.step_seam import DeferredWatch, GradMeasure
-
 
 # [Note: gradients measured where they are reduced]
 # Clipping's global norm and fp16's overflow check need every gradient before the first
 # update, so with state on NVMe the update runs after backward (with overlap_step, during
 # the next forward: [Note: deferred streamed step]). Each group's GradStat is
 # taken when its gradient shard turns final during backward (`measure`, called from the
-# scheduler right after the reduction), on the training thread: the shard is then in
-# host memory (its home, or the cache the reduction just filled in the staging pool), so
-# measuring it does not wait for the disk. Measured in step() instead, a gradient homed
-# on NVMe that was written down under pool pressure meanwhile is read back for the norm
-# and again by the update (benchmarks/RESULTS.md, run 3 of the 2.07B all-NVMe rows).
-# The measurement is the same function on the same final bytes, summed in the same
-# order by ZeroEngine._clip, so the norm and every update are bit for bit those of the
-# measurement in step(); a group reduced again after its measurement (a late gradient)
-# is measured again in `grad_stats`.
+# scheduler right after the reduction), on a worker thread while the training thread goes
+# on with the next unit's backward (the deferred update's worker idles then, so on a
+# two-core machine the norm takes the other core instead of the training thread's time).
+# At most MEASURE_BACKLOG measurements are unfinished at once: the shard is measured soon
+# after its reduction, while it is still in host memory (its home, or the cache the
+# reduction just filled in the staging pool), so measuring it does not wait for the disk.
+# Measured in step() instead, a gradient homed on NVMe that was written down under pool
+# pressure meanwhile is read back for the norm and again by the update
+# (benchmarks/RESULTS.md, run 3 of the 2.07B all-NVMe rows). The measurement is the same
+# function on the same final bytes, summed in the same order by ZeroEngine._clip, so the
+# norm and every update are bit for bit those of the measurement in step(); a group
+# reduced again after its measurement (a late gradient) is measured again in
+# `grad_stats`. A dry run (tierzero plan, on meta) measures on the training thread: its
+# counted bytes must not depend on when a worker ran.
+MEASURE_BACKLOG = 2
+
+
 class StreamedStep:
     """One AdamStream over every trainable group; see [Note: streamed optimizer step]."""
 
@@ -54,7 +63,9 @@ class StreamedStep:
         if manager is None:
             raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
         self._store = store
-        self._measured: dict[str, GradStat] = {}
+        # [Note: gradients measured where they are reduced]; no worker on meta
+        self._measured = MeasureJobs(self._measure_one, backlog=MEASURE_BACKLOG)
+        self._measure_worker: ThreadPoolExecutor | None = None
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
         layout = store.layout  # keys and pieces, as the store keeps them
@@ -104,7 +115,9 @@ class StreamedStep:
         self.stream.begin(hyper, step)
 
     def groups_final(self, keys: Sequence[str]) -> None:
-        """Updated now, on this thread, in step order as far as the final groups reach."""
+        """Updated now, on this thread, in step order as far as the final groups reach (after
+        their measurements: the update consumes the gradient)."""
+        self._measured.wait(keys)
         self.stream.mark_final(self._indices(keys))
 
     def finish(self) -> PipelineStats:
@@ -157,27 +170,26 @@ class StreamedStep:
     def begin_measure(self) -> None:
         """Backward begins on a boundary whose step needs every gradient first."""
         self.forget_measured()
+        if self._measure_worker is None and self._store.device.type != "meta":
+            self._measure_worker = ThreadPoolExecutor(1, thread_name_prefix="tierzero-measure")
+            self._measured.worker = self._measure_worker
 
     def measure(self, keys: Sequence[str]) -> None:
-        """These groups' gradient shards are final: measured now, on this thread."""
-        for key in keys:
-            if key not in self._measured:
-                self._measured[key] = grad_stat(self._store, key)
+        """These groups' gradient shards are final: measured on the worker."""
+        self._measured.submit(keys)
+
+    def _measure_one(self, key: str) -> GradStat:
+        return grad_stat(self._store, key)
 
     def forget_measured(self) -> None:
-        """Drop every measurement (the gradients changed since)."""
-        self._measured.clear()
+        """Drop every measurement (the gradients changed since): waits for those running."""
+        self._measured.forget()
 
     def grad_stats(self, redo: set[str]) -> Mapping[str, GradMeasure]:
         """Every group's GradStat, in group order: the one taken during backward, else
         (never final during backward, or in `redo`: reduced again since) measured here.
         Consumes the measurements."""
-        try:
-            return {key: (self._measured[key] if key in self._measured and key not in redo
-                          else grad_stat(self._store, key))
-                    for key in self._keys}
-        finally:
-            self.forget_measured()
+        return self._measured.collect(self._keys, redo)
 
     def worker_times(self) -> tuple[float, float]:
         """The deferred update's worker: (seconds, of which hidden under compute)."""
@@ -187,4 +199,10 @@ class StreamedStep:
         try:
             self._deferred.close()
         finally:
-            self.stream.close()
+            try:
+                if self._measure_worker is not None:
+                    self._measured.forget()
+                    self._measure_worker.shutdown(wait=True)
+                    self._measure_worker = None
+            finally:
+                self.stream.close()

@@ -123,13 +123,15 @@ def test_grad_norm_with_accumulation(tmp_path: Path, where: str) -> None:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_unclipped_nvme_norm_is_taken_during_backward(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
-    """Clipping off, gradients homed on NVMe: each group is measured once, right after its
-    reduction during backward (before the early step consumes it, with overlap_step), and
-    step() reads no gradient for the norm."""
+    """Clipping off, gradients homed on NVMe: each group is measured once, handed to the
+    measuring worker as its reduction ends during backward (before the early step consumes
+    it, with overlap_step), and step() measures no gradient again for the norm. (The
+    worker may finish the last groups after backward returns: step() waits for them.)"""
     cfg = config_for("nvme" if overlap else "nvme-serial", tmp_path, clip=0.0)
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
     try:
-        calls, in_backward = record_grad_stats(monkeypatch)  # (group key, in backward)
+        # (group key, in backward)
+        calls, handed, in_backward = record_grad_stats(monkeypatch)
 
         def no_stat(store: object, key: str) -> object:
             raise AssertionError(f"step() measured {key} again")
@@ -137,6 +139,7 @@ def test_unclipped_nvme_norm_is_taken_during_backward(
         monkeypatch.setattr(engine_mod, "grad_stat", no_stat)
         for ids, tg in make_batches(2):
             calls.clear()
+            handed.clear()
             loss = eng(ids, tg)
             in_backward[0] = True
             eng.backward(loss)
@@ -145,7 +148,8 @@ def test_unclipped_nvme_norm_is_taken_during_backward(
             norm = eng.get_global_grad_norm()
             assert norm is not None and norm > 0
             assert sorted(k for k, _ in calls) == sorted(eng._train_keys)
-            assert all(during for _, during in calls), calls
+            assert sorted(k for k, _ in handed) == sorted(eng._train_keys)
+            assert all(during for _, during in handed), handed
     finally:
         eng.close()
 

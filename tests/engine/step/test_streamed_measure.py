@@ -54,12 +54,14 @@ def test_clipped_streamed_step_measured_in_backward_is_bit_identical_and_matches
 
 def test_every_group_is_measured_during_backward_and_none_again_in_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The limit is below the norm, so the factor applies; each group's norm is taken once,
-    by measure() while backward runs, and step() only adds them up."""
+    """The limit is below the norm, so the factor applies; each group is handed to the
+    measuring worker while backward runs, its norm is taken once, and step() only adds
+    them up (after waiting for the last ones)."""
     eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
                                      config=nvme_config(tmp_path, overlap=True, clip=1e-3))
     try:
-        calls, in_backward = record_grad_stats(monkeypatch)  # (group key, in backward)
+        # (group key, in backward)
+        calls, handed, in_backward = record_grad_stats(monkeypatch)
         ids, tg = make_batches(1)[0]
         loss = eng(ids, tg)
         in_backward[0] = True
@@ -68,7 +70,8 @@ def test_every_group_is_measured_during_backward_and_none_again_in_step(
         eng.step()
         assert eng.last_grad_norm is not None and eng.last_grad_norm > 1e-3
         assert sorted(k for k, _ in calls) == sorted(eng._train_keys)
-        assert all(during for _, during in calls), calls
+        assert sorted(k for k, _ in handed) == sorted(eng._train_keys)
+        assert all(during for _, during in handed), handed
     finally:
         eng.close()
 
@@ -87,6 +90,7 @@ def test_a_group_reduced_again_is_measured_again(tmp_path: Path) -> None:
                 g.fill_(1.0)
         step.begin_measure()
         step.measure(keys)
+        step._measured.wait(keys)  # measured on the worker: done before the values change
         first, second = keys[0], keys[1]
         for key in (first, second):  # the gradients change after their measurement
             with eng.store.use(key, "grad", writable=True) as g:
