@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from engine_dist import run_two_ranks
+from engine_dist import run_two_ranks, spawn_two
 from engine_helpers import LOSS_RTOL, PARAM_ATOL, full_params
 from torch import nn
 
@@ -351,8 +350,7 @@ def _diverge_worker(rank: int, init_file: str, out_dir: str, case: str) -> None:
 
 
 def _run_diverge(tmp: Path, case: str) -> list[dict[str, Any]]:
-    mp.spawn(_diverge_worker, args=(str(tmp / "pg_init"), str(tmp), case), nprocs=2,
-             join=True)
+    spawn_two(_diverge_worker, str(tmp / "pg_init"), str(tmp), case)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
