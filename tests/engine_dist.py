@@ -6,7 +6,8 @@ rank starts in a fraction of a second where a fresh interpreter spends ~5 s of a
 machine on those imports (torch.optim imports torch._dynamo on first use, see
 tests/fault_server.py). Each rank is still a new process that ran nothing before its
 scenarios: it gets the parent's environment, working directory and sys.path as of the
-run (checked: the tierzero it runs is the parent's).
+run (checked: the tierzero it runs is the parent's), and writes to the parent's stdout and
+stderr.
 """
 
 from __future__ import annotations
@@ -47,28 +48,46 @@ def start_fork_server() -> None:
             os.environ["PYTHONPATH"] = before
 
 
-def as_parent(env: dict[str, str], tierzero_file: str | None, fn: Callable[..., Any],
+def _parent() -> tuple[int, dict[str, str], str | None]:
+    return os.getpid(), dict(os.environ), tierzero.__file__
+
+
+def as_parent(parent: tuple[int, dict[str, str], str | None], fn: Callable[..., Any],
               *args: Any) -> Any:
     """A forked process's entry: the parent's environment as of the start (the server's is
-    the one it started with), then fn(*args)."""
+    the one it started with) and its stdout and stderr as they are now (pytest's capture
+    of the running test, as a spawned child would inherit them), then fn(*args)."""
+    pid, env, tierzero_file = parent
     os.environ.clear()
     os.environ.update(env)
+    for fd in (1, 2):
+        try:
+            new = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue  # the server's own stdout/stderr then
+        os.dup2(new, fd)
+        os.close(new)
     assert tierzero.__file__ == tierzero_file, (tierzero.__file__, tierzero_file)
     return fn(*args)
 
 
-def _forked(rank: int, env: dict[str, str], tierzero_file: str | None,
+def _forked(rank: int, parent: tuple[int, dict[str, str], str | None],
             fn: Callable[..., None], *args: Any) -> None:
-    as_parent(env, tierzero_file, fn, rank, *args)
+    as_parent(parent, fn, rank, *args)
+
+
+def start_fresh(fn: Callable[..., None], *args: Any) -> multiprocessing.process.BaseProcess:
+    """fn(*args) in a new process forked from the fork server (it ran nothing before),
+    started and not waited for."""
+    start_fork_server()
+    proc = mp.get_context("forkserver").Process(target=as_parent, args=(_parent(), fn, *args))
+    proc.start()
+    return proc
 
 
 def fresh_process(fn: Callable[..., None], *args: Any) -> int:
-    """fn(*args) in a new process forked from the fork server (it ran nothing before);
-    returns its exit code."""
-    start_fork_server()
-    proc = mp.get_context("forkserver").Process(
-        target=as_parent, args=(dict(os.environ), tierzero.__file__, fn, *args))
-    proc.start()
+    """fn(*args) in a new process forked from the fork server; returns its exit code."""
+    proc = start_fresh(fn, *args)
     proc.join()
     assert proc.exitcode is not None
     return proc.exitcode
@@ -77,7 +96,7 @@ def fresh_process(fn: Callable[..., None], *args: Any) -> int:
 def spawn_two(fn: Callable[..., None], *args: Any) -> None:
     """mp.spawn(fn, args, nprocs=2, join=True) with ranks forked from the fork server."""
     start_fork_server()
-    mp.start_processes(_forked, args=(dict(os.environ), tierzero.__file__, fn, *args),
+    mp.start_processes(_forked, args=(_parent(), fn, *args),
                        nprocs=2, join=True, start_method="forkserver")
 
 
