@@ -337,8 +337,10 @@ def _diverge_worker(rank: int, init_file: str, out_dir: str, case: str) -> None:
             comm = Comm(check_order=True, timeout_s=2.0)
             if rank == 0:
                 comm.all_gather(torch.empty(8), torch.ones(4), "blocks.7/float32/trainable")
-            else:
-                time.sleep(6.0)
+            else:  # alive, never gathering, until rank 0 is done (6 s at most)
+                while (not (Path(out_dir) / "rank0.pt").exists()
+                       and time.monotonic() - start < 6.0):
+                    time.sleep(0.02)  # another process's file: no event to block on
         result["error"] = None
     except RanksDivergedError as exc:
         result["error"] = str(exc)
