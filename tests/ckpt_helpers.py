@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
+from engine_dist import fresh_process
 from engine_helpers import full_params, make_batches, make_config, make_model
 
 from tierzero import engine
@@ -117,13 +117,12 @@ def _fresh_worker(fn: Callable[[], Any], out: str) -> None:
 
 
 def run_fresh(tmp: Path, name: str, fn: Callable[[], Any]) -> Any:
-    """`fn()` in a new Python process (spawn): nothing carries over but the files."""
+    """`fn()` in a new process that ran nothing before (forked from engine_dist's fork
+    server, which only imported torch and tierzero): nothing carries over but the files."""
     out = tmp / f"{name}.pt"
-    proc = mp.get_context("spawn").Process(target=_fresh_worker, args=(fn, str(out)))
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0:
-        raise RuntimeError(f"fresh process {name!r} exited with {proc.exitcode}")
+    code = fresh_process(_fresh_worker, fn, str(out))
+    if code != 0:
+        raise RuntimeError(f"fresh process {name!r} exited with {code}")
     return torch.load(out, weights_only=False)
 
 

@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from engine_dist import run_two_ranks
+from engine_dist import run_two_ranks, spawn_two
 from engine_helpers import LOSS_RTOL, PARAM_ATOL, full_params
 from torch import nn
 
@@ -338,8 +337,10 @@ def _diverge_worker(rank: int, init_file: str, out_dir: str, case: str) -> None:
             comm = Comm(check_order=True, timeout_s=2.0)
             if rank == 0:
                 comm.all_gather(torch.empty(8), torch.ones(4), "blocks.7/float32/trainable")
-            else:
-                time.sleep(6.0)
+            else:  # alive, never gathering, until rank 0 is done (6 s at most)
+                while (not (Path(out_dir) / "rank0.pt").exists()
+                       and time.monotonic() - start < 6.0):
+                    time.sleep(0.02)  # another process's file: no event to block on
         result["error"] = None
     except RanksDivergedError as exc:
         result["error"] = str(exc)
@@ -351,8 +352,7 @@ def _diverge_worker(rank: int, init_file: str, out_dir: str, case: str) -> None:
 
 
 def _run_diverge(tmp: Path, case: str) -> list[dict[str, Any]]:
-    mp.spawn(_diverge_worker, args=(str(tmp / "pg_init"), str(tmp), case), nprocs=2,
-             join=True)
+    spawn_two(_diverge_worker, str(tmp / "pg_init"), str(tmp), case)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

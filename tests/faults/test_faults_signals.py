@@ -6,8 +6,11 @@ run ends bit-identical to an uninterrupted one: the same losses and the same fin
 checkpoint bytes (parameters, optimizer state, RNG).
 
 Trials run in processes forked from tests/fault_server.py (the command's own `main`, no
-fresh interpreter per trial). TIERZERO_FAULT_TRIALS sets the trials per signal (default
-20); the seed of the random steps is printed, and TIERZERO_FAULT_SEED replays it.
+fresh interpreter per trial). Each signal's trials cover every case once: the signal after
+each of steps 1..STEPS // 2, with and without train.save_on_interrupt (12 trials, in an
+order drawn from a seed); TIERZERO_FAULT_TRIALS sets the trials per signal (default 12;
+beyond 12 the cases are drawn at random, below it a random subset). The seed is printed,
+and TIERZERO_FAULT_SEED replays it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from fault_helpers import Server
 
 pytestmark = pytest.mark.faults
 
-TRIALS = int(os.environ.get("TIERZERO_FAULT_TRIALS", "20"))
+TRIALS = int(os.environ.get("TIERZERO_FAULT_TRIALS", "12"))
 STEPS = 12  # every run's length: the signal comes after step 1..STEPS // 2, which leaves
 # a loaded machine six steps of slack between the test's read of the log and the signal
 INTERVAL = 3  # checkpoints at 3, 6, 9 and 12: both runs end with the checkpoint compared
@@ -109,12 +112,15 @@ def test_signal_at_random_steps(fault_server: Server, reference: Reference,
     rng = random.Random(seed)
     swap = tmp_path / "swap"
     swap.mkdir()
+    # every (step, save_on_interrupt) case once, then random draws
+    cases = [(at, save) for at in range(1, STEPS // 2 + 1) for save in (False, True)]
+    rng.shuffle(cases)
+    cases += [(rng.randint(1, STEPS // 2), rng.random() < 0.5)
+              for _ in range(TRIALS - len(cases))]
     resumed = 0
-    for trial in range(TRIALS):
+    for trial, (at, save_on_interrupt) in enumerate(cases[:TRIALS]):
         root = tmp_path / f"t{trial}"
         ck = root / "ck"
-        at = rng.randint(1, STEPS // 2)
-        save_on_interrupt = trial % 2 == 1
         root.mkdir()
         common = {"steps": STEPS, "checkpoint_interval": INTERVAL, "checkpoint_dir": str(ck)}
         cfg = _config(root / "c.yaml", swap, save_on_interrupt=save_on_interrupt,

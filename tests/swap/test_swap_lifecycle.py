@@ -49,12 +49,26 @@ def test_interpreter_exit_removes_files(tmp_path: Path) -> None:
             s.write(f"pending{i}", torch.zeros(1 << 20))   # unaligned: bounce copies
         print(s.path)
         """
-    for _ in range(3):
-        out = _run(code, str(tmp_path))
-        path = Path(out.stdout.strip())
-        assert path.name.endswith(".scratch.swp")
-        assert not path.exists()
-        assert not list(tmp_path.rglob("*.swp")) and not list(tmp_path.rglob("*.lock"))
+    runs = []
+    for i in range(3):  # three exits, run side by side (each its own directory and check)
+        where = tmp_path / f"run{i}"
+        where.mkdir()
+        runs.append((where, subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), str(where)], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    try:
+        for where, proc in runs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            path = Path(out.strip())
+            assert path.name.endswith(".scratch.swp")
+            assert not path.exists()
+            assert not list(where.rglob("*.swp")) and not list(where.rglob("*.lock"))
+    finally:
+        for _, proc in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_killed_mid_write_then_next_store_starts_clean(tmp_path: Path) -> None:

@@ -9,44 +9,43 @@ Afterwards `latest` must name a complete checkpoint whose every file matches its
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import crash_config
+from ckpt_helpers import crash_child, crash_config
+from engine_dist import start_fresh
 
 from tierzero import engine
 from tierzero.engine.checkpoint.layout import LATEST, load_manifest, resolve, verify_files
 
-ROOT = Path(__file__).resolve().parents[3]
 RUNS = 4
 
 
+def _crash_child(ckpt: str, ready: str, offload: str, where: str | None,
+                 background: bool) -> None:
+    torch.set_num_threads(1)
+    crash_child(ckpt, ready, offload, where, background)
+
+
 def _start_child(ckpt: Path, ready: Path, offload: str = "none",
-                 swap: Path | None = None, background: bool = False
-                 ) -> subprocess.Popen[bytes]:
+                 swap: Path | None = None, background: bool = False) -> BaseProcess:
+    """crash_child in a new process forked from engine_dist's fork server (it starts in a
+    fraction of a second instead of importing torch); its stderr is this process's."""
     where = str(swap) if swap is not None else None
-    code = ("import sys; sys.path[:0] = ['tests', '.']; from ckpt_helpers import crash_child; "
-            f"crash_child({str(ckpt)!r}, {str(ready)!r}, {offload!r}, {where!r}, "
-            f"{background!r})")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return start_fresh(_crash_child, str(ckpt), str(ready), offload, where, background)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], ready: Path, timeout: float = 120.0) -> None:
+def _wait_ready(proc: BaseProcess, ready: Path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ready.exists():
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            raise RuntimeError(f"child exited with {proc.returncode} before its first save:\n"
-                               f"{err}")
+        if not proc.is_alive():
+            raise RuntimeError(f"child exited with {proc.exitcode} before its first save "
+                               "(its traceback is in the captured stderr)")
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("child did not save its first checkpoint in time")
@@ -89,11 +88,9 @@ def test_kill9_during_save_keeps_last_good_checkpoint(tmp_path: Path, offload: s
     for proc, (ckpt, ready) in zip(procs, dirs, strict=True):
         _wait_ready(proc, ready)
         time.sleep(rng.uniform(0.05, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
-        assert proc.returncode == -signal.SIGKILL
+        proc.kill()  # SIGKILL
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
         assert (ckpt / LATEST).is_file()
         _, partial = _check_survivor(ckpt)
         partial_seen += partial

@@ -4,6 +4,7 @@ and `configs/` package (names a top-level package of ours would have collided wi
 
 from __future__ import annotations
 
+import os
 import shutil
 import site
 import subprocess
@@ -78,9 +79,12 @@ def test_wheel_installs_under_tierzero_namespace(tmp_path: Path) -> None:
 
     venv = fresh_venv(tmp_path)
     py = venv / "bin" / "python"
+    # the fresh venv's processes see no checkout: not through PYTHONPATH either (a run of
+    # the suite from a worktree sets it)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     install = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index",
                               "-q", str(wheel)], capture_output=True, text=True, timeout=300,
-                             check=False)
+                             check=False, env=env)
     assert install.returncode == 0, install.stderr
     (installed,) = venv.glob("lib/python*/site-packages/tierzero")
 
@@ -90,7 +94,7 @@ def test_wheel_installs_under_tierzero_namespace(tmp_path: Path) -> None:
     (user / "engine.py").write_text("USER = True\n")
     (user / "configs" / "__init__.py").write_text("USER = True\n")
     run = subprocess.run([str(py), "-c", PROBE, str(installed)], cwd=user,
-                         capture_output=True, text=True, timeout=120, check=False)
+                         capture_output=True, text=True, timeout=120, check=False, env=env)
     assert run.returncode == 0, run.stderr
     assert "from the embedded default" in run.stdout
     assert "path: /var/tmp" in run.stdout
@@ -100,7 +104,7 @@ def test_wheel_installs_under_tierzero_namespace(tmp_path: Path) -> None:
     (user / "train.yaml").write_text(TRAIN % swap)
     train = subprocess.run([str(venv / "bin" / "tierzero"), "train", "train.yaml",
                             "--no-progress"], cwd=user, capture_output=True, text=True,
-                           timeout=300, check=False)
+                           timeout=300, check=False, env=env)
     assert train.returncode == 0, train.stderr
     assert "step 2/2" in train.stderr + train.stdout, train.stderr
     assert (user / "metrics.jsonl").read_text().count('"event": "step"') == 2
