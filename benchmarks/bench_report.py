@@ -38,8 +38,8 @@ def fastest_drive(*measured: dict[str, float]) -> dict[str, float]:
     """Each GB/s field of several measurements of one drive (before and after a row) at
     its highest: a bound from it is the least time the drive could have needed at any of
     those moments, so a drive that drifts during a row does not flatter the row."""
-    fields = ("read_gbps", "write_gbps", "mixed_gbps")
-    return {k: max(m[k] for m in measured) for k in fields}
+    fields = ("read_gbps", "write_gbps", "mixed_gbps", "deep_mixed_gbps")
+    return {k: max(m[k] for m in measured) for k in fields if all(k in m for m in measured)}
 
 
 def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:

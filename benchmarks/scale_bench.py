@@ -144,7 +144,10 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
     sequential read, then a read of that file and a write of a second one running together
     (`mixed_gbps`, both directions' bytes over the time until both end): a step's reads
     and writes share the drive, which may move more or fewer bytes a second then than in
-    either direction alone."""
+    either direction alone. Those three keep one request in flight per direction;
+    `deep_mixed_gbps` reads and writes the same bytes with eight requests of 4 MiB in
+    flight, half each way, as the swap store's I/O threads do: the drive's rate for the
+    engine's own pattern (a virtual disk can move far more with a deep queue)."""
     path = os.path.join(directory, "bandwidth.bin")
     path2 = os.path.join(directory, "bandwidth2.bin")
     bufs = [mmap.mmap(-1, chunk) for _ in range(2)]  # page-aligned, as O_DIRECT needs
@@ -170,6 +173,38 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
         finally:
             os.close(fd)
 
+    def deep(queue: int = 8, request: int = 4 << 20) -> float:
+        """GB/s of reads of `path` and writes of `path2` (`n * chunk` bytes each) issued as
+        the swap store issues them: `queue` threads with one `request` each in flight, half
+        reading, half writing (the engine's default offload.nvme queue and request)."""
+        per = n * chunk // request
+        views = [mmap.mmap(-1, request) for _ in range(queue)]
+
+        def worker(i: int) -> None:
+            reading = i % 2 == 0
+            fd = (os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW) if reading
+                  else os.open(path2, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW))
+            try:
+                for k in range(i // 2, per, queue // 2):
+                    if reading:
+                        os.preadv(fd, [views[i]], k * request)
+                    else:
+                        os.pwrite(fd, views[i], k * request)
+                if not reading:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(queue) as pool:
+                t0 = time.perf_counter()
+                for f in [pool.submit(worker, i) for i in range(queue)]:
+                    f.result()
+                return 2 * per * request / (time.perf_counter() - t0) / 1e9
+        finally:
+            for v in views:
+                v.close()
+
     try:
         t0 = time.perf_counter()
         write(path, bufs[0])
@@ -184,6 +219,7 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
             for f in both:
                 f.result()  # raises what the thread raised
             mixed_s = time.perf_counter() - t0
+        deep_gbps = deep()  # both files exist now: path2 is rewritten in place
     finally:
         for buf in bufs:
             buf.close()
@@ -191,7 +227,8 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
             if os.path.exists(where):
                 os.unlink(where)
     return {"bytes": n * chunk, "write_gbps": n * chunk / write_s / 1e9,
-            "read_gbps": n * chunk / read_s / 1e9, "mixed_gbps": 2 * n * chunk / mixed_s / 1e9}
+            "read_gbps": n * chunk / read_s / 1e9, "mixed_gbps": 2 * n * chunk / mixed_s / 1e9,
+            "deep_mixed_gbps": deep_gbps}
 
 
 # -- children -------------------------------------------------------------------------------
@@ -510,9 +547,18 @@ class Watchdog:
         self.why, self.killed_phase = why, self.phase
         self.proc.kill()
 
+    def _exited(self) -> bool:
+        """The child has ended; it is not reaped here (WNOWAIT): run_child's wait4 reaps it
+        and takes its rusage, which a reap by Popen.poll() would lose (ECHILD)."""
+        try:
+            return os.waitid(os.P_PID, self.proc.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already
+            return True
+
     def _run(self) -> None:
         last_trace = -1.0
-        while self.proc.poll() is None:
+        while not self._exited():
             now = time.perf_counter() - self.t0
             try:
                 rss = tree_rss(self.proc.pid)
@@ -632,6 +678,12 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
                 d: {c: n - before["moved_by_class"].get(d, {}).get(c, 0)
                     for c, n in by.items()}
                 for d, by in mid["moved_by_class"].items()}
+        if bw.get("deep_mixed_gbps"):
+            # the same bytes at the rate of the engine's own queue depth, both directions
+            # sharing the drive (disk_bandwidth's deep_mixed_gbps), when that is faster
+            deep_s = min(io_s, (mid["nvme_read"] + mid["nvme_written"])
+                         / (bw["deep_mixed_gbps"] * 1e9))
+            out.update(io_bound_deep_s=deep_s, step_over_io_bound_deep=mid["s"] / deep_s)
         out.update(step_s=mid["s"], nvme_read_per_step=mid["nvme_read"],
                    nvme_written_per_step=mid["nvme_written"], io_bound_s=io_s,
                    io_bound_share=io_s / mid["s"],
@@ -690,7 +742,8 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
     """Markdown rows: each tierzero state precision's NVMe bytes and step against fp32's."""
     base = (rows.get("tierzero") or {}).get("summary") or {}
     out = ["| state_precision | NVMe read / step | written / step | bytes vs fp32 | step | "
-           "vs fp32 | io_bound_s | disk w/r/both GB/s |", "| --- |" + " ---: |" * 7]
+           "vs fp32 | io_bound_s | at 8 x 4 MiB | disk w/r/both/deep GB/s |",
+           "| --- |" + " ---: |" * 8]
     for name, row in rows.items():
         s = row.get("summary") or {}
         if not name.startswith("tierzero") or "step_s" not in s:
@@ -705,8 +758,10 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
                    f"{s['nvme_read_per_step'] / 1e9:.2f} GB | "
                    f"{s['nvme_written_per_step'] / 1e9:.2f} GB | {vs} | {s['step_s']:.1f} s | "
                    f"{vs_step} | {s['io_bound_s']:.1f} s | "
+                   f"{s.get('io_bound_deep_s', float('nan')):.1f} s | "
                    f"{row['disk']['write_gbps']:.2f} / {row['disk']['read_gbps']:.2f} / "
-                   f"{row['disk']['mixed_gbps']:.2f} |")
+                   f"{row['disk']['mixed_gbps']:.2f} / "
+                   f"{row['disk'].get('deep_mixed_gbps', float('nan')):.2f} |")
     return out
 
 
@@ -836,7 +891,8 @@ def main() -> None:
         result["disk"] = bw
         sys.stderr.write(f"disk: write {bw['write_gbps']:.2f} GB/s, read "
                          f"{bw['read_gbps']:.2f} GB/s, both together {bw['mixed_gbps']:.2f} "
-                         f"GB/s (O_DIRECT, {bw['bytes'] / GiB:.1f} GiB)\n")
+                         f"GB/s, 8 x 4 MiB in flight {bw['deep_mixed_gbps']:.2f} GB/s "
+                         f"(O_DIRECT, {bw['bytes'] / GiB:.1f} GiB)\n")
         if "tierzero" in engines:
             result["plan"] = plan_prediction(paths["model"], paths["config"], args.seq,
                                              args.batch)

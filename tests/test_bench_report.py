@@ -133,6 +133,30 @@ def test_scale_bench_watchdog_stops_a_child_over_its_rss_cap() -> None:
         f"stopped at {dog.rss_max / 1e9:.1f} GB during initialize")
 
 
+def test_scale_bench_watchdog_leaves_the_exited_child_to_wait4() -> None:
+    """run_child reaps its child with os.wait4 for the child's rusage (peak RSS); a
+    watchdog that reaped it first (Popen.poll) made that wait4 fail with ECHILD."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks import scale_bench
+
+    code = "b = bytearray(32 << 20)"  # exits at once
+    proc = subprocess.Popen([sys.executable, "-c", code], text=True)
+    try:
+        dog = scale_bench.Watchdog(proc, max_rss=1 << 40, min_available=0, timeout=30,
+                                   period=0.01)
+        dog.join()  # its loop ends only once it has seen the child exit
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        if proc.returncode is None:
+            proc.returncode = 0  # reaped above: Popen must not wait for it again
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert usage.ru_maxrss * 1024 >= 32 << 20
+    assert dog.why is None
+
+
 def test_drive_seconds_is_the_slowest_of_each_direction_and_both_together() -> None:
     # 4 GB read at 2 GB/s, 2 GB written at 1 GB/s: 2 s each way; 6 GB both ways at 3 GB/s
     assert bench_report.drive_seconds(4e9, 2e9, 2.0, 1.0, 3.0) == pytest.approx(2.0)
@@ -149,6 +173,11 @@ def test_fastest_drive_takes_each_rate_at_its_highest() -> None:
         "read_gbps": 2.0, "write_gbps": 2.1, "mixed_gbps": 1.9}
     assert bench_report.fastest_drive(before) == {
         "read_gbps": 2.0, "write_gbps": 1.5, "mixed_gbps": 1.8}
+    # the deep-queue rate where every measurement has one (rows before it had none)
+    deep_before = {**before, "deep_mixed_gbps": 2.4}
+    deep_after = {**after, "deep_mixed_gbps": 2.2}
+    assert bench_report.fastest_drive(deep_before, deep_after)["deep_mixed_gbps"] == 2.4
+    assert "deep_mixed_gbps" not in bench_report.fastest_drive(deep_before, after)
 
 
 def test_scale_bench_fingerprints_the_weights_each_module_first_computes_with() -> None:
