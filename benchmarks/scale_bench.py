@@ -53,6 +53,10 @@ runs the tierzero child once per `batch.schedule` ([Note: layer-major schedule])
 same run; a table compares each schedule's NVMe bytes, step time and tokens/s with the
 first's.
 
+`--set KEY=VALUE` (repeatable) sets a dotted key of every tierzero row's config, e.g.
+`--set nvme.threads=16 --set offload.optimizer.buffer_count=8`: one run per variant, the
+same script and model, so an A/B of a setting is two commands.
+
 `--trace PATH` records each tierzero row's last step (swap/trace.py) into PATH.<row> and
 adds where its time went to the row (benchmarks/trace_summary.py: the drive's busy and idle
 seconds, what the training thread did while it was idle, each thread's time by kind).
@@ -97,6 +101,7 @@ from typing import Any
 
 import psutil
 import torch
+import yaml
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -179,6 +184,8 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
         reading, half writing (the engine's default offload.nvme queue and request)."""
         per = n * chunk // request
         views = [mmap.mmap(-1, request) for _ in range(queue)]
+        for view in views:  # written bytes as the engine's: not zero pages
+            view.write(bufs[0][:request])
 
         def worker(i: int) -> None:
             reading = i % 2 == 0
@@ -470,6 +477,28 @@ def child_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- the parent -----------------------------------------------------------------------------
+def parse_set(item: str) -> tuple[str, Any]:
+    """`--set KEY=VALUE`: a dotted key of the tierzero config and a YAML value (so a bare
+    `off` is false: quote a string the engine wants, nvme.direct_io='off')."""
+    key, eq, text = item.partition("=")
+    if not eq or not key or any(not part for part in key.split(".")):
+        raise argparse.ArgumentTypeError(f"{item!r}: allowed: KEY=VALUE with a dotted key, "
+                                         "e.g. nvme.threads=16")
+    return key, yaml.safe_load(text)
+
+
+def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    """config[a][b][c] = value for key "a.b.c", making the sections on the way; the
+    engine's config check names a key it does not know."""
+    *sections, last = key.split(".")
+    node = config
+    for name in sections:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise SystemExit(f"scale_bench: --set {key}: {name!r} is not a section")
+    node[last] = value
+
+
 def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
     """The model's config.json and one tierzero config per state precision (`config` is
     the first precision's, `config:<precision>` each one's)."""
@@ -493,6 +522,8 @@ def write_inputs(run_dir: str, args: argparse.Namespace) -> dict[str, str]:
                                               "master_precision": master}
             config["batch"] = {"gradient_accumulation_steps": args.grad_accum,
                                "schedule": schedule}
+            for key, value in args.set:
+                set_dotted(config, key, value)
             config_path = os.path.join(run_dir, f"tierzero-{prec}-{schedule}.yaml")
             with open(config_path, "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=1)  # JSON is YAML
@@ -786,6 +817,9 @@ def main() -> None:
                     help="kill a child whose RSS (with its subprocesses) passes this and record "
                     "the phase it reached; default min(14 GiB, 0.6 x the memory available "
                     "when the run starts)")
+    ap.add_argument("--set", type=parse_set, action="append", default=[], metavar="KEY=VALUE",
+                    help="a tierzero config key for every tierzero row (repeatable; dotted, "
+                    "YAML value), e.g. --set nvme.threads=16")
     ap.add_argument("--host-bytes", type=int, default=0,
                     help="offload.budgets.host_bytes of the tierzero run (default: unset)")
     ap.add_argument("--child-timeout", type=float, default=0,

@@ -212,3 +212,25 @@ def test_scale_bench_fingerprints_the_weights_each_module_first_computes_with() 
     assert seen[0]["2"] == pytest.approx(first["2"] + 3.0, abs=1e-5)
     assert scale_bench._digest(first) != scale_bench._digest(seen[0])
     assert scale_bench._digest(first) == scale_bench._digest(dict(first))
+
+
+def test_scale_bench_set_puts_a_dotted_key_in_the_tierzero_config() -> None:
+    import argparse
+
+    import pytest
+
+    from benchmarks import scale_bench
+
+    key, value = scale_bench.parse_set("offload.optimizer.buffer_count=8")
+    assert (key, value) == ("offload.optimizer.buffer_count", 8)  # a YAML value: an int
+    config = {"offload": {"device": "nvme", "optimizer": {"state_precision": "int8"}}}
+    scale_bench.set_dotted(config, key, value)
+    # YAML 1.1 reads a bare off as false: the engine's string is quoted
+    scale_bench.set_dotted(config, *scale_bench.parse_set("nvme.direct_io='off'"))
+    assert config == {"offload": {"device": "nvme", "optimizer": {
+        "state_precision": "int8", "buffer_count": 8}}, "nvme": {"direct_io": "off"}}
+    for bad in ("nvme.threads", "=3", "nvme..threads=3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+            scale_bench.parse_set(bad)
+    with pytest.raises(SystemExit, match="'device' is not a section"):
+        scale_bench.set_dotted(config, "offload.device.x", 1)
