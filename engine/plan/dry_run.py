@@ -52,6 +52,7 @@ from tierzero.engine.plan.dry_comm import DryComm
 from tierzero.engine.plan.host import model_bytes, saved_bytes
 from tierzero.engine.shards.tiered import TieredShardStore
 from tierzero.engine.step.device import torch_adam_factory
+from tierzero.engine.step.streamed import StreamedStep
 from tierzero.offload import Plan, TierManager
 from tierzero.offload.settings import TIERS, Tier
 from tierzero.swap import DrySwap, trace
@@ -288,6 +289,8 @@ def _one_step(eng: ZeroEngine, out: DryRun, counters: _Counters, *, accum: int,
     """One optimizer step of `accum` micro-batches; its traffic per phase. Raises
     `out.saved_bytes` to the most this step saved for backward."""
     phases = dict.fromkeys(PHASES, Traffic())
+    runner = getattr(eng.step_driver, "runner", None)
+    stream = runner.stream if isinstance(runner, StreamedStep) else None
 
     def loss_fn(_mb: object) -> torch.Tensor:
         with saved_bytes() as saved:  # on this micro-batch's thread
@@ -300,6 +303,10 @@ def _one_step(eng: ZeroEngine, out: DryRun, counters: _Counters, *, accum: int,
             # the in-place step begun during backward runs on a worker: what
             # it was handed during backward counts there, deterministically
             eng.step_driver.settle()
+        if stream is not None:
+            # the streamed step's read-ahead runs on its own thread: the reads issued
+            # in this phase land in it, not in whichever phase the thread reached them
+            stream.wait_idle()
         if name == "optimizer" and counters.manager is not None:
             counters.manager.synchronize()  # write-backs issued by the step land
         phases[name] += counters.delta()
