@@ -20,6 +20,9 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
   written/write_bw, (read + written)/mixed_bw) is the least time the step's traffic needs
   with its reads and writes sharing the drive (`io_serial_s` = read/read_bw +
   written/write_bw, one direction at a time, as rows before 2026-12-03 13:00 reported);
+- step time against the CPU: the child's CPU seconds in the step (user + system, every
+  thread) over the cores it may run on, `cpu_bound_s`, the least time the step's CPU work
+  needs with every core busy (a step near it is bound by the CPU, not the drive);
 - whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
   so a working optimizer lowers it), and a fingerprint of the weights each module's first
   forward call of the step computed with (`weights_seen`, and its `weights_digest`: small
@@ -239,12 +242,21 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
 
 
 # -- children -------------------------------------------------------------------------------
+def cpu_seconds() -> float:
+    """This process's CPU seconds so far, user and system, over all its threads."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
 class Phases:
-    """Peak RSS growth per phase over `base` (VmHWM, reset at each phase's start)."""
+    """Peak RSS growth per phase over `base` (VmHWM, reset at each phase's start), and the
+    process's CPU seconds in the phase (user + system, every thread: getrusage), so a step
+    can be set against the CPU's time for its work as well as the drive's."""
 
     def __init__(self) -> None:
         self.base = status_bytes("VmRSS")
         self.rows: list[dict[str, Any]] = []
+        self._cpu0 = 0.0
 
     def start(self, name: str) -> float:
         """Reset VmHWM; tell the parent which phase runs now (its watchdog names it when it
@@ -252,10 +264,12 @@ class Phases:
         sys.stderr.write(f"{PHASE_MARK} {name}\n")
         sys.stderr.flush()
         reset_hwm()
+        self._cpu0 = cpu_seconds()
         return time.perf_counter()
 
     def end(self, name: str, t0: float, **extra: Any) -> dict[str, Any]:
         row = {"phase": name, "s": time.perf_counter() - t0,
+               "cpu_s": cpu_seconds() - self._cpu0, "cores": len(os.sched_getaffinity(0)),
                "peak_growth": status_bytes("VmHWM") - self.base,
                "end_growth": status_bytes("VmRSS") - self.base, **extra}
         self.rows.append(row)
@@ -715,6 +729,12 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
             deep_s = min(io_s, (mid["nvme_read"] + mid["nvme_written"])
                          / (bw["deep_mixed_gbps"] * 1e9))
             out.update(io_bound_deep_s=deep_s, step_over_io_bound_deep=mid["s"] / deep_s)
+        if mid.get("cpu_s") is not None:
+            # the CPU's time for the step's work: its CPU seconds spread over every core
+            # the child may run on (a lower bound on the step, as the drive's time is)
+            cpu_bound = mid["cpu_s"] / mid["cores"]
+            out.update(cpu_s=mid["cpu_s"], cores=mid["cores"], cpu_bound_s=cpu_bound,
+                       step_over_cpu_bound=mid["s"] / cpu_bound if cpu_bound else None)
         out.update(step_s=mid["s"], nvme_read_per_step=mid["nvme_read"],
                    nvme_written_per_step=mid["nvme_written"], io_bound_s=io_s,
                    io_bound_share=io_s / mid["s"],
@@ -773,8 +793,8 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
     """Markdown rows: each tierzero state precision's NVMe bytes and step against fp32's."""
     base = (rows.get("tierzero") or {}).get("summary") or {}
     out = ["| state_precision | NVMe read / step | written / step | bytes vs fp32 | step | "
-           "vs fp32 | io_bound_s | at 8 x 4 MiB | disk w/r/both/deep GB/s |",
-           "| --- |" + " ---: |" * 8]
+           "vs fp32 | io_bound_s | at 8 x 4 MiB | CPU s / cores | disk w/r/both/deep GB/s |",
+           "| --- |" + " ---: |" * 9]
     for name, row in rows.items():
         s = row.get("summary") or {}
         if not name.startswith("tierzero") or "step_s" not in s:
@@ -790,6 +810,7 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
                    f"{s['nvme_written_per_step'] / 1e9:.2f} GB | {vs} | {s['step_s']:.1f} s | "
                    f"{vs_step} | {s['io_bound_s']:.1f} s | "
                    f"{s.get('io_bound_deep_s', float('nan')):.1f} s | "
+                   f"{s.get('cpu_bound_s', float('nan')):.1f} s | "
                    f"{row['disk']['write_gbps']:.2f} / {row['disk']['read_gbps']:.2f} / "
                    f"{row['disk']['mixed_gbps']:.2f} / "
                    f"{row['disk'].get('deep_mixed_gbps', float('nan')):.2f} |")

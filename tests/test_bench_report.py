@@ -234,3 +234,34 @@ def test_scale_bench_set_puts_a_dotted_key_in_the_tierzero_config() -> None:
             scale_bench.parse_set(bad)
     with pytest.raises(SystemExit, match="'device' is not a section"):
         scale_bench.set_dotted(config, "offload.device.x", 1)
+
+
+def test_scale_bench_sets_the_step_against_the_cpu_time_of_its_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """summarize() takes the steady step's CPU seconds over its cores as the CPU's bound,
+    and the precision table prints it; each phase records its CPU seconds and cores."""
+    import os
+    from pathlib import Path
+
+    from benchmarks import scale_bench
+
+    monkeypatch.syspath_prepend(str(Path(scale_bench.__file__).parent))  # as when run
+
+    def step(name: str, s: float, cpu: float) -> dict[str, Any]:
+        return {"phase": name, "s": s, "cpu_s": cpu, "cores": 2, "peak_growth": 1 << 30,
+                "end_growth": 1 << 29, "loss": 1.0, "nvme_read": 4e9, "nvme_written": 2e9}
+
+    row = {"peak_rss_wait4": 2 << 30,
+           "phases": [step("step 1", 9.0, 15.0), step("step 2", 8.0, 12.0)]}
+    bw = {"read_gbps": 2.0, "write_gbps": 2.0, "mixed_gbps": 2.0}
+    s = scale_bench.summarize(row, bw, state_bytes=8 << 30)
+    assert s["step_s"] == 8.0 and s["cpu_s"] == 12.0 and s["cores"] == 2
+    assert s["cpu_bound_s"] == pytest.approx(6.0)
+    assert s["step_over_cpu_bound"] == pytest.approx(8.0 / 6.0)
+    table = scale_bench.precision_table({"tierzero": {
+        "summary": s, "disk": {"write_gbps": 2.0, "read_gbps": 2.0, "mixed_gbps": 2.0}}})
+    assert "CPU s / cores" in table[0] and "| 6.0 s |" in table[2]
+
+    ph = scale_bench.Phases()
+    got = ph.end("work", ph.start("work"))
+    assert got["cpu_s"] >= 0.0 and got["cores"] == len(os.sched_getaffinity(0))
