@@ -14,10 +14,19 @@ from cli_helpers import read_metrics, write_config
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def torchrun_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a torchrun child: this checkout importable, one thread per rank,
+    and TMPDIR in the test's folder, where torchrun makes its log folder (it leaves it
+    behind, in /tmp otherwise)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+
+
 @pytest.mark.multiproc
 def test_two_ranks_with_torchrun(tmp_path: Path) -> None:
     config = write_config(tmp_path, steps=3)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = torchrun_env(tmp_path)
     # --standalone: torchrun binds its own free port (a port probed here first could be
     # taken by another process before torchrun binds it)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -46,7 +55,7 @@ def test_two_ranks_split_examples_and_sum_the_eval(tmp_path: Path) -> None:
         {"prompt": f"Q{i}: what comes after {i}?", "completion": f" {i + 1}."}
         for i in range(40)])
     config = write_config(tmp_path, steps=2, dataset=str(data), eval_fraction=0.25)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = torchrun_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "tierzero", "train", str(config), "--no-progress"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
