@@ -73,6 +73,8 @@ class SwapBackend(Protocol):
 
     def release_kept(self, region: KeptRegion) -> None: ...
 
+    def restore(self, region: KeptRegion) -> None: ...
+
     def reserve_free(self, nbytes: int) -> None: ...
 
 
@@ -231,6 +233,9 @@ class Mover:
 
     def release_kept(self, region: KeptRegion) -> None:
         self._store().release_kept(region)
+
+    def restore(self, region: KeptRegion) -> None:
+        self._store().restore(region)
 
     def reserve_free(self, nbytes: int) -> None:
         self._store().reserve_free(nbytes)

@@ -54,6 +54,10 @@ class DrySwap:
     def release_kept(self, region: KeptRegion) -> None:
         del region  # nothing was kept
 
+    def restore(self, region: KeptRegion) -> None:
+        raise SwapError("a dry run keeps no regions (it speculates no step)", path=self.path,
+                        key=region.key)
+
     def reserve_free(self, nbytes: int) -> None:
         del nbytes  # counts bytes only
 

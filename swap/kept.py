@@ -5,9 +5,12 @@ filled, then the key points at it and the old region is freed. A snapshot of
 a key (`SwapStore.keep`) holds its committed region: when a later write or a
 delete replaces it, the region is *retired* instead of freed, stays readable
 through `SwapStore.read_kept`, and is freed when its last hold is released
-(`SwapStore.release_kept`). Space the snapshot needs is bounded by the bytes
-it keeps, and freed regions are reused, so repeated snapshots do not grow the
-file beyond the state plus one snapshot's regions (`reserve_free`).
+(`SwapStore.release_kept`). `SwapStore.restore` points the key back at a kept
+region and frees the region the key had moved to (an undone optimizer update:
+[Note: speculated shards] in offload/speculation.py). Space the snapshot needs
+is bounded by the bytes it keeps, and freed regions are reused, so repeated
+snapshots do not grow the file beyond the state plus one snapshot's regions
+(`reserve_free`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ class KeptRegions:
             return False
         del self._holds[entry.offset]
         return self._retired.pop(entry.offset, None) is not None
+
+    def reinstate(self, entry: Entry) -> None:
+        """The key points at `entry` again (SwapStore.restore): no longer retired; one hold
+        released (the restorer's)."""
+        self._retired.pop(entry.offset, None)
+        left = self._holds.get(entry.offset, 0) - 1
+        if left < 0:
+            raise ValueError(f"region at offset {entry.offset} restored but not kept")
+        if left:
+            self._holds[entry.offset] = left
+        else:
+            del self._holds[entry.offset]
 
     @property
     def regions(self) -> int:

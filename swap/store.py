@@ -264,6 +264,30 @@ class SwapStore:
             if self._kept.unhold(region.entry):
                 self._space.free(region.entry.offset, region.entry.region_bytes)
 
+    def restore(self, region: KeptRegion) -> None:
+        """Point `region.key` back at the kept `region`, releasing this hold of it; the
+        region the key points at now (written since `keep`) is freed, or retired if another
+        hold keeps it. Waits for the key's pending reads and writes first, so what they
+        wrote is what is undone."""
+        check_key(region.key)
+        while True:
+            with self._lock:
+                self._check_open(region.key)
+                if not self._kept.held(region.entry):
+                    raise SwapError("restore of a region not kept (released already?)",
+                                    path=self.path, key=region.key)
+                chain = self._chains.get(region.key)
+                if chain is None:
+                    now = self._index.get(region.key)
+                    self._index[region.key] = region.entry
+                    self._kept.reinstate(region.entry)
+                    if (now is not None and now.offset != region.entry.offset
+                            and self._kept.retire(now)):
+                        self._space.free(now.offset, now.region_bytes)
+                    return
+                pending = [r.future for r in chain.pending()]
+            wait_futures(pending)
+
     def reserve_free(self, nbytes: int) -> None:
         """Grow the file (fallocate) until `nbytes` of it are free for new regions, so
         writes made while a snapshot keeps that many bytes need no more disk; SwapError

@@ -108,3 +108,45 @@ def test_kept_reads_go_behind_foreground_reads(tmp_path: Path) -> None:
             f.wait()
         s.release_kept(region)
     assert order[-1] == "kept", order
+
+
+def test_restore_points_the_key_back_and_frees_the_newer_region(tmp_path: Path) -> None:
+    n = 10_000
+    with SwapStore(tmp_path, block_size=1 << 14) as s:
+        s.write("a", _filled(n, 1.0)).wait()
+        used = s.stats().used_bytes
+        region = s.keep("a")
+        s.write("a", _filled(n, 2.0))  # not waited: restore waits for it
+        s.restore(region)
+        assert torch.equal(s.read("a").wait(), _filled(n, 1.0))
+        st = s.stats()
+        assert st.kept_regions == 0 and st.kept_retired_bytes == 0
+        assert st.used_bytes == used  # the newer region is free again
+        with pytest.raises(SwapError, match="not kept"):
+            s.restore(region)
+        s.write("a", _filled(n, 3.0)).wait()  # the key goes on as any other
+        assert float(s.read("a").wait()[7]) == 3.0
+        assert s.stats().used_bytes == used
+
+
+def test_restore_of_an_unwritten_key_and_beside_a_snapshot_hold(tmp_path: Path) -> None:
+    """Restoring a key not written since keep() changes nothing; a region a second hold
+    (a background save's snapshot) keeps stays readable through it after a restore, and
+    the newer region another hold keeps is retired, not freed."""
+    n = 4096
+    with SwapStore(tmp_path, block_size=1 << 14) as s:
+        s.write("k", _filled(n, 1.0)).wait()
+        s.restore(s.keep("k"))
+        assert float(s.read("k").wait()[0]) == 1.0
+        snap = s.keep("k")
+        spec = s.keep("k")
+        s.write("k", _filled(n, 2.0)).wait()
+        newer = s.keep("k")  # a second holder of the region written after keep
+        s.restore(spec)
+        assert float(s.read("k").wait()[0]) == 1.0
+        assert float(s.read_kept(newer, aligned_empty(n, torch.float32)).wait()[0]) == 2.0
+        s.release_kept(newer)  # retired and unheld: freed
+        s.release_kept(snap)  # the key points at it: stays
+        assert float(s.read("k").wait()[0]) == 1.0
+        st = s.stats()
+        assert st.kept_regions == 0 and st.kept_retired_bytes == 0
