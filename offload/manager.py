@@ -53,13 +53,13 @@ from .errors import OffloadError
 from .report import MemoryReport
 from .residency import Copy, Op, Role, ShardRecord, State, transition
 from .settings import TIERS, Tier
-from .snapshot import SnapshotCore
+from .speculation import SpeculationCore
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
 
 
-class TierManager(SnapshotCore):
+class TierManager(SpeculationCore):
     """Places, fetches, releases and evicts shards across device, host and NVMe."""
 
     # ---------------------------------------------------------------- public API
