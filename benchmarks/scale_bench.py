@@ -388,6 +388,9 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
                weights_seen=prints, weights_digest=_digest(prints),
                nvme_read=io1[0] - io0[0], nvme_written=io1[1] - io0[1],
                tokens=args.grad_accum * args.batch * args.seq, schedule=eng.schedule,
+               # whether clipping fired decides whether the next step is speculated
+               # ([Note: speculated step] in engine/step/speculation.py)
+               grad_norm=eng.get_global_grad_norm(), clip_coef=eng.get_clip_coef(),
                **split())
     report = eng.memory_report()
     eng.close(restore_params=False)  # as `tierzero train` ends: no model rebuilt in RAM

@@ -105,6 +105,7 @@ def _layer_major(eng: ZeroEngine, micro_batches: Sequence[Any],
     scale = 1.0 / eng.grad_accum
     if eng.loss_scaler is not None:
         scale *= eng.loss_scaler.scale
+    eng.step_driver.before_use()  # [Note: speculated step]: forward reads the params
     eng.settle_optimizer(deferred=False)
     sched = eng.scheduler
     lm = LayerMajorPass(sched, len(micro_batches), eng.device,
@@ -127,7 +128,7 @@ def _layer_major(eng: ZeroEngine, micro_batches: Sequence[Any],
     with eng.wall.phase("backward"), trace.span("backward", "backward (layer-major)"):
         eng.settle_optimizer()
         eng.micro_steps += len(micro_batches) - 1  # this backward is the boundary
-        eng.step_driver.begin(boundary=True)
+        eng.step_driver.begin(boundary=True, unscale=eng.grad_unscale())
         sched.begin_backward()
         ok = False
         try:

@@ -159,7 +159,8 @@ class ZeroEngine:
                 [g.key for g in self.root.groups], self.config.optimizer,
                 world_size=self.comm.world_size,
                 overlap=self.config.offload.optimizer.overlap_step,
-                fp16=self.dtype == torch.float16, clipping=self.config.gradient_clipping > 0)
+                fp16=self.dtype == torch.float16, clipping=self.config.gradient_clipping > 0,
+                speculate=self.config.offload.optimizer.speculate_step)
             self.scheduler.subscribe(driver)
             return adam, driver
         opt = build_optimizer(factory, self.store, self._train_keys)
@@ -191,6 +192,7 @@ class ZeroEngine:
                 kwargs["use_cache"] = False  # a KV cache would keep each unit's graph
             with AccessGuard():
                 return self.module(*args, **kwargs)
+        self.step_driver.before_use()  # [Note: speculated step]: forward reads the params
         # a deferred update goes on: each unit waits for its own ([Note: deferred step])
         self.settle_optimizer(deferred=False)
         args, kwargs = tree_map(self._cast_input, (args, kwargs))
@@ -231,7 +233,8 @@ class ZeroEngine:
             scale *= self.loss_scaler.scale
         self.settle_optimizer()  # reductions write gradient shards a deferred update reads
         # the driver first: a begin it refuses (TrainingStateError) leaves no pass open
-        self.step_driver.begin(boundary=self.is_gradient_accumulation_boundary())
+        self.step_driver.begin(boundary=self.is_gradient_accumulation_boundary(),
+                               unscale=self.grad_unscale())
         self.scheduler.begin_backward()
         ok = False
         try:
@@ -245,6 +248,11 @@ class ZeroEngine:
             except BaseException:
                 self.step_driver.abandon()
                 raise
+
+    def grad_unscale(self) -> float:
+        """The factor step() unscales the gradients by if nothing overflows (1.0 without
+        fp16 loss scaling): computed as _step computes it."""
+        return 1.0 if self.loss_scaler is None else 1.0 / self.loss_scaler.scale
 
     def train_batch(self, micro_batches: Sequence[Any],
                     loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
@@ -302,7 +310,7 @@ class ZeroEngine:
                 self.skipped_steps += 1
                 self.zero_grad()
                 return
-            unscale = 1.0 / self.loss_scaler.scale
+            unscale = self.grad_unscale()
             self.loss_scaler.update(overflow=False)
         coef = self._clip(unscale, stats)
         if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
@@ -449,6 +457,7 @@ class ZeroEngine:
         self.settle_optimizer()
 
     def _check_checkpointable(self, what: str, *, deferred: bool = True) -> None:
+        self.step_driver.before_use()  # a speculated update is undone ([Note: speculated step])
         # deferred updates end first (False: a background save reads each group as it lands)
         self.settle_optimizer(deferred=deferred)
         if what == "load_checkpoint":

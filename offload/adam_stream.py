@@ -117,6 +117,10 @@ class AdamStream:
     consume_grads: a gradient is dead once its shard is updated (the caller overwrites it
         before reading it again): its caches are dropped unwritten (TierManager.discard), so
         an NVMe-homed gradient cached in the pool is not written down after the step.
+        Sets ``grads_used``, which the caller may change between steps: "discard" (so),
+        "keep" (left where it is), "write" (written down and its caches dropped once
+        clean, TierManager.evict: a gradient still needed after the step that should not
+        hold pool room meanwhile).
     state: how the moments are stored (offload/state_codec.py, offload.optimizer.
         state_precision): "fp32", or "bf16" / "int8", whose manager keys then hold uint8
         tensors of state_codec.moment_nbytes(piece numel) bytes; they are read, updated
@@ -151,7 +155,8 @@ class AdamStream:
         # the param's dtype: the bf16 master, the low-precision shadow, else fp32 (the master)
         self._param_dtype = (torch.bfloat16 if master == "bf16" else shadow or torch.float32)
         self._backend = backend
-        self._consume = consume_grads
+        # what becomes of a gradient once its shard is updated (`grads_used`)
+        self.grads_used = "discard" if consume_grads else "keep"
         items = [self._item_bytes(c) for cs in self._chunks for c in cs]
         self._ring = HostRing(ring_capacity(buffer_bytes, items), lambda nbytes: manager.host_empty(
             nbytes, torch.uint8, purpose="adam_ring"))
@@ -300,8 +305,10 @@ class AdamStream:
                 self._p16.write(keys["param"], *taken, keep_host=index in self._keep)
         finally:
             self._mgr.release(inputs.gkey, inputs.tier)
-            if self._consume:
+            if self.grads_used == "discard":
                 self._mgr.discard(inputs.gkey)
+            elif self.grads_used == "write":  # kept, off the pool: [Note: speculated step]
+                self._mgr.evict(inputs.gkey)
 
     def _next_read(self, op: OpenStep, at: int) -> StreamRead:
         """The read of piece ``_seq[at]``, waited for and current."""

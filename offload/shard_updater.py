@@ -24,10 +24,12 @@ from .stream_parts import PipelineStats
 #                AdamStream): read ahead into a host ring, updated on the caller's
 #                thread, written behind ([Note: streamed optimizer step]), in a step order;
 #                measures gradients beside backward ([Note: gradients measured where they
-#                are reduced]) and defers the update to a worker during the next forward.
+#                are reduced]) and defers the update to a worker during the next forward;
+#                where every key its update writes is on NVMe, speculates it into
+#                backward ([Note: speculated step] in engine/step/speculation.py).
 #
 # What a runner cannot do it says through a capability (`measures`, `defers`,
-# `has_order`) that the driver reads once, when it decides its `StepMode`; the
+# `has_order`, `speculates`) that the driver reads once, when it decides its `StepMode`; the
 # operation itself raises TrainingStateError naming the runner, the call and the
 # capability. Operations
 # whose meaning holds without the capability are no-ops by definition: `settle` with no
@@ -59,6 +61,32 @@ class ShardUpdater(Protocol):
         ...
 
     # -- the step ---------------------------------------------------------------------------
+    @property
+    def speculates(self) -> bool:
+        """The update can run during backward undoably (`begin_speculation`, then
+        `commit_speculation` or `undo_speculation`: [Note: speculated step]); False: those
+        raise TrainingStateError."""
+        ...
+
+    def reserve_speculation(self) -> bool:
+        """Room for what a speculated update keeps (SpeculationSpaceError when the disk has
+        none); False: this run's layout cannot speculate (see the runner)."""
+        ...
+
+    def begin_speculation(self, hyper: AdamHyper, step: float, grad_scale: float, *,
+                          order: Sequence[str]) -> None:
+        """Backward starts: measure gradients and update each group as it turns final
+        (`groups_final`), with `grad_scale`, in `order`, so that it can be undone."""
+        ...
+
+    def commit_speculation(self) -> PipelineStats:
+        """The speculated update is the step's: update the rest, keep it all."""
+        ...
+
+    def undo_speculation(self) -> int:
+        """Every group as before the speculated update; returns how many it had updated."""
+        ...
+
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
         """One update of every group, gradients times `grad_scale`."""
         ...

@@ -83,14 +83,19 @@ class StepState(enum.Enum):
     MEASURING = enum.auto()  # a boundary's backward measures gradients as they turn final
     OPEN = enum.auto()  # a step begun in backward updates groups as they turn final
     ABANDONED = enum.auto()  # that backward failed: step() skips this boundary's step
+    # a boundary's backward measures gradients and updates groups as they turn final,
+    # undoably ([Note: speculated step] in engine/step/speculation.py)
+    SPECULATING = enum.auto()
 
 
 STEP_TRANSITIONS: dict[StepState, frozenset[StepState]] = {
-    StepState.IDLE: frozenset({StepState.MEASURING, StepState.OPEN}),
+    StepState.IDLE: frozenset({StepState.MEASURING, StepState.OPEN, StepState.SPECULATING}),
     # a second boundary backward before step() measures again, from scratch
     StepState.MEASURING: frozenset({StepState.IDLE, StepState.MEASURING}),
     StepState.OPEN: frozenset({StepState.IDLE, StepState.ABANDONED}),
     StepState.ABANDONED: frozenset({StepState.IDLE}),
+    # step() committed or undid it; undone before step() with its measurements kept
+    StepState.SPECULATING: frozenset({StepState.IDLE, StepState.MEASURING}),
 }
 
 
@@ -247,8 +252,15 @@ class StepDriver(Protocol):
         """A step begun during backward has updated some groups and not others."""
         ...
 
-    def begin(self, *, boundary: bool) -> None:
-        """Backward starts; `boundary`: its gradients are the last of this step's."""
+    def begin(self, *, boundary: bool, unscale: float = 1.0) -> None:
+        """Backward starts; `boundary`: its gradients are the last of this step's; `unscale`:
+        the factor step() will undo fp16's loss scale by if nothing overflows."""
+        ...
+
+    def before_use(self) -> None:
+        """The shards are about to be read outside the step (a forward, a checkpoint, an
+        export) between backward and step(): an update speculated during backward is
+        undone first ([Note: speculated step] in engine/step/speculation.py)."""
         ...
 
     def groups_final(self, keys: Sequence[str]) -> None:

@@ -227,6 +227,19 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "runs on a worker during the next forward, each unit's before it is gathered"
         ),
     )
+    # [Note: speculated step] in engine/step/speculation.py
+    speculate_step: bool = field(
+        default=True,
+        metadata=meta(
+            "with overlap_step, gradient clipping or fp16 loss scaling, and optimizer state "
+            "on NVMe: run the update during backward as if nothing is clipped or overflows, "
+            "keeping the state it replaces on the drive (copy-on-write: no extra bytes "
+            "moved, up to the state's size of extra swap file), and undo it in step() when "
+            "clipping fires or the step is skipped (then the exact update runs during the "
+            "next forward). Results are identical either way; tried after a step that "
+            "clipping left alone, and more rarely after each undo"
+        ),
+    )
 
 
 @dataclass(frozen=True)

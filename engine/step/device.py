@@ -148,8 +148,11 @@ class DeviceStep:
     def step_order(self) -> list[str]:
         return list(self._keys)
 
-    def begin(self, *, boundary: bool) -> None:
-        del boundary  # the step starts after backward
+    def begin(self, *, boundary: bool, unscale: float = 1.0) -> None:
+        del boundary, unscale  # the step starts after backward
+
+    def before_use(self) -> None:
+        """Nothing is updated before step()."""
 
     def groups_final(self, keys: Sequence[str]) -> None:
         del keys  # never listening

@@ -98,7 +98,8 @@ from tierzero.engine.step.measure import MeasureJobs
 from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.engine.step.worker_time import OverlapClock, threads_during_backward
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
-from tierzero.offload.step_seam import DeferredEnds, DeferredWatch
+from tierzero.offload.shard_updater import unsupported
+from tierzero.offload.step_seam import DeferredEnds, DeferredWatch, TrainingStateError
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class InPlaceStep:
     measures = True
     defers = True
     has_order = False  # construction order after backward, handed-over order during it
+    speculates = False  # state in host memory would need a copy to undo its update
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *,
                  shadow: torch.dtype | None, threads: AdamThreads) -> None:
@@ -235,6 +237,24 @@ class InPlaceStep:
     def set_order(self, keys: Sequence[str]) -> bool:
         """No step order to change (`has_order` False): False."""
         return False
+
+    # -- [Note: speculated step]: not here (`speculates` False) ---------------------------
+    def _no_speculation(self, call: str) -> TrainingStateError:
+        return unsupported("InPlaceStep", call, "speculates",
+                           "state in host memory runs the deferred update instead")
+
+    def reserve_speculation(self) -> bool:
+        raise self._no_speculation("reserve_speculation()")
+
+    def begin_speculation(self, hyper: AdamHyper, step: float, grad_scale: float, *,
+                          order: Sequence[str]) -> None:
+        raise self._no_speculation("begin_speculation()")
+
+    def commit_speculation(self) -> PipelineStats:
+        raise self._no_speculation("commit_speculation()")
+
+    def undo_speculation(self) -> int:
+        raise self._no_speculation("undo_speculation()")
 
     def flush(self) -> None:
         """Nothing to wait for: every update writes its shards before it returns."""

@@ -31,9 +31,11 @@ from tierzero.engine.step.device import (
 )
 from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
+from tierzero.engine.step.speculation import SpeculationPolicy
 from tierzero.engine.step.streamed import StreamedStep
-from tierzero.offload import AdamThreads, PipelineStats
+from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
 from tierzero.offload.shard_updater import ShardUpdater
+from tierzero.offload.speculation import SpeculationSpaceError
 from tierzero.offload.step_seam import (
     STEP_TRANSITIONS,
     DeferredWatch,
@@ -56,7 +58,7 @@ def threads_per_rank(world_size: int) -> int:
 
 def offloaded_step(store: TieredShardStore, keys: Sequence[str], blocks: Sequence[Sequence[str]],
                    root: Sequence[str], optimizer: OptimizerConfig, *, world_size: int,
-                   overlap: bool, fp16: bool, clipping: bool
+                   overlap: bool, fp16: bool, clipping: bool, speculate: bool = True
                    ) -> tuple[OffloadedAdam, OffloadedStep]:
     """The CPU Adam's torch.optim face and its driver over the trainable groups `keys`;
     blocks, root: the group keys of each block unit and of the root, for the first step
@@ -67,7 +69,7 @@ def offloaded_step(store: TieredShardStore, keys: Sequence[str], blocks: Sequenc
                          weight_decay=optimizer.weight_decay)
     driver = OffloadedStep(store, face, order, threads=threads_per_rank(world_size),
                            buffer_bytes=store.layout.ring_bytes(), overlap=overlap, fp16=fp16,
-                           clipping=clipping)
+                           clipping=clipping, speculate=speculate)
     return face, driver
 
 
@@ -116,10 +118,11 @@ class OffloadedStep:
 
     def __init__(self, store: TieredShardStore, face: OffloadedAdam, order: StepOrder, *,
                  threads: int, buffer_bytes: int, overlap: bool, fp16: bool,
-                 clipping: bool) -> None:
+                 clipping: bool, speculate: bool = True) -> None:
         """order: the streamed step's group order ([Note: step order learned from
         backward]); threads: kernel threads (threads_per_rank); buffer_bytes: the stream's
-        host ring (StateLayout.ring_bytes()); overlap: offload.optimizer.overlap_step."""
+        host ring (StateLayout.ring_bytes()); overlap: offload.optimizer.overlap_step;
+        speculate: offload.optimizer.speculate_step ([Note: speculated step])."""
         if store.manager is None:
             raise RuntimeError("OffloadedStep needs a finalized TieredShardStore")
         self.optimizer = face
@@ -147,6 +150,16 @@ class OffloadedStep:
         self._measures_early = self.mode is StepMode.EARLY and self.runner.measures
         self.state = StepState.IDLE  # checked transitions: STEP_TRANSITIONS
         self.last_stats: PipelineStats | None = None
+        # [Note: speculated step] in step/speculation.py: the streamed update of a deferring
+        # step, where every key it writes is on NVMe
+        self._speculator = (self.runner if speculate and self.mode is StepMode.DEFER
+                            and self.runner.speculates else None)
+        self.policy = SpeculationPolicy(enabled=self._speculator is not None)
+        self._reserved = False  # the swap room of the kept regions was reserved
+        self._unscale = 1.0  # the factor of this boundary's step if nothing is clipped
+        self._spec_hyper: AdamHyper | None = None  # what the speculated update used
+        self._handed: set[str] = set()  # groups the speculated update may have updated
+        self._late = False  # one of those was reduced again after it was handed over
 
     def _to(self, new: StepState, call: str) -> None:
         self.state = transition(
@@ -156,7 +169,7 @@ class OffloadedStep:
 
     @property
     def listening(self) -> bool:
-        return self.state in (StepState.MEASURING, StepState.OPEN)
+        return self.state in (StepState.MEASURING, StepState.OPEN, StepState.SPECULATING)
 
     @property
     def updates_in_backward(self) -> bool:
@@ -174,9 +187,15 @@ class OffloadedStep:
     def step_order(self) -> list[str]:
         return self.runner.order
 
-    def begin(self, *, boundary: bool) -> None:
+    def begin(self, *, boundary: bool, unscale: float = 1.0) -> None:
+        if self.state is StepState.SPECULATING:  # a second backward changes the gradients
+            self._undo("a second backward() before step()", to=StepState.MEASURING)
         if self.mode in (StepMode.MEASURE, StepMode.DEFER):
             if boundary:
+                self._unscale = unscale
+                if self._may_speculate():
+                    self._speculate(unscale)
+                    return
                 self._to(StepState.MEASURING, "backward() on an accumulation boundary")
                 self.runner.begin_measure()
             else:
@@ -196,6 +215,11 @@ class OffloadedStep:
         if self.state is StepState.MEASURING:
             self.runner.measure(keys)
             return
+        if self.state is StepState.SPECULATING and self._speculator is not None:
+            self.runner.measure(keys)  # before the update, as the early step measures
+            self._handed.update(keys)
+            self._speculator.groups_final(keys)
+            return
         if self._measures_early:
             # before the update: the streamed step consumes a gradient it has used
             self.runner.measure(keys)
@@ -206,6 +230,9 @@ class OffloadedStep:
         an open step the groups not handed over are measured here, before finish()
         updates them."""
         if self.state is StepState.OPEN and self._measures_early:
+            return self.runner.grad_stats(redo)
+        if self.state is StepState.SPECULATING:
+            self._late = bool(redo & self._handed)  # updated from part of its gradient
             return self.runner.grad_stats(redo)
         if self.state is not StepState.MEASURING:
             return None
@@ -220,6 +247,17 @@ class OffloadedStep:
         backward finalised them in ([Note: step order learned from backward])."""
         self._settle_deferred()  # a deferred update of the last step runs to the end first
         face = self.optimizer
+        exact = grad_scale == self._unscale  # clipping did not fire
+        if self.state is StepState.SPECULATING:
+            self.policy.observe(exact=exact, speculated=True)
+            why = self._commit_refused(grad_scale)
+            if why is None:
+                self._commit()
+                self._follow_backward_order(seen)
+                return
+            self._undo(why, to=StepState.IDLE)  # then the exact update, deferred
+        elif self.policy.enabled:
+            self.policy.observe(exact=exact, speculated=False)
         if self.mode is StepMode.DEFER:
             self.runner.defer(face.hyper(), float(face.steps + 1), grad_scale, next_forward)
             face.count_step()
@@ -242,7 +280,10 @@ class OffloadedStep:
         """Backward failed with a step begun early: groups updated so far keep their update
         (each whole: master, moments and param together); the step of this boundary is
         skipped, never applied twice. Measurements (clipping / fp16) are dropped: nothing
-        was updated, and step() measures what the gradients hold then."""
+        was updated, and step() measures what the gradients hold then. A speculated update
+        is undone, then as the measuring step."""
+        if self.state is StepState.SPECULATING:
+            self._undo("backward() failed or the gradients were zeroed", to=StepState.MEASURING)
         if self.state is StepState.MEASURING:
             self._to(StepState.IDLE, "abandon()")
             self.runner.forget_measured()
@@ -262,8 +303,86 @@ class OffloadedStep:
         return True
 
     def gradients_zeroed(self) -> None:
-        if self.state is StepState.MEASURING:
+        if self.state in (StepState.MEASURING, StepState.SPECULATING):
+            if self.policy.enabled:  # a skipped step (fp16 overflow, a non-finite norm)
+                self.policy.observe(exact=False,
+                                    speculated=self.state is StepState.SPECULATING)
             self.abandon()  # measured gradients are gone: step() measures zeros
+
+    def before_use(self) -> None:
+        if self.state is StepState.SPECULATING:  # the measurements stay: gradients unchanged
+            self._undo("the shards are used between backward() and step()",
+                       to=StepState.MEASURING)
+
+    # -- [Note: speculated step] in step/speculation.py ----------------------------------
+    def _may_speculate(self) -> bool:
+        if self._speculator is None or not self.policy.should():
+            return False
+        if not self._reserved:
+            try:
+                ready = self._speculator.reserve_speculation()
+            except SpeculationSpaceError as exc:
+                log.warning("%s; the optimizer update is not speculated into backward in "
+                            "this run (offload.optimizer.speculate_step)", exc)
+                ready = False
+            if not ready:  # this layout cannot: the deferred update from now on
+                self.policy.enabled = False
+                return False
+            self._reserved = True
+        return True
+
+    def _speculate(self, unscale: float) -> None:
+        if self._speculator is None:
+            raise RuntimeError("OffloadedStep: this runner cannot speculate")
+        self._to(StepState.SPECULATING, "backward() on an accumulation boundary")
+        self.policy.speculated += 1
+        self._handed.clear()
+        self._late = False
+        self._spec_hyper = self.optimizer.hyper()
+        try:
+            self._speculator.begin_speculation(self._spec_hyper,
+                                               float(self.optimizer.steps + 1), unscale,
+                                               order=self.order.keys)
+        except BaseException:
+            self._undo("its start failed", to=StepState.IDLE)
+            raise
+
+    def _commit_refused(self, grad_scale: float) -> str | None:
+        """Why the speculated update is not this step's exact one (None: it is)."""
+        if grad_scale != self._unscale:
+            return f"clipping scales the gradients by {grad_scale / self._unscale:.6g}"
+        if self._late:
+            return "a group was reduced again after its update (a late gradient)"
+        if self.optimizer.hyper() != self._spec_hyper:
+            return "the hyper-parameters changed between backward() and step()"
+        return None
+
+    def _commit(self) -> None:
+        if self._speculator is None:
+            raise RuntimeError("OffloadedStep: no speculation to commit")
+        try:
+            self.last_stats = self._speculator.commit_speculation()
+        except BaseException:
+            self._undo("its commit failed", to=StepState.IDLE)  # every group untouched
+            raise
+        self.optimizer.count_step()
+        self._to(StepState.IDLE, "step()")
+
+    def _undo(self, why: str, *, to: StepState) -> None:
+        """Back to the state before the speculated update; `to`: IDLE, or MEASURING where
+        its measurements still hold."""
+        if self._speculator is None:
+            raise RuntimeError("OffloadedStep: no speculation to undo")
+        self.policy.undone += 1
+        try:
+            done = self._speculator.undo_speculation()
+        finally:
+            if to is StepState.IDLE:
+                self.runner.forget_measured()
+            self._to(to, "undo of the speculated update")
+        log.info("speculated optimizer update undone (%s): %d groups had been updated; "
+                 "%s", why, done, "the step runs exactly after it" if to is StepState.IDLE
+                 else "the step() that follows runs it exactly")
 
     def settle(self, *, deferred: bool = True) -> None:
         """No optimizer thread is updating a shard after this (with `deferred` False, an
@@ -307,7 +426,10 @@ class OffloadedStep:
             return None
         return {"shards": s.shards, "total_s": s.total_s, "compute_s": s.compute_s,
                 "fetch_wait_s": s.fetch_wait_s, "store_wait_s": s.store_wait_s,
-                "buffer_bytes": s.buffer_bytes}
+                "buffer_bytes": s.buffer_bytes,
+                # [Note: speculated step]: steps updated during backward, and of those undone
+                "speculated_steps": self.policy.speculated,
+                "undone_steps": self.policy.undone}
 
     def close(self) -> None:
         try:

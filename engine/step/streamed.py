@@ -54,6 +54,7 @@ class StreamedStep:
     measures = True
     defers = True
     has_order = True
+    speculates = True  # where the layout allows: reserve_speculation
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, order: Sequence[str],
                  buffer_bytes: int, shadow: torch.dtype | None, threads: AdamThreads) -> None:
@@ -63,6 +64,7 @@ class StreamedStep:
         if manager is None:
             raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
         self._store = store
+        self._mgr = manager
         # [Note: gradients measured where they are reduced]; no worker on meta
         self._measured = MeasureJobs(self._measure_one, backlog=MEASURE_BACKLOG)
         self._measure_worker: ThreadPoolExecutor | None = None
@@ -90,6 +92,13 @@ class StreamedStep:
         announced = [layout.manager_key(k, "param") if layout.has(k, "param") else None
                      for k in self._keys]
         self._deferred = DeferredStream(self.stream, self._keys, announced, manager, threads)
+        # [Note: speculated step]: the keys its update writes, when every one is on NVMe
+        writes = {key for k in self._keys for _, _, piece in layout.stream_pieces(k)
+                  for key in piece.values()} | {a for a in announced if a is not None}
+        self._spec_keys = (sorted(writes) if all(manager.home_of(k) == "nvme" for k in writes)
+                           and store.device.type != "meta" else None)
+        self._own_keep = self.stream.kept  # the construction's param caches (not the deferred's)
+        self._grad_keys = [layout.manager_key(k, "grad") for k in self._keys]
 
     @property
     def _all(self) -> frozenset[int]:
@@ -165,6 +174,49 @@ class StreamedStep:
 
     def watch_deferred(self) -> DeferredWatch | None:
         return self._deferred.watch()
+
+    # -- the update speculated into backward: [Note: speculated step] --------------------
+    def reserve_speculation(self) -> bool:
+        """Swap room for the regions a speculated step keeps (SpeculationSpaceError); False
+        where a key the update writes is homed off NVMe (its home would need a copy) or on
+        a dry run."""
+        if self._spec_keys is None:
+            return False
+        self._mgr.reserve_speculation(self._spec_keys)
+        return True
+
+    def begin_speculation(self, hyper: AdamHyper, step: float, grad_scale: float, *,
+                          order: Sequence[str]) -> None:
+        """Backward starts a step whose update runs as gradients turn final, undoably, in
+        `order` (backward's: a deferred update left the next forward's)."""
+        if self._spec_keys is None:
+            raise RuntimeError("StreamedStep: this layout cannot speculate its update")
+        self._deferred.drain()
+        self.stream.set_order(self._indices(order))  # a change drains the stream once
+        self._mgr.speculate(self._spec_keys)
+        self.stream.grads_used = "write"  # each is needed again if the step is undone
+        self.stream.keep_params(self._own_keep)  # the next forward is not the update's
+        self.stream.begin(hyper, step, grad_scale)
+        self.begin_measure()
+
+    def commit_speculation(self) -> PipelineStats:
+        """The speculated update stands: the groups not updated yet are updated now (same
+        factor), the kept regions are released and the gradients dropped unread."""
+        stats = self.finish()
+        self._mgr.commit_speculation()
+        self.stream.grads_used = "discard"
+        for key in self._grad_keys:  # consumed, as the update drops each ([Note: gradient home])
+            self._mgr.discard(key)
+        return stats
+
+    def undo_speculation(self) -> int:
+        """Every group back to its state before the speculated update (the writes in flight
+        land first); the gradients stay for the exact update. Returns the groups that had
+        been updated."""
+        done = self.stream.abort()
+        self.stream.grads_used = "discard"
+        self._mgr.undo_speculation()
+        return done
 
     # -- clipping / fp16: [Note: gradients measured where they are reduced] ----------------
     def begin_measure(self) -> None:

@@ -25,7 +25,7 @@ from tierzero.offload.shard_updater import ShardUpdater
 from tierzero.offload.step_seam import TrainingStateError
 
 MEMBERS = sorted(n for n in vars(ShardUpdater) if not n.startswith("_"))
-CAPABILITIES = ("measures", "defers", "has_order")
+CAPABILITIES = ("measures", "defers", "has_order", "speculates")
 
 
 def test_training_state_error_is_public_and_offloads_class() -> None:

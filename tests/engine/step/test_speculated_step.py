@@ -1,0 +1,253 @@
+"""The streamed update speculated into backward ([Note: speculated step] in
+engine/step/speculation.py).
+
+With optimizer state on NVMe, clipping or fp16 and overlap_step, the update of a step that
+follows an unclipped one runs during backward and step() commits it (the coefficient is
+exactly 1) or undoes it and runs the exact update. Every run here is compared bit for bit
+with the same run under `offload.optimizer.speculate_step: false` (the deferred step, whose
+own parity with plain PyTorch is tested in test_deferred_stream.py), and with PyTorch
+itself within engine_helpers' parity tolerances: steps where clipping fires after
+speculated ones, an fp16 overflow on a speculated step, compressed moments and a bf16
+master, a forward and a checkpoint between backward and step(), a late gradient on a
+group the speculation had updated, a failed backward, and two ranks. Which steps were
+speculated follows from the policy and the clip pattern, never from timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_dist import run_two_ranks
+from engine_helpers import assert_match, full_params, make_batches, make_model
+from lategrad_helpers import RootSegmentLM, shared_config
+from test_deferred_stream import assert_same, nvme_cfg, reference
+
+from tierzero import engine
+from tierzero.engine.config import Config
+from tierzero.engine.engine import ZeroEngine
+from tierzero.engine.step.offloaded import OffloadedStep, StepMode
+from tierzero.offload.step_seam import StepState
+
+# loss multipliers: the gradient norm is about 1.5 at x1 and 0.75 at x0.5 (clipping at 1.0
+# fires on the x1 steps only). Steps 1-3 are speculated (each after an unclipped step), 3
+# is clipped and undone, which doubles the calm needed to 2: 4 and 5 are not speculated,
+# 6 and 7 are.
+SCALES = (0.5, 0.5, 0.5, 1.0, 0.5, 0.5, 0.5, 0.5)
+SPECULATED = [False, True, True, True, False, False, True, True]
+
+
+def with_speculation(cfg: Config, on: bool) -> Config:
+    opt = dataclasses.replace(cfg.offload.optimizer, speculate_step=on)
+    return dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer=opt))
+
+
+def driver_of(eng: ZeroEngine) -> OffloadedStep:
+    driver = eng.step_driver
+    assert isinstance(driver, OffloadedStep)
+    return driver
+
+
+def train(cfg: Config, scales: tuple[float, ...], *, model: torch.nn.Module | None = None,
+          between: Any = None, seed: int | None = None) -> dict[str, Any]:
+    """One step per batch, its loss times `scales[i]`; `between(eng, i)` runs between
+    backward and step(). Records per step whether backward speculated the update."""
+    model = make_model() if model is None else model
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    driver = driver_of(eng)
+    out: dict[str, Any] = {"losses": [], "coefs": [], "speculated": []}
+    try:
+        batches = (make_batches(len(scales)) if seed is None
+                   else make_batches(len(scales), seed=seed))
+        for i, ((ids, tg), scale) in enumerate(zip(batches, scales, strict=True)):
+            loss = eng(ids, tg)
+            eng.backward(loss * scale)
+            out["speculated"].append(driver.state is StepState.SPECULATING)
+            if between is not None:
+                between(eng, i)
+            eng.step()
+            out["losses"].append(float(loss.detach()))
+            out["coefs"].append(eng.get_clip_coef())
+        out["params"] = full_params(eng, model)
+        out["stats"] = driver.stats()
+        out["skipped"] = eng.skipped_steps
+        out["mode"] = driver.mode
+    finally:
+        eng.close()
+    return out
+
+
+def pair(cfg_of: Any, scales: tuple[float, ...] = SCALES, **kw: Any
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run speculating and the same run with speculate_step off; asserted alike."""
+    on = train(with_speculation(cfg_of("on"), True), scales, **kw)
+    off = train(with_speculation(cfg_of("off"), False), scales, **kw)
+    assert on["mode"] is StepMode.DEFER and not any(off["speculated"])
+    assert_same(on, off)
+    assert on["skipped"] == off["skipped"]
+    return on, off
+
+
+@pytest.mark.parametrize(("chunk", "grads"), [(None, "auto"), (1024, "cpu")])
+def test_speculated_steps_commit_or_undo_bit_identical_to_the_deferred_step(
+        tmp_path: Path, chunk: int | None, grads: str) -> None:
+    """`chunk`: the state in several pieces per group; `grads`: gradients homed on NVMe
+    (written down after their speculated use) or in host memory."""
+    on, _ = pair(lambda name: nvme_cfg(tmp_path / name, chunk=chunk, grads=grads))
+    assert on["speculated"] == SPECULATED
+    assert [c < 1.0 for c in on["coefs"]] == [s == 1.0 for s in SCALES], on["coefs"]
+    assert on["stats"]["speculated_steps"] == 5 and on["stats"]["undone_steps"] == 1
+    ref = reference(make_batches(len(SCALES)), SCALES, 1.0)
+    assert_match(on["losses"], on["params"], ref["losses"], ref["params"])
+
+
+@pytest.mark.parametrize("state", ["bf16", "int8"])
+def test_compressed_moments_speculated_are_bit_identical(tmp_path: Path, state: str) -> None:
+    on, _ = pair(lambda name: nvme_cfg(tmp_path / name, state=state))
+    assert on["speculated"] == SPECULATED
+
+
+def test_bf16_master_with_int8_moments_speculated_is_bit_identical(tmp_path: Path) -> None:
+    """The bf16 master is the param: a speculated update writes the param the next forward
+    gathers, and an undo must bring the old one back (its stochastic rounding is seeded by
+    the step, so the exact update after the undo rounds as the deferred one does)."""
+    from test_engine_bf16_master import configure
+
+    on, _ = pair(lambda name: configure("nvme", tmp_path / name, state="int8", clip=1.0))
+    assert any(on["speculated"]) and on["stats"]["undone_steps"] >= 1
+
+
+def test_fp16_overflow_on_a_speculated_step_is_skipped_exactly(tmp_path: Path) -> None:
+    """fp16 loss scaling: step 3's loss overflows while its update is speculated; the undo
+    and the skip leave the same scales, skip and bits as the deferred run."""
+    scales = (0.5, 0.5, 0.5, 1e9, 0.5, 0.5)
+    on, _ = pair(lambda name: nvme_cfg(tmp_path / name, fp16=True), scales)
+    assert on["speculated"][3] and on["skipped"] == 1
+    assert on["coefs"][3] is None  # skipped: no coefficient
+    assert on["stats"]["undone_steps"] == 1
+
+
+def test_forward_and_checkpoint_between_backward_and_step_undo_it(tmp_path: Path) -> None:
+    """A forward (an evaluation) reads the params and a checkpoint the state: each undoes
+    the speculated update first, the step() after runs the exact one; the checkpoint holds
+    the state from before the step, as the deferred run's does."""
+    saved: dict[str, Path] = {}
+
+    def between(eng: ZeroEngine, i: int) -> None:
+        name = eng.config.offload.optimizer.speculate_step
+        if i == 2:
+            with torch.no_grad():
+                ids, tg = make_batches(1, seed=9)[0]
+                eng(ids, tg)
+        if i == 6:
+            saved[str(name)] = tmp_path / f"ckpt-{name}"
+            eng.save_checkpoint(saved[str(name)], tag="mid")
+
+    on, _ = pair(lambda name: nvme_cfg(tmp_path / name), between=between)
+    assert on["speculated"] == SPECULATED
+    assert on["stats"]["undone_steps"] == 3  # the forward's, the clip's, the save's
+    from test_deferred_stream import same_checkpoints
+
+    same_checkpoints(saved["True"] / "mid", saved["False"] / "mid")
+
+
+def test_late_gradient_on_a_speculated_group_undoes_it(tmp_path: Path) -> None:
+    """The root's reentrant segment fires its embedding's gradient after the root's group
+    was handed over (the forward does not announce it): the speculated update of that
+    group used part of its gradient, so step() undoes the speculation and the exact update
+    runs. The first step is speculated here (the policy starts calm) to meet it."""
+    def run(on: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+        (tmp_path / str(on)).mkdir()
+        cfg = with_speculation(shared_config(clip=0.5, offload="nvme", path=tmp_path / str(on),
+                                             overlap_step=True), on)
+        model = RootSegmentLM(4)
+        torch.manual_seed(0)
+        eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+        driver = driver_of(eng)
+        driver.policy.calm = driver.policy.calm_needed  # speculate from the first step
+        losses = []
+        try:
+            for ids, tg in make_batches(3):
+                loss = eng(ids, tg)
+                eng.backward(loss)
+                eng.step()
+                losses.append(float(loss.detach()))
+            return losses, full_params(eng, model), driver.policy.undone
+        finally:
+            eng.close()
+
+    l_on, p_on, undone = run(True)
+    l_off, p_off, _ = run(False)
+    assert undone >= 1 and l_on == l_off
+    assert all(torch.equal(p_on[k], v) for k, v in p_off.items())
+
+
+def test_failed_backward_undoes_the_speculated_update(tmp_path: Path) -> None:
+    """Backward fails after the speculation has updated groups: they are undone, and the
+    step() that follows runs the exact update from the gradients reduced so far (as the
+    measuring step does), the same bits as with speculation off."""
+    def run(on: bool) -> dict[str, torch.Tensor]:
+        cfg = with_speculation(nvme_cfg(tmp_path / str(on)), on)
+        model = make_model()
+        eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+        driver = driver_of(eng)
+        try:
+            batches = make_batches(4)
+            for ids, tg in batches[:2]:
+                eng.backward(eng(ids, tg) * 0.5)
+                eng.step()
+            blocks = [m for m in model.modules() if m.__class__.__name__ == "Block"]
+
+            def boom(*_: Any) -> None:
+                raise RuntimeError("injected backward failure")
+
+            # the first block's backward runs last: the later blocks were updated by then
+            handle = blocks[0].register_full_backward_hook(boom)
+            ids, tg = batches[2]
+            loss = eng(ids, tg) * 0.5
+            with pytest.raises(RuntimeError, match="injected"):
+                eng.backward(loss)
+            handle.remove()
+            assert driver.state is not StepState.SPECULATING
+            if on:
+                assert driver.policy.speculated == 2 and driver.policy.undone == 1
+            eng.step()
+            ids, tg = batches[3]
+            eng.backward(eng(ids, tg) * 0.5)
+            eng.step()
+            return full_params(eng, model)
+        finally:
+            eng.close()
+
+    on, off = run(True), run(False)
+    assert all(torch.equal(on[k], v) for k, v in off.items())
+
+
+def _ranks(rank: int, path: str) -> dict[str, Any]:
+    out = {}
+    for on in (True, False):
+        run = train(with_speculation(nvme_cfg(Path(path) / f"{on}{rank}"), on), SCALES,
+                    seed=1 + rank)
+        out[str(on)] = {k: run[k] for k in ("speculated", "params", "losses", "coefs")}
+    return out
+
+
+@pytest.mark.multiproc
+def test_two_ranks_speculate_alike_and_match_the_deferred_step(tmp_path: Path) -> None:
+    """Each rank speculates and undoes on the same steps (the all-reduced norm decides),
+    with the same bits as speculation off; the ranks' params agree."""
+    (tmp_path / "swap").mkdir()
+    r0, r1 = (r["r"] for r in run_two_ranks(
+        tmp_path, {"r": functools.partial(_ranks, path=str(tmp_path / "swap"))}))
+    for rank in (r0, r1):
+        assert_same(rank["True"], rank["False"])
+        assert not any(rank["False"]["speculated"])
+    assert r0["True"]["speculated"] == r1["True"]["speculated"]
+    assert sum(r0["True"]["speculated"]) >= 3
+    bad = [k for k, v in r0["True"]["params"].items()
+           if not torch.equal(v, r1["True"]["params"][k])]
+    assert not bad, bad
