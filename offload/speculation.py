@@ -20,8 +20,10 @@ so there is rarely one), and a region is kept only once the write before it has 
 (writes of a key are one at a time), so the kept region holds the newest data from
 before. The regions kept are at most the keys' own size; the
 swap file grows by that much once (`reserve_speculation`) and reuses the room in every
-later step. Keys homed in host or device memory are never speculated (their home would
-need a copy): the caller runs the exact update instead.
+later step, and only where the nvme budget has that room beside the swap file's own
+growth (offload/placement.py, [Note: swap file growth]). Keys homed in host or device
+memory are never speculated (their home would need a copy): the caller runs the exact
+update instead.
 """
 
 from __future__ import annotations
@@ -57,13 +59,20 @@ class SpeculationCore(SnapshotCore):
     def speculation_bytes(self, keys: Collection[str]) -> int:
         """Swap bytes a speculation over `keys` keeps at most (one region per key)."""
         with self._lock:
-            return sum(region_bytes(self._rec(k).spec.nbytes) for k in keys)
+            return sum(region_bytes(self._rec(k, placed=False).spec.nbytes) for k in keys)
 
     def reserve_speculation(self, keys: Collection[str]) -> None:
         """Grow the swap file so that a speculation over `keys` needs no more disk; raises
         SpeculationSpaceError (how much, and why the disk refused) when it cannot."""
         need = self.speculation_bytes(keys)
         with self._lock:
+            grown, budget = self.plan.swap_file_bytes() + need, self.plan.budgets.nvme
+            if grown > budget:
+                raise SpeculationSpaceError(
+                    f"a speculated optimizer step keeps {need} bytes of swap regions until "
+                    f"step(): the swap file would grow to {grown} bytes, past the nvme "
+                    f"budget of {budget} (offload.budgets.nvme_bytes, or the swap "
+                    "directory's free space less offload.budgets.nvme_reserve_fraction)")
             try:
                 self._mover.reserve_free(need)
             except SwapError as exc:

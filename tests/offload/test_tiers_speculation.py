@@ -11,6 +11,7 @@ import torch
 from tiers_util import cpu_settings, data_for, store
 
 from tierzero.offload import OffloadError, ShardSpec, TierManager
+from tierzero.offload.speculation import SpeculationSpaceError
 from tierzero.swap import aligned_empty
 
 N = 1024
@@ -110,5 +111,27 @@ def test_only_nvme_homes_one_at_a_time_and_held_caches_refuse_the_undo(tmp_path:
         mgr.release("p0", "host")
         assert not mgr.speculating and _swap_stats(mgr).kept_regions == 0
         del data
+    finally:
+        mgr.close()
+
+
+def test_reserve_refuses_past_the_nvme_budget(tmp_path: Path) -> None:
+    """The kept regions must fit the nvme budget beside the swap file's own growth."""
+    sp = [ShardSpec(f"p{i}", "param", N, torch.float32) for i in range(3)]
+    mgr = TierManager(sp, cpu_settings(HOMES, device=8 * 4 * N, host=64 * 4 * N,
+                                       buffer_count=4), swap=store(tmp_path))
+    try:
+        one, grown = mgr.speculation_bytes(["p0"]), mgr.plan.swap_file_bytes()
+        mgr.reserve_speculation(["p0", "p1", "p2"])
+    finally:
+        mgr.close()
+    (tmp_path / "b").mkdir()
+    mgr = TierManager(sp, cpu_settings(HOMES, device=8 * 4 * N, host=64 * 4 * N,
+                                       buffer_count=4, nvme=grown + one),
+                      swap=store(tmp_path / "b"))
+    try:
+        mgr.reserve_speculation(["p0"])
+        with pytest.raises(SpeculationSpaceError, match="past the nvme budget"):
+            mgr.reserve_speculation(["p0", "p1"])
     finally:
         mgr.close()
