@@ -159,6 +159,9 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
         out.append(host)
     out.append(_written_table(plans, shape.parameters / args.world_size))
     out.append(_background_save_table(plans, machine))
+    spec = _speculation_table(plans, machine)
+    if spec is not None:
+        out.append(spec)
     out += _precision_table(plans, placements or {}, args.state_precision)
     out += _schedule_table(plans, machine, args.grad_accum)
     out += _choice_lines(plans, machine)
@@ -364,6 +367,22 @@ def _background_save_table(plans: list[ChoicePlan], machine: Machine) -> str:
                      "yes" if swap <= machine.nvme_bytes else
                      "no: background saves fall back to synchronous ones"])
     return _table(rows)
+
+
+def _speculation_table(plans: list[ChoicePlan], machine: Machine) -> str | None:
+    """With clipping or fp16 and state on NVMe, the update speculated into backward keeps
+    the regions it replaces until step() ([Note: speculated step]): that room beside the
+    swap's own, and whether the NVMe has it (else the update stays deferred)."""
+    rows = [["offload", "speculated step: NVMe kept (max)", "swap with it", "NVMe room"]]
+    for p in plans:
+        kept = p.speculation_bytes() if p.fits else None
+        if kept is None:
+            continue
+        swap = p.total("nvme") + kept
+        rows.append([p.choice, human_bytes(kept), human_bytes(swap),
+                     "yes" if swap <= machine.nvme_bytes else
+                     "no: the clipped update stays deferred into the next forward"])
+    return _table(rows) if len(rows) > 1 else None
 
 
 def _table(rows: list[list[str]]) -> str:

@@ -144,6 +144,17 @@ class ChoicePlan:
                                           "exp_avg_sq")
         return sum(self.by_tier.get(tier, {}).get(c, 0) for c in kinds)
 
+    def speculation_bytes(self) -> int | None:
+        """What a speculated optimizer step keeps as swap regions at most until step()
+        ([Note: speculated step] in engine/step/speculation.py): every state class the
+        update writes (master, moments, param), when all of them are homed on NVMe; None
+        where one is not (that layout runs the deferred update)."""
+        kinds: tuple[TensorClass, ...] = ("master", "exp_avg", "exp_avg_sq", "param")
+        off = [c for t in TIERS if t != "nvme" for c in kinds if self.by_tier.get(t, {}).get(c)]
+        if off or not self.by_tier.get("nvme", {}).get("exp_avg"):
+            return None
+        return sum(self.by_tier["nvme"].get(c, 0) for c in kinds)
+
 
 def engine_config(choice: OffloadDevice, machine: Machine, *, precision: str,
                   nvme_path: str | None, unit_classes: tuple[str, ...] = (),
