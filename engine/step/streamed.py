@@ -202,9 +202,9 @@ class StreamedStep:
     def commit_speculation(self) -> PipelineStats:
         """The speculated update stands: the groups not updated yet are updated now (same
         factor), the kept regions are released and the gradients dropped unread."""
+        self.stream.grads_used = "discard"  # decided: the rest are consumed as they are used
         stats = self.finish()
         self._mgr.commit_speculation()
-        self.stream.grads_used = "discard"
         for key in self._grad_keys:  # consumed, as the update drops each ([Note: gradient home])
             self._mgr.discard(key)
         return stats

@@ -63,6 +63,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("offload.optimizer.grad_device", "auto", "cpu", "cpu",
      {"offload": {"optimizer": {"device": "cpu"}}}),
     ("offload.optimizer.overlap_step", True, False, False, {}),
+    ("offload.optimizer.speculate_step", True, False, False, {}),
     ("offload.budgets.device_bytes", None, "80GB", 80 * 10**9, {}),
     ("offload.budgets.host_bytes", None, "256GiB", 256 << 30, {}),
     ("offload.budgets.nvme_bytes", None, "2TB", 2 * 10**12, {}),
