@@ -230,6 +230,12 @@ class DeferredEnds:
 class StepDriver(Protocol):
     """The optimizer step over every trainable group; see [Note: the optimizer-step seam]."""
 
+    # How the last boundary's update ran: "step" (in step()), "backward" (begun during
+    # backward), "deferred" (into the next forward), "speculated" (during backward, then
+    # committed: [Note: speculated step]), "undone" (speculated, undone, deferred); None
+    # before the first step and for a skipped one. Read by tierzero train's step log.
+    last_update: str | None
+
     @property
     def listening(self) -> bool:
         """Gradient-final events are wanted now (a step or a measurement begun in backward)."""

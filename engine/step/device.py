@@ -127,6 +127,7 @@ class DeviceStep:
         self.optimizer = optimizer
         self._store = store
         self._keys = list(keys)
+        self.last_update: str | None = None  # "step" once a step ran (StepDriver)
 
     @property
     def listening(self) -> bool:
@@ -170,6 +171,7 @@ class DeviceStep:
                seen: Sequence[str]) -> None:
         del next_forward, seen  # stepped here, in one call over every shard
         run_step(self.optimizer, self._store, self._keys, grad_scale)
+        self.last_update = "step"
 
     def gradients_zeroed(self) -> None:
         """Nothing measured to forget."""

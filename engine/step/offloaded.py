@@ -160,6 +160,7 @@ class OffloadedStep:
         self._spec_hyper: AdamHyper | None = None  # what the speculated update used
         self._handed: set[str] = set()  # groups the speculated update may have updated
         self._late = False  # one of those was reduced again after it was handed over
+        self.last_update: str | None = None  # how the last boundary's update ran (StepDriver)
 
     def _to(self, new: StepState, call: str) -> None:
         self.state = transition(
@@ -188,6 +189,8 @@ class OffloadedStep:
         return self.runner.order
 
     def begin(self, *, boundary: bool, unscale: float = 1.0) -> None:
+        if boundary:
+            self.last_update = None  # until this boundary's step() runs it
         if self.state is StepState.SPECULATING:  # a second backward changes the gradients
             self._undo("a second backward() before step()", to=StepState.MEASURING)
         if self.mode in (StepMode.MEASURE, StepMode.DEFER):
@@ -253,14 +256,19 @@ class OffloadedStep:
             why = self._commit_refused(grad_scale)
             if why is None:
                 self._commit()
+                self.last_update = "speculated"
                 self._follow_backward_order(seen)
                 return
             self._undo(why, to=StepState.IDLE)  # then the exact update, deferred
-        elif self.policy.enabled:
-            self.policy.observe(exact=exact, speculated=False)
+            undone = True
+        else:
+            undone = False
+            if self.policy.enabled:
+                self.policy.observe(exact=exact, speculated=False)
         if self.mode is StepMode.DEFER:
             self.runner.defer(face.hyper(), float(face.steps + 1), grad_scale, next_forward)
             face.count_step()
+            self.last_update = "undone" if undone else "deferred"
             return
         if self.state is StepState.OPEN:
             if grad_scale != 1.0:
@@ -270,10 +278,12 @@ class OffloadedStep:
                 self.last_stats = self.runner.finish()
             finally:
                 self._to(StepState.IDLE, "step()")  # finished, or failed and closed
+            self.last_update = "backward"
         else:
             hyper = face.hyper()
             face.count_step()
             self.last_stats = self.runner.run_all(hyper, float(face.steps), grad_scale)
+            self.last_update = "step"
         self._follow_backward_order(seen)
 
     def abandon(self) -> None:

@@ -455,7 +455,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         nvme_read_bytes=read, nvme_written_bytes=written,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
         rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall,
-        grad_home=(report.get("tiers") or {}).get("grad_home"))
+        grad_home=(report.get("tiers") or {}).get("grad_home"),
+        update=eng.step_driver.last_update)
 
 
 def _write_outputs(result: TrainResult, window: TraceWindow) -> None:

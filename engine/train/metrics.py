@@ -69,6 +69,10 @@ class StepRecord:
     io_stall_s: float  # any thread blocked on a tier transfer it needed (fetch, room)
     # where the gradient shards live: "host", "nvme", "host+nvme" (None: not offloaded)
     grad_home: str | None = None
+    # how this step's optimizer update ran (StepDriver.last_update): "step", "backward",
+    # "deferred" (into the next forward), "speculated" (during backward, committed: [Note:
+    # speculated step]), "undone" (speculated, then undone and deferred); None: skipped
+    update: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         out = {"event": "step", **dataclasses.asdict(self)}
@@ -191,7 +195,8 @@ def log_line(r: StepRecord, total_steps: int) -> str:
             f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s | "
             f"swap in/out {human_bytes(r.moved_bytes['nvme_to_host'])}/"
             f"{human_bytes(r.moved_bytes['host_to_nvme'])}, io stall {r.io_stall_s:.3f} s"
-            + (f" | grads {r.grad_home}" if r.grad_home else ""))
+            + (f" | grads {r.grad_home}" if r.grad_home else "")
+            + (f" | update {r.update}" if r.update else ""))
 
 
 class EventSink(Protocol):

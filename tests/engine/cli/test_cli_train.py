@@ -117,14 +117,17 @@ def test_losses_match_plain_pytorch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])
-@pytest.mark.parametrize("clip", [0.0, 0.3])
+@pytest.mark.parametrize("clip", [0.0, 0.3, 100.0])
 def test_grad_norm_in_every_step_line_matches_pytorch(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, clip: float, offload: str) -> None:
     """grad_norm (before clipping) and clip_coef in every step line of metrics.jsonl and
     in the log line, clipping off and on (0.3 is below every step's norm here, so it
-    acts), with state on the device and streamed from NVMe; the norm is the one
-    clip_grad_norm_ returns on the plain model. fp32 both sides: the norms differ by the
-    float rounding the losses do (measured <= 2.2e-7 relative), asserted within 2e-6."""
+    acts; 100 above every one, so it never does), with state on the device and streamed
+    from NVMe; the norm is the one clip_grad_norm_ returns on the plain model. fp32 both
+    sides: the norms differ by the float rounding the losses do (measured <= 2.2e-7
+    relative), asserted within 2e-6. How each step's update ran (`update`): on NVMe,
+    during backward without clipping, deferred while clipping fires, and speculated
+    after the first step where it never does ([Note: speculated step])."""
     config = write_config(tmp_path)
     cfg = yaml.safe_load(config.read_text())
     cfg["gradient_clipping"] = clip
@@ -139,15 +142,26 @@ def test_grad_norm_in_every_step_line_matches_pytorch(
                      clip=clip)
     assert [r["grad_norm"] for r in steps] == pytest.approx(want, rel=2e-6)
     coefs = [r["clip_coef"] for r in steps]
-    if clip:
+    if 0 < clip < 1:
         assert min(want) > clip
         assert coefs == pytest.approx([clip / (n + 1e-6) for n in want], rel=2e-6)
     else:
+        assert max(want) < clip or not clip
         assert coefs == [1.0] * 6
+    updates = [r["update"] for r in steps]
+    if offload == "none":
+        assert updates == ["step"] * 6
+    elif not clip:
+        assert updates == ["backward"] * 6
+    elif clip < 1:
+        assert updates == ["deferred"] * 6  # clipping fires on every step: never speculated
+    else:
+        assert updates == ["deferred"] + ["speculated"] * 5
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert len(lines) == 6
     for line, row in zip(lines, steps, strict=True):
         assert f"grad norm {row['grad_norm']:.4f}, clip coef {row['clip_coef']:.3f}" in line
+        assert line.endswith(f" | update {row['update']}")
 
 
 def test_steps_flag_overrides_config(tmp_path: Path) -> None:

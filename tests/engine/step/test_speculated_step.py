@@ -59,7 +59,7 @@ def train(cfg: Config, scales: tuple[float, ...], *, model: torch.nn.Module | No
     model = make_model() if model is None else model
     eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
     driver = driver_of(eng)
-    out: dict[str, Any] = {"losses": [], "coefs": [], "speculated": []}
+    out: dict[str, Any] = {"losses": [], "coefs": [], "speculated": [], "updates": []}
     try:
         batches = (make_batches(len(scales)) if seed is None
                    else make_batches(len(scales), seed=seed))
@@ -72,6 +72,7 @@ def train(cfg: Config, scales: tuple[float, ...], *, model: torch.nn.Module | No
             eng.step()
             out["losses"].append(float(loss.detach()))
             out["coefs"].append(eng.get_clip_coef())
+            out["updates"].append(driver.last_update)
         out["params"] = full_params(eng, model)
         out["stats"] = driver.stats()
         out["skipped"] = eng.skipped_steps
@@ -99,6 +100,8 @@ def test_speculated_steps_commit_or_undo_bit_identical_to_the_deferred_step(
     (written down after their speculated use) or in host memory."""
     on, _ = pair(lambda name: nvme_cfg(tmp_path / name, chunk=chunk, grads=grads))
     assert on["speculated"] == SPECULATED
+    assert on["updates"] == ["deferred", "speculated", "speculated", "undone", "deferred",
+                             "deferred", "speculated", "speculated"]
     assert [c < 1.0 for c in on["coefs"]] == [s == 1.0 for s in SCALES], on["coefs"]
     assert on["stats"]["speculated_steps"] == 5 and on["stats"]["undone_steps"] == 1
     ref = reference(make_batches(len(SCALES)), SCALES, 1.0)
@@ -127,7 +130,7 @@ def test_fp16_overflow_on_a_speculated_step_is_skipped_exactly(tmp_path: Path) -
     scales = (0.5, 0.5, 0.5, 1e9, 0.5, 0.5)
     on, _ = pair(lambda name: nvme_cfg(tmp_path / name, fp16=True), scales)
     assert on["speculated"][3] and on["skipped"] == 1
-    assert on["coefs"][3] is None  # skipped: no coefficient
+    assert on["coefs"][3] is None and on["updates"][3] is None  # skipped: no update
     assert on["stats"]["undone_steps"] == 1
 
 
@@ -251,3 +254,30 @@ def test_two_ranks_speculate_alike_and_match_the_deferred_step(tmp_path: Path) -
     bad = [k for k, v in r0["True"]["params"].items()
            if not torch.equal(v, r1["True"]["params"][k])]
     assert not bad, bad
+
+
+def test_layer_major_accumulation_speculated_is_bit_identical(tmp_path: Path) -> None:
+    """Two micro-batches per step through train_batch (layer-major): the boundary's
+    backward speculates the update; clipping at 100 never fires, so every step after
+    the first commits; the same bits as speculation off."""
+    batches = make_batches(8)
+    out = {}
+    for on in (True, False):
+        cfg = with_speculation(nvme_cfg(tmp_path / str(on), clip=100.0), on)
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(
+            cfg.batch, gradient_accumulation_steps=2))
+        eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+        try:
+            assert eng.schedule == "layer_major"
+            losses, updates = [], []
+            for s in range(4):
+                got = eng.train_batch(batches[2 * s:2 * s + 2], lambda mb, e=eng: e(*mb))
+                losses += [float(x) for x in got]
+                updates.append(driver_of(eng).last_update)
+            out[on] = (losses, full_params(eng, eng.module), updates)
+        finally:
+            eng.close()
+    assert out[True][2] == ["deferred"] + ["speculated"] * 3
+    assert out[False][2] == ["deferred"] * 4
+    assert out[True][0] == out[False][0]
+    assert all(torch.equal(out[True][1][k], v) for k, v in out[False][1].items())
