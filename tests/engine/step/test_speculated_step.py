@@ -281,3 +281,60 @@ def test_layer_major_accumulation_speculated_is_bit_identical(tmp_path: Path) ->
     assert out[False][2] == ["deferred"] * 4
     assert out[True][0] == out[False][0]
     assert all(torch.equal(out[True][1][k], v) for k, v in out[False][1].items())
+
+
+@pytest.mark.parametrize("after", [3, 40])
+def test_a_failed_write_of_the_speculated_update_leaves_every_group_untouched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    """One swap write fails (EIO) while the speculated update writes its groups: the error
+    is raised, naming it, every group holds its state from before the step (the undo
+    restores what was written, the failed write left the old region: a checkpoint after
+    it equals one before the step), nothing stays kept, and training goes on. `after`:
+    blocks written before the failure (within the first group, or groups later)."""
+    from swap_helpers import FaultyIO
+
+    from tierzero.swap import store as store_mod
+
+    ios: list[FaultyIO] = []
+    real_init = store_mod.SwapStore.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        ios.append(FaultyIO())
+        kwargs["fileio"] = ios[-1]
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod.SwapStore, "__init__", init)
+    model = make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model,
+                                     config=nvme_cfg(tmp_path / "swap"))
+    driver = driver_of(eng)
+    try:
+        batches = make_batches(5)
+        for ids, tg in batches[:2]:
+            eng.backward(eng(ids, tg) * 0.5)
+            eng.step()
+        before = full_params(eng, model)
+        eng.save_checkpoint(tmp_path / "ck", tag="before")
+        ids, tg = batches[2]
+        loss = eng(ids, tg) * 0.5
+        ios[-1].arm("pwrite", 5, after=after)  # EIO on one block written from here
+        with pytest.raises(Exception, match="Input/output error|EIO|errno 5") as err:
+            eng.backward(loss)
+            eng.step()
+        assert "scratch.swp" in str(err.value)  # names the file
+        assert driver.policy.undone == 1 and driver.state is not StepState.SPECULATING, err
+        swap = eng.store.manager._mover.swap  # type: ignore[union-attr]
+        assert swap.stats().kept_regions == 0
+        got = full_params(eng, model)
+        assert all(torch.equal(got[k], v) for k, v in before.items())
+        eng.zero_grad()  # the failed step's gradients are dropped; the state is as before
+        eng.save_checkpoint(tmp_path / "ck", tag="after")
+        from test_deferred_stream import same_checkpoints
+
+        same_checkpoints(tmp_path / "ck" / "before", tmp_path / "ck" / "after")
+        for ids, tg in batches[3:]:  # training goes on
+            eng.backward(eng(ids, tg) * 0.5)
+            eng.step()
+        assert driver.last_update in ("deferred", "speculated")
+    finally:
+        eng.close()
