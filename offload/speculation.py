@@ -28,6 +28,7 @@ update instead.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -35,8 +36,11 @@ from tierzero.swap import KeptRegion, SwapError
 from tierzero.swap.request import region_bytes
 
 from .errors import OffloadError
-from .residency import Op, ShardRecord, State
+from .residency import TRANSIENT, Op, ShardRecord, State
+from .settings import Tier
 from .snapshot import SnapshotCore
+
+log = logging.getLogger(__name__)
 
 
 class SpeculationSpaceError(OffloadError):
@@ -117,7 +121,7 @@ class SpeculationCore(SnapshotCore):
             spec, self._spec = self._spec, None
             if spec is None:
                 return []
-            self._settle_all()
+            self._settle_failed()
             restored: list[str] = []
             try:
                 for key, region in spec.kept.items():
@@ -139,13 +143,34 @@ class SpeculationCore(SnapshotCore):
                 raise OffloadError(f"undo_speculation: the {t} cache of {key!r} is held or "
                                    "pinned and holds the undone data; release it first")
         for t in rec.cache_tiers():  # fastest first: caches are inclusive
-            self._wait_settled(rec, t)
+            self._wait_failed(rec, t)
             if rec.copies[t].state is not State.ABSENT:
                 self._drop(rec, t, Op.DISCARD)
-        self._wait_settled(rec, "nvme")  # the speculated write has landed (or failed)
+        self._wait_failed(rec, "nvme")  # the speculated write has landed (or failed)
         self._mover.restore(region)
         rec.version += 1
         self._advance(rec)
+
+    # An undo often follows a failed write of the update (that is why it is undone): the
+    # failure was raised to whoever waited for it, and the swap store left the key's
+    # region as it was. Settling it again must not stop the undo halfway.
+    def _settle_failed(self) -> None:
+        """(Lock held.) `_settle_all`, a failed transfer logged instead of raised."""
+        for _ in range(len(self._records) + 1):  # each failure is raised once
+            try:
+                self._settle_all()
+                return
+            except Exception as exc:  # logged: the undo goes on
+                log.warning("undo of a speculated update: %s", exc)
+        self._settle_all()
+
+    def _wait_failed(self, rec: ShardRecord, tier: Tier) -> None:
+        """(Lock held.) `_wait_settled`, a failed transfer logged instead of raised."""
+        while rec.copies[tier].state in TRANSIENT:
+            try:
+                self._wait_transfer(self._need(rec.copies[tier].transfer))
+            except Exception as exc:  # logged: the undo goes on
+                log.warning("undo of a speculated update: %s", exc)
 
     def _preserve(self, rec: ShardRecord, *, may_wait: bool = True) -> None:
         """The home copy of `rec` is about to change: a speculated key's first write keeps

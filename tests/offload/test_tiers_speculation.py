@@ -135,3 +135,33 @@ def test_reserve_refuses_past_the_nvme_budget(tmp_path: Path) -> None:
             mgr.reserve_speculation(["p0", "p1"])
     finally:
         mgr.close()
+
+
+def test_undo_after_a_failed_write_restores_the_rest_and_keeps_nothing(tmp_path: Path
+                                                                        ) -> None:
+    """The update's write of one key fails (EIO) and nobody waited for it: the undo logs
+    the failure instead of stopping halfway, every written key holds its old data again
+    (the failed one never left it) and no region stays kept."""
+    from swap_helpers import FaultyIO
+
+    sp = [ShardSpec(f"p{i}", "param", N, torch.float32) for i in range(3)]
+    io = FaultyIO()
+    mgr = TierManager(sp, cpu_settings(HOMES, device=8 * 4 * N, host=64 * 4 * N,
+                                       buffer_count=4), swap=store(tmp_path, fileio=io))
+    try:
+        data = {x.key: data_for(x, i) for i, x in enumerate(sp)}
+        for k, v in data.items():
+            mgr.place(k, v).wait()
+        mgr.synchronize()
+        mgr.speculate(["p0", "p1", "p2"])
+        mgr.write_from("p0", torch.full((N,), 1.0)).wait()
+        io.arm("pwrite", 5)  # the next block written fails
+        failed = mgr.write_from("p1", torch.full((N,), 2.0))
+        with pytest.raises(Exception, match="EIO"):
+            failed.wait()
+        assert sorted(mgr.undo_speculation()) == ["p0", "p1"]
+        for key in ("p0", "p1", "p2"):
+            assert torch.equal(_read(mgr, key), data[key]), key
+        assert _swap_stats(mgr).kept_regions == 0
+    finally:
+        mgr.close()
