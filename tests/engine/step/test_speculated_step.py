@@ -338,3 +338,60 @@ def test_a_failed_write_of_the_speculated_update_leaves_every_group_untouched(
         assert driver.last_update in ("deferred", "speculated")
     finally:
         eng.close()
+
+
+def test_background_save_read_while_later_steps_speculate_and_undo(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A background save after step 2 has its writer held until the run's end, while the
+    steps after it speculate, commit, and undo one (clipping fires on step 4): the saved
+    state is step 2's, the same bytes as with speculation off, and no region stays kept
+    once it is written ([Note: shard snapshots] beside [Note: speculated shards])."""
+    import threading
+
+    from test_deferred_stream import same_checkpoints
+
+    from tierzero.engine.checkpoint import save as save_mod
+
+    gate = threading.Event()
+    original = save_mod.write_snapshot_entry
+
+    def gated(w: Any, name: str, ref: Any, snapshot: Any, pacer: Any) -> None:
+        while not gate.wait(0.02) and not pacer.cancel.is_set():
+            pass
+        original(w, name, ref, snapshot, pacer)
+
+    monkeypatch.setattr(save_mod, "write_snapshot_entry", gated)
+
+    def run(on: bool) -> tuple[dict[str, torch.Tensor], list[str | None]]:
+        gate.clear()
+        model = make_model()
+        eng, _, _, _ = engine.initialize(device="cpu", model=model, config=with_speculation(
+            nvme_cfg(tmp_path / f"swap{on}"), on))
+        driver = driver_of(eng)
+        updates = []
+        try:
+            pending = None
+            for i, ((ids, tg), scale) in enumerate(zip(make_batches(len(SCALES)), SCALES,
+                                                       strict=True)):
+                eng.backward(eng(ids, tg) * scale)
+                eng.step()
+                updates.append(driver.last_update)
+                if i == 1:
+                    pending = eng.save_checkpoint(tmp_path / f"ck{on}", tag="s",
+                                                  background=True)
+            gate.set()
+            assert isinstance(pending, engine.PendingSave)
+            pending.wait()
+            swap = eng.store.manager._mover.swap  # type: ignore[union-attr]
+            assert swap.stats().kept_regions == 0
+            return full_params(eng, model), updates
+        finally:
+            gate.set()
+            eng.close()
+
+    p_on, u_on = run(True)
+    p_off, _ = run(False)
+    assert u_on == ["deferred", "speculated", "speculated", "undone", "deferred",
+                    "deferred", "speculated", "speculated"]
+    same_checkpoints(tmp_path / "ckTrue" / "s", tmp_path / "ckFalse" / "s")
+    assert all(torch.equal(p_on[k], v) for k, v in p_off.items())
