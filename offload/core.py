@@ -14,7 +14,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -209,6 +209,21 @@ class ResidencyCore:
         copy.slot = copy.data = None
         copy.drop_when_clean = copy.modify_on_load = False
         self._cond.notify_all()
+
+    def _discard_caches(self, rec: ShardRecord, what: str, why: str,
+                        wait: Callable[[ShardRecord, Tier], None] | None = None) -> None:
+        """Drop every cache of `rec` unwritten, fastest first (caches are inclusive); none
+        may be held or pinned (OffloadError: `what`, the tier and `why`). `wait` settles a
+        cache's transfer first (default `_wait_settled`)."""
+        for t in rec.cache_tiers():
+            copy = rec.copies[t]
+            if copy.users or copy.pinned or copy.write_held:
+                raise OffloadError(f"{what}: its {t} cache is held or pinned and {why}; "
+                                   "release it first")
+        for t in rec.cache_tiers():
+            (wait or self._wait_settled)(rec, t)
+            if rec.copies[t].state is not State.ABSENT:
+                self._drop(rec, t, Op.DISCARD)
 
     def _preserve(self, rec: ShardRecord, *, may_wait: bool = True) -> None:
         """The home copy of ``rec`` is about to change (offload/snapshot.py keeps an open

@@ -277,15 +277,7 @@ class TierManager(SpeculationCore):
             self._check_out(rec, src, "write_from")
             if rec.home == "nvme":
                 self._settle_all()
-                for c in rec.cache_tiers():
-                    copy = rec.copies[c]
-                    if copy.users or copy.pinned or copy.write_held:
-                        raise OffloadError(f"write_from({key!r}): its {c} cache is held or "
-                                           "pinned and would turn stale; release it first")
-                for c in rec.cache_tiers():  # fastest first: caches are inclusive
-                    self._wait_settled(rec, c)
-                    if rec.copies[c].state is not State.ABSENT:
-                        self._drop(rec, c, Op.DISCARD)
+                self._discard_caches(rec, f"write_from({key!r})", "would turn stale")
                 self._wait_settled(rec, "nvme")  # one write of the key in flight at a time
                 self._preserve(rec)  # a snapshot's landed region is kept before it is replaced
                 rec.version += 1

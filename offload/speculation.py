@@ -36,7 +36,7 @@ from tierzero.swap import KeptRegion, SwapError
 from tierzero.swap.request import region_bytes
 
 from .errors import OffloadError
-from .residency import TRANSIENT, Op, ShardRecord, State
+from .residency import TRANSIENT, ShardRecord, State
 from .settings import Tier
 from .snapshot import SnapshotCore
 
@@ -136,16 +136,8 @@ class SpeculationCore(SnapshotCore):
             return restored
 
     def _restore(self, rec: ShardRecord, region: KeptRegion) -> None:
-        key = rec.spec.key
-        for t in rec.cache_tiers():
-            copy = rec.copies[t]
-            if copy.users or copy.pinned or copy.write_held:
-                raise OffloadError(f"undo_speculation: the {t} cache of {key!r} is held or "
-                                   "pinned and holds the undone data; release it first")
-        for t in rec.cache_tiers():  # fastest first: caches are inclusive
-            self._wait_failed(rec, t)
-            if rec.copies[t].state is not State.ABSENT:
-                self._drop(rec, t, Op.DISCARD)
+        self._discard_caches(rec, f"undo_speculation({rec.spec.key!r})",
+                             "holds the undone data", wait=self._wait_failed)
         self._wait_failed(rec, "nvme")  # the speculated write has landed (or failed)
         self._mover.restore(region)
         rec.version += 1

@@ -82,6 +82,22 @@ def train(cfg: Config, scales: tuple[float, ...], *, model: torch.nn.Module | No
     return out
 
 
+def two_calm_steps(cfg: Config, model: torch.nn.Module, n: int
+                   ) -> tuple[ZeroEngine, OffloadedStep, list[Any]]:
+    """An engine over `model` after two unclipped steps (the next one is speculated) and
+    the `n` batches they began."""
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    batches = make_batches(n)
+    try:
+        for ids, tg in batches[:2]:
+            eng.backward(eng(ids, tg) * 0.5)
+            eng.step()
+    except BaseException:
+        eng.close()
+        raise
+    return eng, driver_of(eng), batches
+
+
 def pair(cfg_of: Any, scales: tuple[float, ...] = SCALES, **kw: Any
          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The run speculating and the same run with speculate_step off; asserted alike."""
@@ -194,15 +210,10 @@ def test_failed_backward_undoes_the_speculated_update(tmp_path: Path) -> None:
     step() that follows runs the exact update from the gradients reduced so far (as the
     measuring step does), the same bits as with speculation off."""
     def run(on: bool) -> dict[str, torch.Tensor]:
-        cfg = with_speculation(nvme_cfg(tmp_path / str(on)), on)
         model = make_model()
-        eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
-        driver = driver_of(eng)
+        eng, driver, batches = two_calm_steps(with_speculation(nvme_cfg(tmp_path / str(on)),
+                                                               on), model, 4)
         try:
-            batches = make_batches(4)
-            for ids, tg in batches[:2]:
-                eng.backward(eng(ids, tg) * 0.5)
-                eng.step()
             blocks = [m for m in model.modules() if m.__class__.__name__ == "Block"]
 
             def boom(*_: Any) -> None:
@@ -305,14 +316,8 @@ def test_a_failed_write_of_the_speculated_update_leaves_every_group_untouched(
 
     monkeypatch.setattr(store_mod.SwapStore, "__init__", init)
     model = make_model()
-    eng, _, _, _ = engine.initialize(device="cpu", model=model,
-                                     config=nvme_cfg(tmp_path / "swap"))
-    driver = driver_of(eng)
+    eng, driver, batches = two_calm_steps(nvme_cfg(tmp_path / "swap"), model, 5)
     try:
-        batches = make_batches(5)
-        for ids, tg in batches[:2]:
-            eng.backward(eng(ids, tg) * 0.5)
-            eng.step()
         before = full_params(eng, model)
         eng.save_checkpoint(tmp_path / "ck", tag="before")
         ids, tg = batches[2]
