@@ -60,6 +60,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import torch
 
@@ -91,6 +92,9 @@ from .stream_sizes import carve, piece_bytes, ring_capacity
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
+
+# what becomes of a gradient once its shard is updated (AdamStream.grads_used)
+GradsUsed = Literal["discard", "keep", "write"]
 
 
 class AdamStream:
@@ -155,8 +159,7 @@ class AdamStream:
         # the param's dtype: the bf16 master, the low-precision shadow, else fp32 (the master)
         self._param_dtype = (torch.bfloat16 if master == "bf16" else shadow or torch.float32)
         self._backend = backend
-        # what becomes of a gradient once its shard is updated (`grads_used`)
-        self.grads_used = "discard" if consume_grads else "keep"
+        self.grads_used: GradsUsed = "discard" if consume_grads else "keep"
         items = [self._item_bytes(c) for cs in self._chunks for c in cs]
         self._ring = HostRing(ring_capacity(buffer_bytes, items), lambda nbytes: manager.host_empty(
             nbytes, torch.uint8, purpose="adam_ring"))
