@@ -391,7 +391,8 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
                # whether clipping fired decides whether the next step is speculated
                # ([Note: speculated step] in engine/step/speculation.py)
                grad_norm=eng.get_global_grad_norm(), clip_coef=eng.get_clip_coef(),
-               **split())
+               # how the step's update ran: deferred, speculated, undone, ...
+               update=eng.step_driver.last_update, **split())
     report = eng.memory_report()
     eng.close(restore_params=False)  # as `tierzero train` ends: no model rebuilt in RAM
     left = files_under(args.swap_dir)
