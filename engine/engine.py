@@ -32,6 +32,7 @@ from tierzero.engine.host_defaults import engine_device, gather_bounds
 from tierzero.engine.host_heap import release_free_heap
 from tierzero.engine.layer_major import train_schedule
 from tierzero.engine.schedule import Scheduler
+from tierzero.engine.shards.flat import held_shard
 from tierzero.engine.shards.grad_precision import grad_dtype
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.shards.tier_config import offload_wanted
@@ -106,6 +107,7 @@ class ZeroEngine:
                 self.scheduler.ensure_gathered(unit)
         self._train_groups = [g for u in self.units for g in u.groups if g.trainable]
         self._train_keys = [g.key for g in self._train_groups]
+        self._train_by_key = {g.key: g for g in self._train_groups}
         # The optimizer the user sees (lr schedule, param groups) and the driver the engine
         # steps it through, chosen once ([Note: the optimizer-step seam]).
         self.optimizer, self.step_driver = self._build_step(optimizer_factory, tiered)
@@ -160,11 +162,19 @@ class ZeroEngine:
                 world_size=self.comm.world_size,
                 overlap=self.config.offload.optimizer.overlap_step,
                 fp16=self.dtype == torch.float16, clipping=self.config.gradient_clipping > 0,
-                speculate=self.config.offload.optimizer.speculate_step)
+                speculate=self.config.offload.optimizer.speculate_step,
+                held=self._held_param)
             self.scheduler.subscribe(driver)
             return adam, driver
         opt = build_optimizer(factory, self.store, self._train_keys)
         return opt, DeviceStep(opt, self.store, self._train_keys)
+
+    def _held_param(self, key: str) -> torch.Tensor | None:
+        """Group `key`'s param shard as its gathered buffer holds it now, if that is a copy
+        of the shard as it is ([Note: a param held in host memory] in
+        offload/shard_inputs.py)."""
+        return held_shard(self._train_by_key[key], self.comm.rank,
+                          self.store.version(key, "param"))
 
     # -- construction -------------------------------------------------------------
     def _move_buffers(self) -> None:

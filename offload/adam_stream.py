@@ -75,7 +75,7 @@ from .host_ring import HostRing, page_up
 from .manager import TierManager
 from .param_assembly import ParamAssembly
 from .settings import STATE_CLASSES
-from .shard_inputs import ShardAhead
+from .shard_inputs import ParamSource, ShardAhead
 from .state_codec import check_precision
 from .stream_parts import (
     Chunk,
@@ -383,6 +383,17 @@ class AdamStream:
         """Offer these shards' new param as host caches from now on (`kept`): every
         shard when the update of each runs right before its gather."""
         self._keep = shards
+
+    @property
+    def param_source(self) -> ParamSource | None:
+        """Where a bf16 master read whole may be copied from instead of read ([Note: a
+        param held in host memory] in offload/shard_inputs.py); None: always read. Set
+        by whoever drives the stream, for the calls it drives on its own thread."""
+        return self._inputs.source
+
+    @param_source.setter
+    def param_source(self, source: ParamSource | None) -> None:
+        self._inputs.source = source
 
     def _item_bytes(self, piece: Chunk) -> int:
         """Ring bytes of a piece: its state, and its param when the shard is one piece."""

@@ -22,12 +22,25 @@ turn), and the param room has three regions instead of two (one being updated, o
 ahead, one being written; stream_sizes.param_assembly_bytes). While backward still runs a
 gradient may change, so a step begun during backward reads the inputs when each shard's
 turn comes.
+
+[Note: a param held in host memory]
+A whole-shard param read is a copy of bytes some other part of the process may hold
+already: the engine's gathered buffer of a unit that stays gathered through backward (the
+root, a unit kept for its backward: [Note: reuse distance]) holds this rank's shard of the
+param, exactly, as the gather copied it. When the update runs while backward does (a
+speculated step, the unclipped early step), such a shard's param is read back from NVMe
+only because its cache left the pool: at 2.07B, 0.49 GB a step (the root's two groups and
+the kept last block). `source` (AdamStream.param_source) names those copies: a shard's
+param it returns is copied from it instead of read. Its caller guarantees the copy is the
+param's current value (the engine checks the manager's version against the one its gather
+copied) and that it stays alive until issue() returns; it is consulted only on the thread
+that drives the stream, which is the thread that would release the copy.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +52,10 @@ from .settings import Tier
 from .transfer import TierTransfer
 
 log = logging.getLogger(__name__)
+
+# shard index -> a host copy of its param as it is now, or None ([Note: a param held in
+# host memory])
+ParamSource = Callable[[int], "torch.Tensor | None"]
 
 
 @dataclass
@@ -68,6 +85,7 @@ class ShardAhead:
         self._p16 = assembly
         self._read_param = read_param
         self._held: ShardInputs | None = None
+        self.source: ParamSource | None = None  # [Note: a param held in host memory]
 
     def assembled(self, index: int) -> bool:
         """The shard's new param is assembled whole (several pieces, with a param)."""
@@ -93,12 +111,26 @@ class ShardAhead:
         try:
             if self._read_param and self.assembled(index) and self._p16 is not None:
                 taken = self._p16.take(self._numels[index])
-                # its write is announced when the update is deferred: this is its writer
-                param = self._mgr.read_into(keys["param"], taken[1], replacing=True)
+                held = self._held_param(index, taken[1])
+                if held is not None:  # [Note: a param held in host memory]
+                    taken[1].copy_(held)
+                else:
+                    # its write is announced when the update is deferred: this is its writer
+                    param = self._mgr.read_into(keys["param"], taken[1], replacing=True)
         except BaseException:
             self._settle(ShardInputs(pos, gkey, tier, grad, None, None))
             raise
         return ShardInputs(pos, gkey, tier, grad, taken, param)
+
+    def _held_param(self, index: int, room: torch.Tensor) -> torch.Tensor | None:
+        """The source's copy of shard `index`'s param, checked against its `room`."""
+        held = None if self.source is None else self.source(index)
+        if held is not None and (held.numel() != room.numel() or held.dtype != room.dtype
+                                 or held.device.type != "cpu"):
+            raise OffloadError(f"internal: the param held for shard {index} is {held.numel()} "
+                               f"x {held.dtype} on {held.device}; the shard's is "
+                               f"{room.numel()} x {room.dtype} in host memory")
+        return held
 
     def take(self, pos: int, index: int) -> ShardInputs:
         """Shard `index`'s inputs: those read ahead for `pos`, else issued now."""

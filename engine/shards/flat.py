@@ -55,6 +55,9 @@ class FlatGroup:
     world_size: int
     full: torch.Tensor = field(repr=False)  # 1D compute dtype, device; storage 0 when released
     base: torch.Tensor | None = field(default=None, repr=False)  # what params view; None: released
+    # the store's version of the param shard the gather copied into `full` (None: not a
+    # copy, or the store keeps no versions): [Note: a param held in host memory]
+    copied_version: int | None = None
 
     @property
     def padded_numel(self) -> int:
@@ -123,6 +126,8 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
                 # buffers] in offload/huge_pages.py
                 advise_huge(base)
             comm.all_gather(base, shard, group.key)
+        # what was copied, read while `use` holds it (no write of the shard meanwhile)
+        group.copied_version = None if base is shard else store.version(group.key, "param")
         for s in group.slots:
             s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
     group.base = base
@@ -136,6 +141,21 @@ def release_group(group: FlatGroup) -> None:
     if group.full.untyped_storage().nbytes():
         group.full.untyped_storage().resize_(0)
     group.base = None
+    group.copied_version = None
+
+
+def held_shard(group: FlatGroup, rank: int, version: int | None) -> torch.Tensor | None:
+    """This rank's param shard as the group's gathered buffer holds it, when that buffer
+    is a host copy of the shard at `version` (the store's now), else None: the streamed
+    update may copy it instead of reading the shard back ([Note: a param held in host
+    memory] in offload/shard_inputs.py). The all-gather put this rank's own shard at its
+    offset bit for bit, whatever the world size."""
+    base = group.base
+    if (base is None or version is None or group.copied_version != version
+            or base.device.type != "cpu"):
+        return None
+    lo = rank * group.shard_numel
+    return base[lo:lo + group.shard_numel]
 
 
 # Elements per piece of add_upcast's fp32 scratch (512 KiB: stays in L2, and below the

@@ -168,6 +168,13 @@ class ShardStore:
         t = self._tensor(key, kind)
         yield t if as_reduced else self._zero_if_marked(key, kind, t, overwrite=overwrite)
 
+    def version(self, key: str, kind: TensorClass) -> int | None:
+        """A counter that changes whenever the shard's data may change (a copy taken at
+        version v is current while this still returns v); None: the store keeps none
+        (here the shards are the tensors themselves)."""
+        self._tensor(key, kind)  # an unknown key or class is an error, as in use()
+        return None
+
     def moment_layout(self, key: str, kind: TensorClass) -> StoredLayout:
         """How moment `kind` of group `key` is stored ([Note: stored moment layout] in
         offload/state_codec.py): fp32, one piece, here."""

@@ -345,6 +345,12 @@ class TieredShardStore(ShardStore):
             yield whole
 
     # -- what the ShardStore interface asks of the layout -------------------------------
+    def version(self, key: str, kind: TensorClass) -> int | None:
+        """The tier manager's version of a class kept in one piece (None for pieces)."""
+        if len(self.layout.pieces(key, kind)) != 1:
+            return None
+        return self._mgr().version(self.layout.manager_key(key, kind))
+
     def moment_layout(self, key: str, kind: TensorClass) -> StoredLayout:
         return self.layout.moment_layout(key, kind)
 

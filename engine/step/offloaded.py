@@ -32,7 +32,7 @@ from tierzero.engine.step.device import (
 from tierzero.engine.step.in_place import InPlaceStep
 from tierzero.engine.step.offloaded_adam import OffloadedAdam
 from tierzero.engine.step.speculation import SpeculationPolicy
-from tierzero.engine.step.streamed import StreamedStep
+from tierzero.engine.step.streamed import HeldParam, StreamedStep
 from tierzero.offload import AdamHyper, AdamThreads, PipelineStats
 from tierzero.offload.shard_updater import ShardUpdater
 from tierzero.offload.speculation import SpeculationSpaceError
@@ -58,18 +58,20 @@ def threads_per_rank(world_size: int) -> int:
 
 def offloaded_step(store: TieredShardStore, keys: Sequence[str], blocks: Sequence[Sequence[str]],
                    root: Sequence[str], optimizer: OptimizerConfig, *, world_size: int,
-                   overlap: bool, fp16: bool, clipping: bool, speculate: bool = True
-                   ) -> tuple[OffloadedAdam, OffloadedStep]:
+                   overlap: bool, fp16: bool, clipping: bool, speculate: bool = True,
+                   held: HeldParam | None = None) -> tuple[OffloadedAdam, OffloadedStep]:
     """The CPU Adam's torch.optim face and its driver over the trainable groups `keys`;
     blocks, root: the group keys of each block unit and of the root, for the first step
-    order ([Note: step order learned from backward] in offload/step_seam.py)."""
+    order ([Note: step order learned from backward] in offload/step_seam.py); held: a
+    group's param shard where the engine holds it ([Note: a param held in host memory]
+    in offload/shard_inputs.py)."""
     order = StepOrder.backward_guess(keys, blocks, root)
     face = OffloadedAdam(keys, adamw=optimizer.type == "adamw", lr=optimizer.lr,
                          betas=optimizer.betas, eps=optimizer.eps,
                          weight_decay=optimizer.weight_decay)
     driver = OffloadedStep(store, face, order, threads=threads_per_rank(world_size),
                            buffer_bytes=store.layout.ring_bytes(), overlap=overlap, fp16=fp16,
-                           clipping=clipping, speculate=speculate)
+                           clipping=clipping, speculate=speculate, held=held)
     return face, driver
 
 
@@ -118,11 +120,13 @@ class OffloadedStep:
 
     def __init__(self, store: TieredShardStore, face: OffloadedAdam, order: StepOrder, *,
                  threads: int, buffer_bytes: int, overlap: bool, fp16: bool,
-                 clipping: bool, speculate: bool = True) -> None:
+                 clipping: bool, speculate: bool = True, held: HeldParam | None = None
+                 ) -> None:
         """order: the streamed step's group order ([Note: step order learned from
         backward]); threads: kernel threads (threads_per_rank); buffer_bytes: the stream's
         host ring (StateLayout.ring_bytes()); overlap: offload.optimizer.overlap_step;
-        speculate: offload.optimizer.speculate_step ([Note: speculated step])."""
+        speculate: offload.optimizer.speculate_step ([Note: speculated step]); held: as
+        offloaded_step's."""
         if store.manager is None:
             raise RuntimeError("OffloadedStep needs a finalized TieredShardStore")
         self.optimizer = face
@@ -143,7 +147,7 @@ class OffloadedStep:
         else:
             self.runner = StreamedStep(store, keys, order=order.keys,
                                        buffer_bytes=buffer_bytes, shadow=shadow,
-                                       threads=self._threads)
+                                       threads=self._threads, held=held)
         self.mode = step_mode(self.runner, overlap=overlap, needs_every_grad=clipping or fp16,
                               grads_in_host=store.homes["grad"] == "cpu")
         # the early step also measures each group right before it updates it

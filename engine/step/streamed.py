@@ -12,7 +12,7 @@ step/deferred_stream.py: [Note: deferred streamed step]).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -46,6 +46,10 @@ from tierzero.offload.step_seam import DeferredWatch, GradMeasure
 # counted bytes must not depend on when a worker ran.
 MEASURE_BACKLOG = 2
 
+# group key -> its param shard where the engine holds a current copy of it, or None
+# ([Note: a param held in host memory] in offload/shard_inputs.py)
+HeldParam = Callable[[str], "torch.Tensor | None"]
+
 
 class StreamedStep:
     """One AdamStream over every trainable group; see [Note: streamed optimizer step]."""
@@ -57,9 +61,11 @@ class StreamedStep:
     speculates = True  # where the layout allows: reserve_speculation
 
     def __init__(self, store: TieredShardStore, keys: Sequence[str], *, order: Sequence[str],
-                 buffer_bytes: int, shadow: torch.dtype | None, threads: AdamThreads) -> None:
+                 buffer_bytes: int, shadow: torch.dtype | None, threads: AdamThreads,
+                 held: HeldParam | None = None) -> None:
         """order: the first step order (every key once); buffer_bytes: the host ring
-        (StateLayout.ring_bytes()); shadow, threads: as InPlaceStep's."""
+        (StateLayout.ring_bytes()); shadow, threads: as InPlaceStep's; held: where the
+        engine holds a group's param ([Note: a param held in host memory])."""
         manager = store.manager
         if manager is None:
             raise RuntimeError("StreamedStep needs a finalized TieredShardStore")
@@ -98,6 +104,12 @@ class StreamedStep:
         self._spec_keys = (sorted(writes) if all(manager.home_of(k) == "nvme" for k in writes)
                            and store.device.type != "meta" else None)
         self._own_keep = self.stream.kept  # the construction's param caches (not the deferred's)
+        # [Note: a param held in host memory]: offered to the stream while it updates on
+        # this (the training) thread, where the engine's gathered copies are released;
+        # never on the deferred worker, beside forward's gathers and releases. Not on a
+        # dry run (its counted bytes stay the read's: an upper bound).
+        self._source = (None if held is None or store.device.type == "meta"
+                        else lambda index: held(self._keys[index]))
         self._grad_keys = [layout.manager_key(k, "grad") for k in self._keys]
 
     @property
@@ -111,6 +123,7 @@ class StreamedStep:
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
         self._deferred.drain()  # one thread drives the stream (the driver drained already)
         self._grads_zeroed()
+        self.stream.param_source = self._source
         return self.stream.step(hyper, step, grad_scale)
 
     def _grads_zeroed(self) -> None:
@@ -121,6 +134,7 @@ class StreamedStep:
 
     def begin(self, hyper: AdamHyper, step: float) -> None:
         self._deferred.drain()
+        self.stream.param_source = self._source
         self.stream.begin(hyper, step)
 
     def groups_final(self, keys: Sequence[str]) -> None:
@@ -160,6 +174,7 @@ class StreamedStep:
         self._grads_zeroed()  # the worker reads gradients past the store's use()
         if self.stream.kept != self._all:  # each param is gathered right after its update
             self.stream.keep_params(self._all)
+        self.stream.param_source = None  # the worker's: [Note: a param held in host memory]
         self._deferred.start(hyper, step, grad_scale, order)
 
     @property
@@ -196,6 +211,7 @@ class StreamedStep:
         self._mgr.speculate(self._spec_keys)
         self.stream.grads_used = "write"  # each is needed again if the step is undone
         self.stream.keep_params(self._own_keep)  # the next forward is not the update's
+        self.stream.param_source = self._source
         self.stream.begin(hyper, step, grad_scale)
         self.begin_measure()
 

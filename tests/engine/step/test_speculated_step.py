@@ -400,3 +400,130 @@ def test_background_save_read_while_later_steps_speculate_and_undo(
                     "deferred", "speculated", "speculated"]
     same_checkpoints(tmp_path / "ckTrue" / "s", tmp_path / "ckFalse" / "s")
     assert all(torch.equal(p_on[k], v) for k, v in p_off.items())
+
+
+def _train_counting(cfg: Config, scales: tuple[float, ...]) -> dict[str, Any]:
+    """One step per batch (loss times `scales[i]`): losses, clip coefficients, updates,
+    params and the param bytes read from NVMe."""
+    model = make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    out: dict[str, Any] = {"losses": [], "coefs": [], "updates": []}
+    try:
+        for (ids, tg), scale in zip(make_batches(len(scales)), scales, strict=True):
+            loss = eng(ids, tg)
+            eng.backward(loss * scale)
+            eng.step()
+            out["losses"].append(float(loss.detach()))
+            out["coefs"].append(eng.get_clip_coef())
+            out["updates"].append(driver_of(eng).last_update)
+        out["params"] = full_params(eng, model)
+        tiers = eng.memory_report()["tiers"]
+        out["param_read"] = tiers["moved_by_class"]["nvme_to_host"]["param"]
+    finally:
+        eng.close()
+    return out
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_param_the_engine_holds_gathered_is_copied_not_read_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clip: float) -> None:
+    """A bf16 master in pieces ([Note: a param held in host memory] in
+    offload/shard_inputs.py): the update run
+    during backward (speculated under clipping, the early step without) copies the param
+    of a group whose unit is still gathered (the root, persistent) instead of reading it
+    back: the same bits and updates as reading every param back, and fewer param bytes
+    read from NVMe."""
+    from test_engine_bf16_master import configure
+
+    real = ZeroEngine._held_param
+    copied: list[int] = []
+
+    def spy(self: ZeroEngine, key: str) -> torch.Tensor | None:
+        held = real(self, key)
+        if held is not None:
+            copied.append(held.numel() * held.element_size())
+        return held
+
+    monkeypatch.setattr(ZeroEngine, "_held_param", spy)
+    held = _train_counting(configure("nvme", tmp_path / "held", state="int8", clip=clip,
+                                     chunk=512), SCALES)
+    monkeypatch.setattr(ZeroEngine, "_held_param", lambda self, key: None)
+    read = _train_counting(configure("nvme", tmp_path / "read", state="int8", clip=clip,
+                                     chunk=512), SCALES)
+    assert held["updates"] == read["updates"]
+    assert ("speculated" in held["updates"]) if clip else set(held["updates"]) == {"backward"}
+    assert_same(held, read)
+    assert copied, "no update found its param held gathered"
+    # each copy replaced a read, from NVMe unless the param was still cached in the pool
+    assert 0 < read["param_read"] - held["param_read"] <= sum(copied)
+
+
+def test_a_held_param_is_offered_only_while_it_is_the_shard_as_it_is(tmp_path: Path) -> None:
+    """held_shard checks the store's version: once the shard changes after the gather (a
+    write of the param), the gathered copy is not offered; gathered again, it is."""
+    from test_engine_bf16_master import configure
+
+    from tierzero.engine.shards.flat import held_shard
+
+    model = make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model,
+                                     config=configure("nvme", tmp_path, state="int8", chunk=512))
+    try:
+        root = eng.root
+        group = next(g for g in root.groups if g.trainable)
+        assert eng._held_param(group.key) is None  # released: nothing held
+        eng.scheduler.ensure_gathered(root)
+        held = eng._held_param(group.key)
+        assert held is not None
+        with eng.store.use(group.key, "param") as shard:
+            assert torch.equal(held, shard.to(held.device))
+        assert held_shard(group, 0, None) is None  # a store that keeps no versions
+        with eng.store.use(group.key, "param", writable=True) as shard:
+            shard.add_(1.0)  # the shard moves past the copy
+        assert eng._held_param(group.key) is None
+        root.mark_stale()
+        eng.scheduler.refresh()
+        again = eng._held_param(group.key)
+        assert again is not None
+        with eng.store.use(group.key, "param") as shard:
+            assert torch.equal(again, shard.to(again.device))
+        eng.scheduler.release(root)
+        assert eng._held_param(group.key) is None
+    finally:
+        eng.close()
+
+
+def _ranks_held(rank: int, path: str) -> dict[str, Any]:
+    from test_engine_bf16_master import configure
+
+    out = {}
+    real = ZeroEngine._held_param
+    for held in (True, False):
+        if not held:
+            ZeroEngine._held_param = lambda self, key: None  # type: ignore[method-assign]
+        try:
+            run = _train_counting(configure("nvme", Path(path) / f"{held}{rank}", state="int8",
+                                            clip=1.0, chunk=512), SCALES)
+        finally:
+            ZeroEngine._held_param = real  # type: ignore[method-assign]
+        out[str(held)] = run
+    return out
+
+
+@pytest.mark.multiproc
+def test_two_ranks_copy_their_own_shard_of_a_held_param(tmp_path: Path) -> None:
+    """At world size 2 ([Note: a param held in host memory] in offload/shard_inputs.py):
+    each rank copies its own
+    shard out of the gathered buffer (at its rank's offset); the same bits as reading
+    every param back, on both ranks, and fewer param bytes read."""
+    (tmp_path / "swap").mkdir()
+    r0, r1 = (r["r"] for r in run_two_ranks(
+        tmp_path, {"r": functools.partial(_ranks_held, path=str(tmp_path / "swap"))}))
+    for rank in (r0, r1):
+        assert_same(rank["True"], rank["False"])
+        assert rank["True"]["updates"] == rank["False"]["updates"]
+        assert "speculated" in rank["True"]["updates"]
+        assert rank["True"]["param_read"] < rank["False"]["param_read"]
+    bad = [k for k, v in r0["True"]["params"].items()
+           if not torch.equal(v, r1["True"]["params"][k])]
+    assert not bad, bad
