@@ -428,11 +428,10 @@ def _train_counting(cfg: Config, scales: tuple[float, ...]) -> dict[str, Any]:
 def test_a_param_the_engine_holds_gathered_is_copied_not_read_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clip: float) -> None:
     """A bf16 master in pieces ([Note: a param held in host memory] in
-    offload/shard_inputs.py): the update run
-    during backward (speculated under clipping, the early step without) copies the param
-    of a group whose unit is still gathered (the root, persistent) instead of reading it
-    back: the same bits and updates as reading every param back, and fewer param bytes
-    read from NVMe."""
+    offload/shard_inputs.py): the update run during backward (speculated under clipping,
+    the early step without) copies the param of a group whose unit is still gathered
+    (the root, gathered from forward into backward) instead of reading it back: the same
+    bits and updates as reading every param back, and fewer param bytes read from NVMe."""
     from test_engine_bf16_master import configure
 
     real = ZeroEngine._held_param
@@ -512,10 +511,10 @@ def _ranks_held(rank: int, path: str) -> dict[str, Any]:
 
 @pytest.mark.multiproc
 def test_two_ranks_copy_their_own_shard_of_a_held_param(tmp_path: Path) -> None:
-    """At world size 2 ([Note: a param held in host memory] in offload/shard_inputs.py):
-    each rank copies its own
-    shard out of the gathered buffer (at its rank's offset); the same bits as reading
-    every param back, on both ranks, and fewer param bytes read."""
+    """At world size 2 ([Note: a param held in host memory] in offload/shard_inputs.py)
+    each rank copies its own shard out of the gathered buffer (at its rank's offset):
+    the same bits as reading every param back, on both ranks, and fewer param bytes
+    read."""
     (tmp_path / "swap").mkdir()
     r0, r1 = (r["r"] for r in run_two_ranks(
         tmp_path, {"r": functools.partial(_ranks_held, path=str(tmp_path / "swap"))}))
