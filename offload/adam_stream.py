@@ -58,7 +58,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -160,6 +160,11 @@ class AdamStream:
         self._param_dtype = (torch.bfloat16 if master == "bf16" else shadow or torch.float32)
         self._backend = backend
         self.grads_used: GradsUsed = "discard" if consume_grads else "keep"
+        # called with a shard's index once its update has read its gradient, before the
+        # gradient is let go (released, dropped or written down): whoever drives the
+        # stream waits there for its own readers of that gradient (a measurement taken
+        # beside the update); the kernel only reads it
+        self.grad_readers: Callable[[int], None] | None = None
         items = [self._item_bytes(c) for cs in self._chunks for c in cs]
         self._ring = HostRing(ring_capacity(buffer_bytes, items), lambda nbytes: manager.host_empty(
             nbytes, torch.uint8, purpose="adam_ring"))
@@ -307,11 +312,15 @@ class AdamStream:
             if taken is not None and self._p16 is not None:
                 self._p16.write(keys["param"], *taken, keep_host=index in self._keep)
         finally:
-            self._mgr.release(inputs.gkey, inputs.tier)
-            if self.grads_used == "discard":
-                self._mgr.discard(inputs.gkey)
-            elif self.grads_used == "write":  # kept, off the pool: [Note: speculated step]
-                self._mgr.evict(inputs.gkey)
+            try:
+                if self.grad_readers is not None:  # theirs end before the gradient goes
+                    self.grad_readers(index)
+            finally:
+                self._mgr.release(inputs.gkey, inputs.tier)
+                if self.grads_used == "discard":
+                    self._mgr.discard(inputs.gkey)
+                elif self.grads_used == "write":  # kept, off the pool: [Note: speculated step]
+                    self._mgr.evict(inputs.gkey)
 
     def _next_read(self, op: OpenStep, at: int) -> StreamRead:
         """The read of piece ``_seq[at]``, waited for and current."""

@@ -42,8 +42,12 @@ from tierzero.offload.step_seam import DeferredWatch, GradMeasure
 # function on the same final bytes, summed in the same order by ZeroEngine._clip, so the
 # norm and every update are bit for bit those of the measurement in step(); a group
 # reduced again after its measurement (a late gradient) is measured again in
-# `grad_stats`. A dry run (tierzero plan, on meta) measures on the training thread: its
-# counted bytes must not depend on when a worker ran.
+# `grad_stats`. An update run during backward (a speculated step, the early step) reads
+# the gradient while the worker measures it: both only read it, and the stream waits for
+# the measurement only before it lets the gradient go (AdamStream.grad_readers), so the
+# training thread updates instead of waiting for the norm of the group it just reduced.
+# A dry run (tierzero plan, on meta) measures on the training thread: its counted bytes
+# must not depend on when a worker ran.
 MEASURE_BACKLOG = 2
 
 # group key -> its param shard where the engine holds a current copy of it, or None
@@ -123,7 +127,7 @@ class StreamedStep:
     def run_all(self, hyper: AdamHyper, step: float, grad_scale: float) -> PipelineStats:
         self._deferred.drain()  # one thread drives the stream (the driver drained already)
         self._grads_zeroed()
-        self.stream.param_source = self._source
+        self._drive_here()
         return self.stream.step(hyper, step, grad_scale)
 
     def _grads_zeroed(self) -> None:
@@ -134,14 +138,25 @@ class StreamedStep:
 
     def begin(self, hyper: AdamHyper, step: float) -> None:
         self._deferred.drain()
-        self.stream.param_source = self._source
+        self._drive_here()
         self.stream.begin(hyper, step)
 
     def groups_final(self, keys: Sequence[str]) -> None:
-        """Updated now, on this thread, in step order as far as the final groups reach (after
-        their measurements: the update consumes the gradient)."""
-        self._measured.wait(keys)
+        """Updated now, on this thread, in step order as far as the final groups reach; a
+        group measured beside its update is let go once measured ([Note: gradients
+        measured where they are reduced])."""
         self.stream.mark_final(self._indices(keys))
+
+    def _drive_here(self) -> None:
+        """The stream runs on this (the training) thread until `defer` hands it on: it may
+        copy the params the engine holds ([Note: a param held in host memory] in
+        offload/shard_inputs.py) and waits for a group's measurement before it lets the
+        group's gradient go."""
+        self.stream.param_source = self._source
+        self.stream.grad_readers = self._measured_one
+
+    def _measured_one(self, index: int) -> None:
+        self._measured.wait([self._keys[index]])
 
     def finish(self) -> PipelineStats:
         self._grads_zeroed()
@@ -174,7 +189,10 @@ class StreamedStep:
         self._grads_zeroed()  # the worker reads gradients past the store's use()
         if self.stream.kept != self._all:  # each param is gathered right after its update
             self.stream.keep_params(self._all)
-        self.stream.param_source = None  # the worker's: [Note: a param held in host memory]
+        # the worker's: no engine copies (forward gathers and releases them meanwhile); the
+        # measurements were collected
+        self.stream.param_source = None
+        self.stream.grad_readers = None
         self._deferred.start(hyper, step, grad_scale, order)
 
     @property
@@ -211,7 +229,7 @@ class StreamedStep:
         self._mgr.speculate(self._spec_keys)
         self.stream.grads_used = "write"  # each is needed again if the step is undone
         self.stream.keep_params(self._own_keep)  # the next forward is not the update's
-        self.stream.param_source = self._source
+        self._drive_here()
         self.stream.begin(hyper, step, grad_scale)
         self.begin_measure()
 

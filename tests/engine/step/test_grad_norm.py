@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from tierzero import engine
 from tierzero.engine import engine as engine_mod
 from tierzero.engine.config import Config
 from tierzero.engine.step import in_place as in_place_mod
+from tierzero.engine.step import streamed as streamed_mod
 
 STEPS = 5
 NORM_RTOL = 1e-6
@@ -202,3 +204,26 @@ def test_nonfinite_gradient_without_clipping_skips_the_step() -> None:
                 assert torch.equal(v.detach(), before[k]), k
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 100.0])
+def test_a_slow_measurement_ends_before_the_update_lets_its_gradient_go(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clip: float) -> None:
+    """The update run during backward (the early step without clipping; a speculated one
+    under clipping that does not fire) reads each gradient while the worker measures it,
+    and lets the gradient go (dropped unwritten, or written down) only once it is measured
+    ([Note: gradients measured where they are reduced] in engine/step/streamed.py): with
+    every measurement slowed down, the norms and coefficients are bit for bit those
+    measured in step() with overlap_step off."""
+    for name in ("serial", "early"):
+        (tmp_path / name).mkdir()
+    serial = engine_norms(config_for("nvme-serial", tmp_path / "serial", clip=clip), 4)
+    real = streamed_mod.grad_stat
+
+    def slow(store: object, key: str) -> object:
+        time.sleep(0.02)  # the update of the group is done long before
+        return real(store, key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(streamed_mod, "grad_stat", slow)
+    early = engine_norms(config_for("nvme", tmp_path / "early", clip=clip), 4)
+    assert early == serial
