@@ -74,6 +74,8 @@ def train(cfg: Config, scales: tuple[float, ...], *, model: torch.nn.Module | No
             out["coefs"].append(eng.get_clip_coef())
             out["updates"].append(driver.last_update)
         out["params"] = full_params(eng, model)
+        out["param_read"] = eng.memory_report()["tiers"]["moved_by_class"]["nvme_to_host"][
+            "param"]
         out["stats"] = driver.stats()
         out["skipped"] = eng.skipped_steps
         out["mode"] = driver.mode
@@ -402,28 +404,6 @@ def test_background_save_read_while_later_steps_speculate_and_undo(
     assert all(torch.equal(p_on[k], v) for k, v in p_off.items())
 
 
-def _train_counting(cfg: Config, scales: tuple[float, ...]) -> dict[str, Any]:
-    """One step per batch (loss times `scales[i]`): losses, clip coefficients, updates,
-    params and the param bytes read from NVMe."""
-    model = make_model()
-    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
-    out: dict[str, Any] = {"losses": [], "coefs": [], "updates": []}
-    try:
-        for (ids, tg), scale in zip(make_batches(len(scales)), scales, strict=True):
-            loss = eng(ids, tg)
-            eng.backward(loss * scale)
-            eng.step()
-            out["losses"].append(float(loss.detach()))
-            out["coefs"].append(eng.get_clip_coef())
-            out["updates"].append(driver_of(eng).last_update)
-        out["params"] = full_params(eng, model)
-        tiers = eng.memory_report()["tiers"]
-        out["param_read"] = tiers["moved_by_class"]["nvme_to_host"]["param"]
-    finally:
-        eng.close()
-    return out
-
-
 @pytest.mark.parametrize("clip", [1.0, 0.0])
 def test_a_param_the_engine_holds_gathered_is_copied_not_read_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clip: float) -> None:
@@ -444,10 +424,10 @@ def test_a_param_the_engine_holds_gathered_is_copied_not_read_back(
         return held
 
     monkeypatch.setattr(ZeroEngine, "_held_param", spy)
-    held = _train_counting(configure("nvme", tmp_path / "held", state="int8", clip=clip,
+    held = train(configure("nvme", tmp_path / "held", state="int8", clip=clip,
                                      chunk=512), SCALES)
     monkeypatch.setattr(ZeroEngine, "_held_param", lambda self, key: None)
-    read = _train_counting(configure("nvme", tmp_path / "read", state="int8", clip=clip,
+    read = train(configure("nvme", tmp_path / "read", state="int8", clip=clip,
                                      chunk=512), SCALES)
     assert held["updates"] == read["updates"]
     assert ("speculated" in held["updates"]) if clip else set(held["updates"]) == {"backward"}
@@ -501,7 +481,7 @@ def _ranks_held(rank: int, path: str) -> dict[str, Any]:
         if not held:
             ZeroEngine._held_param = lambda self, key: None  # type: ignore[method-assign]
         try:
-            run = _train_counting(configure("nvme", Path(path) / f"{held}{rank}", state="int8",
+            run = train(configure("nvme", Path(path) / f"{held}{rank}", state="int8",
                                             clip=1.0, chunk=512), SCALES)
         finally:
             ZeroEngine._held_param = real  # type: ignore[method-assign]
