@@ -29,8 +29,9 @@ already: the engine's gathered buffer of a unit that stays gathered through back
 root, a unit kept for its backward: [Note: reuse distance]) holds this rank's shard of the
 param, exactly, as the gather copied it. When the update runs while backward does (a
 speculated step, the unclipped early step), such a shard's param is read back from NVMe
-only because its cache left the pool: at 2.07B, 0.49 GB a step (the root's two groups and
-the kept last block). `source` (AdamStream.param_source) names those copies: a shard's
+only because its cache left the pool (benchmarks/RESULTS.md, "Two training-thread waits
+out of the update run during backward"). `source` (AdamStream.param_source) names those
+copies: a shard's
 param it returns is copied from it instead of read. Its caller guarantees the copy is the
 param's current value (the engine checks the manager's version against the one its gather
 copied) and that it stays alive until issue() returns; it is consulted only on the thread
