@@ -453,11 +453,14 @@ class ResidencyCore:
                 + (" / pool.buffer_count" if tier == "host" else ""))
 
     def _pump(self) -> None:
-        """Issue the prefetch queue's wanted transfers in order, never waiting; keep one
-        dirty cache's worth of the pool ready to take ([Note: host caches cleaned ahead])."""
+        """Issue the prefetch queue's wanted transfers in order, never waiting; then keep
+        one dirty cache's worth of the pool ready to take ([Note: host caches cleaned
+        ahead]), counting the room those prefetches have just taken."""
+        if self._pf.active:
+            self._prefetch()
         self._clean_ahead()
-        if not self._pf.active:
-            return
+
+    def _prefetch(self) -> None:
         stopped: set[Tier] = set()
         wanted = self._pf.wanted(lambda k: self._records[k].spec.nbytes,
                                  lambda k: self._records[k].home == "nvme")
@@ -485,7 +488,10 @@ class ResidencyCore:
     # is a write that eviction would have made, except for a gradient the step would have
     # consumed and dropped unwritten. A run whose dirty caches all fit (never evicted
     # dirty) writes nothing ahead: its caches stay dirty as before. Called from every
-    # _pump: the checks before the victim scan look at the pool and the transfers in
+    # _pump after its prefetches: a read-ahead that takes the last free room (a backward's
+    # next param, issued as the unit before it is gathered) starts the write at once,
+    # so it lands beside the read instead of under the next reduction that needs the
+    # room. The checks before the victim scan look at the pool and the transfers in
     # flight only.
     def _clean_ahead(self) -> None:
         need = self._dirty_pressure

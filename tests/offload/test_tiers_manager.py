@@ -550,6 +550,46 @@ def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path) -> None:
         mgr.audit()
 
 
+def test_a_prefetch_taking_the_last_room_starts_the_clean_ahead_write(tmp_path: Path) -> None:
+    """[Note: host caches cleaned ahead] counts the room a read-ahead takes: a backward's
+    next param prefetched into the pool's last free buffer starts the write of the dirty
+    gradient the next reduction would evict in the same call, not at that reduction (which
+    would then wait for the whole write); the values stay exact."""
+    sp = ([ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(4)]
+          + [ShardSpec("p0", "param", N, torch.float32)])
+    settings = cpu_settings({"grad": "nvme", "param": "nvme"}, device=1 << 20, host=1 << 20,
+                            buffer_count=3)
+    with store(tmp_path) as swap, TierManager(sp, settings, swap=swap) as mgr:
+        p0 = data_for(sp[-1], 7)
+        for x in sp:
+            mgr.place(x.key, p0 if x.key == "p0" else torch.zeros(N)).wait()
+        mgr.synchronize()
+
+        def host(key: str) -> State:
+            return mgr._records[key].copies["host"].state
+
+        for i in range(4):  # the fourth demand writes g0 down: dirty pressure from now on
+            mgr.fetch(f"g{i}", "host", writable=True, discard=True).wait().fill_(i + 1.0)
+            mgr.release(f"g{i}", "host")
+        mgr.synchronize()
+        mgr.evict("g1")  # written ahead, clean: the pool has one free buffer again
+        mgr.synchronize()
+        assert (host("g1"), host("g2"), host("g3")) == (State.ABSENT, State.DIRTY,
+                                                        State.DIRTY)
+        mgr.set_order([("p0", "host")])  # the read-ahead takes the free buffer ...
+        assert host("p0") in (State.LOADING, State.CLEAN)
+        assert host("g2") in (State.STORING, State.CLEAN)  # ... and g2's write starts now
+        assert host("g3") is State.DIRTY  # one write ahead at a time
+        mgr.synchronize()
+        assert torch.equal(mgr.fetch("p0", "host").wait(), p0)
+        mgr.release("p0", "host")
+        out = torch.empty(N)
+        for i in range(4):
+            mgr.read_into(f"g{i}", out).wait()
+            assert bool((out == i + 1.0).all()), i
+        mgr.audit()
+
+
 def test_fetch_ahead_takes_free_room_or_returns_none_holding_nothing(tmp_path: Path) -> None:
     """fetch_ahead (the optimizer reading the next shard while it holds this one): with the
     pool taken by a held cache and a dirty one it returns None at once, writes nothing and
