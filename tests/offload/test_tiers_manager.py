@@ -551,10 +551,10 @@ def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path) -> None:
 
 
 def test_a_prefetch_taking_the_last_room_starts_the_clean_ahead_write(tmp_path: Path) -> None:
-    """[Note: host caches cleaned ahead] counts the room a read-ahead takes: a backward's
-    next param prefetched into the pool's last free buffer starts the write of the dirty
-    gradient the next reduction would evict in the same call, not at that reduction (which
-    would then wait for the whole write); the values stay exact."""
+    """[Note: host caches cleaned ahead] in offload/core.py counts the room a read-ahead
+    takes: a backward's next param prefetched into the pool's last free buffer starts the
+    write of the dirty gradient the next reduction would evict in the same call, not at
+    that reduction (which would then wait for the whole write); the values stay exact."""
     sp = ([ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(4)]
           + [ShardSpec("p0", "param", N, torch.float32)])
     settings = cpu_settings({"grad": "nvme", "param": "nvme"}, device=1 << 20, host=1 << 20,
