@@ -32,6 +32,9 @@ from .settings import TIERS, Tier, TierSettings
 from .transfer import Mover, SwapBackend, TierTransfer
 
 log = logging.getLogger(__name__)
+
+# dirty host caches written ahead at once ([Note: host caches cleaned ahead])
+CLEAN_AHEAD_WRITES = 2
 _FINISH = {State.LOADING: Op.LOADED, State.STORING: Op.STORED, State.FILLING: Op.FILLED}
 
 
@@ -484,7 +487,10 @@ class ResidencyCore:
     # a backward). So once a demand has had to write a dirty cache down, whenever the pool
     # has no room for the largest such cache and the cache the next demand would evict
     # (_victim: used furthest ahead) is dirty, its write starts now and it stays cached,
-    # clean: the demand drops it without waiting. One such write in flight at a time; it
+    # clean: the demand drops it without waiting. At most CLEAN_AHEAD_WRITES such writes
+    # in flight, one started per call: a backward reduces a unit's gradient while the
+    # previous unit's is still being written ahead, and with one in flight that
+    # reduction's victim was the next dirty gradient, written whole while it waited. Each
     # is a write that eviction would have made, except for a gradient the step would have
     # consumed and dropped unwritten. A run whose dirty caches all fit (never evicted
     # dirty) writes nothing ahead: its caches stay dirty as before. Called from every
@@ -497,11 +503,14 @@ class ResidencyCore:
         need = self._dirty_pressure
         if not need or self._pool.can_take(need):
             return
+        ahead = 0
         for key in self._busy:  # a cache being written ahead is in flight (transient)
             copy = self._records[key].copies["host"]
             if (copy.state is State.STORING and copy.role is Role.CACHE
                     and not copy.drop_when_clean):
-                return
+                ahead += 1
+                if ahead >= CLEAN_AHEAD_WRITES:
+                    return
         victim = self._victim("host", None, demand=True)
         if (victim is not None and victim.copies["host"].state is State.DIRTY
                 and victim.copies["device"].state is State.ABSENT

@@ -23,7 +23,9 @@ from tierzero.offload import (
     State,
     TierManager,
     TransferError,
+    core,
 )
+from tierzero.offload.core import CLEAN_AHEAD_WRITES
 from tierzero.offload.residency import transition
 from tierzero.swap import FileIO, trace
 
@@ -503,12 +505,15 @@ def test_the_announced_writer_reads_what_it_replaces(tmp_path: Path) -> None:
         mgr.audit()
 
 
-def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path) -> None:
+def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: host caches cleaned ahead]: dirty caches that fit stay dirty (nothing
     written); once a demand has had to write one down, a pool with no room for one more
     starts the write of the dirty cache the next demand would evict (the least recently
     used) and keeps it cached, clean; the next demand drops it without writing anything,
-    and every value reads back."""
+    and every value reads back. One write ahead at a time here, so which caches are
+    written does not depend on when a write lands (two: the test after the next one)."""
+    monkeypatch.setattr(core, "CLEAN_AHEAD_WRITES", 1)
     sp = [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(3)]
     settings = cpu_settings({"grad": "nvme"}, device=1 << 20, host=1 << 20, buffer_count=2)
     with store(tmp_path) as swap, TierManager(sp, settings, swap=swap) as mgr:
@@ -550,11 +555,14 @@ def test_a_full_pool_cleans_one_dirty_cache_ahead(tmp_path: Path) -> None:
         mgr.audit()
 
 
-def test_a_prefetch_taking_the_last_room_starts_the_clean_ahead_write(tmp_path: Path) -> None:
+def test_a_prefetch_taking_the_last_room_starts_the_clean_ahead_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: host caches cleaned ahead] in offload/core.py counts the room a read-ahead
     takes: a backward's next param prefetched into the pool's last free buffer starts the
     write of the dirty gradient the next reduction would evict in the same call, not at
-    that reduction (which would then wait for the whole write); the values stay exact."""
+    that reduction (which would then wait for the whole write); the values stay exact.
+    One write ahead at a time, so the states checked do not depend on when writes land."""
+    monkeypatch.setattr(core, "CLEAN_AHEAD_WRITES", 1)
     sp = ([ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(4)]
           + [ShardSpec("p0", "param", N, torch.float32)])
     settings = cpu_settings({"grad": "nvme", "param": "nvme"}, device=1 << 20, host=1 << 20,
@@ -585,6 +593,51 @@ def test_a_prefetch_taking_the_last_room_starts_the_clean_ahead_write(tmp_path: 
         mgr.release("p0", "host")
         out = torch.empty(N)
         for i in range(4):
+            mgr.read_into(f"g{i}", out).wait()
+            assert bool((out == i + 1.0).all()), i
+        mgr.audit()
+
+
+def test_a_second_dirty_cache_is_written_ahead_while_the_first_is_in_flight(
+        tmp_path: Path) -> None:
+    """[Note: host caches cleaned ahead] in offload/core.py keeps up to CLEAN_AHEAD_WRITES
+    writes ahead in flight, one started per call: with the first still being written (a
+    slow drive), the next call starts the next dirty victim's write rather than leaving
+    it for a demand to write whole; no third starts; the values stay exact."""
+    assert CLEAN_AHEAD_WRITES == 2
+    sp = [ShardSpec(f"g{i}", "grad", N, torch.float32) for i in range(5)]
+    settings = cpu_settings({"grad": "nvme"}, device=1 << 20, host=1 << 20, buffer_count=4)
+    io = DelayIO()
+    with store(tmp_path, fileio=io) as swap, TierManager(sp, settings, swap=swap) as mgr:
+        for x in sp:
+            mgr.place(x.key, torch.zeros(N)).wait()
+        mgr.synchronize()
+
+        def host(key: str) -> State:
+            return mgr._records[key].copies["host"].state
+
+        def fresh(i: int) -> None:
+            mgr.fetch(f"g{i}", "host", writable=True, discard=True).wait().fill_(i + 1.0)
+            mgr.release(f"g{i}", "host")
+
+        for i in range(4):  # four dirty gradients fill the pool: nothing written
+            fresh(i)
+        mgr.synchronize()
+        io.write_delay = 1.0  # every write from here stays in flight for a second
+        # a demand writes g0 down and waits for it; then g1's write starts ahead
+        mgr.fetch("g4", "host", writable=True, discard=True).wait().fill_(5.0)
+        assert host("g0") is State.ABSENT
+        assert [host(f"g{i}") for i in (1, 2, 3)] == [State.STORING, State.DIRTY,
+                                                       State.DIRTY]
+        mgr.release("g4", "host")  # the next call: a second write ahead beside the first
+        assert [host(f"g{i}") for i in (1, 2, 3)] == [State.STORING, State.STORING,
+                                                       State.DIRTY]
+        mgr.set_order([])  # two in flight: no third
+        assert host("g3") is State.DIRTY
+        io.write_delay = 0.0
+        mgr.synchronize()
+        out = torch.empty(N)
+        for i in range(5):
             mgr.read_into(f"g{i}", out).wait()
             assert bool((out == i + 1.0).all()), i
         mgr.audit()
