@@ -368,7 +368,8 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
     def loss_fn(mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         out = eng(input_ids=mb[0])
         logits = out.logits if hasattr(out, "logits") else out[0]  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), mb[1].flatten())
+        # the labels where the logits are (the engine moved the inputs to its device)
+        return F.cross_entropy(logits.float().flatten(0, 1), mb[1].to(logits.device).flatten())
 
     traced: dict[str, Any] | None = None
     for step in range(1, args.steps + 1):
