@@ -11,7 +11,7 @@
 #      processes of 9-19 s each and a disk measurement before each NVMe one; each child's
 #      time prints as it ends).
 # Issue 30's 2.07B rows have their own command for the same session, once this passed:
-# benchmarks/gpu_scale_check.sh (about 4 minutes).
+# benchmarks/gpu_scale_check.sh (3-4 minutes; see its header).
 # Run from the repository root on a machine with a CUDA build of torch:
 #     bash benchmarks/gpu_check.sh [OUTDIR]        (SWAP=/nvme/dir for the NVMe rows)
 # Nothing is installed or downloaded: the machine's own torch, transformers, psutil, ... are

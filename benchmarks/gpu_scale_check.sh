@@ -10,10 +10,14 @@
 #      random-init model, so steps 2-4 are the deferred step;
 #   2. the same with clipping at 1000: steps 3-5 are the speculated step, committed;
 #   3. (ROWS=all) fp32, the default precision, clipping 1.0.
-# Each row's JSON, log and traced last step go to OUTDIR. Budget on a drive of ~2 GB/s:
-# rows 1 and 2 about 2 minutes each (27.5 and 23.5 GB a step), row 3 about 4 (64.8 GB).
-# The swap directory needs about 13 GB free for rows 1-2 (the state, the gradients and two
-# 4 GiB bandwidth files) and 42 GB for row 3.
+# Each row's JSON, log and traced last step go to OUTDIR. Rows 1-2 took 3 min 14 s in all on
+# the 2-core CPU VM with a 4-9 GB/s drive; on a drive of ~2 GB/s expect about 2 minutes
+# each (27.5 and 23.5 GB a step) and about 4 for row 3 (64.8 GB). Each row's child is
+# stopped 60 s before the row's limit (scale_bench --child-timeout; the drive is measured
+# before and after it inside the limit), keeping the steps it finished. Free space in SWAP:
+# rows 1-2 used up to 21 GB (measured on the CPU VM: state,
+# gradients, the regions a speculated step keeps, bandwidth files); row 3's state alone is
+# 33 GB (not measured).
 #     SWAP=/nvme/dir bash benchmarks/gpu_scale_check.sh [OUTDIR]      (ROWS=all for row 3)
 # Nothing is installed or downloaded: the machine's own torch and transformers are used,
 # and the checkout is imported through PYTHONPATH. Exit status 1 if a row failed or ran
@@ -32,8 +36,8 @@ row() {  # name, timeout (s), scale_bench arguments...
     local name=$1 limit=$2
     shift 2
     timeout "$limit" "$py" benchmarks/scale_bench.py --swap "$swap" --engines tierzero \
-        --trace "$out/trace_$name" --out "$out/$name.json" "$@" 2>&1 | tee "$out/$name.log" \
-        || status=1
+        --child-timeout $((limit - 60)) --trace "$out/trace_$name" --out "$out/$name.json" \
+        "$@" 2>&1 | tee "$out/$name.log" || status=1
 }
 row deferred 200 --state-precisions int8+bf16master --steps 4 --clip 1.0
 row speculated 220 --state-precisions int8+bf16master --steps 5 --clip 1000
