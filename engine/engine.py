@@ -93,7 +93,8 @@ class ZeroEngine:
         self.scheduler = Scheduler(self.units, self.comm, self.store,
                                    overlap_comm=config.zero.overlap_comm,
                                    inflight_reduce_bytes=config.zero.reduce_bucket_bytes,
-                                   max_live_bytes=max_live, max_reuse_distance_bytes=max_reuse)
+                                   max_live_bytes=max_live, max_reuse_distance_bytes=max_reuse,
+                                   spares=builder.spares)
         for unit in self.units:
             for g in unit.groups:
                 for s in g.slots:
@@ -502,6 +503,7 @@ class ZeroEngine:
             unit.hand_back(keep_values=restore_params)
             for s in (s for g in unit.groups for s in g.slots):
                 unregister_owner(s.param)
+        self.scheduler.clear_spares()  # what hand_back released: freed
         self._hooks.close()
         self._state_dict_hook.remove()
         self._closed = True

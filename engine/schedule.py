@@ -50,6 +50,7 @@ from tierzero.engine.shards.flat import (
     reduce_flat_grad,
     reduce_group_grads,
 )
+from tierzero.engine.shards.spares import GatherSpares
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.unit import Unit
 from tierzero.offload.step_seam import StepDriver, transition
@@ -80,8 +81,12 @@ PASS_TRANSITIONS: dict[PassState, frozenset[PassState]] = {
 class Scheduler:
     def __init__(self, units: list[Unit], comm: Comm, store: ShardStore, *,
                  overlap_comm: bool, inflight_reduce_bytes: int,
-                 max_live_bytes: int = 0, max_reuse_distance_bytes: int = 0) -> None:
+                 max_live_bytes: int = 0, max_reuse_distance_bytes: int = 0,
+                 spares: GatherSpares | None = None) -> None:
         self.units = units
+        # the units' released gather buffers, held only inside a pass: [Note: gather buffers
+        # kept for the next gather] in shards/spares.py (None: none kept)
+        self.spares = spares
         self.comm = comm
         self.store = store
         self._keep = KeepRule(max_live_bytes, max_reuse_distance_bytes)  # [Note: reuse
@@ -180,6 +185,8 @@ class Scheduler:
             return
         with trace.span("release", unit.label):
             nbytes = unit.release()
+        if self.state is PassState.IDLE:  # a release between passes (GatheredParameters)
+            self.clear_spares()
         self._heap_freed(unit, nbytes)
 
     def _heap_freed(self, unit: Unit, nbytes: int) -> None:
@@ -192,6 +199,14 @@ class Scheduler:
     # -- forward ---------------------------------------------------------------
     def _to(self, new: PassState, call: str) -> None:
         self.state = self._allowed(new, call)
+        if new is PassState.IDLE:
+            self.clear_spares()
+
+    def clear_spares(self) -> None:
+        """Free the gather buffers kept for the next gather: a pass ended, nothing it
+        released is held beyond it ([Note: gather buffers kept for the next gather])."""
+        if self.spares is not None:
+            self.spares.clear()
 
     def _allowed(self, new: PassState, call: str) -> PassState:
         return transition("the scheduler", PASS_TRANSITIONS, self.state, new, call=call,
@@ -389,6 +404,7 @@ class Scheduler:
         for unit in self.units:
             self.release(unit)
             unit.reset_for_pass()
+        self.clear_spares()
 
     def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None) -> None:
         """Reduce `groups` of `unit` (default: all), then tell the listening driver."""
@@ -470,6 +486,7 @@ class Scheduler:
             if unit.stale:
                 with trace.span("release", unit.label):
                     unit.drop()
+        self.clear_spares()  # between passes: nothing kept
 
     def gathered_bytes(self) -> int:
         return sum(u.gathered_bytes() for u in self.units)

@@ -18,6 +18,7 @@ from torch import nn
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config.schema import ZeroConfig
 from tierzero.engine.shards.flat import FlatGroup, build_group, shard_numel
+from tierzero.engine.shards.spares import GatherSpares, spares_supported
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.unit import Unit
 from tierzero.engine.units import UnitSpec, check_parameters_supported, discover_units
@@ -65,13 +66,17 @@ class UnitBuilder:
     device: torch.device
     zero: ZeroConfig
     group_cap: int
+    # every group's released buffer goes here on a CPU device ([Note: gather buffers kept
+    # for the next gather] in shards/spares.py); None: freed
+    spares: GatherSpares | None = None
 
     @classmethod
     def for_specs(cls, specs: Sequence[UnitSpec], *, dtype: torch.dtype, comm: Comm,
                   store: ShardStore, device: torch.device, zero: ZeroConfig) -> UnitBuilder:
         cap = max((sum(p.numel() for _, p in s.params) for s in specs if not s.is_root),
                   default=0)
-        return cls(dtype, comm, store, device, zero, cap)
+        return cls(dtype, comm, store, device, zero, cap,
+                   GatherSpares() if spares_supported(device) else None)
 
     def group_plan(self, spec: UnitSpec) -> list[tuple[str, bool, Named]]:
         """(store key, trainable, named params) of each flat group of a unit.
@@ -106,7 +111,7 @@ class UnitBuilder:
     def build_unit(self, index: int, spec: UnitSpec) -> Unit:
         groups: list[FlatGroup] = [
             build_group(key, named, dtype=self.dtype, trainable=trainable, comm=self.comm,
-                        store=self.store, device=self.device)
+                        store=self.store, device=self.device, spares=self.spares)
             for key, trainable, named in self.group_plan(spec)
         ]
         nbytes = sum(g.numel for g in groups) * torch.finfo(self.dtype).bits // 8

@@ -24,7 +24,9 @@ growth over the process's imports, on one rank:
               engine outside the tier manager, counted against the same host budget)
               + the gathered units at their most (the root, the persistent units, the
               units kept for backward and the one being gathered: the scheduler's
-              gathered_peak_bytes in the dry run, [Note: reuse distance] in reuse.py)
+              gathered_peak_bytes in the dry run, [Note: reuse distance] in reuse.py;
+              the released buffers kept for the next gather stay within it: [Note:
+              gather buffers kept for the next gather] in shards/spares.py)
               + the tensors autograd saves in one forward (counted on meta tensors by
               a saved-tensor hook; parameters excluded, they are the gathered copies
               above) + one unit's gradients in the compute dtype and their fp32 reduction

@@ -12,7 +12,10 @@ gathered: its storage is resized to 0 on release, which also frees every view
 autograd saved of it, and resized back and refilled before backward uses them.
 With one rank and the `param` shard already on the compute device, the shard
 *is* the full buffer: parameters view it directly, with no copy and no extra
-memory (`FlatGroup.base` says which tensor the views point into).
+memory (`FlatGroup.base` says which tensor the views point into). On a CPU
+compute device a released buffer's memory is handed to the next gather of the
+same size instead of freed ([Note: gather buffers kept for the next gather] in
+shards/spares.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from tierzero.engine.collectives import Comm, PendingReduce
 from tierzero.engine.init.context import forget, full_values
+from tierzero.engine.shards.spares import GatherSpares
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload.huge_pages import advise_huge
 
@@ -58,6 +62,9 @@ class FlatGroup:
     # the store's version of the param shard the gather copied into `full` (None: not a
     # copy, or the store keeps no versions): [Note: a param held in host memory]
     copied_version: int | None = None
+    # released buffers' memory for the next gather, shared by the engine's groups on a CPU
+    # device (None: freed on release): [Note: gather buffers kept for the next gather]
+    spares: GatherSpares | None = field(default=None, repr=False, compare=False)
 
     @property
     def padded_numel(self) -> int:
@@ -80,9 +87,11 @@ def shard_numel(numel: int, world_size: int) -> int:
 
 def build_group(
     key: str, named: list[tuple[str, nn.Parameter]], *, dtype: torch.dtype, trainable: bool,
-    comm: Comm, store: ShardStore, device: torch.device,
+    comm: Comm, store: ShardStore, device: torch.device, spares: GatherSpares | None = None,
 ) -> FlatGroup:
-    """Lay out `named`, create this rank's shards in `store`, and leave the group released."""
+    """Lay out `named`, create this rank's shards in `store`, and leave the group released.
+    `spares`: where its released buffer's memory goes ([Note: gather buffers kept for the
+    next gather]; None: freed)."""
     slots, offset = [], 0
     for qname, p in named:
         slots.append(ParamSlot(qname, p, p.shape, offset, p.numel()))
@@ -103,7 +112,9 @@ def build_group(
             forget(s.param)
         store.add(key, mine, dtype, trainable)
     full = torch.empty(padded, dtype=dtype, device=device)
-    group = FlatGroup(key, tuple(slots), dtype, trainable, n_shard, comm.world_size, full)
+    full.untyped_storage().resize_(0)  # released until its first gather (not a spare)
+    group = FlatGroup(key, tuple(slots), dtype, trainable, n_shard, comm.world_size, full,
+                      spares=spares)
     release_group(group)
     return group
 
@@ -120,8 +131,10 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
         else:  # an offloaded shard's view is valid only inside use(): copy it out
             base = group.full
             storage = base.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(group.padded_numel * base.element_size())
+            nbytes = group.padded_numel * base.element_size()
+            if storage.nbytes() == 0 and not (group.spares is not None
+                                              and group.spares.take(storage, nbytes)):
+                storage.resize_(nbytes)
                 # fresh host memory on a CPU device: [Note: huge pages for per-step host
                 # buffers] in offload/huge_pages.py
                 advise_huge(base)
@@ -134,12 +147,18 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
 
 
 def release_group(group: FlatGroup) -> None:
-    """Point parameters at size-0 tensors and free the full buffer's storage."""
+    """Point parameters at size-0 tensors and empty the full buffer's storage: its memory
+    is freed, or kept for the next gather ([Note: gather buffers kept for the next
+    gather])."""
     empty = _empty_like_param(group.dtype, group.full.device)
     for s in group.slots:
         s.param.data = empty
-    if group.full.untyped_storage().nbytes():
-        group.full.untyped_storage().resize_(0)
+    storage = group.full.untyped_storage()
+    if storage.nbytes():
+        if group.spares is not None:
+            group.spares.keep(storage)
+        else:
+            storage.resize_(0)
     group.base = None
     group.copied_version = None
 
