@@ -242,21 +242,22 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
 
 
 # -- children -------------------------------------------------------------------------------
-def cpu_seconds() -> float:
-    """This process's CPU seconds so far, user and system, over all its threads."""
+def cpu_seconds() -> tuple[float, float]:
+    """This process's CPU seconds so far over all its threads: (user + system, system)."""
     u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
+    return u.ru_utime + u.ru_stime, u.ru_stime
 
 
 class Phases:
     """Peak RSS growth per phase over `base` (VmHWM, reset at each phase's start), and the
     process's CPU seconds in the phase (user + system, every thread: getrusage), so a step
-    can be set against the CPU's time for its work as well as the drive's."""
+    can be set against the CPU's time for its work as well as the drive's, and the system
+    part of them (the kernel's: page faults, zeroing fresh memory, I/O calls)."""
 
     def __init__(self) -> None:
         self.base = status_bytes("VmRSS")
         self.rows: list[dict[str, Any]] = []
-        self._cpu0 = 0.0
+        self._cpu0 = (0.0, 0.0)
 
     def start(self, name: str) -> float:
         """Reset VmHWM; tell the parent which phase runs now (its watchdog names it when it
@@ -268,8 +269,10 @@ class Phases:
         return time.perf_counter()
 
     def end(self, name: str, t0: float, **extra: Any) -> dict[str, Any]:
+        cpu, cpu_sys = cpu_seconds()
         row = {"phase": name, "s": time.perf_counter() - t0,
-               "cpu_s": cpu_seconds() - self._cpu0, "cores": len(os.sched_getaffinity(0)),
+               "cpu_s": cpu - self._cpu0[0], "cpu_sys_s": cpu_sys - self._cpu0[1],
+               "cores": len(os.sched_getaffinity(0)),
                "peak_growth": status_bytes("VmHWM") - self.base,
                "end_growth": status_bytes("VmRSS") - self.base, **extra}
         self.rows.append(row)
@@ -738,7 +741,8 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
             # the CPU's time for the step's work: its CPU seconds spread over every core
             # the child may run on (a lower bound on the step, as the drive's time is)
             cpu_bound = mid["cpu_s"] / mid["cores"]
-            out.update(cpu_s=mid["cpu_s"], cores=mid["cores"], cpu_bound_s=cpu_bound,
+            out.update(cpu_s=mid["cpu_s"], cpu_sys_s=mid.get("cpu_sys_s"), cores=mid["cores"],
+                       cpu_bound_s=cpu_bound,
                        step_over_cpu_bound=mid["s"] / cpu_bound if cpu_bound else None)
         out.update(step_s=mid["s"], nvme_read_per_step=mid["nvme_read"],
                    nvme_written_per_step=mid["nvme_written"], io_bound_s=io_s,

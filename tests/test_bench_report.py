@@ -248,7 +248,8 @@ def test_scale_bench_sets_the_step_against_the_cpu_time_of_its_work(
     monkeypatch.syspath_prepend(str(Path(scale_bench.__file__).parent))  # as when run
 
     def step(name: str, s: float, cpu: float) -> dict[str, Any]:
-        return {"phase": name, "s": s, "cpu_s": cpu, "cores": 2, "peak_growth": 1 << 30,
+        return {"phase": name, "s": s, "cpu_s": cpu, "cpu_sys_s": cpu / 4, "cores": 2,
+                "peak_growth": 1 << 30,
                 "end_growth": 1 << 29, "loss": 1.0, "nvme_read": 4e9, "nvme_written": 2e9}
 
     row = {"peak_rss_wait4": 2 << 30,
@@ -256,6 +257,7 @@ def test_scale_bench_sets_the_step_against_the_cpu_time_of_its_work(
     bw = {"read_gbps": 2.0, "write_gbps": 2.0, "mixed_gbps": 2.0}
     s = scale_bench.summarize(row, bw, state_bytes=8 << 30)
     assert s["step_s"] == 8.0 and s["cpu_s"] == 12.0 and s["cores"] == 2
+    assert s["cpu_sys_s"] == 3.0  # the median step's system part
     assert s["cpu_bound_s"] == pytest.approx(6.0)
     assert s["step_over_cpu_bound"] == pytest.approx(8.0 / 6.0)
     table = scale_bench.precision_table({"tierzero": {
@@ -264,4 +266,5 @@ def test_scale_bench_sets_the_step_against_the_cpu_time_of_its_work(
 
     ph = scale_bench.Phases()
     got = ph.end("work", ph.start("work"))
-    assert got["cpu_s"] >= 0.0 and got["cores"] == len(os.sched_getaffinity(0))
+    assert got["cpu_s"] >= got["cpu_sys_s"] >= 0.0
+    assert got["cores"] == len(os.sched_getaffinity(0))
