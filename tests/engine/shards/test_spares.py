@@ -15,6 +15,7 @@ from engine_helpers import (
     make_config,
     make_model,
     offload_config,
+    train_steps,
 )
 
 from tierzero import engine
@@ -110,12 +111,9 @@ def _run(cfg: Any, steps: int, *, checkpointed: bool = False, frozen: bool = Fal
             check(f"release {unit.label}")
 
         sched.ensure_gathered, sched.release = ensure_gathered, release_
-    losses = []
-    for ids, tg in make_batches(steps):
-        loss = eng(ids, tg)
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
+    losses: list[float] = []
+    for batch in make_batches(steps):
+        losses += train_steps(eng, [batch])
         if sched.spares is not None:
             between.append(sched.spares.nbytes)
     spares = sched.spares
