@@ -165,7 +165,7 @@ class OptimizerOffloadConfig(_TierHomeConfig):
             "bytes per CPU Adam buffer; null = the mean piece's master, moments and param "
             "as fp32 state, cut as fp32 moments are (compressed moments or a bf16 master "
             "fit several pieces to a buffer); the buffers together hold at least the "
-            "largest piece",
+            "largest unit's streamed state up to 256 MiB, and at least the largest piece",
             gt=0,
             unit="bytes",
         ),

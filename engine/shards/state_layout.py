@@ -38,6 +38,20 @@ from tierzero.offload.stream_sizes import param_assembly_bytes, piece_bytes, rin
 
 Pieces = list[tuple[str, int, int]]  # (manager key, first element, end) of each piece
 
+# [Note: the ring's floor]
+# The CPU Adam ring's bytes are how far its reads run ahead of the update. In the deferred
+# and speculated steps the update runs on its own thread beside forward's or backward's
+# compute, which takes every core for a unit's compute at a time; meanwhile the reads fill
+# the ring and then stop, and the drive idles until the update frees room. Four mean fp32
+# pieces (about 50 MB at the default 4 MiB request) cover some 25 ms of a 2 GB/s drive,
+# less than one unit's compute at the users' scale. So the default ring holds at least the
+# largest shard group's streamed state (a unit's master, moments and param, at their
+# precision): reads run a unit ahead; up to RING_FLOOR_BYTES, a fixed size, so a model of
+# large units does not pay a whole unit's fp32 state in host memory. Host memory stays
+# bounded by the largest unit. An explicit offload.optimizer.buffer_bytes is taken as it
+# is.
+RING_FLOOR_BYTES = 256 << 20
+
 # [Note: dry-run pieces]
 # tierzero plan runs the engine on meta tensors and counts bytes ([Note: plan from the
 # engine] in engine/plan/dry_run.py). Every piece of master and moments is a record in the tier
@@ -67,8 +81,9 @@ class _Group:
 @dataclass(frozen=True)
 class RingRequest:
     """offload.optimizer.buffer_count buffers of buffer_bytes each (None: the mean piece
-    as fp32 state, StateLayout.ring_bytes), the shards cut for that mean at `piece_numel`
-    elements (None: at the real pieces)."""
+    as fp32 state, the ring at least a unit's state up to RING_FLOOR_BYTES,
+    StateLayout.ring_bytes), the shards cut for that mean at `piece_numel` elements
+    (None: at the real pieces)."""
 
     buffer_count: int
     buffer_bytes: int | None
@@ -246,11 +261,13 @@ class StateLayout:
         dry run. 0 when nothing streams. buffer_bytes None: each buffer is the mean piece's
         fp32 master and moments (with the bf16/fp16 param of a shard in one piece) whatever
         the state and master precision, the shards cut at RingRequest.piece_numel (fp32's
-        pieces: [Note: a moment piece is one request] in tier_config.py): the ring's bytes
-        are how far reads run ahead of the update and writes behind it, which the drive
-        needs in bytes, so compressed pieces (int8 moments and a bf16 master: a sixth of
-        the bytes, in pieces of four times the elements) fill the same ring several to a
-        buffer instead of leaving the drive a sixth of the work in flight."""
+        pieces: [Note: a moment piece is one request] in tier_config.py); the ring at least
+        the largest group's streamed state, up to RING_FLOOR_BYTES ([Note: the ring's
+        floor]): the ring's bytes are how far reads run ahead of the update and writes
+        behind it, which the drive needs in bytes, so compressed pieces (int8 moments and a
+        bf16 master: a sixth of the bytes, in pieces of four times the elements) fill the
+        same ring several to a buffer instead of leaving the drive a sixth of the work in
+        flight."""
         if not self.streamed:
             return 0
         state = [g for g in self._groups.values() if len(g.kinds) > 1 and g.numel]
@@ -258,11 +275,15 @@ class StateLayout:
             return 0
         sizes = {self._piece_bytes(g, length) for g in state
                  for length, _ in self._real_lengths(g.numel)}
+        if self.ring.buffer_bytes is not None:
+            return ring_capacity(self.ring.buffer_count * self.ring.buffer_bytes, sizes)
         fp32 = [(self._piece_bytes(g, length, fp32=True), count) for g in state
                 for length, count in self._real_lengths(g.numel, self.ring.piece_numel)]
-        each = self.ring.buffer_bytes or (sum(b * c for b, c in fp32)
-                                          // sum(c for _, c in fp32))
-        return ring_capacity(self.ring.buffer_count * each, sizes)
+        each = sum(b * c for b, c in fp32) // sum(c for _, c in fp32)
+        unit = max(sum(self._piece_bytes(g, length) * count
+                       for length, count in self._real_lengths(g.numel)) for g in state)
+        return ring_capacity(max(self.ring.buffer_count * each, min(unit, RING_FLOOR_BYTES)),
+                             sizes)
 
     def _piece_bytes(self, g: _Group, length: int, *, fp32: bool = False) -> int:
         """The ring bytes of a piece of `length` elements of `g`; `fp32`: as if its master

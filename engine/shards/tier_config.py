@@ -224,7 +224,8 @@ def chunk_numel(config: Config, homes: Mapping[TensorClass, OffloadDevice]) -> i
 # (ring_piece_numel, StateLayout.ring_bytes): the same ring bytes at every state
 # precision, which larger compressed pieces fill fewer to a buffer, instead of a ring
 # four times the bytes with int8 moments (host memory a tight budget would take from the
-# state's placement).
+# state's placement); the default ring also holds at least a unit's state, up to a fixed
+# size ([Note: the ring's floor] in state_layout.py).
 def ring_piece_numel(config: Config) -> int:
     """The piece the CPU Adam ring's default buffers are sized by: chunk_numel if set,
     else fp32 moments' piece of one request ([Note: a moment piece is one request])."""

@@ -72,7 +72,7 @@ def test_nvme_offload_without_budgets_is_bounded_by_the_buffers(tmp_path: Path) 
     assert growth <= NO_BUDGET_BOUND * 16 * n, (growth / MiB, r["tiers"])
     tiers = r["tiers"]
     assert tiers["grad_home"] == "nvme"  # clipping on: the gradients outlive backward
-    # the stream's buffers are counted by the tier manager and set by the piece size, not by
-    # the 4.2M-parameter unit (whole shards: 4 x 59 MB)
+    # the stream's buffers are counted by the tier manager and set by four pieces or one
+    # unit's streamed state ([Note: the ring's floor]), not four whole shards (4 x 59 MB)
     assert 0 < tiers["outside"]["adam_ring"] <= 4 * 3 * 4 * (1 << 20) + 3 * 4096 * 4
     assert all(math.isfinite(x) for x in r["losses"])
