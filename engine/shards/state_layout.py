@@ -43,13 +43,12 @@ Pieces = list[tuple[str, int, int]]  # (manager key, first element, end) of each
 # and speculated steps the update runs on its own thread beside forward's or backward's
 # compute, which takes every core for a unit's compute at a time; meanwhile the reads fill
 # the ring and then stop, and the drive idles until the update frees room. Four mean fp32
-# pieces (about 50 MB at the default 4 MiB request) cover some 25 ms of a 2 GB/s drive,
-# less than one unit's compute at the users' scale. So the default ring holds at least the
-# largest shard group's streamed state (a unit's master, moments and param, at their
-# precision): reads run a unit ahead; up to RING_FLOOR_BYTES, a fixed size, so a model of
-# large units does not pay a whole unit's fp32 state in host memory. Host memory stays
-# bounded by the largest unit. An explicit offload.optimizer.buffer_bytes is taken as it
-# is.
+# pieces are a few request sizes, less of the drive's time than one unit's compute at the
+# users' scale. So the default ring holds at least the largest shard group's streamed
+# state as the ring carries it (its pieces, piece_bytes, at their precision): reads run a
+# unit ahead; up to RING_FLOOR_BYTES, a fixed size, so a model of large units does not pay
+# a whole unit's fp32 state in host memory. Host memory stays bounded by the largest unit.
+# An explicit offload.optimizer.buffer_bytes is taken as it is.
 RING_FLOOR_BYTES = 256 << 20
 
 # [Note: dry-run pieces]
