@@ -31,8 +31,11 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# The suite in parallel (pytest-xdist): one worker per core, at most 4 (each worker and the
+# child processes its tests start hold their own models and buffers in host memory).
+# A single test or file: $(BIN)/pytest -q tests/... (serial, as pyproject's addopts are).
 unit: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --maxprocesses 4
 
 test: lint typecheck unit
 
