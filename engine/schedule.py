@@ -49,7 +49,9 @@ from tierzero.engine.shards.flat import (
     FlatGroup,
     reduce_flat_grad,
     reduce_group_grads,
+    settle_group,
 )
+from tierzero.engine.shards.lent import MAX_LENT_UNITS
 from tierzero.engine.shards.spares import GatherSpares
 from tierzero.engine.shards.store import ShardStore
 from tierzero.engine.unit import Unit
@@ -126,6 +128,12 @@ class Scheduler:
         self.reissued: set[str] = set()
         self.update_wait_s = 0.0  # seconds gathers waited for those updates (cumulative)
         self.gathers = 0  # unit gathers issued (for tests and the memory report)
+        # gathers that viewed the store's buffer, the most units viewing at once, and the
+        # groups copied out of it to stay gathered ([Note: a gather viewing the pool's
+        # buffer] in shards/lent.py)
+        self.lent_gathers = 0
+        self.lent_peak = 0
+        self.lent_copies = 0
         # seconds the training thread spent gathering units (forward and backward, NVMe
         # reads, copies and collectives included): the "wait" of `tierzero train`
         self.gather_s = 0.0
@@ -174,10 +182,17 @@ class Scheduler:
         if unit.current:
             return
         start = time.perf_counter()
+        # inside a pass, a unit released as its backward ends may view the store's buffer
+        # ([Note: a gather viewing the pool's buffer] in shards/lent.py)
+        lend = (self.state is not PassState.IDLE and unit.lendable
+                and sum(u.lent for u in self.units) < MAX_LENT_UNITS)
         with trace.span("gather", unit.label):
-            unit.gather(self.comm, self.store)
+            unit.gather(self.comm, self.store, lend=lend)
         self.gather_s += time.perf_counter() - start
         self.gathers += 1
+        if unit.lent:
+            self.lent_gathers += 1
+            self.lent_peak = max(self.lent_peak, sum(u.lent for u in self.units))
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes())
 
     def release(self, unit: Unit) -> None:
@@ -269,6 +284,7 @@ class Scheduler:
         """After the forward of a unit whose backward follows: release it, unless its
         backward comes soon enough to keep it gathered ([Note: reuse distance])."""
         if self._keep.keeps(unit, self.gathered_bytes()):
+            self._settle(unit.groups)  # held until its backward: not in the pool's buffer
             self.kept += 1
             return
         self.release(unit)
@@ -325,7 +341,7 @@ class Scheduler:
         if complete:
             trace.end("compute", unit.label)
             with trace.span("reduce", unit.label, groups=_trainable_keys(unit.groups)):
-                self._reduce(unit)
+                self._reduce(unit, release_lent=True)
             self.release(unit)
 
     def reduce_unit(self, unit: Unit) -> None:
@@ -334,7 +350,7 @@ class Scheduler:
         rest = unit.unreduced(trainable_only=True)
         if rest:
             with trace.span("reduce", unit.label, groups=_trainable_keys(rest)):
-                self._reduce(unit, rest)
+                self._reduce(unit, rest, release_lent=True)
         self.release(unit)
 
     def reduce_root_groups_but(self, reached: set[int]) -> None:
@@ -406,18 +422,33 @@ class Scheduler:
             unit.reset_for_pass()
         self.clear_spares()
 
-    def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None) -> None:
-        """Reduce `groups` of `unit` (default: all), then tell the listening driver."""
+    def _reduce(self, unit: Unit, groups: list[FlatGroup] | None = None, *,
+                release_lent: bool = False) -> None:
+        """Reduce `groups` of `unit` (default: all), then tell the listening driver.
+        `release_lent`: the caller releases `unit` next; a unit viewing a store's buffer
+        is released before the driver hears of its groups instead."""
         groups = unit.groups if groups is None else groups
         for g in groups:
             self._issue(g)
         self._heap_freed(unit, sum(g.numel * g.full.element_size() for g in groups))  # .grad
         unit.mark_reduced(groups)
+        if release_lent and unit.lent:
+            # the driver may update the shard the unit views now ([Note: a gather viewing
+            # the pool's buffer]); released, its update reads the buffer as a cache
+            self.release(unit)
         if self._driver is not None and self._driver.listening:
             final = self.late.hand_over(groups)  # not those that may get late gradients
             if final:
+                self._settle(final)  # viewing a store's buffer, staying gathered: a copy
                 self.wait_reductions()  # the shard holds the reduced gradient after wait()
                 self._driver.groups_final([g.key for g in final])
+
+    def _settle(self, groups: list[FlatGroup]) -> None:
+        """Groups viewing a store's buffer get their own copies (settle_group)."""
+        for g in groups:
+            if g.lent_from is not None:
+                settle_group(g)
+                self.lent_copies += 1
 
     def _issue(self, g: FlatGroup) -> None:
         """Start reducing `g`'s gradients into its shard, within the in-flight bound."""

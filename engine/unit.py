@@ -96,13 +96,31 @@ class Unit:
                           call=call, fix="gather a unit only when it is released or stale "
                           "([Note: unit residency] in engine/unit.py)")
 
-    def gather(self, comm: Comm, store: ShardStore) -> None:
+    @property
+    def lendable(self) -> bool:
+        """Its gathers may view the store's buffers ([Note: a gather viewing the pool's
+        buffer] in shards/lent.py): a unit released as soon as its backward ends. Not the
+        root or a persistent unit (gathered across steps), and not one reduced at the end
+        of backward (frozen parameters, a leaf module: gathered until then)."""
+        return bool(self.trainable) and not (self.is_root or self.persistent
+                                             or self.has_frozen or self.dynamic)
+
+    @property
+    def lent(self) -> bool:
+        """Some group views a store's buffer now."""
+        return any(g.lent_from is not None for g in self.groups)
+
+    def gather(self, comm: Comm, store: ShardStore, *, lend: bool = False) -> None:
         """Every group's full parameters from the shards (a collective with several ranks).
-        Checked before any work; a gather that fails part-way frees what it gathered."""
+        Checked before any work; a gather that fails part-way frees what it gathered.
+        `lend`: groups may view the store's buffers (only when `lendable`)."""
         new = self._allowed(Residency.GATHERED, "gather()")
+        if lend and not self.lendable:
+            raise ValueError(f"unit {self.label!r}: gather(lend=True) of a unit that is not "
+                             "released as its backward ends (Unit.lendable)")
         try:
             for g in self.groups:
-                gather_group(g, comm, store)
+                gather_group(g, comm, store, lend=lend)
         except BaseException:
             self.drop()
             raise

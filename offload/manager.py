@@ -66,6 +66,11 @@ class TierManager(SpeculationCore):
     def home_of(self, key: str) -> Tier:
         return self._rec(key).home
 
+    def pool_spans(self, key: str) -> tuple[int, int]:
+        """(pool buffers a host cache of the shard takes, buffers in the pool): how much of
+        the staging pool holding that cache keeps from the other fetches."""
+        return self._pool.slots_for(self._rec(key, placed=False).spec.nbytes), self._pool.count
+
     def host_empty(self, numel: int, dtype: torch.dtype, *, purpose: str = "buffers"
                    ) -> torch.Tensor:
         """A 1D host tensor allocated like the manager's own: aligned, pinned when it pins.

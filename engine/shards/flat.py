@@ -15,7 +15,8 @@ With one rank and the `param` shard already on the compute device, the shard
 memory (`FlatGroup.base` says which tensor the views point into). On a CPU
 compute device a released buffer's memory is handed to the next gather of the
 same size instead of freed ([Note: gather buffers kept for the next gather] in
-shards/spares.py).
+shards/spares.py), and a gather may view the staging pool's buffer instead of copying it
+([Note: a gather viewing the pool's buffer] in shards/lent.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from tierzero.engine.collectives import Comm, PendingReduce
 from tierzero.engine.init.context import forget, full_values
+from tierzero.engine.shards.lent import adopt, alias_into, lending_supported, unalias
 from tierzero.engine.shards.spares import GatherSpares
 from tierzero.engine.shards.store import ShardStore
 from tierzero.offload.huge_pages import advise_huge
@@ -65,6 +67,9 @@ class FlatGroup:
     # released buffers' memory for the next gather, shared by the engine's groups on a CPU
     # device (None: freed on release): [Note: gather buffers kept for the next gather]
     spares: GatherSpares | None = field(default=None, repr=False, compare=False)
+    # the store whose pool buffer `full` views while gathered, held until release (None:
+    # `full` owns its memory): [Note: a gather viewing the pool's buffer] in shards/lent.py
+    lent_from: ShardStore | None = field(default=None, repr=False, compare=False)
 
     @property
     def padded_numel(self) -> int:
@@ -123,8 +128,17 @@ def _empty_like_param(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
-    """All-gather the shards into the full buffer and point each parameter at its view."""
+def gather_group(group: FlatGroup, comm: Comm, store: ShardStore, *, lend: bool = False
+                 ) -> None:
+    """All-gather the shards into the full buffer and point each parameter at its view.
+    `lend`: the full buffer may view the store's host buffer of the shard instead, held
+    until release ([Note: a gather viewing the pool's buffer] in shards/lent.py)."""
+    if (lend and comm.world_size == 1 and lending_supported(group.full.device)
+            and not group.full.untyped_storage().nbytes()):
+        shard = store.lend(group.key)
+        if shard is not None:
+            _view_lent(group, shard, store)
+            return
     with torch.no_grad(), store.use(group.key, "param") as shard:
         if comm.world_size == 1 and store.keeps_views and shard.device == group.full.device:
             base = shard  # the shard is the whole buffer: view it, copy nothing
@@ -146,15 +160,67 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore) -> None:
     group.base = base
 
 
+def _view_lent(group: FlatGroup, shard: torch.Tensor, store: ShardStore) -> None:
+    """Point `group`'s full buffer and parameters at `shard`, the store's lent buffer."""
+    try:
+        if shard.dtype != group.dtype or shard.numel() != group.padded_numel:
+            raise RuntimeError(f"internal: the store lent {group.key!r} as {shard.numel()} "
+                               f"{shard.dtype} elements; its gather takes "
+                               f"{group.padded_numel} {group.dtype}")
+        alias_into(group.full, shard)
+    except BaseException:
+        store.end_lend(group.key)
+        raise
+    group.lent_from = store
+    group.copied_version = None  # not a copy: the update reads the shard from the store
+    base = group.full
+    for s in group.slots:
+        s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
+    group.base = base
+
+
+def settle_group(group: FlatGroup) -> None:
+    """A group viewing its store's buffer gets its own copy of it and ends the hold: the
+    parameters (and every view autograd saved of them) keep their values, now in memory
+    the group owns; the shard may be written from here on. No-op for a group that owns
+    its buffer."""
+    store = group.lent_from
+    if store is None:
+        return
+    version = store.version(group.key, "param")  # of the bytes copied below
+    with torch.no_grad():
+        lent = group.full.untyped_storage()
+        own = torch.empty(0, dtype=torch.uint8).untyped_storage()
+        nbytes = lent.nbytes()
+        fresh = not (group.spares is not None and group.spares.take(own, nbytes))
+        if fresh:
+            own.resize_(nbytes)
+        dst = torch.empty(0, dtype=torch.uint8).set_(own)
+        if fresh:
+            advise_huge(dst)  # [Note: huge pages for per-step host buffers]
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(lent))
+        del dst
+        adopt(group.full, own)
+    group.lent_from = None
+    store.end_lend(group.key)
+    group.copied_version = version  # [Note: a param held in host memory]
+
+
 def release_group(group: FlatGroup) -> None:
     """Point parameters at size-0 tensors and empty the full buffer's storage: its memory
     is freed, or kept for the next gather ([Note: gather buffers kept for the next
-    gather])."""
+    gather]), or, viewed in a store's buffer, handed back to it ([Note: a gather viewing
+    the pool's buffer])."""
     empty = _empty_like_param(group.dtype, group.full.device)
     for s in group.slots:
         s.param.data = empty
     storage = group.full.untyped_storage()
-    if storage.nbytes():
+    lender = group.lent_from
+    if lender is not None:
+        unalias(group.full)
+        group.lent_from = None
+        lender.end_lend(group.key)
+    elif storage.nbytes():
         if group.spares is not None:
             group.spares.keep(storage)
         else:

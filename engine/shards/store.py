@@ -168,6 +168,18 @@ class ShardStore:
         t = self._tensor(key, kind)
         yield t if as_reduced else self._zero_if_marked(key, kind, t, overwrite=overwrite)
 
+    def lend(self, key: str) -> torch.Tensor | None:
+        """Group `key`'s whole param shard in host memory, held past this call, for a gather
+        that views it instead of copying it until `end_lend(key)` ([Note: a gather viewing
+        the pool's buffer] in shards/lent.py); None: not lent (here a gather on the
+        shard's device views the shard itself)."""
+        self._tensor(key, "param")  # an unknown key is an error, as in use()
+        return None
+
+    def end_lend(self, key: str) -> None:
+        """The gather that `lend(key)` served is done with the shard."""
+        raise RuntimeError(f"end_lend({key!r}): this store lends nothing")
+
     def version(self, key: str, kind: TensorClass) -> int | None:
         """A counter that changes whenever the shard's data may change (a copy taken at
         version v is current while this still returns v); None: the store keeps none

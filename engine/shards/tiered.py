@@ -27,6 +27,7 @@ from tierzero import swap
 from tierzero.engine.config import Config
 from tierzero.engine.host_defaults import device_is_host
 from tierzero.engine.shards import tier_config
+from tierzero.engine.shards.lent import LEND_POOL_SPANS
 from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.state_layout import Pieces, RingRequest, StateLayout
 from tierzero.engine.shards.store import ShardStore
@@ -236,6 +237,26 @@ class TieredShardStore(ShardStore):
         with self._access(key, kind, writable=writable or fresh, compute=compute,
                           overwrite=overwrite or fresh, raw=raw) as t:
             yield t if not fresh else self._zero_if_marked(key, kind, t, overwrite=overwrite)
+
+    def lend(self, key: str) -> torch.Tensor | None:
+        """The param shard's host cache, held until end_lend ([Note: a gather viewing the
+        pool's buffer] in shards/lent.py), where the gather would copy it out of the
+        pool: a CPU compute device, the shard homed on NVMe in one piece, and a pool of at
+        least LEND_POOL_SPANS spans of it (the hold keeps one from the other fetches)."""
+        self.layout.check(key, "param")
+        pieces = self.layout.pieces(key, "param")
+        if not self.host_compute or (key, "param") in self._views or len(pieces) != 1:
+            return None
+        mgr, mkey = self._mgr(), pieces[0][0]
+        if mgr.home_of(mkey) != "nvme":
+            return None
+        span, count = mgr.pool_spans(mkey)
+        if count < LEND_POOL_SPANS * span:
+            return None
+        return mgr.fetch(mkey, "host").wait()
+
+    def end_lend(self, key: str) -> None:
+        self._mgr().release(self.layout.pieces(key, "param")[0][0], "host")
 
     @contextmanager
     def _access(self, key: str, kind: TensorClass, *, writable: bool, compute: bool,

@@ -153,6 +153,9 @@ def test_same_bits_with_and_without_spares(case: tuple[str, bool, bool], precisi
     instead, with no buffer to keep); activation checkpointing reads the buffers again in
     backward; a frozen group beside a trainable one gives spares of two sizes."""
     offload, checkpointed, frozen = case
+    # an NVMe shard's gather views the pool's buffer instead ([Note: a gather viewing the
+    # pool's buffer], tested in test_lent.py): here it copies, into spares
+    monkeypatch.setattr("tierzero.engine.shards.flat.lending_supported", lambda device: False)
     cfg = offload_config(make_config(precision, clip=1.0), offload,
                          tmp_path if offload == "nvme" else None)
     kw = {"checkpointed": checkpointed, "frozen": frozen}
