@@ -284,7 +284,6 @@ class Scheduler:
         """After the forward of a unit whose backward follows: release it, unless its
         backward comes soon enough to keep it gathered ([Note: reuse distance])."""
         if self._keep.keeps(unit, self.gathered_bytes()):
-            self._settle(unit.groups)  # held until its backward: not in the pool's buffer
             self.kept += 1
             return
         self.release(unit)

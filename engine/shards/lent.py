@@ -17,8 +17,10 @@ backward ends) keeps the manager's hold on it from the gather to the release:
   shard whose cache is held (TierManager.write_from) instead of letting a gathered unit
   see its update. The scheduler ends the hold before the unit's update can start in
   backward (`Scheduler._reduce`): it releases the unit first, or copies the buffer out
-  (`settle_group`) where the unit stays gathered, as it does for a unit kept gathered from
-  its forward to its backward ([Note: reuse distance]).
+  (`settle_group`) where the unit stays gathered (a group reduced at the end of backward
+  because a parameter got no gradient). A unit kept gathered from its forward to its
+  backward ([Note: reuse distance]) keeps viewing the buffer: no update of it runs
+  between the two (the deferred one ran before its forward's gather).
 - The hold takes pool room the gathers' read-ahead and the gradients' writes also use:
   at most `MAX_LENT_UNITS` units view it at once (the scheduler copies beyond them), and
   a store lends only where the pool has `LEND_POOL_SPANS` spans of the shard.
