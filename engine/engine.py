@@ -73,7 +73,7 @@ class ZeroEngine:
         # compute dtype's where exact ([Note: gradient precision])
         grads = grad_dtype(self.config, self.comm.world_size)
         tiered = (TieredShardStore(self.device, self.config, grads, rank=self.comm.rank,
-                                   host_compute=host_compute)
+                                   world_size=self.comm.world_size, host_compute=host_compute)
                   if offload_wanted(self.config) else None)
         self.store: ShardStore = ShardStore(self.device, grads) if tiered is None else tiered
         builder = UnitBuilder.for_specs(specs, dtype=self.dtype, comm=self.comm,

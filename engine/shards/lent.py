@@ -22,10 +22,12 @@ backward ends) keeps the manager's hold on it from the gather to the release:
   backward ([Note: reuse distance]) keeps viewing the buffer: no update of it runs
   between the two (the deferred one ran before its forward's gather).
 - The hold takes pool room the gathers' read-ahead and the gradients' writes also use:
-  at most `MAX_LENT_UNITS` units view it at once (the scheduler copies beyond them), and
-  a store lends only where the pool has `LEND_POOL_SPANS` spans of the shard.
-
-The memory a copying gather would allocate (or take from the spares) is not allocated.
+  where gathers view it, the pool gets `LENT_POOL_BUFFERS` more buffers (the one a unit
+  views, which the copying gather's own buffer held before: the same memory, and the
+  read-ahead keeps its room instead of being evicted by the gradients' writes and read
+  again); at most `MAX_LENT_UNITS` units view it at once (the scheduler copies beyond
+  them); and a store lends only one-buffer param shards, from a pool configured with at
+  least `LEND_POOL_SPANS` buffers (offload.params.buffer_count, whose default is that).
 """
 
 from __future__ import annotations
@@ -39,12 +41,20 @@ from tierzero.engine.shards.spares import spares_supported
 # Units whose gathers view pool buffers at once (a unit's backward and the next one's
 # gather overlap); the scheduler gathers a third by copying.
 MAX_LENT_UNITS = 2
-# Pool spans of a param shard a store needs to lend it: the lent units', plus three for a
+# Pool buffers a store needs configured to lend: the lent units', plus three for a
 # gradient being written (an fp32 one takes two buffers sized for a bf16 param) and a read
 # ahead.
 LEND_POOL_SPANS = MAX_LENT_UNITS + 3
+# Buffers the pool gets beyond its configured count where gathers view it.
+LENT_POOL_BUFFERS = 1
 
 _SWAP = "_swap_data_ptr_"
+
+
+def lending_possible() -> bool:
+    """Whether this torch lets a storage take memory it does not own (whatever the
+    device: a dry run on meta sizes a CPU run's pool by it)."""
+    return hasattr(torch.UntypedStorage, _SWAP)
 
 
 def lending_supported(device: torch.device) -> bool:

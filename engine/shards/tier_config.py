@@ -95,8 +95,8 @@ def swap_dir(config: Config) -> str | None:
 
 
 def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0,
-                  specs: Sequence[ShardSpec] = (), params_to_device: bool = False
-                  ) -> TierSettings:
+                  specs: Sequence[ShardSpec] = (), params_to_device: bool = False,
+                  lent_buffers: int = 0) -> TierSettings:
     """offload.TierSettings from the engine config (budgets, pool, prefetch windows).
 
     `host_outside`: host bytes the engine allocates itself (the CPU Adam's pipeline
@@ -105,6 +105,8 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     `params_to_device`: param shards are fetched to the device tier to be gathered (not
     when the device is host memory: [Note: params gathered from host memory] in
     shards/tiered.py; a dry run on meta planning CUDA).
+    `lent_buffers`: pool buffers beyond offload.params.buffer_count, for units whose
+    gathers view the pool ([Note: a gather viewing the pool's buffer] in shards/lent.py).
     """
     b = config.offload.budgets
     dev_budget = b.device_bytes
@@ -151,7 +153,7 @@ def tier_settings(config: Config, device: torch.device, *, host_outside: int = 0
     nvme_buffers = [c.buffer_count if c is p else 2
                     for c, d in ((p, homes["param"]), (o, homes["master"]))
                     if d in ("nvme", "auto")]
-    pool = PoolSettings(buffer_count=max(nvme_buffers) if nvme_buffers else None,
+    pool = PoolSettings(buffer_count=max(nvme_buffers) + lent_buffers if nvme_buffers else None,
                         buffer_bytes=p.buffer_bytes if params_nvme else None,
                         pin_memory=p.pin_memory and o.pin_memory,
                         staged=("param",) if params_nvme else STEP_CLASSES)

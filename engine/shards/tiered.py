@@ -27,7 +27,7 @@ from tierzero import swap
 from tierzero.engine.config import Config
 from tierzero.engine.host_defaults import device_is_host
 from tierzero.engine.shards import tier_config
-from tierzero.engine.shards.lent import LEND_POOL_SPANS
+from tierzero.engine.shards.lent import LEND_POOL_SPANS, LENT_POOL_BUFFERS, lending_possible
 from tierzero.engine.shards.snapshot import Part, StoreSnapshot
 from tierzero.engine.shards.state_layout import Pieces, RingRequest, StateLayout
 from tierzero.engine.shards.store import ShardStore
@@ -54,7 +54,7 @@ class TieredShardStore(ShardStore):
 
     def __init__(self, device: torch.device, config: Config,
                  grad_dtype: torch.dtype = torch.float32, *, rank: int = 0,
-                 host_compute: bool | None = None) -> None:
+                 world_size: int = 1, host_compute: bool | None = None) -> None:
         """rank: this rank, which names its shards in the salt of a bf16 master's
         stochastic rounding ([Note: bf16 master weights] in offload/bf16_master.py).
         host_compute: the compute device's memory is host memory ([Note: params gathered
@@ -64,6 +64,11 @@ class TieredShardStore(ShardStore):
         self.host_compute = device_is_host(device) if host_compute is None else host_compute
         self.config = config
         self.homes = tier_config.homes_from(config)
+        # gathers may view the pool's buffers of param shards, which get one more buffer
+        # ([Note: a gather viewing the pool's buffer] in shards/lent.py)
+        self.lends = (self.host_compute and world_size == 1 and lending_possible()
+                      and self.homes["param"] == "nvme"
+                      and config.offload.params.buffer_count >= LEND_POOL_SPANS)
         self._added: set[str] = set()
         self._views: dict[tuple[str, TensorClass], torch.Tensor] = {}  # pinned device views
         self.manager: TierManager | None = None
@@ -159,7 +164,8 @@ class TieredShardStore(ShardStore):
         try:
             settings = tier_config.tier_settings(
                 self.config, self.device, host_outside=self.layout.pipeline_bytes(),
-                specs=specs, params_to_device=not self.host_compute)
+                specs=specs, params_to_device=not self.host_compute,
+                lent_buffers=LENT_POOL_BUFFERS if self.lends else 0)
             self.manager = TierManager(specs, settings, swap=self.swap)
         except BaseException:
             self.close()
@@ -241,17 +247,18 @@ class TieredShardStore(ShardStore):
     def lend(self, key: str) -> torch.Tensor | None:
         """The param shard's host cache, held until end_lend ([Note: a gather viewing the
         pool's buffer] in shards/lent.py), where the gather would copy it out of the
-        pool: a CPU compute device, the shard homed on NVMe in one piece, and a pool of at
-        least LEND_POOL_SPANS spans of it (the hold keeps one from the other fetches)."""
+        pool (`lends`: a CPU compute device, one rank, params on NVMe): the shard in one
+        piece that takes one pool buffer, in a pool that got its lent buffers (a tight
+        host budget may have cut it)."""
         self.layout.check(key, "param")
         pieces = self.layout.pieces(key, "param")
-        if not self.host_compute or (key, "param") in self._views or len(pieces) != 1:
+        if not self.lends or (key, "param") in self._views or len(pieces) != 1:
             return None
         mgr, mkey = self._mgr(), pieces[0][0]
         if mgr.home_of(mkey) != "nvme":
             return None
         span, count = mgr.pool_spans(mkey)
-        if count < LEND_POOL_SPANS * span:
+        if span != 1 or count < LEND_POOL_SPANS + LENT_POOL_BUFFERS:
             return None
         return mgr.fetch(mkey, "host").wait()
 

@@ -16,7 +16,14 @@ from engine_helpers import full_params, make_batches, make_config, make_model, o
 
 from tierzero import engine
 from tierzero.engine.config import Config
-from tierzero.engine.shards.lent import MAX_LENT_UNITS, adopt, alias_into, unalias
+from tierzero.engine.shards.lent import (
+    LEND_POOL_SPANS,
+    LENT_POOL_BUFFERS,
+    MAX_LENT_UNITS,
+    adopt,
+    alias_into,
+    unalias,
+)
 from tierzero.offload.errors import OffloadError
 
 needs_swap = pytest.mark.skipif(
@@ -176,15 +183,25 @@ def test_same_bits_as_the_copying_gather(case: str, tmp_path: Path,
     assert not bad, bad
 
 
+def _pool_buffers(cfg: Config) -> int:
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+    count = eng.store.manager.plan.pool_count  # type: ignore[attr-defined]
+    eng.close()
+    return int(count)
+
+
 @needs_swap
-def test_a_small_pool_is_not_lent(tmp_path: Path) -> None:
-    """Two pool buffers: a unit viewing one would leave a single buffer to every other
-    fetch, so gathers copy (LEND_POOL_SPANS)."""
+def test_the_pool_gets_the_buffer_a_unit_views(tmp_path: Path) -> None:
+    """Where gathers view the pool, it has offload.params.buffer_count + LENT_POOL_BUFFERS
+    buffers (the one a viewing unit holds); a pool too small to lend from gets none."""
     cfg = nvme_cfg(tmp_path / "swap")
-    p = dataclasses.replace(cfg.offload.params, buffer_count=2)
-    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=p))
-    got = _run(cfg, (0.5, 0.5))
-    assert got["lent"] == 0
+    assert cfg.offload.params.buffer_count == LEND_POOL_SPANS  # the default lends
+    assert _pool_buffers(cfg) == LEND_POOL_SPANS + LENT_POOL_BUFFERS
+    p = dataclasses.replace(cfg.offload.params, buffer_count=LEND_POOL_SPANS - 1)
+    small = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=p))
+    assert _pool_buffers(small) == LEND_POOL_SPANS - 1
+    got = _run(small, (0.5, 0.5))
+    assert got["lent"] == 0  # gathers copy
 
 
 @needs_swap
@@ -252,3 +269,21 @@ def test_at_most_max_lent_units_view_the_pool(tmp_path: Path) -> None:
             got = [s.param for g in u.groups for s in g.slots]
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), u.label
     eng.close()
+
+
+@needs_swap
+def test_only_one_rank_on_a_host_device_with_params_on_nvme_lends(tmp_path: Path) -> None:
+    from tierzero.engine.shards.tiered import TieredShardStore
+
+    cfg = nvme_cfg(tmp_path / "swap")
+    cpu = torch.device("cpu")
+    cases = [  # (store, lends)
+        (TieredShardStore(cpu, cfg), True),
+        (TieredShardStore(torch.device("meta"), cfg, host_compute=True), True),  # plan
+        (TieredShardStore(cpu, cfg, world_size=2), False),  # a gather is a collective
+        (TieredShardStore(torch.device("meta"), cfg, host_compute=False), False),  # CUDA
+        (TieredShardStore(cpu, offload_config(make_config(), "cpu", None)), False),
+    ]
+    for store, lends in cases:
+        assert store.lends is lends
+        store.close()
