@@ -363,3 +363,11 @@ def record_grad_stats(monkeypatch: Any) -> tuple[list[tuple[str, bool]],
     monkeypatch.setattr(streamed_mod, "grad_stat", stat)
     monkeypatch.setattr(MeasureJobs, "submit", submit)
     return calls, handed, in_backward
+
+
+def copying_gathers(monkeypatch: Any) -> None:
+    """Gathers copy out of the staging pool, whose size is offload.params.buffer_count
+    ([Note: a gather viewing the pool's buffer] off): for tests of what the copying
+    gather's pool does (which params stay cached in it)."""
+    monkeypatch.setattr("tierzero.engine.shards.tiered.lending_possible", lambda: False)
+    monkeypatch.setattr("tierzero.engine.shards.flat.lending_supported", lambda device: False)

@@ -26,7 +26,10 @@ growth over the process's imports, on one rank:
               units kept for backward and the one being gathered: the scheduler's
               gathered_peak_bytes in the dry run, [Note: reuse distance] in reuse.py;
               the released buffers kept for the next gather stay within it: [Note:
-              gather buffers kept for the next gather] in shards/spares.py)
+              gather buffers kept for the next gather] in shards/spares.py; a unit
+              whose gather views the staging pool's buffer is counted too, though its
+              memory is the pool's, so the plan is over by up to two units' bytes
+              there: [Note: a gather viewing the pool's buffer] in shards/lent.py)
               + the tensors autograd saves in one forward (counted on meta tensors by
               a saved-tensor hook; parameters excluded, they are the gathered copies
               above) + one unit's gradients in the compute dtype and their fp32 reduction

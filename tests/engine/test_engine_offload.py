@@ -201,10 +201,11 @@ def test_gather_time_counts_backward_regathers(tmp_path: Path) -> None:
 def test_step_during_backward_follows_the_recorded_order(tmp_path: Path) -> None:
     """With the optimizer step begun during backward (no clipping), the optimizer's reads
     of gradient shards the reduce just wrote are re-uses, not departures from the order:
-    the tier manager sees no mismatch."""
+    the tier manager sees no mismatch. Eight blocks: more params than the pool keeps
+    cached after the step, so the next forward's gathers are read ahead."""
     cfg = offload_config(make_config(clip=0.0), "nvme", tmp_path)
     assert cfg.offload.optimizer.overlap_step
-    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(), config=cfg)
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(n_blocks=8), config=cfg)
     try:
         for ids, tg in make_batches(3):
             eng.backward(eng(ids, tg))

@@ -70,7 +70,8 @@ def test_state_crosses_nvme_once_per_step(params: str, precision: str,
     and at least once except the param the stream kept in host memory ([Note: param
     kept in host memory]). The staged pipeline this replaced read the state about twice
     per step."""
-    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
+    # eight blocks: more params than the pool keeps after the step, so gathers read some
+    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(n_blocks=8),
                                      config=nvme_config(params, tmp_path, precision))
     try:
         shards = eng.store.nbytes()

@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 import torch
 from engine_dist import run_two_ranks
-from engine_helpers import assert_match, full_params, make_batches, make_model
+from engine_helpers import (
+    assert_match,
+    copying_gathers,
+    full_params,
+    make_batches,
+    make_model,
+)
 from lategrad_helpers import RootSegmentLM, shared_config
 from test_deferred_stream import assert_same, nvme_cfg, reference
 
@@ -411,9 +417,12 @@ def test_a_param_the_engine_holds_gathered_is_copied_not_read_back(
     offload/shard_inputs.py): the update run during backward (speculated under clipping,
     the early step without) copies the param of a group whose unit is still gathered
     (the root, gathered from forward into backward) instead of reading it back: the same
-    bits and updates as reading every param back, and fewer param bytes read from NVMe."""
+    bits and updates as reading every param back, and fewer param bytes read from NVMe.
+    With the pool as configured (copying gathers): the sixth buffer gathers that view the
+    pool add keeps the root's param cached, with nothing left to read back."""
     from test_engine_bf16_master import configure
 
+    copying_gathers(monkeypatch)
     real = ZeroEngine._held_param
     copied: list[int] = []
 
