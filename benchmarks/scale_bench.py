@@ -736,7 +736,9 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
             # sharing the drive (disk_bandwidth's deep_mixed_gbps), when that is faster
             deep_s = min(io_s, (mid["nvme_read"] + mid["nvme_written"])
                          / (bw["deep_mixed_gbps"] * 1e9))
-            out.update(io_bound_deep_s=deep_s, step_over_io_bound_deep=mid["s"] / deep_s)
+            # a swap directory off any block device (tmpfs) moves no block-layer bytes
+            out.update(io_bound_deep_s=deep_s,
+                       step_over_io_bound_deep=mid["s"] / deep_s if deep_s else None)
         if mid.get("cpu_s") is not None:
             # the CPU's time for the step's work: its CPU seconds spread over every core
             # the child may run on (a lower bound on the step, as the drive's time is)
