@@ -371,3 +371,14 @@ def copying_gathers(monkeypatch: Any) -> None:
     gather's pool does (which params stay cached in it)."""
     monkeypatch.setattr("tierzero.engine.shards.tiered.lending_possible", lambda: False)
     monkeypatch.setattr("tierzero.engine.shards.flat.lending_supported", lambda device: False)
+
+
+def needs_storage_swap(without: str) -> Any:
+    """Skip marker for tests of moving memory between storages
+    (`UntypedStorage._swap_data_ptr_`, private: a torch may lack it), naming what the
+    engine does `without` it."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
+        reason=f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_: {without}")

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import full_params, make_batches, make_config, make_model, offload_config
+from engine_helpers import (
+    full_params,
+    make_batches,
+    make_config,
+    make_model,
+    needs_storage_swap,
+    offload_config,
+)
 
 from tierzero import engine
 from tierzero.engine.config import Config
@@ -26,9 +33,7 @@ from tierzero.engine.shards.lent import (
 )
 from tierzero.offload.errors import OffloadError
 
-needs_swap = pytest.mark.skipif(
-    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
-    reason=f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_: gathers copy")
+needs_swap = needs_storage_swap("gathers copy")
 
 
 def _released(numel: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -14,6 +14,7 @@ from engine_helpers import (
     make_batches,
     make_config,
     make_model,
+    needs_storage_swap,
     offload_config,
     train_steps,
 )
@@ -24,9 +25,7 @@ from tierzero.engine.shards.spares import GatherSpares, spares_supported
 
 # torch >= 2.3 is supported; the storage swap the spares use is private and may be missing:
 # a gather allocates as before (test_no_spares_where_torch_lacks_the_swap covers that)
-needs_swap = pytest.mark.skipif(
-    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"),
-    reason=f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_: no spares")
+needs_swap = needs_storage_swap("no spares")
 
 
 def _filled(nbytes: int, value: int) -> torch.Tensor:
