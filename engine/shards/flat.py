@@ -145,19 +145,24 @@ def gather_group(group: FlatGroup, comm: Comm, store: ShardStore, *, lend: bool 
         else:  # an offloaded shard's view is valid only inside use(): copy it out
             base = group.full
             storage = base.untyped_storage()
-            nbytes = group.padded_numel * base.element_size()
-            if storage.nbytes() == 0 and not (group.spares is not None
-                                              and group.spares.take(storage, nbytes)):
-                storage.resize_(nbytes)
-                # fresh host memory on a CPU device: [Note: huge pages for per-step host
-                # buffers] in offload/huge_pages.py
-                advise_huge(base)
+            if storage.nbytes() == 0:
+                _take_memory(group, storage, group.padded_numel * base.element_size())
             comm.all_gather(base, shard, group.key)
         # what was copied, read while `use` holds it (no write of the shard meanwhile)
         group.copied_version = None if base is shard else store.version(group.key, "param")
         for s in group.slots:
             s.param.data = base[s.offset:s.offset + s.numel].view(s.shape)
     group.base = base
+
+
+def _take_memory(group: FlatGroup, storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give `group`'s empty `storage` `nbytes` of memory: a spare's ([Note: gather buffers
+    kept for the next gather]), or fresh memory, advised onto huge pages before its first
+    write ([Note: huge pages for per-step host buffers] in offload/huge_pages.py)."""
+    if group.spares is not None and group.spares.take(storage, nbytes):
+        return
+    storage.resize_(nbytes)
+    advise_huge(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
 
 
 def _view_lent(group: FlatGroup, shard: torch.Tensor, store: ShardStore) -> None:
@@ -191,15 +196,9 @@ def settle_group(group: FlatGroup) -> None:
     with torch.no_grad():
         lent = group.full.untyped_storage()
         own = torch.empty(0, dtype=torch.uint8).untyped_storage()
-        nbytes = lent.nbytes()
-        fresh = not (group.spares is not None and group.spares.take(own, nbytes))
-        if fresh:
-            own.resize_(nbytes)
-        dst = torch.empty(0, dtype=torch.uint8).set_(own)
-        if fresh:
-            advise_huge(dst)  # [Note: huge pages for per-step host buffers]
-        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(lent))
-        del dst
+        _take_memory(group, own, lent.nbytes())
+        torch.empty(0, dtype=torch.uint8).set_(own).copy_(
+            torch.empty(0, dtype=torch.uint8).set_(lent))
         adopt(group.full, own)
     group.lent_from = None
     store.end_lend(group.key)
