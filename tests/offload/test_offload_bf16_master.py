@@ -126,6 +126,37 @@ def test_kernel_rounds_like_the_plain_reference(prec: str, gdtype: torch.dtype, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("prec", ["fp32", "bf16", "int8"])
+def test_random_bits_past_two_to_the_32(prec: str) -> None:
+    """The kernel counts an element's index for its random bits in 32 bits from each block's
+    first element (rbits in _adam_kernel.c): a shard whose elements cross index 2^32 rounds
+    its master as the plain reference does (which truncates the 64-bit index), and in
+    pieces as in one."""
+    n, offset = 1000, (1 << 32) - 300
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen).bfloat16()
+    g = torch.randn(n, generator=gen)
+    m, v = state(n, prec, 5)
+    key = master_key(2, shard_salt("blk.0/bf16/trainable@rank0"))
+    fp32 = (p.float(), m.clone(), v.clone())
+    adam_update(*fp32, g, hyper=HYPER, step=2, backend="compiled", state=prec, offset=offset)
+    whole = (p.clone(), m.clone(), v.clone())
+    adam_update(*whole, g, hyper=HYPER, step=2, backend="compiled", state=prec, offset=offset,
+                master_key=key)
+    assert torch.equal(whole[0], plain_sr(fp32[0], key, offset))
+    assert torch.equal(whole[1], fp32[1]) and torch.equal(whole[2], fp32[2])
+    if prec == "int8":  # int8 moments round to nearest: no random bits in pieces to check
+        return
+    parts = (p.clone(), m.clone(), v.clone())
+    per = 1 if prec == "fp32" else 2  # stored elements per element (bf16 moments: bytes)
+    for lo, hi in ((0, 512), (512, n)):
+        views = [parts[0][lo:hi], *(t[lo * per:hi * per] for t in parts[1:])]
+        adam_update(*views, g[lo:hi], hyper=HYPER, step=2, backend="compiled", state=prec,
+                    offset=offset + lo, master_key=key)
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
+
+
+@needs_kernel
 def test_a_shard_in_pieces_rounds_as_one() -> None:
     """Pieces updated with their first element as offset give the whole shard's bits."""
     n = 10_000
