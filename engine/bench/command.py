@@ -69,6 +69,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         (f"NVMe read ({path}, direct={result.nvme_direct})", f"{result.nvme_read_gbps:.2f} GB/s"),
         (f"CPU Adam ({result.adam_threads} threads)",
          f"{result.adam_params_per_s / 1e6:.0f} M params/s"),
+        *((f"CPU Adam, offloaded step, state {key}", f"{rate / 1e6:.0f} M params/s")
+          for key, rate in result.adam_params_per_s_by_state.items()),
     ]
     if result.h2d_gbps is not None and result.d2h_gbps is not None:
         rows.append(("host -> device (pinned)", f"{result.h2d_gbps:.2f} GB/s"))

@@ -1,6 +1,7 @@
 """What `tierzero bench` measures: memory copy bandwidth, NVMe write/read through
-swap.SwapStore at the configured path, CPU Adam speed (offload.CPUAdam) and, with
-CUDA, pinned host <-> device copy bandwidth.
+swap.SwapStore at the configured path, CPU Adam speed (offload.CPUAdam, and the offloaded
+step's kernel per optimizer state layout) and, with CUDA, pinned host <-> device copy
+bandwidth.
 
 Each figure is the median of `repeats` timed runs after one untimed warm-up.
 NVMe reads use the store's O_DIRECT path where the file system supports it
@@ -19,7 +20,9 @@ from typing import Any
 
 import torch
 
-from tierzero.offload import CPUAdam
+from tierzero.offload import AdamHyper, AdamThreads, CPUAdam, adam_update
+from tierzero.offload import state_codec as sc
+from tierzero.offload.bf16_master import MASTER_PRECISIONS, master_key
 from tierzero.swap import SwapStore, aligned_empty
 
 MiB = 1 << 20
@@ -46,6 +49,8 @@ class BenchResult:
     nvme_path: str
     nvme_direct: bool  # O_DIRECT in use (reads came from the drive, not the page cache)
     adam_params_per_s: float  # fp32 AdamW elements updated per second (offload.CPUAdam)
+    # the offloaded step's kernel per state layout (adam_state_key): elements per second
+    adam_params_per_s_by_state: dict[str, float]
     h2d_gbps: float | None  # pinned host -> CUDA device copies; None without CUDA
     d2h_gbps: float | None
     adam_threads: int
@@ -123,6 +128,49 @@ def adam_speed(n: int, repeats: int) -> tuple[float, int]:
     return n / t, torch.get_num_threads()
 
 
+def adam_state_key(state_precision: str, master_precision: str) -> str:
+    """The name of a state layout's rate in `adam_params_per_s_by_state`: "int8",
+    "int8+bf16master", ..."""
+    return state_precision + ("+bf16master" if master_precision == "bf16" else "")
+
+
+def adam_speeds_by_state(n: int, repeats: int) -> dict[str, float]:
+    """Elements per second of the offloaded step's update (offload.adam_update on a bf16
+    gradient, on all the CPUs as the engine runs it) for each
+    offload.optimizer.state_precision and master_precision: the moments' decoding and
+    encoding and the bf16 master's rounding cost the CPU time, and `tierzero plan` times
+    the run's own layout by its rate."""
+    g = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+    out: dict[str, float] = {}
+    with AdamThreads() as threads:
+        for master in MASTER_PRECISIONS:
+            for prec in sc.STATE_PRECISIONS:
+                update = _update_of(n, g, prec, master == "bf16", threads)
+                out[adam_state_key(prec, master)] = n / _median_time(update, repeats)
+    return out
+
+
+def _update_of(n: int, g: torch.Tensor, prec: str, bf16_master: bool,
+               threads: AdamThreads) -> Callable[[], None]:
+    """One update of n elements with moments stored as `prec`, the next step each call."""
+    hyper = AdamHyper(lr=1e-4, weight_decay=0.01)
+    param = torch.randn(n).to(torch.bfloat16) if bf16_master else torch.randn(n)
+    shadow = None if bf16_master else torch.empty(n, dtype=torch.bfloat16)
+    if prec == "fp32":
+        m, v = torch.zeros(n), torch.zeros(n)
+    else:
+        m = torch.zeros(sc.moment_nbytes(n, prec), dtype=torch.uint8)
+        v = torch.zeros_like(m)
+    steps = iter(range(1, 1 << 30))
+
+    def update() -> None:
+        step = next(steps)
+        adam_update(param, m, v, g, hyper=hyper, step=step, shadow=shadow, threads=threads,
+                    state=prec, master_key=master_key(step, 1) if bf16_master else None)
+
+    return update
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -141,8 +189,10 @@ def run_bench(path: str, sizes: BenchSizes, *, block_size: int, threads: int,
     write, read, direct = nvme_bandwidth(path, sizes, block_size=block_size, threads=threads,
                                          queue_depth=queue_depth)
     adam, adam_threads = adam_speed(sizes.adam_params, sizes.repeats)
+    by_state = adam_speeds_by_state(sizes.adam_params, sizes.repeats)
     h2d, d2h = device_copy_bandwidth(sizes.memory_bytes, sizes.repeats)
     return BenchResult(memory_copy_gbps=mem, nvme_write_gbps=write, nvme_read_gbps=read,
                        nvme_path=path, nvme_direct=direct, adam_params_per_s=adam,
+                       adam_params_per_s_by_state=by_state,
                        adam_threads=adam_threads, h2d_gbps=h2d, d2h_gbps=d2h,
                        sizes=asdict(sizes), machine=machine())

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from tierzero.engine.bench.command import results_path
+from tierzero.engine.bench.measure import adam_state_key
 from tierzero.engine.config import ConfigError
 from tierzero.engine.config.schema import OutputsConfig
 from tierzero.engine.config.values import parse_bytes
@@ -137,8 +138,26 @@ def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, float
             # tier is host memory, so its copies run at memory copy speed
             "copy_gbps": args.copy_gbps or saved.get("h2d_gbps") or saved.get(
                 "memory_copy_gbps"),
-            "adam_params_per_s": args.adam_params_per_s or saved.get("adam_params_per_s")}
+            "adam_params_per_s": args.adam_params_per_s or _adam_rate(args, saved, notes)}
     return {k: (float(v) if v is not None else None) for k, v in pick.items()}
+
+
+def _adam_rate(args: argparse.Namespace, saved: dict[str, Any], notes: list[str]
+               ) -> float | None:
+    """The CPU Adam's elements per second for the run's own state layout
+    (--state-precision, --master-precision) as `tierzero bench` measured it: int8 moments
+    and a bf16 master update at about half fp32's rate, so a step the plan would time by
+    fp32's may be the CPU's, not the drive's. A bench file without the per-layout rates
+    (written before they were measured) gives fp32 AdamW's, said in a note."""
+    key = adam_state_key(args.state_precision, args.master_precision)
+    rate = (saved.get("adam_params_per_s_by_state") or {}).get(key)
+    if rate is not None:
+        notes.append(f"CPU Adam rate: the offloaded step's with state {key}, as measured")
+        return float(rate)
+    if saved.get("adam_params_per_s") is not None:
+        notes.append(f"CPU Adam rate: fp32 AdamW's; the bench file has none for state {key} "
+                     "(rerun tierzero bench)")
+    return saved.get("adam_params_per_s")
 
 
 def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: argparse.Namespace,

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from tierzero.engine.bench import results_path
+from tierzero.engine.bench.measure import adam_state_key
 from tierzero.engine.cli import main
+from tierzero.offload.bf16_master import MASTER_PRECISIONS
+from tierzero.offload.state_codec import STATE_PRECISIONS
 
 
 def test_bench_quick_saves_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -28,6 +31,11 @@ def test_bench_quick_saves_results(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert Path(results_path()).parent == tmp_path / "cache"
     for key in ("memory_copy_gbps", "nvme_write_gbps", "nvme_read_gbps", "adam_params_per_s"):
         assert saved[key] > 0
+    # the offloaded step's update per state layout, which `tierzero plan` times a run by
+    layouts = {adam_state_key(s, m) for s in STATE_PRECISIONS for m in MASTER_PRECISIONS}
+    assert set(saved["adam_params_per_s_by_state"]) == layouts
+    assert all(rate > 0 for rate in saved["adam_params_per_s_by_state"].values())
+    assert "CPU Adam, offloaded step, state int8+bf16master" in printed
     assert saved["nvme_path"] == str(swap_dir) and isinstance(saved["nvme_direct"], bool)
     assert saved["sizes"]["nvme_bytes"] == 8 << 20
     assert {"cpu", "cores", "torch"} <= set(saved["machine"])
