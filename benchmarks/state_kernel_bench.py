@@ -13,9 +13,10 @@ machine wall time mostly measures waiting for a core, CPU time what the kernel c
 
 `--baseline-source FILE` compares against another version of the kernel in the same
 process: FILE (an _adam_kernel.c, e.g. `git show REV:offload/_adam_kernel.c > base.c`) is
-compiled with the package's flags, and every round runs each choice with both kernels,
-in alternating order, so drift of a shared machine falls on both alike. Rows then carry
-the baseline's median and the median of the per-round ratios (this kernel / baseline).
+compiled with the package's flags (or, a .so, loaded), and every round runs each choice
+with both kernels, in alternating order, so drift of a shared machine falls on both
+alike. Rows then carry the baseline's median and the median of the per-round ratios
+(this kernel / baseline).
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ from tierzero.offload.bf16_master import master_key
 
 
 def build_baseline(source: Path, directory: Path) -> adam_build.CompiledKernel:
-    """`source` compiled with the flags the package builds its own kernel with, loaded."""
-    cc = adam_build._compiler()
-    if cc is None:
-        raise SystemExit("--baseline-source: no C compiler found")
-    out = directory / "baseline.so"
-    flags = adam_build.BASE_FLAGS + adam_build.ARCH_FLAGS[0]
-    proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"--baseline-source {source}: {cc} failed: {proc.stderr[-2000:]}")
+    """`source` compiled with the flags the package builds its own kernel with (about 20 s),
+    loaded; a `.so` (a kernel built before, e.g. from tierzero's cache) is loaded as is."""
+    out = source
+    if source.suffix != ".so":
+        cc = adam_build._compiler()
+        if cc is None:
+            raise SystemExit("--baseline-source: no C compiler found")
+        out = directory / "baseline.so"
+        flags = adam_build.BASE_FLAGS + adam_build.ARCH_FLAGS[0]
+        proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"--baseline-source {source}: {cc} failed: {proc.stderr[-2000:]}")
     fd = os.open(out, os.O_RDONLY)
     try:
         return adam_build._load(out, fd)
