@@ -123,7 +123,9 @@ def detect_machine(args: argparse.Namespace) -> tuple[Machine, list[str]]:
     return Machine(device, host, nvme, cuda or args.device_mem is not None, **speeds), notes
 
 
-def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, float | None]:
+def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    """Machine's speeds: the command line's, else the bench file's (`adam_rates`: every
+    state layout's CPU Adam rate the file has, for the state_precision table)."""
     path = args.bench or results_path()
     saved: dict[str, Any] = {}
     if os.path.isfile(path):
@@ -139,7 +141,11 @@ def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, float
             "copy_gbps": args.copy_gbps or saved.get("h2d_gbps") or saved.get(
                 "memory_copy_gbps"),
             "adam_params_per_s": args.adam_params_per_s or _adam_rate(args, saved, notes)}
-    return {k: (float(v) if v is not None else None) for k, v in pick.items()}
+    # the other layouts' rates only beside the run's own from the same file: a rate given
+    # on the command line is not comparable with a bench file's
+    rates = {} if args.adam_params_per_s else saved.get("adam_params_per_s_by_state") or {}
+    return {**{k: (float(v) if v is not None else None) for k, v in pick.items()},
+            "adam_rates": tuple(sorted((str(k), float(v)) for k, v in rates.items()))}
 
 
 def _adam_rate(args: argparse.Namespace, saved: dict[str, Any], notes: list[str]
@@ -181,7 +187,8 @@ def render(shape: ModelShape, plans: list[ChoicePlan], machine: Machine, args: a
     spec = _speculation_table(plans, machine)
     if spec is not None:
         out.append(spec)
-    out += _precision_table(plans, placements or {}, args.state_precision)
+    out += _precision_table(plans, placements or {}, args.state_precision, machine,
+                            args.master_precision)
     out += _schedule_table(plans, machine, args.grad_accum)
     out += _choice_lines(plans, machine)
     out.append("traffic: counted by running the engine's steps on meta tensors (steady-state "
@@ -322,19 +329,20 @@ def _over_budget_text(p: ChoicePlan, machine: Machine) -> str | None:
 
 
 def _precision_table(plans: list[ChoicePlan], placements: dict[tuple[str, str], ChoicePlan],
-                     chosen: str) -> list[str]:
+                     chosen: str, machine: Machine, master: str) -> list[str]:
     """Bytes and SSD writes of each offload.optimizer.state_precision (engine/plan/
     state_precision.py); only the run's own (--state-precision) is recommended."""
     def opt(n: int | None) -> str:
         return "-" if n is None else human_bytes(n)
 
     rows = [["offload", "state_precision", "moments B/param", "fits", "moments", "on",
-             "NVMe read/step", "NVMe written/step", "written/1,000 steps"]]
+             "NVMe read/step", "NVMe written/step", "written/1,000 steps", "predicted step"]]
     rows += [[r.choice, r.precision + (" (run)" if r.precision == chosen else ""),
               f"{r.bytes_per_param:.2f}", "yes" if r.fits else "no",
               human_bytes(r.moments) if r.fits else "-", r.moments_tier, opt(r.nvme_read),
-              opt(r.nvme_written), opt(r.written_per_1000)]
-             for r in precision_rows(plans, placements, chosen)]
+              opt(r.nvme_written), opt(r.written_per_1000),
+              "-" if r.step_s is None else f"{r.step_s:.2f} s"]
+             for r in precision_rows(plans, placements, chosen, machine, master)]
     if len(rows) == 1:
         return []
     return [_table(rows), "state_precision: how the CPU Adam keeps exp_avg/exp_avg_sq "
@@ -342,7 +350,8 @@ def _precision_table(plans: list[ChoicePlan], placements: dict[tuple[str, str], 
             "numbers: to use one, plan with --state-precision and set it). Each row is "
             "placed with its own moment bytes; the run's step is counted, another row's NVMe "
             "bytes are that count with the moments' NVMe bytes exchanged ('-' where other "
-            "tensors would move too)"]
+            "tensors would move too), its predicted step that step timed by the CPU Adam "
+            "rate tierzero bench measured for its layout ('-' where none was)"]
 
 
 def _schedule_table(plans: list[ChoicePlan], machine: Machine, grad_accum: int) -> list[str]:

@@ -67,7 +67,14 @@ class Machine:
     nvme_read_gbps: float | None = None
     nvme_write_gbps: float | None = None
     copy_gbps: float | None = None  # host <-> device
-    adam_params_per_s: float | None = None
+    adam_params_per_s: float | None = None  # the run's own state layout's CPU Adam rate
+    # every state layout's rate as `tierzero bench` measured it, ("int8+bf16master", rate)
+    # pairs (engine/bench/measure.py adam_state_key): the state_precision table's steps
+    adam_rates: tuple[tuple[str, float], ...] = ()
+
+    def adam_rate(self, key: str) -> float | None:
+        """The CPU Adam's elements per second for state layout `key`, if measured."""
+        return dict(self.adam_rates).get(key)
 
 
 @dataclass
@@ -369,8 +376,11 @@ def over_budget(p: ChoicePlan, machine: Machine) -> str | None:
     return None
 
 
-def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
-    """[Note: plan step time]; None when a speed the step needs is unknown."""
+def step_time(phases: dict[str, Traffic], m: Machine, adam_rate: float | None = None
+              ) -> float | None:
+    """[Note: plan step time]; None when a speed the step needs is unknown. `adam_rate`:
+    the CPU Adam's elements per second (default: the machine's, the run's own layout's)."""
+    rate = m.adam_params_per_s if adam_rate is None else adam_rate
     total = 0.0
     for t in phases.values():
         parts: list[float] = []
@@ -384,9 +394,9 @@ def step_time(phases: dict[str, Traffic], m: Machine) -> float | None:
                 return None
             parts.append(t.copied / (m.copy_gbps * 1e9))
         if t.adam_params:
-            if m.adam_params_per_s is None:
+            if rate is None:
                 return None
-            parts.append(t.adam_params / m.adam_params_per_s)
+            parts.append(t.adam_params / rate)
         total += max(parts, default=0.0)
     return total
 

@@ -13,13 +13,22 @@ run counts; another precision's NVMe bytes are that count with the moments' NVMe
 exchanged, which holds when every other class sits where it sits in the counted plan
 (otherwise the row leaves them out). No compressed choice is recommended unless the user
 set it: compressed moments change the numbers a run computes.
+
+Each counted row also gets a predicted step ([Note: plan step time] in planner.py): the
+counted step's phases with the moments' NVMe bytes exchanged in the phase where the CPU
+Adam runs (it reads and writes them there), timed by that layout's CPU Adam rate as
+`tierzero bench` measured it (Machine.adam_rates): compressed moments move fewer bytes
+but cost the CPU more per element, so on a machine whose drive is fast next to its cores
+the smaller row need not be the faster one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierzero.engine.plan.planner import ChoicePlan, Machine, plan_choice
+from tierzero.engine.bench.measure import adam_state_key
+from tierzero.engine.plan.dry_run import Traffic
+from tierzero.engine.plan.planner import ChoicePlan, Machine, plan_choice, step_time
 from tierzero.engine.plan.shapes import ModelShape
 from tierzero.offload.settings import MOMENT_CLASSES, TENSOR_CLASSES, TIERS
 from tierzero.offload.state_codec import STATE_PRECISIONS, bytes_per_param
@@ -35,6 +44,7 @@ class PrecisionRow:
     moments_tier: str  # where they live: "host", "nvme", "host+nvme"; "-" when it does not fit
     nvme_read: int | None  # per step; None: not counted (see the module docstring)
     nvme_written: int | None  # per step
+    step_s: float | None = None  # predicted step; None: not counted, or a speed unknown
 
     @property
     def written_per_1000(self) -> int | None:
@@ -67,9 +77,12 @@ def precision_placements(shape: ModelShape, machine: Machine, plans: list[Choice
 
 
 def precision_rows(plans: list[ChoicePlan], placements: dict[tuple[str, str], ChoicePlan],
-                   chosen: str) -> list[PrecisionRow]:
+                   chosen: str, machine: Machine | None = None, master: str = "fp32"
+                   ) -> list[PrecisionRow]:
     """One row per (choice that runs the CPU Adam, state precision); `plans` are the
-    counted plans of precision `chosen`, `placements` the others' (precision_placements)."""
+    counted plans of precision `chosen`, `placements` the others' (precision_placements);
+    `machine`: the speeds that time each row's step, `master` the run's master_precision
+    (the rows' layouts are its)."""
     rows: list[PrecisionRow] = []
     for p in plans:
         if p.choice == "none":
@@ -85,10 +98,28 @@ def precision_rows(plans: list[ChoicePlan], placements: dict[tuple[str, str], Ch
                 continue
             tiers = _moments_on(q)
             where = "+".join(t for t in ("host", "nvme") if tiers[t]) or "-"
-            read = written = None
+            read = written = step = None
             if counted and (q is p or _same_homes_but_moments(p, q)):
                 delta = tiers["nvme"] - _moments_on(p)["nvme"]  # read once, written once
                 read, written = p.nvme_read + delta, p.nvme_written + delta
+                if machine is not None:
+                    step = _step(p, delta, machine, prec == chosen,
+                                 machine.adam_rate(adam_state_key(prec, master)))
             rows.append(PrecisionRow(p.choice, prec, bytes_per_param(prec), True,
-                                     sum(tiers.values()), where, read, written))
+                                     sum(tiers.values()), where, read, written, step))
     return rows
+
+
+def _step(p: ChoicePlan, delta: int, machine: Machine, own: bool, rate: float | None
+          ) -> float | None:
+    """The counted step `p` with `delta` more moment bytes read and written in the phase
+    where the CPU Adam runs, timed by `rate` (the run's own row: the machine's rate, as the
+    traffic table times it)."""
+    if own:
+        return p.step_s
+    if rate is None:
+        return None
+    phases = dict(p.phases)
+    adam = max(phases, key=lambda ph: phases[ph].adam_params)
+    phases[adam] = phases[adam] + Traffic(nvme_read=delta, nvme_written=delta)
+    return step_time(phases, machine, rate)

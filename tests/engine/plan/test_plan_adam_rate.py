@@ -6,6 +6,7 @@ drive's."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def test_the_rate_of_the_run_s_own_layout(tmp_path: Path, state: str, master: st
     speeds = _bench_speeds(namespace(bench_file(tmp_path, by_state=True), state, master), notes)
     key = adam_state_key(state, master)
     assert speeds["adam_params_per_s"] == BY_STATE[key]
+    assert dict(speeds["adam_rates"]) == BY_STATE  # every layout's, for the rows
     assert any(f"state {key}, as measured" in n for n in notes)
 
 
@@ -65,6 +67,7 @@ def test_the_command_line_rate_wins(tmp_path: Path) -> None:
                                      adam_params_per_s=5e8), notes)
     assert speeds["adam_params_per_s"] == 5e8
     assert not any("CPU Adam rate" in n for n in notes)
+    assert speeds["adam_rates"] == ()  # the file's other layouts are not comparable with it
 
 
 def test_a_slower_layout_rate_lengthens_the_predicted_step(tmp_path: Path) -> None:
@@ -93,3 +96,41 @@ def test_cli_names_the_rate_it_used(tmp_path: Path, capsys: pytest.CaptureFixtur
                              "bf16"], capsys)
     assert code == 0
     assert "CPU Adam rate: the offloaded step's with state int8+bf16master, as measured" in out
+
+
+def test_each_state_precision_row_is_timed_by_its_own_layout_s_rate(tmp_path: Path) -> None:
+    """The state_precision table's predicted step: the counted step with the row's moment
+    bytes, timed by the rate bench measured for the row's layout; the run's own row is the
+    traffic table's step; a layout without a measured rate has none."""
+    from tierzero.engine.plan.state_precision import precision_placements, precision_rows
+
+    shape = model_shape("50M")
+    rates = {"fp32+bf16master": 2e9, "int8+bf16master": 1e7}  # bf16 moments: not measured
+    machine = Machine(device_bytes=80 * GB, host_bytes=512 * GB, nvme_bytes=4000 * GB,
+                      cuda=True, nvme_read_gbps=6.0, nvme_write_gbps=5.0, copy_gbps=25.0,
+                      adam_params_per_s=rates["int8+bf16master"],
+                      adam_rates=tuple(rates.items()))
+    plans = plan_all(shape, machine, world_size=1, precision="bf16", nvme_path=str(tmp_path),
+                     state_precision="int8", master_precision="bf16")
+    placed = precision_placements(shape, machine, plans, world_size=1, precision="bf16",
+                                  nvme_path=str(tmp_path), max_in_cpu_bytes=0, chosen="int8",
+                                  master_precision="bf16")
+    rows = {(r.choice, r.precision): r
+            for r in precision_rows(plans, placed, "int8", machine, "bf16")}
+    for choice in ("cpu", "nvme"):
+        plan = next(p for p in plans if p.choice == choice)
+        own, fp32 = rows[(choice, "int8")], rows[(choice, "fp32")]
+        assert own.step_s == plan.step_s is not None
+        assert own.step_s >= plan.adam_params / 1e7  # the CPU's at 1e7 elements a second
+        assert fp32.step_s is not None and fp32.step_s < own.step_s  # 200x the rate
+        assert rows[(choice, "bf16")].step_s is None
+    # at one rate, fast enough that the drive is the limit, the row that moves more
+    # moment bytes (fp32's 8 B/param against bf16's 4) takes longer
+    fast = dataclasses.replace(machine, adam_rates=(("fp32+bf16master", 1e12),
+                                                    ("bf16+bf16master", 1e12)))
+    rows = {(r.choice, r.precision): r
+            for r in precision_rows(plans, placed, "int8", fast, "bf16")}
+    fp32, bf16 = rows[("nvme", "fp32")], rows[("nvme", "bf16")]
+    assert fp32.step_s is not None and bf16.step_s is not None
+    assert fp32.nvme_read is not None and bf16.nvme_read is not None
+    assert fp32.nvme_read > bf16.nvme_read and fp32.step_s > bf16.step_s
