@@ -27,9 +27,15 @@ scaling read values (a norm, an overflow flag) that meta tensors do not have,
 so the dry run runs without clipping and in bf16 (the same bytes as fp16).
 The gradient norm is measured where a real run measures it ([Note: the gradient
 norm on every step] in engine/step/precision.py), on meta shards that give no
-value. With clipping the streamed step updates after backward instead of during it,
-so gradients that may go to NVMe are written down and read back: a clipped run
-moves more bytes than the plan counts for it.
+value. For a config with clipping or fp16 the dry run counts the update in step(),
+after backward (dry_config turns offload.optimizer.overlap_step off): gradients that
+may go to NVMe are written down and read back, as in a real run whose clipping fires.
+A real run with overlap_step defers that update into the next forward instead, each
+unit's just before its gather, which then reuses the params the update read; the dry
+run's forward gathers them again, so for such a run it counts more param reads than
+the run moves (benchmarks/RESULTS.md, "Where a 2.07B step's CPU time goes", has both
+by class). A run whose clipping does not fire speculates the update into backward and
+moves fewer bytes still ([Note: speculated step] in engine/step/speculation.py).
 """
 
 from __future__ import annotations
@@ -194,8 +200,9 @@ def default_micro(eng: ZeroEngine, seq_len: int, batch: int = 1) -> torch.Tensor
 
 def dry_config(config: Config, *, device_is_host: bool = True) -> Config:
     """The config a dry run can execute: clipping off, fp16 as bf16 (see the Note). Either
-    keeps the real run's optimizer step after backward (they disable
-    offload.optimizer.overlap_step), so the dry run does not begin it early either.
+    keeps a real run's update from beginning during backward unconditionally, so the dry
+    run turns offload.optimizer.overlap_step off for them: it counts their update in
+    step(), after backward.
     The engine on meta sizes unset bounds as on a CPU ([Note: CPU compute defaults] in
     engine/host_defaults.py); planning a CUDA machine (`device_is_host` False) they get
     the CUDA defaults."""
