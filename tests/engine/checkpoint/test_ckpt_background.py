@@ -107,13 +107,15 @@ def test_writers_wait_past_copy_limit_and_pacing(tmp_path: Path, offload: str) -
 
 def test_kept_regions_do_not_grow_the_swap_file(tmp_path: Path) -> None:
     """A background save after every step for 10 steps: each completed save leaves no kept
-    region, and the swap file does not grow with the number of saves (each keeps about
-    three quarters of the file's state: a leak would add that much per save; the file may
-    still grow by a few pages where freed regions are fragmented)."""
+    region, and the swap file does not grow with the number of saves. Each save keeps
+    about three quarters of the file's state while it runs: regions not reused after it
+    would add that much per save, about 7x the file over 10 saves. Where freed regions
+    are fragmented the file may still grow by some pages, by how the saves and the steps'
+    writes interleave, so the bound is half a file, well below one leaked save."""
     got = many_saves(str(tmp_path / "ck"), str(tmp_path / "swap"), 10)
     assert got["kept"] == [0] * 10 and got["retired"] == [0] * 10
     sizes = got["sizes"]
-    assert max(sizes) <= 1.1 * sizes[0], sizes
+    assert max(sizes) <= 1.5 * sizes[0], sizes
 
 
 def test_no_swap_room_falls_back_to_a_synchronous_save(tmp_path: Path,
