@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tierzero.engine.bench.measure import adam_state_key
 from tierzero.offload import AdamHyper, AdamThreads, adam_build, adam_update
 from tierzero.offload import adam_kernel as ak
 from tierzero.offload import state_codec as sc
@@ -43,6 +44,8 @@ from tierzero.offload.bf16_master import master_key
 def build_baseline(source: Path, directory: Path) -> adam_build.CompiledKernel:
     """`source` compiled with the flags the package builds its own kernel with (about 20 s),
     loaded; a `.so` (a kernel built before, e.g. from tierzero's cache) is loaded as is."""
+    if not source.is_file():
+        raise SystemExit(f"--baseline-source {source}: no such file")
     out = source
     if source.suffix != ".so":
         cc = adam_build._compiler()
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace, baseline: adam_build.CompiledKernel | None) ->
     shadow = torch.empty(n, dtype=torch.bfloat16)
     p16 = p.to(torch.bfloat16)
     masters = args.masters.split(",")
-    state = {f"{prec}{'+bf16master' if m == 'bf16' else ''}": (
+    state = {adam_state_key(prec, m): (
                  (torch.zeros(n), torch.zeros(n)) if prec == "fp32" else
                  (torch.zeros(sc.moment_nbytes(n, prec), dtype=torch.uint8),
                   torch.zeros(sc.moment_nbytes(n, prec), dtype=torch.uint8)))

@@ -46,3 +46,11 @@ def test_a_baseline_that_does_not_compile_is_one_clear_error(
                                       "--baseline-source", str(base)])
     with pytest.raises(SystemExit, match="--baseline-source"):
         state_kernel_bench.main()
+
+
+def test_a_missing_baseline_is_one_clear_error(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["state_kernel_bench", "--numel", "65536",
+                                      "--baseline-source", str(tmp_path / "none.so")])
+    with pytest.raises(SystemExit, match=r"--baseline-source .*none\.so: no such file"):
+        state_kernel_bench.main()

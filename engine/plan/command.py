@@ -129,8 +129,7 @@ def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     path = args.bench or results_path()
     saved: dict[str, Any] = {}
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = _bench_file(path)
         notes.append(f"speeds not given on the command line: from {path}")
     elif args.bench:
         raise ConfigError("--bench", f"'{path}' does not exist; run tierzero bench first")
@@ -146,6 +145,43 @@ def _bench_speeds(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     rates = {} if args.adam_params_per_s else saved.get("adam_params_per_s_by_state") or {}
     return {**{k: (float(v) if v is not None else None) for k, v in pick.items()},
             "adam_rates": tuple(sorted((str(k), float(v)) for k, v in rates.items()))}
+
+
+_SPEEDS = ("nvme_read_gbps", "nvme_write_gbps", "h2d_gbps", "memory_copy_gbps",
+           "adam_params_per_s")
+
+
+def _bench_file(path: str) -> dict[str, Any]:
+    """A `tierzero bench` results file, its speeds checked: each one present a number > 0
+    (or null), the per-layout CPU Adam rates a mapping of such numbers."""
+    def bad(key: str, value: object) -> ConfigError:
+        return ConfigError("--bench", f"'{path}': {key} is {value!r}; allowed: a number > 0 "
+                           "(rerun tierzero bench)")
+
+    def rate(value: object) -> bool:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and value > 0)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--bench", f"'{path}' is not a readable JSON file ({exc}); "
+                          "rerun tierzero bench") from exc
+    if not isinstance(saved, dict):
+        raise ConfigError("--bench", f"'{path}' holds {type(saved).__name__}, not the JSON "
+                          "object tierzero bench writes; rerun tierzero bench")
+    for key in _SPEEDS:
+        if saved.get(key) is not None and not rate(saved[key]):
+            raise bad(key, saved[key])
+    by_state = saved.get("adam_params_per_s_by_state")
+    if by_state is not None:
+        if not isinstance(by_state, dict):
+            raise bad("adam_params_per_s_by_state", by_state)
+        for key, value in by_state.items():
+            if not rate(value):
+                raise bad(f"adam_params_per_s_by_state[{key!r}]", value)
+    return saved
 
 
 def _adam_rate(args: argparse.Namespace, saved: dict[str, Any], notes: list[str]

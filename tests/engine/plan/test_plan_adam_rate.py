@@ -134,3 +134,24 @@ def test_each_state_precision_row_is_timed_by_its_own_layout_s_rate(tmp_path: Pa
     assert fp32.step_s is not None and bf16.step_s is not None
     assert fp32.nvme_read is not None and bf16.nvme_read is not None
     assert fp32.nvme_read > bf16.nvme_read and fp32.step_s > bf16.step_s
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ("{not json", "is not a readable JSON file"),
+    ("[1, 2]", "holds list, not the JSON object"),
+    ('{"nvme_read_gbps": "fast"}', "nvme_read_gbps is 'fast'; allowed: a number > 0"),
+    ('{"adam_params_per_s": -1}', "adam_params_per_s is -1; allowed: a number > 0"),
+    ('{"adam_params_per_s_by_state": [1]}', "adam_params_per_s_by_state is [1]"),
+    ('{"adam_params_per_s_by_state": {"int8": true}}',
+     "adam_params_per_s_by_state['int8'] is True; allowed: a number > 0"),
+])
+def test_a_bad_bench_file_is_one_error_naming_file_and_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, needle: str) -> None:
+    bench = tmp_path / "bench.json"
+    bench.write_text(content)
+    code, _, err = plan_cli(["--model", "50M", "--device-mem", "80GB", "--host-mem", "512GB",
+                             "--nvme-size", "4TB", "--nvme-path", str(tmp_path), "--bench",
+                             str(bench)], capsys)
+    assert code == 1
+    assert "--bench" in err and str(bench) in err and needle in err
+    assert len(err.strip().splitlines()) == 1
