@@ -55,6 +55,7 @@ next ``step()`` starts over from the first shard. A failed write is raised by th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -330,15 +331,40 @@ class AdamStream:
             raise OffloadError(f"internal: read-ahead holds piece {rd.index}, the step is at "
                                f"piece {at}")
         t = time.perf_counter()
-        seen = rd.wait()
-        op.wait += time.perf_counter() - t
         piece = self._seq[at]
+        try:
+            seen = rd.wait()
+        except Exception as exc:  # read ahead, maybe long before: read it again, now
+            seen = self._read_again(rd, piece, exc)
+        op.wait += time.perf_counter() - t
         for key, version in seen:  # written by someone else since: read again
             if self._mgr.version(key) != version:
                 name = next(c for c in STATE_CLASSES if piece.keys.get(c) == key)
                 self._mgr.read_into(key, rd.bufs.part(name, piece.numel),
                                     replacing=self._inputs.is_param(piece.shard, key)).wait()
         return rd
+
+    def _read_again(self, rd: StreamRead, piece: Chunk, first: Exception
+                    ) -> list[tuple[str, int]]:
+        """A read-ahead failed: read the piece's state again on this thread, raising what
+        fails now. Its first failure was raised to the read-ahead (told: a write it was
+        chained behind, which the manager still holds as dirty or refuses as lost, [Note:
+        a lost write]; or a read), and is logged; a shard written whole since (a checkpoint
+        loaded) reads as it is now."""
+        log.warning("reading the optimizer state of shard %d ahead failed (%s); reading it "
+                    "again", piece.shard, first)
+        seen: list[tuple[str, int]] = []
+        try:
+            for c in [c for c in STATE_CLASSES if c in piece.keys] if piece.numel else ():
+                key = piece.keys[c]
+                version = self._mgr.version(key)
+                self._mgr.read_into(key, rd.bufs.part(c, piece.numel),
+                                    replacing=self._inputs.is_param(piece.shard, key)).wait()
+                seen.append((key, version))
+        except Exception as exc:
+            raise OffloadError(f"reading the optimizer state of shard {piece.shard} failed: "
+                               f"{exc}") from exc
+        return seen
 
     def _update(self, bufs: StreamSet, piece: Chunk, grad: torch.Tensor,
                 whole: torch.Tensor | None, op: OpenStep) -> float:
@@ -453,12 +479,18 @@ class AdamStream:
         wait_all(after)  # the set's previous contents are written: it may be refilled
         n = piece.numel
         out: list[tuple[str, int, TierTransfer]] = []
-        for c in [c for c in STATE_CLASSES if c in piece.keys] if n else ():
-            key = piece.keys[c]
-            mine = self._inputs.is_param(piece.shard, key)  # a bf16 master: we write it
-            version = self._mgr.version(key)  # before the read: a later change is caught
-            out.append((key, version, self._mgr.read_into(
-                key, bufs.part(c, n), background=background, replacing=mine)))
+        try:
+            for c in [c for c in STATE_CLASSES if c in piece.keys] if n else ():
+                key = piece.keys[c]
+                mine = self._inputs.is_param(piece.shard, key)  # a bf16 master: we write it
+                version = self._mgr.version(key)  # before the read: a later change is caught
+                out.append((key, version, self._mgr.read_into(
+                    key, bufs.part(c, n), background=background, replacing=mine)))
+        except BaseException:
+            for _, _, t in out:  # no read issued goes on filling the set unwatched
+                with contextlib.suppress(Exception):
+                    t.wait()
+            raise
         return out
 
     @property
@@ -476,6 +508,12 @@ class AdamStream:
         for parts in [self._carry, *(p for _, p in self._writes), self._p16_writes()]:
             wait_all(parts)
 
+    def _write_groups(self) -> list[list[TierTransfer]]:
+        """Every write issued and not yet waited for: those the read-aheads are chained
+        behind, those given up for room, those queued, and the assembled params'."""
+        return [*(rd.after for rd in self._ahead), self._carry,
+                *(p for _, p in self._writes), self._p16_writes()]
+
     # ------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Wait for every write in flight (raising the first failure) and drop the
@@ -484,10 +522,7 @@ class AdamStream:
             raise OffloadError("AdamStream.flush() while a step is open; finish() or abort() "
                                "it first")
         try:
-            wait_all(self._carry)
-            self._carry = []
-            while self._writes:
-                _, parts = self._writes.popleft()
+            for parts in self._write_groups():
                 wait_all(parts)
             if self._p16 is not None:
                 self._p16.flush()
@@ -503,7 +538,7 @@ class AdamStream:
         for parts in [self._carry, *(p for _, p in self._writes), self._p16_writes()]:
             for t in parts:
                 try:
-                    t.wait()
+                    t.wait_once()
                 except BaseException as exc:
                     log.warning("while unwinding the optimizer stream: %s", exc)
         self._ahead.clear()

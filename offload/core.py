@@ -136,13 +136,38 @@ class ResidencyCore:
         """Wait for ``t`` with the lock released, then settle what finished."""
         start = time.perf_counter()
         self._lock.release()
+        failure: Exception | None = None
         try:
             t.wait()  # records its "stall" trace span itself when it blocks
+        except Exception as exc:
+            failure = exc
         finally:
             self._lock.acquire()
             if stall:
                 self._add_stall(time.perf_counter() - start)
-        self._settle_all()
+        self._settle_all()  # `t` too: raised to us here, its failure is not raised again
+        if failure is not None:
+            raise failure
+
+    # [Note: a lost write] Writes to an NVMe home are copy-on-write: one that fails leaves
+    # the key at its old region, readable. Where a dirty cache was being written down, the
+    # cache keeps the new data (STORING -> DIRTY) and it is written again later. A write
+    # straight from a caller's buffer (write_from: the optimizer's update) leaves no copy
+    # of what it wrote: the home now holds older data than its writer gave, and its other
+    # keys (the moments and param of the same group) may hold the new data. The failure
+    # is raised once, to whoever settles the transfer first, which may be a thread that
+    # cannot stop the run (a read-ahead). So the record remembers it, and every read of
+    # the key (fetch, read_into, a snapshot) raises, naming the key and the failure, until
+    # the key is written whole again (a write lands, or `discard`), or an undone
+    # speculation points it back at its kept region: a checkpoint never saves, and a step
+    # never computes from, a shard whose last write was lost.
+    def _check_lost(self, rec: ShardRecord, what: str) -> None:
+        """(Lock held.) Raise where the last write of `rec`'s home was lost."""
+        if rec.lost is not None:
+            raise OffloadError(
+                f"{what}({rec.spec.key!r}): the last write of this shard failed and left "
+                f"older data in the swap file ({rec.lost}); it is not read until written "
+                "again: load a checkpoint to go on")
 
     def _wait_settled(self, rec: ShardRecord, tier: Tier) -> None:
         while rec.copies[tier].state in TRANSIENT:
@@ -164,15 +189,28 @@ class ResidencyCore:
                     continue
                 copy.transfer = None
                 changed = True
+                told = t.raised  # its waiter (the writer) was told already
                 try:
                     t.wait()
-                except Exception:
+                except Exception as exc:
                     copy.drop_when_clean = False
                     if copy.state is State.LOADING:
                         self._drop(rec, tier, Op.FAILED)
                     else:
                         transition(rec, tier, Op.FAILED)
+                        # the cache it was written down from keeps the data (STORING ->
+                        # DIRTY) and settles with it: the failure is raised once
+                        above = [c for c in rec.cache_tiers() if rec.copies[c].transfer is t]
+                        for c in above:
+                            rec.copies[c].transfer = None
+                            transition(rec, c, Op.FAILED)
+                        if tier == rec.home and not above:  # [Note: a lost write]
+                            rec.lost = str(exc)
+                    if told:
+                        continue
                     raise
+                if tier == rec.home and copy.state is State.FILLING:
+                    rec.lost = None  # written whole again
                 transition(rec, tier, _FINISH[copy.state])
                 if copy.modify_on_load:
                     copy.modify_on_load = False

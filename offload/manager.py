@@ -164,6 +164,8 @@ class TierManager(SpeculationCore):
             if not replacing:
                 self._wait_expected(key, "fetch")
             self._settle_all()
+            if not discard:  # a discarding fetch overwrites it whole
+                self._check_lost(rec, "fetch")
             # a fetch that overwrites a shard the order does not list (a fresh gradient:
             # nothing to read ahead) does not depart from the order
             if discard and not self._pf.lists(key):
@@ -248,6 +250,7 @@ class TierManager(SpeculationCore):
             self._settle_all()
             if rec.home == "nvme" and rec.copies["host"].state is State.ABSENT:
                 self._wait_settled(rec, "nvme")  # a write of the key lands first
+                self._check_lost(rec, "read_into")
                 t = self._mover.read(key, out.reshape(-1), background=background)
                 self._acct.moved_bytes(t.direction, rec.spec.cls, t.nbytes)
                 return t
@@ -419,6 +422,7 @@ class TierManager(SpeculationCore):
                     self._drop(rec, t, Op.DISCARD)
                     dropped = True
             rec.version += dropped
+            rec.lost = None  # the caller overwrites the whole shard before reading it
             self._advance(rec)
             self._pump()
             return True

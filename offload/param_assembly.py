@@ -46,7 +46,7 @@ class ParamAssembly:
             if not self._writes:
                 raise OffloadError("internal: the param ring is full with no write in flight")
             first, t = self._writes.popleft()
-            t.wait()
+            t.wait_once()
             self._ring.give_back(first)
             start = self._ring.take(nbytes)
         return start, self._ring.view(start, numel, self._dtype)
@@ -57,7 +57,7 @@ class ParamAssembly:
         self._writes.append((start, self._mgr.write_from(key, whole, keep_host=keep_host)))
         while self._writes and self._writes[0][1].done():
             first, done = self._writes.popleft()
-            done.wait()
+            done.wait_once()
             self._ring.give_back(first)
 
     def in_flight(self) -> list[TierTransfer]:

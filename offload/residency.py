@@ -139,6 +139,9 @@ class ShardRecord:
     # Bumped whenever the shard's data may change (a writable fetch and its release,
     # write_from): a copy read out at version v is current while the version is v.
     version: int = 0
+    # [Note: a lost write]: why the last write to the home failed with no copy left of
+    # what it wrote; the home holds older data and is not read until written again
+    lost: str | None = None
 
     def __post_init__(self) -> None:
         for tier in TIERS:

@@ -121,6 +121,7 @@ class SnapshotCore(ResidencyCore):
                         continue
                     self._flush_above(rec, rec.home, drop=False)
                     self._wait_settled(rec, rec.home)
+                    self._check_lost(rec, "snapshot")
                     if rec.copies[rec.home].write_held:
                         raise OffloadError(f"snapshot: shard {key!r} is held writable; "
                                            "release it first")

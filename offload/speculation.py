@@ -140,6 +140,7 @@ class SpeculationCore(SnapshotCore):
                              "holds the undone data", wait=self._wait_failed)
         self._wait_failed(rec, "nvme")  # the speculated write has landed (or failed)
         self._mover.restore(region)
+        rec.lost = None  # back at the data from before, which its failed write never replaced
         rec.version += 1
         self._advance(rec)
 

@@ -196,11 +196,12 @@ class OpenStep:
 
 
 def wait_all(parts: Sequence[TierTransfer]) -> None:
-    """Wait for every transfer, then raise the first failure (all of them use our buffers)."""
+    """Wait for every transfer, then raise the first failure not told before (all of them
+    use our buffers; TierTransfer.wait_once)."""
     error: BaseException | None = None
     for t in parts:
         try:
-            t.wait()
+            t.wait_once()
         except BaseException as exc:
             error = error or exc
     if error is not None:

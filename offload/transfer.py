@@ -81,7 +81,7 @@ class SwapBackend(Protocol):
 class TierTransfer:
     """One asynchronous move of ``nbytes`` into ``buffer``."""
 
-    __slots__ = ("_done", "_wait", "buffer", "direction", "nbytes", "on_stall")
+    __slots__ = ("_done", "_wait", "buffer", "direction", "nbytes", "on_stall", "raised")
 
     def __init__(
         self,
@@ -98,6 +98,7 @@ class TierTransfer:
         self._done = done
         # called with the seconds wait() blocked; the manager counts stalls here
         self.on_stall: Callable[[float], None] | None = None
+        self.raised = False  # wait() has raised its failure to someone
 
     @classmethod
     def completed(cls, buffer: torch.Tensor) -> TierTransfer:
@@ -127,6 +128,7 @@ class TierTransfer:
                     start is not None) else _NULL:
                 self._wait()
         except Exception as exc:
+            self.raised = True
             raise TransferError(
                 f"{self.direction or 'transfer'} of {self.nbytes} bytes failed: {exc}"
             ) from exc
@@ -134,6 +136,20 @@ class TierTransfer:
             if start is not None and self.on_stall is not None:
                 self.on_stall(time.perf_counter() - start)
         return self.buffer
+
+
+    def wait_once(self) -> torch.Tensor | None:
+        """wait(), raising a failure only where no one was told of it before (the manager
+        settles a write it issued for a caller who may wait for it too: the failure is
+        raised to whichever comes first; [Note: a lost write] keeps what it cost). None
+        where the failure was told before."""
+        told = self.raised
+        try:
+            return self.wait()
+        except Exception:
+            if told:
+                return None
+            raise
 
 
 class Mover:

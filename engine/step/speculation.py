@@ -23,6 +23,15 @@ clipping, and decides in step():
   gradients, which the speculated update did not consume: it only wrote each one down
   (evicted) after using it, so backward's pool room stays free.
 
+The commit does not wait for the update's last writes: they land during the next forward,
+as every streamed step's do (waiting for them in step() made a 2.07B step 1.4x slower:
+benchmarks/RESULTS.md). A write that fails before the commit is seen by the update (it
+waits for the room its writes hold, and looks at those that landed) and undoes the step;
+one that fails after it is the committed step's: raised once, to whoever waits for it
+first, and its shard refused wherever it is read until written again ([Note: a lost
+write] in offload/core.py), so no checkpoint saves the torn group. Nothing after the
+commit point undoes it: a failure the gradients' discards settle there is logged.
+
 Anything that reads the shards between backward and step() undoes the speculation first
 (`before_use`: a forward, a checkpoint, an export), and so does a failed backward, a
 second boundary backward and zero_grad(): each group is then either untouched or, after

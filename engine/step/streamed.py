@@ -12,6 +12,7 @@ step/deferred_stream.py: [Note: deferred streamed step]).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,8 @@ from tierzero.engine.step.precision import GradStat, grad_stat
 from tierzero.offload import AdamHyper, AdamStream, AdamThreads, PipelineStats
 from tierzero.offload.settings import STEP_CLASSES
 from tierzero.offload.step_seam import DeferredWatch, GradMeasure
+
+log = logging.getLogger(__name__)
 
 # [Note: gradients measured where they are reduced]
 # Clipping's global norm and fp16's overflow check need every gradient before the first
@@ -238,10 +241,23 @@ class StreamedStep:
         factor), the kept regions are released and the gradients dropped unread."""
         self.stream.grads_used = "discard"  # decided: the rest are consumed as they are used
         stats = self.finish()
-        self._mgr.commit_speculation()
+        self._mgr.commit_speculation()  # the commit point: nothing after it raises
         for key in self._grad_keys:  # consumed, as the update drops each ([Note: gradient home])
-            self._mgr.discard(key)
+            self._discard_committed(key)
         return stats
+
+    def _discard_committed(self, key: str) -> None:
+        """Drop a consumed gradient once the step stands. A manager call raises a failed
+        transfer it settles, whichever key's: here that is logged, not raised, as the step
+        is committed; nothing is lost unsaid ([Note: a lost write] in offload/core.py: a
+        failed write-down stays dirty and is written again, a lost write is refused
+        wherever its shard is read)."""
+        for _ in range(2):  # a settled failure is raised once: the second call discards
+            try:
+                self._mgr.discard(key)
+                return
+            except Exception as exc:
+                log.warning("after the speculated optimizer step committed: %s", exc)
 
     def undo_speculation(self) -> int:
         """Every group back to its state before the speculated update (the writes in flight

@@ -10,8 +10,10 @@ is torch.equal, not a tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -238,6 +240,68 @@ def test_read_failure_is_raised_naming_the_shard_and_unwinds(tmp_path: Path) -> 
     finally:
         stream.close()
         rig.close()
+
+
+@pytest.mark.parametrize("ring", [0, 150_000])
+def test_a_write_still_in_flight_after_the_step_fails_loudly(tmp_path: Path,
+                                                             ring: int) -> None:
+    """The last write of a step fails (EIO) after step() returned: nothing in the step
+    waits for it, and the next step's read-ahead is chained behind it (ring 0: one shard
+    at a time). It is raised once, to the first who waits for it: the step, flush(), or
+    the read-ahead (which reads again when its step comes). Every other key holds the
+    step's update. The failed key is refused ([Note: a lost write]), unless its write
+    went through a host cache (the param of a last shard, offered to the next forward),
+    which keeps the update."""
+    from swap_helpers import FaultyIO
+
+    io = FaultyIO()
+    rig = Rig(tmp_path, io)
+    stream = rig.stream(ring)
+    try:
+        rig.new_grads()
+        rig.ref.step(hyper=HYPER, step=1)
+        before = io.calls["pwrite"]
+        stream.step(HYPER, 1)
+        stream.flush()
+        per_step = io.calls["pwrite"] - before
+        rig.new_grads()
+        rig.ref.step(hyper=HYPER, step=2)
+        io.arm("pwrite", errno.EIO, after=per_step - 1)  # the step's last write
+        failed: list[BaseException] = []
+        try:
+            stream.step(HYPER, 2)
+        except OffloadError as exc:  # it landed before the step's last look at its writes
+            failed.append(exc)
+        if not failed:
+            try:
+                stream.flush()
+            except OffloadError as exc:
+                failed.append(exc)
+        assert io.calls["pwrite"] - before == 2 * per_step
+        for exc in failed:
+            assert re.search(r"scratch\.swp'; errno 5 \(EIO", str(exc)), exc
+        with contextlib.suppress(OffloadError):  # raised to the manager once, unless a
+            rig.mgr.synchronize()  # waiter or a read-ahead's call was told first
+        refused = []
+        for i, keys in enumerate(rig.keys):
+            for c, k in keys.items():
+                if c == "grad":
+                    continue
+                try:
+                    got = rig.read(i, c)
+                except OffloadError as exc:
+                    assert "last write of this shard failed" in str(exc), exc
+                    refused.append((i, k))
+                    continue
+                assert torch.equal(got, rig.ref.tensors[i][c]), k
+        assert len(refused) <= 1 and all(i == ORDER[-1] for i, _ in refused), refused
+        for exc in failed[:1] if refused else ():
+            assert f"key '{refused[0][1]}'" in str(exc), exc
+    finally:
+        try:
+            stream.close()
+        finally:
+            rig.close()
 
 
 def test_bad_arguments_are_refused_before_any_work(tmp_path: Path) -> None:

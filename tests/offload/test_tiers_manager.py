@@ -277,8 +277,7 @@ def test_a_failed_read_raises_and_frees_the_buffer(tmp_path: Path) -> None:
         fut = mgr.fetch("p0", "host")
         with pytest.raises(TransferError, match="nvme_to_host"):
             fut.wait()
-        with pytest.raises(TransferError):  # the manager reports it too, once, as it settles
-            mgr.release("p0")
+        mgr.release("p0")  # raised once, to its waiter: the manager settles it quietly
         mgr.synchronize()
         host = mgr._records["p0"].copies["host"]
         assert host.state is State.ABSENT and host.users == 0
