@@ -23,19 +23,20 @@ The first step records the unit trace (no prefetch yet) and the first
 optimizer step; the plan reports the last, steady-state step.
 
 Differences from a real run, by design: gradient clipping and fp16 loss
-scaling read values (a norm, an overflow flag) that meta tensors do not have,
-so the dry run runs without clipping and in bf16 (the same bytes as fp16).
-The gradient norm is measured where a real run measures it ([Note: the gradient
-norm on every step] in engine/step/precision.py), on meta shards that give no
-value. For a config with clipping or fp16 the dry run counts the update in step(),
-after backward (dry_config turns offload.optimizer.overlap_step off): gradients that
-may go to NVMe are written down and read back, as in a real run whose clipping fires.
-A real run with overlap_step defers that update into the next forward instead, each
-unit's just before its gather, which then reuses the params the update read; the dry
-run's forward gathers them again, so for such a run it counts more param reads than
-the run moves (benchmarks/RESULTS.md, "Where a 2.07B step's CPU time goes", has both
-by class). A run whose clipping does not fire speculates the update into backward and
-moves fewer bytes still ([Note: speculated step] in engine/step/speculation.py).
+scaling read values (a norm, an overflow flag) that meta tensors do not have. The
+dry run keeps clipping on (fp16 runs as bf16 with clipping, the same bytes, so that
+its update still needs every gradient first) and the engine's clip factor on meta
+is 1: the driver takes the step the real run takes. With overlap_step and state on
+NVMe that is the update deferred into the next forward, each unit's groups updated
+just before its gather, which finds the param the update wrote in host memory
+([Note: deferred streamed step] in engine/step/deferred_stream.py). On a dry run
+no worker runs it ahead: the training thread updates each group when the gather
+waits for it, so the counts do not depend on a thread's timing (the real run's
+worker may run a little ahead; at 2.07B the two read the same param bytes within
+2 %: benchmarks/RESULTS.md). A run whose clipping does not fire speculates the
+update into backward instead and moves fewer bytes (no gradient read back: [Note:
+speculated step] in engine/step/speculation.py); the dry run never speculates, so
+for such a run it counts the deferred step's bytes, an upper bound.
 """
 
 from __future__ import annotations
@@ -199,10 +200,9 @@ def default_micro(eng: ZeroEngine, seq_len: int, batch: int = 1) -> torch.Tensor
 
 
 def dry_config(config: Config, *, device_is_host: bool = True) -> Config:
-    """The config a dry run can execute: clipping off, fp16 as bf16 (see the Note). Either
-    keeps a real run's update from beginning during backward unconditionally, so the dry
-    run turns offload.optimizer.overlap_step off for them: it counts their update in
-    step(), after backward.
+    """The config a dry run can execute: fp16 as bf16, with clipping on where fp16 had
+    none, so that the update still waits for every gradient and the driver takes the
+    real run's step (see the Note; on meta the clip factor is 1).
     The engine on meta sizes unset bounds as on a CPU ([Note: CPU compute defaults] in
     engine/host_defaults.py); planning a CUDA machine (`device_is_host` False) they get
     the CUDA defaults."""
@@ -215,12 +215,11 @@ def dry_config(config: Config, *, device_is_host: bool = True) -> Config:
             z, max_live_bytes=GPU_GATHER_BYTES if z.max_live_bytes is None else z.max_live_bytes,
             max_reuse_distance_bytes=(GPU_GATHER_BYTES if z.max_reuse_distance_bytes is None
                                       else z.max_reuse_distance_bytes))
-    if config.gradient_clipping > 0 or precision.dtype == "fp16":
-        offload = dataclasses.replace(offload, optimizer=dataclasses.replace(
-            offload.optimizer, overlap_step=False))
+    clip = config.gradient_clipping
     if precision.dtype == "fp16":
         precision = dataclasses.replace(precision, dtype="bf16")
-    return dataclasses.replace(config, gradient_clipping=0.0, precision=precision,
+        clip = clip or 1.0  # every gradient before the update, as fp16's overflow check
+    return dataclasses.replace(config, gradient_clipping=clip, precision=precision,
                                offload=offload, zero=zero)
 
 

@@ -56,8 +56,12 @@ class DeferredStream:
     manager key `params[i]`); see [Note: deferred streamed step]."""
 
     def __init__(self, stream: AdamStream, keys: Sequence[str], params: Sequence[str | None],
-                 manager: TierManager, threads: AdamThreads) -> None:
+                 manager: TierManager, threads: AdamThreads, *, worker: bool = True) -> None:
+        """worker False (a dry run: [Note: plan from the engine]): no worker; the training
+        thread runs each group when it waits for it, right before the group's gather, so
+        the bytes counted do not depend on how far a worker ran ahead."""
         self._stream = stream
+        self._use_worker = worker
         self._keys = list(keys)
         self._index = {k: i for i, k in enumerate(self._keys)}
         self._params = list(params)
@@ -107,7 +111,8 @@ class DeferredStream:
             self._pos = {k: i for i, k in enumerate(keys)}
         self._stats = None
         self._ends.begin(keys)
-        self._job = worker.submit(self._work)
+        if self._use_worker:
+            self._job = worker.submit(self._work)
 
     def _start_worker(self) -> ThreadPoolExecutor:
         if self._worker is None:

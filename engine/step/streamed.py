@@ -104,7 +104,8 @@ class StreamedStep:
         # (AdamStream reads it as the announced writer: TierManager.read_into replacing)
         announced = [layout.manager_key(k, "param") if layout.has(k, "param") else None
                      for k in self._keys]
-        self._deferred = DeferredStream(self.stream, self._keys, announced, manager, threads)
+        self._deferred = DeferredStream(self.stream, self._keys, announced, manager, threads,
+                                        worker=store.device.type != "meta")
         # [Note: speculated step]: the keys its update writes, when every one is on NVMe
         writes = {key for k in self._keys for _, _, piece in layout.stream_pieces(k)
                   for key in piece.values()} | {a for a in announced if a is not None}

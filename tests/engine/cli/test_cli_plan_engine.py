@@ -96,6 +96,40 @@ def test_dry_run_bytes_equal_a_real_run(tmp_path: Path) -> None:
     assert dry.step().adam_params > 0
 
 
+@pytest.mark.parametrize("persist", [0, None])
+def test_dry_run_counts_a_clipped_run_s_deferred_update(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: int | None) -> None:
+    """Clipping on, speculation off: a real run defers each step's update into the next
+    forward ([Note: deferred streamed step]), each group's right before its gather
+    (`persist` None: the units are small enough to stay gathered, so right after the
+    step, [Note: persistent units after the step]; 0: none stays), and so does the dry
+    run (on meta the clip factor is 1). The
+    real run's groups are updated on the training thread here, as on a dry run (a worker
+    running ahead would move which step a byte lands in); then the two count the same
+    bytes (assert_matches)."""
+    from tierzero.engine.step import deferred_stream
+
+    zero: dict[str, Any] = {"stage": 3}
+    if persist is not None:
+        zero["persistence_threshold_bytes"] = persist
+    config = engine.load_config({
+        "zero": zero,
+        "precision": "bf16", "gradient_clipping": 1.0,
+        "offload": {"device": "nvme", "path": str(tmp_path), "buffer_count": 64,
+                    "optimizer": {"speculate_step": False}}})
+    with torch.device("meta"):
+        module = TinyLM(SIZES["tiny"])
+    dry = dry_run(module, config, steps=3)
+    real_init = deferred_stream.DeferredStream.__init__
+
+    def no_worker(self: Any, *args: Any, **kw: Any) -> None:
+        real_init(self, *args, **{**kw, "worker": False})
+
+    monkeypatch.setattr(deferred_stream.DeferredStream, "__init__", no_worker)
+    real = real_steps(config, steps=3)
+    assert_matches(real, dry, 3)
+
+
 def test_dry_run_in_coarse_pieces_counts_a_chunked_real_run(tmp_path: Path) -> None:
     """State kept in many small pieces (chunk_numel 2048: every block's shard is cut):
     the dry run cuts each shard into at most DRY_PIECES pieces instead ([Note: dry-run
@@ -216,13 +250,14 @@ def test_dry_run_failure_is_reported_not_fatal(tmp_path: Path) -> None:
     (0.0, "bf16", True), (1.0, "bf16", False), (0.0, "fp16", False)])
 def test_dry_config_keeps_the_step_where_the_real_run_has_it(
         tmp_path: Path, clip: float, precision: str, early: bool) -> None:
-    """Clipping and fp16 need every gradient before the step (the real run then does not
-    begin it during backward); the dry run drops them but must not begin early either."""
+    """Clipping and fp16 need every gradient before the step (the real run then defers it
+    into the next forward); the dry run runs fp16 as bf16 with clipping on (on meta the
+    clip factor is 1), so it defers the step as the real run does, never begins it early."""
     from tierzero.engine.plan.dry_run import dry_config
     config = engine.load_config({"zero": {"stage": 3}, "precision": precision,
                                  "gradient_clipping": clip,
                                  "offload": {"device": "nvme", "path": str(tmp_path)}})
     assert config.offload.optimizer.overlap_step
     dry = dry_config(config)
-    assert dry.gradient_clipping == 0.0 and dry.precision.dtype == "bf16"
-    assert dry.offload.optimizer.overlap_step is early
+    assert dry.precision.dtype == "bf16" and dry.offload.optimizer.overlap_step
+    assert (dry.gradient_clipping > 0) is not early
