@@ -6,6 +6,7 @@ import errno
 import os
 import threading
 import time
+from typing import Any
 
 from tierzero.swap import FileIO
 
@@ -92,3 +93,19 @@ class CreateThenRefuseDirectIO(FileIO):
             os.close(super().open(path, flags & ~o_direct, mode, dir_fd=dir_fd))
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return super().open(path, flags, mode, dir_fd=dir_fd)
+
+
+def faulty_swaps(monkeypatch: Any) -> list[FaultyIO]:
+    """Every SwapStore built from now on writes through a FaultyIO (the list, in order)."""
+    from tierzero.swap import store as store_mod
+
+    ios: list[FaultyIO] = []
+    real_init = store_mod.SwapStore.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        ios.append(FaultyIO())
+        kwargs["fileio"] = ios[-1]
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod.SwapStore, "__init__", init)
+    return ios

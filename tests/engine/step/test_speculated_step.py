@@ -302,24 +302,6 @@ def test_layer_major_accumulation_speculated_is_bit_identical(tmp_path: Path) ->
     assert all(torch.equal(out[True][1][k], v) for k, v in out[False][1].items())
 
 
-def _faulty_swap(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every SwapStore built from now on writes through a FaultyIO (the list, in order)."""
-    from swap_helpers import FaultyIO
-
-    from tierzero.swap import store as store_mod
-
-    ios: list[FaultyIO] = []
-    real_init = store_mod.SwapStore.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        ios.append(FaultyIO())
-        kwargs["fileio"] = ios[-1]
-        real_init(self, *args, **kwargs)
-
-    monkeypatch.setattr(store_mod.SwapStore, "__init__", init)
-    return ios
-
-
 @pytest.mark.parametrize("fault", [3, 40, "last"])
 def test_a_failed_write_of_the_speculated_update_is_undone_or_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: int | str) -> None:
@@ -343,7 +325,9 @@ def test_a_failed_write_of_the_speculated_update_is_undone_or_refused(
     whenever it happens. A failure is raised once, to whoever waits for it or settles it
     first: one that nobody waited for (its data kept by a host cache) may be told late,
     by a later step."""
-    ios = _faulty_swap(monkeypatch)
+    from swap_helpers import faulty_swaps
+
+    ios = faulty_swaps(monkeypatch)
     model = make_model()
     cfg = nvme_cfg(tmp_path / "swap")
     eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
