@@ -137,7 +137,6 @@ class TierTransfer:
                 self.on_stall(time.perf_counter() - start)
         return self.buffer
 
-
     def wait_once(self) -> torch.Tensor | None:
         """wait(), raising a failure only where no one was told of it before (the manager
         settles a write it issued for a caller who may wait for it too: the failure is
