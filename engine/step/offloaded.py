@@ -491,5 +491,16 @@ class OffloadedStep:
         """After a step: the order decides on the last backward's final order ([Note: step
         order learned from backward] in offload/step_seam.py); the runner applies it (the
         streamed step's changes drain it once; state updated in place has no order)."""
-        if self.order.learn(seen) and self.runner.set_order(self.order.keys):
+        if not self.order.learn(seen):
+            return
+        try:
+            changed = self.runner.set_order(self.order.keys)
+        except Exception as exc:
+            # the step has been applied (and counted): a failure the runner settles while
+            # it drains is logged, not raised into step()'s bookkeeping; its data is kept
+            # by a cache or refused wherever read ([Note: a lost write] in offload/core.py).
+            # The runner keeps its old order, which the next speculation sets again.
+            log.warning("after the optimizer step, applying the step order failed: %s", exc)
+            return
+        if changed:
             log.debug("optimizer step order follows backward: %s ... %s", seen[:2], seen[-2:])

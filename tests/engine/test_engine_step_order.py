@@ -14,6 +14,7 @@ the update is deferred into the next forward and follows that forward's order in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,6 +123,50 @@ def test_learned_order_changes_nothing_but_the_order(tmp_path: Path,
     (learned, p_learned), (pinned_order, p_pinned) = runs
     assert learned != pinned_order
     assert all(torch.equal(p_learned[k], p_pinned[k]) for k in p_pinned)
+
+
+def test_a_failure_applying_the_order_leaves_the_step_counted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learned order is applied after the step's update: a failure there (a write the
+    runner settles while it drains) is logged, not raised into step(), so the optimizer,
+    the lr scheduler and the engine count the step alike, and training goes on with the
+    runner's old order (bitwise the run with the order pinned)."""
+    from tierzero.engine.step.streamed import StreamedStep
+    from tierzero.offload import OffloadError
+
+    data = batches(3)
+    runs = []
+    for broken in (True, False):
+        model = big_root_model()
+        (tmp_path / str(broken)).mkdir()
+        eng, opt, _, _ = engine.initialize(device="cpu", model=model,
+                                           config=nvme_config(tmp_path / str(broken)))
+        tried: list[list[str]] = []
+        if broken:
+            def failing(self: StreamedStep, keys: list[str], into: list[Any] = tried) -> bool:
+                into.append(list(keys))
+                raise OffloadError("injected: a write failed while the stream drained")
+
+            monkeypatch.setattr(StreamedStep, "set_order", failing)
+        else:
+            monkeypatch.setattr(OffloadedStep, "_follow_backward_order",
+                                lambda self, seen: None)
+        try:
+            assert isinstance(opt, OffloadedAdam)
+            before = eng.step_driver.runner.order  # type: ignore[attr-defined]
+            train_steps(eng, data[:1])
+            assert eng.global_steps == opt.steps == 1
+            assert eng.lr_scheduler.last_epoch == 1
+            train_steps(eng, data[1:])
+            sched: Any = eng.lr_scheduler
+            assert eng.global_steps == opt.steps == sched.last_epoch == 3
+            assert eng.step_driver.runner.order == before  # type: ignore[attr-defined]
+            assert bool(tried) is broken
+            runs.append(full_params(eng, model))
+        finally:
+            eng.close()
+        monkeypatch.undo()
+    assert all(torch.equal(runs[0][k], v) for k, v in runs[1].items())
 
 
 def test_tied_embedding_and_head_is_final_last(tmp_path: Path) -> None:
