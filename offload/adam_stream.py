@@ -353,18 +353,20 @@ class AdamStream:
         loaded) reads as it is now."""
         log.warning("reading the optimizer state of shard %d ahead failed (%s); reading it "
                     "again", piece.shard, first)
-        seen: list[tuple[str, int]] = []
+        error: Exception | None = None
         try:
-            for c in [c for c in STATE_CLASSES if c in piece.keys] if piece.numel else ():
-                key = piece.keys[c]
-                version = self._mgr.version(key)
-                self._mgr.read_into(key, rd.bufs.part(c, piece.numel),
-                                    replacing=self._inputs.is_param(piece.shard, key)).wait()
-                seen.append((key, version))
+            parts = self._read_parts(piece, rd.bufs, background=False)
         except Exception as exc:
+            parts, error = [], exc
+        for _, _, t in parts:  # every part settles before raising: they fill our buffers
+            try:
+                t.wait()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
             raise OffloadError(f"reading the optimizer state of shard {piece.shard} failed: "
-                               f"{exc}") from exc
-        return seen
+                               f"{error}") from error
+        return [(key, version) for key, version, _ in parts]
 
     def _update(self, bufs: StreamSet, piece: Chunk, grad: torch.Tensor,
                 whole: torch.Tensor | None, op: OpenStep) -> float:
@@ -477,6 +479,12 @@ class AdamStream:
     def _issue_read(self, piece: Chunk, bufs: StreamSet, after: list[TierTransfer],
                     background: bool) -> list[tuple[str, int, TierTransfer]]:
         wait_all(after)  # the set's previous contents are written: it may be refilled
+        return self._read_parts(piece, bufs, background=background)
+
+    def _read_parts(self, piece: Chunk, bufs: StreamSet, *, background: bool
+                    ) -> list[tuple[str, int, TierTransfer]]:
+        """Issue the reads of the piece's state into `bufs`: (key, version read, transfer)
+        each. Where one cannot be issued, those issued are waited for before it raises."""
         n = piece.numel
         out: list[tuple[str, int, TierTransfer]] = []
         try:

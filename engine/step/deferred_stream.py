@@ -98,7 +98,7 @@ class DeferredStream:
             raise RuntimeError("DeferredStream.start() while an update is pending")
         keys = list(dict.fromkeys([*[k for k in order if k in self._index], *self._keys]))
         self._stream.set_order([self._index[k] for k in keys])  # a change drains it once
-        worker = self._start_worker()
+        worker = self._start_worker() if self._use_worker else None
         self._expected = [p for k in keys if (p := self._params[self._index[k]]) is not None]
         self._mgr.expect_writes(self._expected)
         try:
@@ -111,7 +111,7 @@ class DeferredStream:
             self._pos = {k: i for i, k in enumerate(keys)}
         self._stats = None
         self._ends.begin(keys)
-        if self._use_worker:
+        if worker is not None:
             self._job = worker.submit(self._work)
 
     def _start_worker(self) -> ThreadPoolExecutor:
