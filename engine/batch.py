@@ -109,7 +109,7 @@ def _layer_major(eng: ZeroEngine, micro_batches: Sequence[Any],
     eng.settle_optimizer(deferred=False)
     sched = eng.scheduler
     lm = LayerMajorPass(sched, len(micro_batches), eng.device,
-                        boundary.store_for(eng, sched.boundary_stats))
+                        boundary.store_for(eng, sched.boundary_stats), eng.compute_mode)
     with eng.wall.phase("forward"), trace.span("forward", "forward (layer-major)"):
         sched.begin_forward(eng.root)
         sched.layer_major = lm
@@ -132,7 +132,8 @@ def _layer_major(eng: ZeroEngine, micro_batches: Sequence[Any],
         sched.begin_backward()
         ok = False
         try:
-            lm.backward()
+            with eng.compute_mode():  # the units' forwards are recomputed here
+                lm.backward()
             ok = True
         finally:
             sched.layer_major = None

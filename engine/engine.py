@@ -27,6 +27,7 @@ from tierzero.engine.checkpoint.background import BackgroundSaver, PendingSave
 from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.collectives import Comm
 from tierzero.engine.config import Config
+from tierzero.engine.cpu_matmul import LowPrecisionMatmul, upcast_matmul
 from tierzero.engine.hooks import HookSet
 from tierzero.engine.host_defaults import engine_device, gather_bounds
 from tierzero.engine.host_heap import release_free_heap
@@ -65,6 +66,14 @@ class ZeroEngine:
         self.config = config.check_world_size(self.comm.world_size)
         self.device = engine_device(device)
         self.dtype = compute_dtype(config.precision.dtype)
+        # bf16/fp16 products in fp32 where the CPU's native kernel is the scalar fallback
+        # ([Note: low-precision matmul on CPU])
+        self.upcast_matmul = upcast_matmul(config.precision.cpu_matmul, self.device, self.dtype)
+        if self.upcast_matmul and self.comm.rank == 0:
+            log.info("precision.cpu_matmul %s: %s matrix products computed in fp32 and rounded "
+                     "once%s", config.precision.cpu_matmul, str(self.dtype).removeprefix("torch."),
+                     " (torch has no fast native kernel for them on this CPU)"
+                     if config.precision.cpu_matmul == "auto" else "")
         self.grad_accum = self.config.batch.gradient_accumulation_steps or 1
         specs = unit_specs(module, config.zero, self.comm)
         self._move_buffers()
@@ -201,7 +210,7 @@ class ZeroEngine:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
             if self._takes_use_cache and "use_cache" not in kwargs:
                 kwargs["use_cache"] = False  # a KV cache would keep each unit's graph
-            with AccessGuard():
+            with AccessGuard(), self.compute_mode():
                 return self.module(*args, **kwargs)
         self.step_driver.before_use()  # [Note: speculated step]: forward reads the params
         # a deferred update goes on: each unit waits for its own ([Note: deferred step])
@@ -210,13 +219,20 @@ class ZeroEngine:
         grad_enabled = torch.is_grad_enabled()
         self.scheduler.begin_forward(self.root)
         try:
-            with AccessGuard(), self._activation_hooks():
+            with AccessGuard(), self.compute_mode(), self._activation_hooks():
                 out = self.module(*args, **kwargs)
         except BaseException:
             self.scheduler.abort()  # release everything; no backward will follow
             raise
         self.scheduler.end_forward(self.root, grad_enabled)
         return out
+
+    def compute_mode(self) -> contextlib.AbstractContextManager[object]:
+        """Entered wherever the engine runs the model or its backward (recomputation
+        included): the matrix products in fp32 where `upcast_matmul`."""
+        if not self.upcast_matmul or LowPrecisionMatmul.active():
+            return contextlib.nullcontext()
+        return LowPrecisionMatmul(self.dtype)
 
     def _activation_hooks(self) -> contextlib.AbstractContextManager[object]:
         if not self._host_activations:
@@ -249,7 +265,8 @@ class ZeroEngine:
         self.scheduler.begin_backward()
         ok = False
         try:
-            (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
+            with self.compute_mode():
+                (loss.float() * scale).backward()  # type: ignore[no-untyped-call]
             ok = True
         finally:
             if not ok:

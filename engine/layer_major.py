@@ -231,8 +231,13 @@ class LayerMajorPass:
     layer-major schedule]): `forward` on micro-batch threads, then `backward` here."""
 
     def __init__(self, scheduler: Scheduler, n: int, device: torch.device,
-                 boundary: BoundaryStore | None = None) -> None:
+                 boundary: BoundaryStore | None = None,
+                 compute_mode: Callable[[], contextlib.AbstractContextManager[object]]
+                 = contextlib.nullcontext) -> None:
+        """compute_mode: entered on each micro-batch thread around its forward and loss
+        backward (the engine's, [Note: low-precision matmul on CPU]: modes are per thread)."""
         self.scheduler = scheduler
+        self.compute_mode = compute_mode
         self.n = n
         self.device = device
         # where the unit-boundary leaves wait for backward ([Note: boundary tensors] in
@@ -364,6 +369,7 @@ class LayerMajorPass:
                 self._local.index = j
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(torch.set_grad_enabled(grad))
+                    stack.enter_context(self.compute_mode())
                     if self.boundary is not None:  # what glue between units saves stays put
                         stack.enter_context(_glue_hooks(self.boundary))
                     for dev, state in autocasts.items():

@@ -33,6 +33,8 @@ def memory_report(eng: ZeroEngine) -> dict[str, Any]:
         "shard_bytes": shards,
         # the gradient shards' dtype ([Note: gradient precision])
         "grad_dtype": str(eng.store.grad_dtype).removeprefix("torch."),
+        # how bf16/fp16 matrix products are computed ([Note: low-precision matmul on CPU])
+        "cpu_matmul": "fp32" if eng.upcast_matmul else "native",
         "shard_bytes_total": sum(shards.values()),
         "gathered_bytes": eng.scheduler.gathered_bytes(),
         "gathered_peak_bytes": eng.scheduler.gathered_peak_bytes,

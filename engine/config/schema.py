@@ -43,10 +43,11 @@ DirectIO = Literal["auto", "on", "off"]
 StatePrecision = Literal["fp32", "bf16", "int8"]
 Source = Literal["native", "deepspeed"]
 GradDtype = Literal["auto", "fp32"]
+CpuMatmul = Literal["auto", "native", "fp32"]
 
 # The sections defined in their own modules are re-exported: import any section from here.
 __all__ = [
-    "ActivationsConfig", "BatchConfig", "BudgetsConfig", "Config", "DirectIO", "Dtype",
+    "ActivationsConfig", "BatchConfig", "BudgetsConfig", "Config", "CpuMatmul", "DirectIO", "Dtype",
     "GradDevice", "GradDtype", "LogLevel", "LoggingConfig", "LossScaleConfig", "MiB",
     "NvmeConfig", "OffloadConfig", "OptimizerConfig", "OptimizerOffloadConfig",
     "OptimizerType", "OutputsConfig", "ParamOffloadConfig", "PrecisionConfig", "Schedule",
@@ -100,6 +101,18 @@ class PrecisionConfig:
             "results), fp32 otherwise; fp32 = "
             "always fp32 (a gradient summed from several backward contributions in one "
             "step, such as a late gradient, is then summed in fp32)"
+        ),
+    )
+    # [Note: low-precision matmul on CPU] in engine/cpu_matmul.py
+    cpu_matmul: CpuMatmul = field(
+        default="auto",
+        metadata=meta(
+            "how matrix products of bf16/fp16 tensors are computed where the model runs on "
+            "a CPU: auto = in fp32, rounded to the compute dtype once, where torch has no "
+            "fast native kernel for the dtype on this CPU (no oneDNN support: CPUs without "
+            "AVX-512, whose native kernel is 10-100x slower than fp32), natively elsewhere; "
+            "native = always torch's own kernel; fp32 = always in fp32. The same rounding as "
+            "the native kernel up to the order of fp32 sums; ignored on an accelerator"
         ),
     )
 

@@ -1,0 +1,263 @@
+"""bf16/fp16 matrix products in fp32 on a CPU ([Note: low-precision matmul on CPU] in
+engine/cpu_matmul.py).
+
+Each op is checked against the same op on the fp32 upcasts: the forward is that op's
+result rounded once (bit for bit: the same fp32 products), each gradient within one
+rounding of the dtype (2**-8 relative for bf16, 2**-11 for fp16) of the fp32 autograd
+gradient, at 1e-6 absolute for the elements near zero; the products computed in fp32 are
+counted (forward and backward). The engine runs are checked against a plain fp32
+PyTorch reference with test_engine_parity's bf16/fp16 tolerance, and layer-major against
+micro-step bit for bit; in both, every product of forward, backward and recomputation is
+counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import make_batches, make_model, reference_train
+from test_engine_parity import LOW_PRECISION_LOSS_ATOL
+from test_layer_major import _assert_same, _config, _train
+
+from tierzero import engine
+from tierzero.engine import cpu_matmul
+from tierzero.engine.config import ConfigError
+from tierzero.engine.cpu_matmul import LowPrecisionMatmul, native_matmul_is_slow, upcast_matmul
+
+ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+
+def _count_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of the products the mode computes in fp32."""
+    calls = [0]
+    orig = cpu_matmul._upcast
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return orig(*args)
+
+    monkeypatch.setattr(cpu_matmul, "_upcast", counted)
+    return calls
+
+
+def _check(op: Callable[..., torch.Tensor], inputs: list[torch.Tensor | None],
+           dtype: torch.dtype, calls: list[int], products: int, *, sums: int = 1) -> None:
+    """`op(*inputs)` under the mode against op on the fp32 upcasts: forward bit for bit
+    after rounding, every gradient within one rounding; `products` of its forward and
+    backward computed in fp32, and nothing saved for backward in fp32. `sums`: a gradient
+    of a broadcast operand is the sum of that many rounded products, which autograd adds
+    in the dtype: each term's rounding is allowed, against the largest element."""
+    for t in inputs:
+        if t is not None:
+            t.grad = None
+    saved: list[torch.dtype] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.dtype)
+        return t
+
+    calls[0] = 0
+    g = torch.randn(2, generator=torch.Generator().manual_seed(99))  # replaced below
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), LowPrecisionMatmul(dtype):
+        out = op(*inputs)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(99)).to(dtype)
+        out.backward(g)
+    assert calls[0] == products
+    assert out.dtype == dtype and saved and all(d == dtype for d in saved), saved
+
+    ups = [None if t is None else t.detach().float().requires_grad_() for t in inputs]
+    want = op(*ups)
+    assert torch.equal(out, want.to(dtype))
+    want.backward(g.float())
+    for t, u in zip(inputs, ups, strict=True):
+        if t is None:
+            continue
+        assert t.grad is not None and u is not None and u.grad is not None
+        assert t.grad.dtype == dtype and t.grad.shape == t.shape
+        atol = 1e-6 if sums == 1 else sums * ULP[dtype] * float(u.grad.abs().max())
+        torch.testing.assert_close(t.grad.float(), u.grad, rtol=ULP[dtype], atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 8), (2, 5, 8), (2, 3, 5, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_is_the_fp32_product_rounded_once(monkeypatch: pytest.MonkeyPatch,
+                                                 dtype: torch.dtype, shape: tuple[int, ...],
+                                                 bias: bool) -> None:
+    calls = _count_products(monkeypatch)
+    x, w = _rand(*shape, dtype=dtype, seed=0), _rand(6, 8, dtype=dtype, seed=1)
+    b = _rand(6, dtype=dtype, seed=2) if bias else None
+    # forward, and backward's input and weight gradients
+    _check(F.linear, [x, w, b], dtype, calls, 3)
+    lin = torch.nn.Linear(8, 6, bias=bias)  # an nn.Linear calls the same function
+    _check(lambda x, w, b: torch.func.functional_call(lin, {"weight": w, "bias": b}, (x,)),
+           [x, w, b], dtype, calls, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("a_shape,b_shape,sums", [
+    ((5, 8), (8, 6), 1),
+    ((3, 5, 8), (3, 8, 6), 1),
+    ((2, 3, 5, 8), (8, 6), 1),  # b broadcast: the batch folds into one product
+    ((5, 8), (2, 8, 6), 2),  # a broadcast over 2 batches: its gradient a sum of 2
+    ((2, 1, 5, 8), (3, 8, 6), 3),  # both broadcast: sums of 3 and 2
+])
+def test_matmul_products_and_their_gradients(monkeypatch: pytest.MonkeyPatch,
+                                             dtype: torch.dtype, a_shape: tuple[int, ...],
+                                             b_shape: tuple[int, ...], sums: int) -> None:
+    calls = _count_products(monkeypatch)
+    a, b = _rand(*a_shape, dtype=dtype, seed=3), _rand(*b_shape, dtype=dtype, seed=4)
+    _check(torch.matmul, [a, b], dtype, calls, 3, sums=sums)
+    _check(lambda a, b: a @ b, [a, b], dtype, calls, 3, sums=sums)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mm_bmm_addmm_baddbmm(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    calls = _count_products(monkeypatch)
+    a, b = _rand(5, 8, dtype=dtype, seed=5), _rand(8, 6, dtype=dtype, seed=6)
+    _check(torch.mm, [a, b], dtype, calls, 3)
+    c, d = _rand(3, 5, 8, dtype=dtype, seed=7), _rand(3, 8, 6, dtype=dtype, seed=8)
+    _check(torch.bmm, [c, d], dtype, calls, 3)
+    bias = _rand(6, dtype=dtype, seed=9)
+    _check(torch.addmm, [bias, a, b], dtype, calls, 3)  # GPT-2's Conv1D
+    _check(lambda i, x, y: torch.addmm(i, x, y, beta=0.5, alpha=2.0), [bias, a, b], dtype,
+           calls, 3)
+    base = _rand(3, 5, 6, dtype=dtype, seed=10)
+    _check(lambda i, x, y: torch.baddbmm(i, x, y, alpha=0.5), [base, c, d], dtype, calls, 3)
+
+
+@pytest.mark.parametrize("call", ["fp32", "mixed", "other_dtype", "out"])
+def test_other_calls_pass_through(monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """What the mode does not compute in fp32 reaches torch unchanged: its own result or
+    error."""
+    calls = _count_products(monkeypatch)
+    bf = torch.bfloat16
+    a, b = _rand(5, 8, dtype=bf, seed=0).detach(), _rand(8, 6, dtype=bf, seed=1).detach()
+    with LowPrecisionMatmul(bf):
+        if call == "fp32":
+            assert torch.equal(torch.mm(a.float(), b.float()), a.float() @ b.float())
+        elif call == "mixed":  # torch's own error for mixed dtypes
+            with pytest.raises(RuntimeError):
+                torch.mm(a, b.float())
+        elif call == "other_dtype":  # the mode computes its own dtype only
+            torch.mm(a.half(), b.half())
+        else:  # an out= overload
+            torch.mm(a, b, out=torch.empty(5, 6, dtype=bf))
+    assert calls[0] == 0
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_which_engines_upcast() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    for dtype in DTYPES:
+        assert upcast_matmul("fp32", cpu, dtype)
+        assert not upcast_matmul("native", cpu, dtype)
+        assert upcast_matmul("auto", cpu, dtype) == native_matmul_is_slow(dtype)
+        assert not upcast_matmul("fp32", meta, dtype)  # a dry run; an accelerator alike
+        with torch.backends.mkldnn.flags(enabled=False):  # oneDNN off: the scalar fallback
+            assert native_matmul_is_slow(dtype)
+            assert upcast_matmul("auto", cpu, dtype)
+    assert not upcast_matmul("fp32", cpu, torch.float32)
+    assert not native_matmul_is_slow(torch.float32)
+
+
+def test_bad_setting_is_refused_with_its_key() -> None:
+    with pytest.raises(ConfigError, match=r"precision\.cpu_matmul.*'fp64'.*auto.*native.*fp32"):
+        engine.load_config({"precision": {"dtype": "bf16", "cpu_matmul": "fp64"}})
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("setting", ["fp32", "native"])
+def test_engine_tracks_fp32_either_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       precision: str, setting: str) -> None:
+    """An engine computing in fp32 products trains as the native one does: within the bf16
+    and fp16 parity tolerance of plain fp32 PyTorch. With fp32 every product of every
+    Linear (the head and two per block) is computed in fp32: its forward and its input
+    and weight gradients, each micro-step; none with `native`."""
+    calls = _count_products(monkeypatch)
+    steps = 4
+    batches = make_batches(steps)
+    cfg = engine.load_config({
+        "precision": {"dtype": precision, "cpu_matmul": setting},
+        "zero": {"stage": 3, "units": ["Block"], "persistence_threshold_bytes": 0},
+        "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                      "weight_decay": 0.1},
+        "gradient_clipping": 0.5})
+    ref = reference_train(make_model(), cfg, [batches], steps)
+    model = make_model()
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    losses = []
+    for ids, tg in batches:
+        loss = eng(ids, tg)
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss.detach()))
+    assert eng.memory_report()["cpu_matmul"] == setting
+    eng.close()
+    diff = (torch.tensor(losses) - torch.tensor(ref.losses)).abs().max()
+    assert float(diff) < LOW_PRECISION_LOSS_ATOL, (losses, ref.losses)
+    assert calls[0] == (steps * 3 * (1 + 2 * len(model.blocks)) if setting == "fp32" else 0)
+
+
+def test_layer_major_recomputes_under_the_same_products(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer-major recomputes each unit's forward in backward: with the products in fp32 it
+    ends bit for bit where micro-step does, as with native products
+    (test_layer_major_equals_micro_step_bit_for_bit), and every block's Linears ran
+    in fp32 there too (on the micro-batch threads and in the recomputation)."""
+    calls = _count_products(monkeypatch)
+    steps, gas, blocks = 2, 4, len(make_model().blocks)
+    batches = make_batches(steps * gas)
+    extra = {"precision": {"dtype": "bf16", "cpu_matmul": "fp32"}}
+    runs, counts = {}, {}
+    for s in ("micro_step", "layer_major"):
+        calls[0] = 0
+        runs[s] = _train(make_model(), _config(tmp_path / s, schedule=s, clip=0.5, gas=gas,
+                                               extra=extra), batches)
+        counts[s] = calls[0]
+    assert counts["micro_step"] == steps * gas * 3 * (1 + 2 * blocks)
+    assert counts["layer_major"] == counts["micro_step"] + steps * gas * 2 * blocks, counts
+    assert runs["layer_major"]["schedule"] == "layer_major"
+    assert runs["layer_major"]["report"]["cpu_matmul"] == "fp32"
+    _assert_same(runs["layer_major"], runs["micro_step"], exact=True)
+
+
+def test_activation_checkpointing_recomputes_under_the_mode(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A model's own activation checkpointing recomputes its blocks inside backward():
+    their products are computed in fp32 there too, and the run tracks fp32 PyTorch."""
+    calls = _count_products(monkeypatch)
+    steps = 2
+    batches = make_batches(steps)
+    cfg = engine.load_config({
+        "precision": {"dtype": "bf16", "cpu_matmul": "fp32"},
+        "zero": {"stage": 3, "units": ["Block"], "persistence_threshold_bytes": 0},
+        "optimizer": {"type": "adamw", "lr": 1e-2}, "gradient_clipping": 0.5})
+    ref = reference_train(make_model(), cfg, [batches], steps)
+    model = make_model()
+    model.checkpointed = True
+    eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
+    losses = []
+    # every block recomputed whole (early stop would end it after its last saved tensor)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        for ids, tg in batches:
+            loss = eng(ids, tg)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss.detach()))
+    eng.close()
+    blocks = len(model.blocks)
+    assert calls[0] == steps * (3 * (1 + 2 * blocks) + 2 * blocks)
+    diff = (torch.tensor(losses) - torch.tensor(ref.losses)).abs().max()
+    assert float(diff) < LOW_PRECISION_LOSS_ATOL, (losses, ref.losses)
