@@ -30,6 +30,7 @@ ROWS: list[tuple[str, Any, Any, Any, dict[str, Any]]] = [
     ("precision.loss_scale.consecutive_hysteresis", False, True, True, {}),
     ("precision.loss_scale.min_scale", 1.0, 0.5, 0.5, {}),
     ("precision.grad_dtype", "auto", "fp32", "fp32", {}),
+    ("precision.cpu_matmul", "auto", "fp32", "fp32", {}),
     ("zero.stage", 3, 2, 2, {}),
     ("zero.units", (), ["LlamaDecoderLayer", "Block"], ("LlamaDecoderLayer", "Block"), {}),
     ("zero.unit_min_bytes", 16 << 20, "1MiB", 1 << 20, {}),
