@@ -1,0 +1,170 @@
+"""bf16 matrix products on this CPU: torch's native kernel against fp32 products rounded once.
+
+[Note: low-precision matmul on CPU] in engine/cpu_matmul.py: where torch has no fast
+bf16 kernel for the CPU (no oneDNN support, e.g. AVX2-only CPUs), `precision.cpu_matmul:
+auto` computes the engine's bf16 products in fp32. Two measurements, each against its
+baselines in the same run:
+
+  kernels   one Linear's forward and backward (the output, input and weight gradients)
+            at a few transformer shapes: fp32, bf16 native, bf16 under the mode; the
+            median of --repeats
+  default   `tierzero train`'s default run (configs/default.yaml: builtin:small, bf16,
+            offloaded to NVMe under --swap) with precision.cpu_matmul native, and fp32,
+            and with precision fp32; engines take turns in blocks of --block timed steps
+            (after one untimed), --blocks each; the median step per engine
+
+    python benchmarks/cpu_matmul_bench.py --out bench_out/cpu_matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine
+
+from tierzero import engine
+from tierzero.engine.cpu_matmul import LowPrecisionMatmul, native_matmul_is_slow
+from tierzero.engine.train.data.build import load_data
+from tierzero.engine.train.loop import token_loss
+from tierzero.engine.train.model_source import build_model
+
+# (tokens, in, out): an attention projection and an MLP's up projection of a 1024-wide
+# model, and a 2560-wide projection at 64 tokens (scale_bench's 2.07B, 1 x 64 tokens)
+SHAPES = [(256, 1024, 1024), (256, 1024, 4096), (64, 2560, 2560)]
+
+
+def linear_s(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, *, mode: bool,
+             repeats: int) -> float:
+    """Median seconds of one Linear's forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, d_in, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(d_out, d_in, generator=g) / d_in ** 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(tokens, d_out, generator=g).to(dtype)
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        x.grad = w.grad = None
+        t0 = time.perf_counter()
+        with LowPrecisionMatmul(dtype) if mode else contextlib.nullcontext():
+            F.linear(x, w).backward(dy)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def kernels(repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for tokens, d_in, d_out in SHAPES:
+        fp32 = linear_s(tokens, d_in, d_out, torch.float32, mode=False, repeats=repeats)
+        native = linear_s(tokens, d_in, d_out, torch.bfloat16, mode=False, repeats=repeats)
+        upcast = linear_s(tokens, d_in, d_out, torch.bfloat16, mode=True, repeats=repeats)
+        flops = 3 * 2 * tokens * d_in * d_out
+        rows.append({"shape": [tokens, d_in, d_out], "fp32_s": fp32, "bf16_native_s": native,
+                     "bf16_fp32_products_s": upcast, "native_over_upcast": native / upcast,
+                     "upcast_over_fp32": upcast / fp32,
+                     "gflops": {"fp32": flops / fp32 / 1e9, "bf16_native": flops / native / 1e9,
+                                "bf16_fp32_products": flops / upcast / 1e9}})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+class Run:
+    """One engine of the default config (precision and cpu_matmul set), stepped as
+    `tierzero train` does."""
+
+    def __init__(self, name: str, swap_root: str, precision: str, cpu_matmul: str) -> None:
+        self.name = name
+        tree: dict[str, Any] = yaml.safe_load(
+            resources.files("tierzero.configs").joinpath("default.yaml").read_text())
+        tree["offload"]["path"] = tempfile.mkdtemp(prefix=f"tz-{name}-", dir=swap_root)
+        tree["precision"] = {"dtype": precision, "cpu_matmul": cpu_matmul}
+        cfg = engine.load_config(tree)
+        data = load_data(cfg.train, micro=cfg.batch.micro_batch_size or 1, accum=1,
+                         seed=cfg.seed, rank=0, world=1)
+        self.batches = data.batches
+        torch.manual_seed(cfg.seed)
+        with engine.Init(config=cfg):
+            model = build_model(cfg.train.model, cfg.train.seq_len, data.tokenizer.vocab_size,
+                                data.tokenizer.name)
+        self.eng, _, _, _ = engine.initialize(model=model, config=cfg)
+        self.steps: list[float] = []
+        self.losses: list[float] = []
+
+    def one(self) -> float:
+        eng = self.eng
+
+        def loss_fn(mb: Any) -> torch.Tensor:
+            x, y = mb
+            out = eng(input_ids=x)
+            return token_loss(out.logits if hasattr(out, "logits") else out[0], y)
+
+        t0 = time.perf_counter()
+        losses = eng.train_batch([self.batches.next()], loss_fn)
+        self.losses.append(float(losses[0]))
+        return time.perf_counter() - t0
+
+    def block(self, steps: int) -> None:
+        self.one()  # untimed: its forward runs the previous block's deferred update
+        self.steps += [self.one() for _ in range(steps)]
+        self.eng.step_driver.drain()
+
+
+def default_run(swap: str, blocks: int, block: int) -> dict[str, Any]:
+    runs = [Run("native", swap, "bf16", "native"), Run("fp32_products", swap, "bf16", "fp32"),
+            Run("fp32_compute", swap, "fp32", "native")]
+    for b in range(blocks):
+        for r in runs[b % len(runs):] + runs[:b % len(runs)]:
+            r.block(block)
+            print(f"block {b} {r.name}: {statistics.median(r.steps[-block:]):.3f} s/step",
+                  flush=True)
+    out = {r.name: {"step_s": statistics.median(r.steps), "steps": r.steps,
+                    "cpu_matmul": r.eng.memory_report()["cpu_matmul"], "losses": r.losses}
+           for r in runs}
+    for r in runs:
+        r.eng.close()
+    out["native_over_fp32_products"] = out["native"]["step_s"] / out["fp32_products"]["step_s"]
+    out["fp32_products_over_fp32_compute"] = (out["fp32_products"]["step_s"]
+                                              / out["fp32_compute"]["step_s"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3, help="kernel timings per shape")
+    ap.add_argument("--blocks", type=int, default=3, help="blocks per engine")
+    ap.add_argument("--block", type=int, default=2, help="timed steps per block")
+    ap.add_argument("--swap", default="/var/tmp", help="where the engines' swap dirs go")
+    ap.add_argument("--skip-default", action="store_true", help="the kernels only")
+    ap.add_argument("--out", default="bench_out/cpu_matmul.json")
+    args = ap.parse_args()
+    result: dict[str, Any] = {
+        "machine": machine.describe(args.swap),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16_is_slow": native_matmul_is_slow(torch.bfloat16),
+        "threads": torch.get_num_threads(),
+        "kernels": kernels(args.repeats)}
+    if not args.skip_default:
+        result["default_run"] = default_run(args.swap, args.blocks, args.block)
+        d = result["default_run"]
+        print(f"default run: native {d['native']['step_s']:.3f} s, fp32 products "
+              f"{d['fp32_products']['step_s']:.3f} s, fp32 compute "
+              f"{d['fp32_compute']['step_s']:.3f} s a step", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
