@@ -245,7 +245,7 @@ def test_read_failure_is_raised_naming_the_shard_and_unwinds(tmp_path: Path) -> 
 @pytest.mark.parametrize("ring", [0, 150_000])
 def test_a_write_still_in_flight_after_the_step_fails_loudly(tmp_path: Path,
                                                              ring: int) -> None:
-    """The last write of a step fails (EIO) after step() returned: nothing in the step
+    """The last pwrite of a step fails (EIO) after step() returned: nothing in the step
     waits for it, and the next step's read-ahead is chained behind it (ring 0: one shard
     at a time). It is raised once, to the first who waits for it: the step, flush(), or
     the read-ahead (which reads again when its step comes). Every other key holds the
@@ -294,7 +294,10 @@ def test_a_write_still_in_flight_after_the_step_fails_loudly(tmp_path: Path,
                     refused.append((i, k))
                     continue
                 assert torch.equal(got, rig.ref.tensors[i][c]), k
-        assert len(refused) <= 1 and all(i == ORDER[-1] for i, _ in refused), refused
+        # one write failed: at most its key is refused. Which shard issued the step's last
+        # pwrite is the I/O threads' order (usually the last shard's, not always on a busy
+        # machine), so the failed key is the one the error names, not a fixed one.
+        assert len(refused) <= 1, refused
         for exc in failed[:1] if refused else ():
             assert f"key '{refused[0][1]}'" in str(exc), exc
     finally:
