@@ -449,14 +449,28 @@ class ZeroEngine:
     # -- checkpoints (engine/checkpoint*.py) ---------------------------------------
     def save_checkpoint(self, directory: str | Path, tag: str | None = None,
                         client_state: Any = None, *,
-                        background: bool = False) -> Path | PendingSave:
+                        background: bool = False,
+                        allow_partial_step: bool = False) -> Path | PendingSave:
         """Save every rank's shards and state to `directory/tag` and point `latest` at it.
         `background`: record the state now, write it while training goes on ([Note:
         background save] in engine/checkpoint/background.py); the PendingSave's `stats`
-        say how long this call held the caller (SaveStats)."""
+        say how long this call held the caller (SaveStats). After an optimizer update
+        failed partway the save is refused (CheckpointError) until a checkpoint is loaded,
+        unless `allow_partial_step` ([Note: a partial step] in engine/step/offloaded.py)."""
         start = time.perf_counter()
         self._check_open()
         self._check_checkpointable("save_checkpoint", deferred=not background)
+        partial = self.step_driver.partial_step
+        if partial is not None:
+            if not allow_partial_step:
+                raise CheckpointError(
+                    f"save_checkpoint refused: {partial}; the optimizer state holds that "
+                    "step's update in the parameter groups it reached and not in the rest, "
+                    "which a resume would not continue as any run. Load a checkpoint "
+                    "(load_checkpoint) to go on from a whole step, or pass "
+                    "save_checkpoint(..., allow_partial_step=True) to save this state as is")
+            log.warning("saving a partial optimizer step on purpose (allow_partial_step): %s",
+                        partial)
         settled = time.perf_counter()
         self._saver.wait()
         out = checkpoint.save_checkpoint(self, directory, tag, client_state,
@@ -483,6 +497,9 @@ class ZeroEngine:
         self._check_checkpointable(what)
         self._saver.wait()
         self.settle_optimizer()
+        if self.step_driver.partial_step is not None:  # [Note: a partial step]
+            log.warning("%s of a partial optimizer step: %s", what,
+                        self.step_driver.partial_step)
 
     def _check_checkpointable(self, what: str, *, deferred: bool = True) -> None:
         self.step_driver.before_use()  # a speculated update is undone ([Note: speculated step])

@@ -235,6 +235,9 @@ class StepDriver(Protocol):
     # committed: [Note: speculated step]), "undone" (speculated, undone, deferred); None
     # before the first step and for a skipped one. Read by tierzero train's step log.
     last_update: str | None
+    # An update that failed partway, described, until a checkpoint load replaces every
+    # group's state ([Note: a partial step] in engine/step/offloaded.py); None otherwise.
+    partial_step: str | None
 
     @property
     def listening(self) -> bool:

@@ -128,6 +128,9 @@ class DeviceStep:
         self._store = store
         self._keys = list(keys)
         self.last_update: str | None = None  # "step" once a step ran (StepDriver)
+        # torch's optimizer steps on this thread in step(): a failure is raised there; no
+        # update is kept as partial ([Note: a partial step] in engine/step/offloaded.py)
+        self.partial_step: str | None = None
 
     @property
     def listening(self) -> bool:

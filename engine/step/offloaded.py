@@ -12,10 +12,11 @@ the param group the lr schedule changes and the step count.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -165,6 +166,7 @@ class OffloadedStep:
         self._handed: set[str] = set()  # groups the speculated update may have updated
         self._late = False  # one of those was reduced again after it was handed over
         self.last_update: str | None = None  # how the last boundary's update ran (StepDriver)
+        self.partial_step: str | None = None  # [Note: a partial step]
 
     def _to(self, new: StepState, call: str) -> None:
         self.state = transition(
@@ -279,14 +281,16 @@ class OffloadedStep:
                 raise RuntimeError("OffloadedStep: a step begun during backward cannot scale "
                                    "its gradients (clipping / fp16 disable the early step)")
             try:
-                self.last_stats = self.runner.finish()
+                with self._tears():
+                    self.last_stats = self.runner.finish()
             finally:
                 self._to(StepState.IDLE, "step()")  # finished, or failed and closed
             self.last_update = "backward"
         else:
             hyper = face.hyper()
             face.count_step()
-            self.last_stats = self.runner.run_all(hyper, float(face.steps), grad_scale)
+            with self._tears():
+                self.last_stats = self.runner.run_all(hyper, float(face.steps), grad_scale)
             self.last_update = "step"
         self._follow_backward_order(seen)
 
@@ -306,6 +310,11 @@ class OffloadedStep:
                 self.runner.forget_measured()
             done = self.runner.abort()
             self._to(StepState.ABANDONED, "abandon()")
+            if done and self.partial_step is None:  # [Note: a partial step]
+                self.partial_step = (f"backward failed after the optimizer step begun in it "
+                                     f"(overlap_step) had updated {done} of "
+                                     f"{len(self.optimizer.keys)} parameter groups; that "
+                                     f"step was skipped")
             log.error("backward failed after the optimizer step had updated %d of %d "
                       "parameter groups (overlap_step); those keep their update, the step "
                       "of this boundary is skipped", done, len(self.optimizer.keys))
@@ -402,13 +411,15 @@ class OffloadedStep:
         """No optimizer thread is updating a shard after this (with `deferred` False, an
         update deferred into the next forward may go on, each group waited for before its
         gather)."""
-        self.runner.settle()
+        with self._tears():
+            self.runner.settle()
         if deferred:
             self._settle_deferred()
 
     def wait_groups(self, keys: Sequence[str]) -> None:
         """These groups' deferred updates have run (a failure is raised here)."""
-        done = self.runner.wait_groups(keys)
+        with self._tears():
+            done = self.runner.wait_groups(keys)
         if done is not None:
             self.last_stats = done
 
@@ -417,9 +428,38 @@ class OffloadedStep:
         self._settle_deferred()
 
     def _settle_deferred(self) -> None:
-        done = self.runner.drain()
+        with self._tears():
+            done = self.runner.drain()
         if done is not None:
             self.last_stats = done
+
+    # [Note: a partial step]
+    # An update that fails partway (a swap write or read fails, the kernel raises) leaves
+    # the groups it reached updated and the rest not: the deferred update keeps each group
+    # before the failed one ([Note: deferred streamed step]), the step in step() and the
+    # early step's worker likewise. Training may go on from that state (the next step
+    # updates every group), but it is no state of any run: saved, a resume would continue
+    # neither the run before the step nor the one after it, silently. So the first failure
+    # an update raises is kept here with its step, and the engine's save_checkpoint refuses
+    # while it is kept, naming it and the fixes: load a checkpoint (load_state_dict, which
+    # replaces every group's state, forgets it) or save it knowingly
+    # (save_checkpoint(allow_partial_step=True)). An export writes it with a warning. The
+    # early step abandoned because backward failed (abandon()) is kept too once it had
+    # updated a group: its step is skipped, the groups it reached keep their update.
+    # Not kept: an interrupt (KeyboardInterrupt) that stops a wait while the worker runs
+    # on (tierzero train saves nothing after an abandoned step anyway, [Note: stopping a
+    # run]), and a write that fails after a whole update (its key is refused on read:
+    # [Note: a lost write] in offload/core.py).
+    @contextlib.contextmanager
+    def _tears(self) -> Iterator[None]:
+        """An update runs inside: an Exception it raises is kept as the partial step."""
+        try:
+            yield
+        except Exception as exc:
+            if self.partial_step is None:
+                self.partial_step = (f"optimizer step {self.optimizer.steps}'s update failed "
+                                     f"partway ({type(exc).__name__}: {exc})")
+            raise
 
     def flush(self) -> None:
         """Wait for the optimizer's writes still in flight (a failure is raised here)."""
@@ -486,6 +526,8 @@ class OffloadedStep:
             load_store_moments(self.store, key, group)  # one shard at a time
         self.optimizer.load_steps(steps)
         load_hyper_params(self.optimizer, saved_groups, known_only=True)
+        if groups.keys() >= set(self.optimizer.keys):  # every group replaced: whole again
+            self.partial_step = None
 
     def _follow_backward_order(self, seen: Sequence[str]) -> None:
         """After a step: the order decides on the last backward's final order ([Note: step

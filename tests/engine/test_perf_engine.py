@@ -31,6 +31,7 @@ from engine_helpers import (
 from tiers_util import DelayIO
 
 from tierzero import engine, swap
+from tierzero.engine.checkpoint.layout import CheckpointError
 from tierzero.engine.config import Config
 from tierzero.engine.config.schema import (
     BudgetsConfig,
@@ -192,7 +193,8 @@ def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
         home: str, tmp_path: Path) -> None:
     """A backward that raises after some units were updated: those keep their update (each
     whole: master, moments and param together), the others are untouched, the step of
-    that boundary is skipped (never applied twice), and training goes on. Optimizer state
+    that boundary is skipped (never applied twice), no checkpoint saves that partial step,
+    and training goes on. Optimizer state
     on NVMe (the stream) and in host memory (the in-place step on its worker thread)."""
     model = make_model()
     config = overlap_config(tmp_path, gas=1, overlap=True)
@@ -217,6 +219,11 @@ def test_backward_failing_mid_step_skips_the_step_and_keeps_units_whole(
         assert isinstance(opt, OffloadedStep) and not opt.step_open
         eng.step()  # skipped: some units already took this step's update
         assert eng.skipped_steps == 1 and not opt.step_open
+        # a partial step ([Note: a partial step]): no checkpoint of it until a load
+        assert opt.partial_step is not None and "backward failed" in opt.partial_step
+        with pytest.raises(CheckpointError, match="save_checkpoint refused: backward failed "
+                           "after the optimizer step begun in it"):
+            eng.save_checkpoint(tmp_path / "ck")
         after = full_params(eng, model)
         changed = {k for k in before if not torch.equal(before[k], after[k])}
         # the blocks finished backward before the failure (the hook runs once block 0's

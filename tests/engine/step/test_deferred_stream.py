@@ -423,9 +423,11 @@ def test_a_failed_write_of_the_deferred_update_is_never_saved(
     settles it), a shard whose write was lost is never saved ([Note: a lost write] in
     offload/core.py): a checkpoint after a step that ran through is refused, naming the
     failure, or equals the same run's without the failure (the write went through a host
-    cache that kept its data). After a step that raised, the groups the update reached
-    keep it ([Note: deferred streamed step]; then the save is refused only where a write
-    was lost). The checkpoint from before loads and training goes on."""
+    cache that kept its data). Where the update itself failed partway, the groups it
+    reached keep it ([Note: deferred streamed step]) and the save is refused ([Note: a
+    partial step] in engine/step/offloaded.py); a failure told elsewhere (a gather's read,
+    a flush) leaves the update whole. The checkpoint from before loads and training goes
+    on."""
     from swap_helpers import faulty_swaps
 
     def config(name: str) -> Config:

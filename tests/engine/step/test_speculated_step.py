@@ -191,8 +191,8 @@ def test_late_gradient_on_a_speculated_group_undoes_it(tmp_path: Path) -> None:
         (tmp_path / str(on)).mkdir()
         cfg = with_speculation(shared_config(clip=0.5, offload="nvme", path=tmp_path / str(on),
                                              overlap_step=True), on)
+        torch.manual_seed(0)  # before the model: both runs start from the same weights
         model = RootSegmentLM(4)
-        torch.manual_seed(0)
         eng, _, _, _ = engine.initialize(device="cpu", model=model, config=cfg)
         driver = driver_of(eng)
         driver.policy.calm = driver.policy.calm_needed  # speculate from the first step
