@@ -243,8 +243,9 @@ def test_failed_deferred_update_fails_the_background_save(tmp_path: Path,
     """The deferred update fails on one group, while the save is written (`during`: held
     until the call returned) or before the call (the failure not raised yet): the save
     fails naming the group, leaves nothing behind, and the next forward raises the
-    failure as without a save. Once raised, a background save writes the state as it is,
-    as a synchronous save does."""
+    failure as without a save. Once raised, saves are refused (a partial step: [Note: a
+    partial step] in engine/step/offloaded.py); with allow_partial_step a background save
+    writes the state as it is, as a synchronous save does."""
     eng, _, _, _ = engine.initialize(model=make_model(), config=bg_config("cpu", None),
                                      device="cpu")
     hold = DeferredHold(eng)
@@ -281,10 +282,14 @@ def test_failed_deferred_update_fails_the_background_save(tmp_path: Path,
         with pytest.raises(RuntimeError, match=f"shard group '{re.escape(bad)}'"):
             eng(ids, tg)
         failing.clear()
-        later = eng.save_checkpoint(ck, tag="after", background=True)
+        for background in (True, False):  # a partial step is not saved by mistake
+            with pytest.raises(CheckpointError, match="save_checkpoint refused: optimizer "
+                               "step 1's update failed partway"):
+                eng.save_checkpoint(ck, tag="refused", background=background)
+        later = eng.save_checkpoint(ck, tag="after", background=True, allow_partial_step=True)
         assert isinstance(later, engine.PendingSave)
         later.wait()
-        eng.save_checkpoint(ck, tag="after_sync")
+        eng.save_checkpoint(ck, tag="after_sync", allow_partial_step=True)
         _same_checkpoints(ck / "after", ck / "after_sync")
         for seed in (2, 3):  # training goes on
             (ids, tg), = make_batches(1, seed=seed)
