@@ -267,11 +267,30 @@ def _build(cc: str, flags: tuple[str, ...], directory: Path, key: str) -> tuple[
         tmp.unlink(missing_ok=True)
 
 
+# Descriptors that libraries were loaded through, kept open for the process's life: the
+# dynamic loader knows a library by the name it was opened under and hands back the one
+# already loaded under that name, so a second kernel opened through a reused
+# /proc/self/fd/N (a rebuilt kernel after a cached one failed its checks; a benchmark's
+# baseline beside the package's own) would silently run the first one.
+_held_fds: list[int] = []
+
+
+def _dlopen(path: Path, fd: int) -> ctypes.CDLL:
+    """The library in the file open as `fd` (through /proc/self/fd where it exists, so the
+    code that runs is the code that was checked; a duplicate of `fd` that is never closed,
+    so the name is never reused), else by `path`. CDLL: calls release the GIL."""
+    held = os.dup(fd)
+    by_fd = f"/proc/self/fd/{held}"
+    if not os.path.exists(by_fd):
+        os.close(held)
+        return ctypes.CDLL(str(path))
+    _held_fds.append(held)
+    return ctypes.CDLL(by_fd)
+
+
 def _load(path: Path, fd: int) -> CompiledKernel:
-    """Load the checked file open as `fd` (through /proc/self/fd where it exists, so the
-    code that runs is the code that was checked); `path` names it in messages."""
-    by_fd = f"/proc/self/fd/{fd}"
-    lib = ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(path))  # CDLL: releases the GIL
+    """Load the checked file open as `fd` (_dlopen); `path` names it in messages."""
+    lib = _dlopen(path, fd)
     if lib.tz_adam_abi_version() != ABI_VERSION:
         raise OSError(f"{path} has ABI {lib.tz_adam_abi_version()}, expected {ABI_VERSION}")
     step = lib.tz_adam_step

@@ -204,3 +204,24 @@ def test_new_cache_dir_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert kernel is not None, reason
     assert stat.S_IMODE(os.lstat(tmp_path / "fresh" / "adam").st_mode) == 0o700
     assert stat.S_IMODE(kernel.path.stat().st_mode) == 0o600
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_two_libraries_opened_through_the_same_descriptor_number_stay_apart(
+        tmp_path: Path) -> None:
+    """The loader knows a library by the name it was opened under: loading a second file
+    through a reused /proc/self/fd/N used to hand back the first library (a rebuilt kernel
+    after a cached one failed its checks ran the old one)."""
+    cc = adam_build._compiler()
+    assert cc is not None
+    which = []
+    for n in (1, 2):
+        src, lib = tmp_path / f"l{n}.c", tmp_path / f"l{n}.so"
+        src.write_text(f"int which(void) {{ return {n}; }}\n")
+        subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+        fd = os.open(lib, os.O_RDONLY)
+        try:
+            which.append((fd, adam_build._dlopen(lib, fd).which()))
+        finally:
+            os.close(fd)  # the next open may get the same number
+    assert [w for _, w in which] == [1, 2], which
