@@ -128,9 +128,10 @@ def test_kernel_rounds_like_the_plain_reference(prec: str, gdtype: torch.dtype, 
 @needs_kernel
 @pytest.mark.parametrize("prec", ["fp32", "bf16", "int8"])
 def test_random_bits_past_two_to_the_32(prec: str) -> None:
-    """An element's random bits hash its index modulo 2^32 (rbits in _adam_kernel.c): a
-    shard whose elements cross index 2^32 rounds its master as the plain reference does,
-    and in pieces as in one."""
+    """The kernel counts an element's index for its random bits in 32 bits from each block's
+    first element (rbits in _adam_kernel.c): a shard whose elements cross index 2^32 rounds
+    its master as the plain reference does (which truncates the 64-bit index), and in
+    pieces as in one."""
     n, offset = 1000, (1 << 32) - 300
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(n, generator=gen).bfloat16()
