@@ -443,7 +443,10 @@ class OffloadedStep:
     # an update raises is kept here with its step, and the engine's save_checkpoint refuses
     # while it is kept, naming it and the fixes: load a checkpoint (load_state_dict, which
     # replaces every group's state, forgets it) or save it knowingly
-    # (save_checkpoint(allow_partial_step=True)). An export writes it with a warning. The
+    # (save_checkpoint(allow_partial_step=True)). An export writes it with a warning. Any
+    # failure an update raises counts, also one before its first group was written: the
+    # runners do not say how far they got, and a refusal too many costs a load, a partial
+    # state saved costs a resume that continues no run. The
     # early step abandoned because backward failed (abandon()) is kept too once it had
     # updated a group: its step is skipped, the groups it reached keep their update.
     # Not kept: an interrupt (KeyboardInterrupt) that stops a wait while the worker runs
