@@ -446,9 +446,9 @@ class OffloadedStep:
     # (save_checkpoint(allow_partial_step=True)). An export writes it with a warning. Any
     # failure an update raises counts, also one before its first group was written: the
     # runners do not say how far they got, and a refusal too many costs a load, a partial
-    # state saved costs a resume that continues no run. The
-    # early step abandoned because backward failed (abandon()) is kept too once it had
-    # updated a group: its step is skipped, the groups it reached keep their update.
+    # state saved costs a resume that continues no run. The early step abandoned because
+    # backward failed (abandon()) is kept too once it had updated a group: its step is
+    # skipped, the groups it reached keep their update.
     # Not kept: an interrupt (KeyboardInterrupt) that stops a wait while the worker runs
     # on (tierzero train saves nothing after an abandoned step anyway, [Note: stopping a
     # run]), and a write that fails after a whole update (its key is refused on read:

@@ -102,7 +102,7 @@ def test_a_partial_step_is_not_saved_until_a_load(
         good = full_params(eng, eng.module)
         assert driver.partial_step is None
         fails.armed = True
-        with pytest.raises(Exception, match="injected kernel failure") as failed:
+        with pytest.raises(Exception, match="injected kernel failure"):
             one_step(eng, 2)  # in step(), or handed to the next forward
             eng.step_driver.drain()  # (what the next forward's first wait raises)
         fails.armed = False
@@ -141,5 +141,4 @@ def test_a_partial_step_is_not_saved_until_a_load(
         eng.step_driver.drain()
     finally:
         eng.close()
-    assert failed.value is not None
 
