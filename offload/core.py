@@ -158,9 +158,11 @@ class ResidencyCore:
     # is raised once, to whoever settles the transfer first, which may be a thread that
     # cannot stop the run (a read-ahead). So the record remembers it, and every read of
     # the key (fetch, read_into, a snapshot) raises, naming the key and the failure, until
-    # the key is written whole again (a write lands, or `discard`), or an undone
-    # speculation points it back at its kept region: a checkpoint never saves, and a step
-    # never computes from, a shard whose last write was lost.
+    # the key is written whole again (a write lands; `discard`; a fetch with discard=True,
+    # whose holder overwrites every element in a cache above the home, as a checkpoint's
+    # load does), or an undone speculation points it back at its kept region: a
+    # checkpoint never saves, and a step never computes from, a shard whose last write was
+    # lost.
     def _check_lost(self, rec: ShardRecord, what: str) -> None:
         """(Lock held.) Raise where the last write of `rec`'s home was lost."""
         if rec.lost is not None:

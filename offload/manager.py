@@ -164,7 +164,9 @@ class TierManager(SpeculationCore):
             if not replacing:
                 self._wait_expected(key, "fetch")
             self._settle_all()
-            if not discard:  # a discarding fetch overwrites it whole
+            if discard:  # its holder overwrites it whole ([Note: a lost write])
+                rec.lost = None
+            else:
                 self._check_lost(rec, "fetch")
             # a fetch that overwrites a shard the order does not list (a fresh gradient:
             # nothing to read ahead) does not depart from the order

@@ -70,7 +70,7 @@ def test_every_read_of_a_lost_write_raises_naming_the_key(tmp_path: Path) -> Non
         mgr.close()
 
 
-@pytest.mark.parametrize("how", ["write", "write_through", "discard"])
+@pytest.mark.parametrize("how", ["write", "write_through", "discard", "overwrite"])
 def test_writing_the_key_whole_again_ends_a_lost_write(tmp_path: Path, how: str) -> None:
     mgr, io, _ = _make(tmp_path)
     try:
@@ -81,6 +81,12 @@ def test_writing_the_key_whole_again_ends_a_lost_write(tmp_path: Path, how: str)
             view = mgr.fetch("p1", "host", writable=True, discard=True).wait()
             view.copy_(new)
             mgr.release("p1", "host")
+        elif how == "overwrite":  # a fetch that overwrites it whole (a checkpoint's load)
+            for tier in ("host", "device"):
+                view = mgr.fetch("p1", tier, writable=True, discard=True).wait()
+                view.copy_(new)
+                mgr.release("p1", tier)
+                assert torch.equal(_read(mgr, "p1"), new)  # its cache's, not yet written
         else:
             mgr.write_from("p1", new, keep_host=how == "write_through").wait()
         mgr.synchronize()
