@@ -37,6 +37,7 @@ from tierzero.engine.layer_major import _leaves_reached, train_schedule
 from tierzero.offload.step_seam import TrainingStateError
 
 GAS = 4
+LR = 1e-2
 STEPS = 2
 
 
@@ -49,7 +50,7 @@ def _config(tmp: Path, *, schedule: str, precision: str = "fp32", offload: str =
                  "collective_timeout_s": 60},
         "precision": precision,
         "batch": {"gradient_accumulation_steps": gas, "schedule": schedule},
-        "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+        "optimizer": {"type": "adamw", "lr": LR, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1},
         "gradient_clipping": clip,
         **(extra or {}),
@@ -84,6 +85,19 @@ def _train(model: nn.Module, cfg: Config, batches: list[Any], *, steps: int = ST
 
 def fn_call(fn: Any, eng: Any, mb: Any) -> torch.Tensor:
     return fn(mb) if fn.__code__.co_argcount == 1 else fn(eng, mb)  # type: ignore[no-any-return]
+
+
+def bound_key_bias(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """GPT-2's key bias (the middle third of each c_attn.bias) has a zero gradient in exact
+    arithmetic (softmax is shift-invariant across a row's keys): its gradient is fp32
+    rounding noise, which Adam's m / sqrt(v) turns into steps of about lr of either sign,
+    so a summation order alone can move it by up to 2 lr a step (1.1e-5 measured with one
+    intra-op thread, over PARAM_ATOL). Compared within that bound, then set equal in `a`
+    for _assert_same to compare the rest."""
+    for k in [k for k in b["params"] if k.endswith("attn.c_attn.bias")]:
+        x, y = a["params"][k].view(3, -1), b["params"][k].view(3, -1)
+        assert float((x[1] - y[1]).abs().max()) <= 2 * LR * STEPS, k
+        x[1] = y[1]
 
 
 def _assert_same(a: dict[str, Any], b: dict[str, Any], *, exact: bool) -> None:
@@ -377,6 +391,8 @@ def test_hf_models_layer_major(tmp_path: Path, arch: str, offload: str, precisio
     runs = {s: hf_run(0, arch=arch, schedule=s, offload=offload, precision=precision,
                       clip=clip, tmp=tmp_path) for s in ("micro_step", "layer_major")}
     assert runs["layer_major"]["schedule"] == "layer_major"
+    if arch == "gpt2":
+        bound_key_bias(runs["layer_major"], runs["micro_step"])
     # tied embeddings (GPT-2's by default): the two uses are summed in fp32 (module doc)
     _assert_same(runs["layer_major"], runs["micro_step"], exact=arch not in ("llama_tied",
                                                                              "gpt2"))

@@ -9,15 +9,18 @@ rank and element index), the moments kept as the engine keeps them (fp32, or int
 through state_codec, the same pieces). The engine's kernel follows torch's operation order
 but may differ by an fp32 ulp in rare elements ([Note: Adam operation order]); the
 stochastic rounding turns that into a bf16 ulp on about one element in 2^16, so the
-comparison is: the losses equal to 1e-3, nearly every parameter element bit for bit and the
-rest within two bf16 ulps (measured on the machine this was written on: every element bit
-for bit, in all four settings). Bit-exact (torch.equal): the in-place and streamed steps,
-and a resume from a checkpoint.
+comparison is: the losses equal to 1e-3; with fp32 moments nearly every parameter element
+bit for bit and the rest within two bf16 ulps (measured on the machine this was written on:
+every element bit for bit); with int8 moments, where such an ulp can move a code and the
+runs part, the bound of assert_int8_trajectory. Bit-exact (torch.equal): the in-place and
+streamed steps, and a resume from a checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import logging
 import math
 from dataclasses import replace
@@ -38,6 +41,7 @@ from tierzero.engine.config import (
     ParamOffloadConfig,
 )
 from tierzero.engine.config.load import load_config
+from tierzero.engine.cpu_matmul import LowPrecisionMatmul, upcast_matmul
 from tierzero.engine.hf import export_hf
 from tierzero.offload import state_codec as sc
 from tierzero.offload.bf16_master import master_key, shard_salt
@@ -105,12 +109,19 @@ class Reference:
              for k in ("exp_avg", "exp_avg_sq")} for lay in self.layouts]
         self.clip = cfg.gradient_clipping
         self.coefs: list[float] = []
+        # the matrix products as the engine computes them on this CPU ([Note: low-precision
+        # matmul on CPU]): the same gradients, so int8 moments, whose block scale one ulp
+        # of one element can move, encode alike
+        upcast = upcast_matmul(cfg.precision.cpu_matmul, torch.device("cpu"), torch.bfloat16)
+        self.products = (functools.partial(LowPrecisionMatmul, torch.bfloat16) if upcast
+                         else contextlib.nullcontext)
 
     def train(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         losses = []
         for step, (ids, tg) in enumerate(batches, start=1):
-            loss = self.model(ids, tg)
-            loss.backward()
+            with self.products():
+                loss = self.model(ids, tg)
+                loss.backward()
             losses.append(float(loss.detach()))
             self.step(step)
             self.model.zero_grad()
@@ -171,6 +182,24 @@ def assert_near_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert bool(((a - b).abs() <= 2 * ulp).all())
 
 
+def assert_int8_trajectory(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                           start: torch.nn.Module, *, lr: float) -> None:
+    """int8 moments: the fp32 ulp by which the kernel and torch's AdamW may differ
+    ([Note: Adam operation order]; where, depends on how torch splits its loops, which
+    follows its thread count) can move an int8 code, or a block's scale and with it the
+    block's codes, and then a bf16 parameter and the next steps' gradients: the runs part
+    after a few steps (measured with one intra-op thread: 88 % of the elements bit for bit
+    after 5 steps, the mean difference 0.14 % of the mean change training made). Bounded:
+    the mean difference within 1 % of the mean change, none over two steps of lr."""
+    assert got.keys() == want.keys()
+    a = torch.cat([got[k].flatten() for k in want])
+    b = torch.cat([want[k].flatten() for k in want])
+    s = torch.cat([p.detach().bfloat16().float().flatten() for _, p in start.named_parameters()])
+    moved = float((b - s).abs().mean())
+    assert float((a - b).abs().mean()) <= 0.01 * moved, (float((a - b).abs().mean()), moved)
+    assert float((a - b).abs().max()) <= 2 * lr
+
+
 @pytest.mark.parametrize(("offload", "state", "chunk"), [
     ("cpu", "fp32", None), ("nvme", "fp32", None), ("cpu", "int8", None),
     ("nvme", "int8", 1024)])
@@ -183,7 +212,10 @@ def test_training_matches_the_plain_pytorch_reference(tmp_path: Path, offload: s
     losses, params, report = run(cfg)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3,
                                atol=0.0)
-    assert_near_bitwise(params, ref.params())
+    if state == "fp32":
+        assert_near_bitwise(params, ref.params())
+    else:
+        assert_int8_trajectory(params, ref.params(), make_model(), lr=cfg.optimizer.lr)
     # no fp32 master anywhere
     tiers = report["tiers"]
     assert all(by.get("master", 0) == 0 for by in tiers["homes"].values())
