@@ -117,6 +117,9 @@ class RefResult:
     losses: list[float]  # mean over ranks of each micro-step's loss
     params: dict[str, torch.Tensor]
     report: dict[str, object] | None = None  # engine.memory_report() at the end
+    # per element, whether an optimizer step used a gradient in Adam's eps regime (where
+    # the reference records it: shared_reference, bound_eps_regime in lategrad_helpers)
+    eps_regime: dict[str, torch.Tensor] | None = None
 
 
 def reference_train(model: nn.Module, cfg: Config,

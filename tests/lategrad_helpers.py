@@ -150,6 +150,8 @@ def shared_reference(model: nn.Module, cfg: Config,
     gas = cfg.batch.gradient_accumulation_steps or 1
     world = len(batches_per_rank)
     losses: list[float] = []
+    names = {id(p): k for k, p in model.named_parameters()}
+    regime = {names[id(p)]: torch.zeros(p.shape, dtype=torch.bool) for p in params}
     for micro in range(steps * gas):
         total = torch.stack([model(*(t.to(device) for t in batches_per_rank[r][micro]))
                              for r in range(world)]).mean()
@@ -161,9 +163,35 @@ def shared_reference(model: nn.Module, cfg: Config,
                     p.grad = torch.zeros_like(p)
             if cfg.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.gradient_clipping)
+            for p in params:
+                g = p.grad.detach().abs().cpu()  # type: ignore[union-attr]
+                regime[names[id(p)]] |= (g > 0) & (g < EPS_REGIME * o.eps)
             opt.step()
             opt.zero_grad()
-    return RefResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters()})
+    return RefResult(losses, {k: v.detach().float().cpu() for k, v in model.named_parameters()},
+                     eps_regime=regime)
+
+
+# A gradient under EPS_REGIME * eps puts Adam's update, lr m / (sqrt(v) + eps), in the
+# regime where it follows the gradient's size rather than its sign.
+EPS_REGIME = 100
+
+
+def bound_eps_regime(got: dict[str, torch.Tensor], ref: RefResult, lr: float,
+                     steps: int) -> None:
+    """Elements that some step updated from a gradient under EPS_REGIME eps (not zero):
+    a gradient that small comes from terms that cancel, so the order of the fp32 sums (the
+    engine's late gradients against autograd's, the thread count's split of a reduction)
+    sets much of it, and in that regime Adam's update follows it: one element of the
+    frozen-units case ended 1.1e-5 from the reference with one intra-op thread (its row's
+    gradient 6e-8 in the step that moved it apart), over PARAM_ATOL. Compared within 2 lr
+    a step, then set equal in `got` for assert_match to compare the rest."""
+    if ref.eps_regime is None:
+        raise ValueError("the reference recorded no gradients (shared_reference does)")
+    for k, mask in ref.eps_regime.items():
+        if bool(mask.any()):
+            assert float((got[k] - ref.params[k]).abs()[mask].max()) <= 2 * lr * steps, k
+            got[k][mask] = ref.params[k][mask]
 
 
 def shared_config(*, gas: int = 1, clip: float = 0.5, offload: str = "none",

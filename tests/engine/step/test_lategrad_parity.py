@@ -24,6 +24,7 @@ import torch
 from engine_dist import run_two_ranks
 from engine_helpers import LOSS_RTOL, RefResult, assert_match, engine_train, make_batches
 from lategrad_helpers import (
+    bound_eps_regime,
     first_boundary_grads,
     make_hook_model,
     make_shared_model,
@@ -70,6 +71,7 @@ def test_frozen_units_and_stages_1_2_match_pytorch(frozen: bool, stage: int) -> 
     ref = shared_reference(model, cfg, [batches], STEPS)
     got = engine_train(cfg, batches, STEPS, model=make_shared_model(frozen=frozen))
     assert _late(got) > 0
+    bound_eps_regime(got.params, ref, cfg.optimizer.lr, STEPS)
     assert_match(got.losses, got.params, ref.losses, ref.params)
     if frozen:
         start = dict(model.named_parameters())
