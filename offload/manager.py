@@ -164,9 +164,7 @@ class TierManager(SpeculationCore):
             if not replacing:
                 self._wait_expected(key, "fetch")
             self._settle_all()
-            if discard:  # its holder overwrites it whole ([Note: a lost write])
-                rec.lost = None
-            else:
+            if not discard:  # a discarding fetch overwrites it whole
                 self._check_lost(rec, "fetch")
             # a fetch that overwrites a shard the order does not list (a fresh gradient:
             # nothing to read ahead) does not depart from the order
@@ -195,6 +193,10 @@ class TierManager(SpeculationCore):
             else:
                 self._acct.hits += 1
             copy.users += 1
+            if discard and copy.state is not State.LOADING:
+                # its holder overwrites the copy it now holds ([Note: a lost write]); a
+                # copy still loading could fail and leave the home as the data: marked on
+                rec.lost = None
             for t in TIERS[TIERS.index(tier):]:  # used again: a pending eviction is void
                 rec.copies[t].drop_when_clean = False
             copy.touch()
