@@ -8,12 +8,18 @@ baselines in the same run:
   kernels   one Linear's forward and backward (the output, input and weight gradients)
             at a few transformer shapes: fp32, bf16 native, bf16 under the mode; the
             median of --repeats
+  panels    the seven Linears of one layer of scale_bench's 2.07B Llama (hidden 2560,
+            MLP 6912), forward and backward at --panel-tokens tokens, with the products
+            over `PANEL` elements in panels ([Note: fp32 products in panels]) and upcast
+            whole, alternating, the median of --repeats; and the largest fp32 tensor
+            either way allocates (one recorded pass each)
   default   `tierzero train`'s default run (configs/default.yaml: builtin:small, bf16,
             offloaded to NVMe under --swap) with precision.cpu_matmul native, and fp32,
             and with precision fp32; engines take turns in blocks of --block timed steps
             (after one untimed), --blocks each; the median step per engine
 
     python benchmarks/cpu_matmul_bench.py --out bench_out/cpu_matmul.json
+    python benchmarks/cpu_matmul_bench.py --only panels --repeats 7 --out bench_out/panels.json
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tierzero import engine
+from tierzero.engine import cpu_matmul
 from tierzero.engine.cpu_matmul import LowPrecisionMatmul, native_matmul_is_slow
 from tierzero.engine.train.data.build import load_data
 from tierzero.engine.train.loop import token_loss
@@ -77,6 +85,73 @@ def kernels(repeats: int) -> list[dict[str, Any]]:
                      "gflops": {"fp32": flops / fp32 / 1e9, "bf16_native": flops / native / 1e9,
                                 "bf16_fp32_products": flops / upcast / 1e9}})
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# (in, out) of one 2.07B layer's Linears: q, k, v, o; gate, up; down
+LAYER_2B = [(2560, 2560)] * 4 + [(2560, 6912)] * 2 + [(6912, 2560)]
+
+
+class Fp32Peak(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The element count of the largest fp32 tensor any op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _layer(ws: list[torch.Tensor], xs: list[torch.Tensor], dys: list[torch.Tensor],
+           panel: int, peak: Fp32Peak | None = None) -> float:
+    """Seconds of each Linear's forward and backward under the mode, `PANEL` = `panel`."""
+    cpu_matmul.PANEL = panel
+    for t in ws + xs:
+        t.grad = None
+    t0 = time.perf_counter()
+    with peak or contextlib.nullcontext(), LowPrecisionMatmul(torch.bfloat16):
+        for w, x, dy in zip(ws, xs, dys, strict=True):
+            F.linear(x, w).backward(dy)
+    return time.perf_counter() - t0
+
+
+def panels(tokens_list: list[int], repeats: int) -> list[dict[str, Any]]:
+    """A 2.07B layer's Linears, forward and backward, products in panels against whole
+    upcasts, alternating in one process."""
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(o, i, generator=g) / i ** 0.5).bfloat16().requires_grad_()
+          for i, o in LAYER_2B]
+    default_panel = cpu_matmul.PANEL
+    rows = []
+    for tokens in tokens_list:
+        xs = [torch.randn(tokens, i, generator=g).bfloat16().requires_grad_() for i, _ in LAYER_2B]
+        dys = [torch.randn(tokens, o, generator=g).bfloat16() for _, o in LAYER_2B]
+
+        ways = {"panels": default_panel, "whole": 1 << 62}
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for r in range(repeats + 1):  # the first round warms up
+            for name in (list(ways) if r % 2 else list(ways)[::-1]):
+                times[name].append(_layer(ws, xs, dys, ways[name]))
+        peaks = {}
+        for name, panel in ways.items():
+            peak = Fp32Peak()
+            _layer(ws, xs, dys, panel, peak)
+            peaks[name] = peak.largest
+        cpu_matmul.PANEL = default_panel
+        med = {k: statistics.median(v[1:]) for k, v in times.items()}
+        flops = 3 * 2 * tokens * sum(i * o for i, o in LAYER_2B)
+        rows.append({"tokens": tokens, "panel": default_panel, "panels_s": med["panels"],
+                     "whole_s": med["whole"], "panels_over_whole": med["panels"] / med["whole"],
+                     "gflops": {k: flops / v / 1e9 for k, v in med.items()},
+                     "largest_fp32_mb": {k: v * 4 / 1e6 for k, v in peaks.items()},
+                     "times": times})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "times"}), flush=True)
     return rows
 
 
@@ -146,16 +221,22 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3, help="blocks per engine")
     ap.add_argument("--block", type=int, default=2, help="timed steps per block")
     ap.add_argument("--swap", default="/var/tmp", help="where the engines' swap dirs go")
-    ap.add_argument("--skip-default", action="store_true", help="the kernels only")
+    ap.add_argument("--only", choices=["kernels", "panels", "default"],
+                    help="one of the measurements (default: all three)")
+    ap.add_argument("--panel-tokens", default="64,256,1024",
+                    help="token counts of the panels measurement")
     ap.add_argument("--out", default="bench_out/cpu_matmul.json")
     args = ap.parse_args()
     result: dict[str, Any] = {
         "machine": machine.describe(args.swap),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16_is_slow": native_matmul_is_slow(torch.bfloat16),
-        "threads": torch.get_num_threads(),
-        "kernels": kernels(args.repeats)}
-    if not args.skip_default:
+        "threads": torch.get_num_threads()}
+    if args.only in (None, "kernels"):
+        result["kernels"] = kernels(args.repeats)
+    if args.only in (None, "panels"):
+        result["panels"] = panels([int(t) for t in args.panel_tokens.split(",")], args.repeats)
+    if args.only in (None, "default"):
         result["default_run"] = default_run(args.swap, args.blocks, args.block)
         d = result["default_run"]
         print(f"default run: native {d['native']['step_s']:.3f} s, fp32 products "

@@ -23,16 +23,34 @@ fp32 copies live only while one product runs), and activation hooks, layer-major
 recomputation and a model's own activation checkpointing see what they see without the
 mode. A dispatch mode, unlike a TorchFunctionMode, is still active inside backward(),
 where autograd runs the gradients' products and checkpointing recomputes its segments.
+
+[Note: fp32 products in panels]
+Upcasting a product's operands whole would make an fp32 copy of every weight it reads
+(the forward's and the input gradient's products) and an fp32 result the size of the
+weight (the weight gradient's product), each twice the weight's own size, allocated fresh
+(page faults) and streamed through memory once more: at a 32000 x 2560 head, 330 MB and
+330 MB again, which no host budget sees. A product with an operand or result over `PANEL`
+elements is computed in panels instead: `a @ b` ([M, K] @ [K, N]) one block of N (or,
+where a is the larger operand, of M) at a time, each panel of the larger operand converted
+into a scratch buffer of this thread and multiplied with the smaller operand's fp32 upcast
+into the rest of it, then rounded into its slice of the result. The reduction dimension K
+is never split: each element is still one fp32 product rounded once. The fp32 memory a
+product holds is then at most the smaller operand's upcast (an activation, for a linear
+layer's three products) plus the thread's scratch, about `PANEL` elements, kept for reuse
+(16 MiB). The panels also stay in the caches: at the 2.07B model's layer shapes and 64
+tokens the products take about 0.9x the time of whole upcasts (benchmarks/RESULTS.md).
+bmm and baddbmm (attention's products of activations) are upcast whole.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-__all__ = ["PRODUCTS", "LowPrecisionMatmul", "native_matmul_is_slow", "upcast_matmul"]
+__all__ = ["PANEL", "PRODUCTS", "LowPrecisionMatmul", "native_matmul_is_slow", "upcast_matmul"]
 
 LOW = (torch.bfloat16, torch.float16)
 
@@ -76,9 +94,73 @@ def _operands_in(dtype: torch.dtype, args: tuple[Any, ...]) -> bool:
                                  and t.layout == torch.strided for t in tensors)
 
 
+# fp32 elements of a product's larger operand or result above which it is computed in
+# panels of about this many ([Note: fp32 products in panels])
+PANEL = 1 << 22
+
+_scratch = threading.local()
+
+
+def _scratch_fp32(numel: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least `numel` elements (kept for the next product)."""
+    buf: torch.Tensor | None = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
+def _fp32_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A view of `buf`'s first elements shaped as 2-D `like`, column-major where `like` is
+    (a transposed weight), so that copying `like` into it is one pass in memory order."""
+    rows, cols = like.shape
+    if like.stride(0) == 1 and like.stride(1) != 1:
+        return buf[:rows * cols].view(cols, rows).t()
+    return buf[:rows * cols].view(rows, cols)
+
+
+def _panels(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+            bias: torch.Tensor | None, *, beta: Any, alpha: Any) -> torch.Tensor:
+    """`a @ b` (or `beta * bias + alpha * (a @ b)`, addmm's) in fp32, panel by panel
+    ([Note: fp32 products in panels]), rounded to `dtype` once."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = torch.empty(m, n, dtype=dtype)
+    full = None if bias is None else bias.expand(m, n)
+    by_cols = b.numel() >= a.numel()  # the panels cut the larger operand
+    whole = a.float() if by_cols else b.float()
+    step = max(1, PANEL // (k + (m if by_cols else n)))
+    buf = _scratch_fp32(step * (k + (m if by_cols else n)))
+    for lo in range(0, n if by_cols else m, step):
+        hi = min(lo + step, n if by_cols else m)
+        if by_cols:
+            part = _fp32_view(buf, b[:, lo:hi])
+            part.copy_(b[:, lo:hi])
+            res = buf[part.numel():part.numel() + m * (hi - lo)].view(m, hi - lo)
+            lhs, rhs, where = whole, part, (slice(None), slice(lo, hi))
+        else:
+            part = _fp32_view(buf, a[lo:hi])
+            part.copy_(a[lo:hi])
+            res = buf[part.numel():part.numel() + (hi - lo) * n].view(hi - lo, n)
+            lhs, rhs, where = part, whole, (slice(lo, hi), slice(None))
+        if full is None:
+            torch.mm(lhs, rhs, out=res)
+        else:  # addmm's own arithmetic: the bias upcast, then beta and alpha in one gemm
+            res.copy_(full[where])
+            res.addmm_(lhs, rhs, beta=beta, alpha=alpha)
+        out[where].copy_(res)
+    return out
+
+
 def _upcast(func: Any, dtype: torch.dtype, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> torch.Tensor:
-    """`func` on the fp32 upcasts of its operands, rounded to `dtype` once."""
+    """`func` on the fp32 upcasts of its operands, rounded to `dtype` once; mm and addmm
+    with a large operand or result in panels ([Note: fp32 products in panels])."""
+    if func is _aten.mm.default or func is _aten.addmm.default:
+        a, b = args[-2:]
+        if max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > PANEL:
+            bias = args[0] if func is _aten.addmm.default else None
+            return _panels(a, b, dtype, bias, beta=kwargs.get("beta", 1),
+                           alpha=kwargs.get("alpha", 1))
     ups = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
     return func(*ups, **kwargs).to(dtype)  # type: ignore[no-any-return]
 

@@ -5,14 +5,17 @@ Each op is checked against the same op on the fp32 upcasts: the forward is that 
 result rounded once (bit for bit: the same fp32 products), each gradient within one
 rounding of the dtype (2**-8 relative for bf16, 2**-11 for fp16) of the fp32 autograd
 gradient, at 1e-6 absolute for the elements near zero; the products computed in fp32 are
-counted (forward and backward). The engine runs are checked against a plain fp32
-PyTorch reference with test_engine_parity's bf16/fp16 tolerance, and layer-major against
-micro-step bit for bit; in both, every product of forward, backward and recomputation is
-counted.
+counted (forward and backward). Products computed in panels (a small `PANEL` makes small
+products use them) are checked against the whole product within one rounding, with the
+fp32 memory they allocate bounded by a panel and the smaller operand. The engine runs are
+checked against a plain fp32 PyTorch reference with test_engine_parity's bf16/fp16
+tolerance, and layer-major against micro-step bit for bit; in both, every product of
+forward, backward and recomputation is counted.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from engine_helpers import make_batches, make_model, reference_train
 from test_engine_parity import LOW_PRECISION_LOSS_ATOL
 from test_layer_major import _assert_same, _config, _train
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tierzero import engine
 from tierzero.engine import cpu_matmul
@@ -157,6 +161,110 @@ def test_other_calls_pass_through(monkeypatch: pytest.MonkeyPatch, call: str) ->
     assert calls[0] == 0
 
 
+def _count_panels(monkeypatch: pytest.MonkeyPatch, panel: int) -> list[int]:
+    """Products over `panel` elements computed in panels of about that many; a counter."""
+    monkeypatch.setattr(cpu_matmul, "PANEL", panel)
+    calls = [0]
+    orig = cpu_matmul._panels
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_matmul, "_panels", counted)
+    return calls
+
+
+def _layout(t: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`t` itself, or the same values stored column-major (a transposed weight's layout)."""
+    return t.t().contiguous().t() if transposed else t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mkn", [(5, 8, 40), (40, 8, 5), (13, 7, 29), (3, 0, 50), (1, 70, 3)])
+@pytest.mark.parametrize("bias", [None, (-1,), (0, -1), (1, -1), (0, 1)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_products_in_panels_are_the_whole_product(monkeypatch: pytest.MonkeyPatch,
+                                                  dtype: torch.dtype, mkn: tuple[int, int, int],
+                                                  bias: tuple[int, ...] | None,
+                                                  transposed: bool) -> None:
+    """mm and addmm in panels of 64 elements (by columns where b is the larger operand, by
+    rows where a is, the last panel ragged; K = 0; operands in either layout; addmm's
+    bias in each broadcast shape, its beta and alpha): the fp32 product rounded once,
+    within one rounding of the dtype of the whole product's."""
+    panels = _count_panels(monkeypatch, 64)
+    m, k, n = mkn
+    a = _layout(_rand(m, k, dtype=dtype, seed=11).detach(), transposed)
+    b = _layout(_rand(k, n, dtype=dtype, seed=12).detach(), transposed)
+    shape = None if bias is None else tuple(m if d == 0 else n if d == -1 else 1 for d in bias)
+    i = None if shape is None else _rand(*shape, dtype=dtype, seed=13).detach()
+    with LowPrecisionMatmul(dtype):
+        got = torch.mm(a, b) if i is None else torch.addmm(i, a, b, beta=0.5, alpha=2.0)
+    want = (a.float() @ b.float() if i is None
+            else torch.addmm(i.float(), a.float(), b.float(), beta=0.5, alpha=2.0))
+    assert panels[0] == 1
+    assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=ULP[dtype], atol=1e-6)
+
+
+def test_panels_ignore_the_bias_where_beta_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """addmm with beta 0 ignores its input, NaN included, in panels as in one product."""
+    panels = _count_panels(monkeypatch, 64)
+    a, b = _rand(5, 8, dtype=torch.bfloat16, seed=0), _rand(8, 40, dtype=torch.bfloat16, seed=1)
+    nan = torch.full((40,), float("nan"), dtype=torch.bfloat16)
+    with LowPrecisionMatmul(torch.bfloat16), torch.no_grad():
+        got = torch.addmm(nan, a, b, beta=0)
+    assert panels[0] == 1
+    torch.testing.assert_close(got.float(), (a.float() @ b.float()).bfloat16().float(),
+                               rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
+class _Fp32Sizes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records the element count of every fp32 tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.sizes: list[int] = [0]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize("panel", [512, None])
+def test_panels_bound_the_fp32_memory_of_a_linear(monkeypatch: pytest.MonkeyPatch,
+                                                  panel: int | None) -> None:
+    """A Linear's forward and backward (the weight read twice, its gradient written once)
+    with a weight of 96 x 64 and 4 tokens: in panels of 512 elements no fp32 tensor is
+    larger than a panel or an activation; upcast whole (no panels), the weight's own fp32
+    copy is, and the gradients are the same."""
+    if panel is not None:
+        panels = _count_panels(monkeypatch, panel)
+    else:
+        monkeypatch.setattr(cpu_matmul, "PANEL", 1 << 40)
+    monkeypatch.setattr(cpu_matmul, "_scratch", threading.local())  # a fresh scratch
+    x = _rand(4, 64, dtype=torch.bfloat16, seed=0)
+    w = _rand(96, 64, dtype=torch.bfloat16, seed=1)
+    dy = torch.randn(4, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    sizes = _Fp32Sizes()
+    with sizes, LowPrecisionMatmul(torch.bfloat16):
+        F.linear(x, w).backward(dy)
+    ups = [t.detach().float().requires_grad_() for t in (x, w)]
+    F.linear(*ups).backward(dy.float())
+    for t, u in zip((x, w), ups, strict=True):
+        assert t.grad is not None and u.grad is not None
+        torch.testing.assert_close(t.grad.float(), u.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+    if panel is None:
+        assert max(sizes.sizes) == w.numel()
+    else:
+        assert panels[0] == 3  # the forward, the input and the weight gradient
+        assert max(sizes.sizes) <= max(panel, 4 * 96) < w.numel(), sizes.sizes
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_which_engines_upcast() -> None:
     cpu, meta = torch.device("cpu"), torch.device("meta")
@@ -178,14 +286,17 @@ def test_bad_setting_is_refused_with_its_key() -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("setting", ["fp32", "native"])
+@pytest.mark.parametrize("setting", ["fp32", "fp32-panels", "native"])
 def test_engine_tracks_fp32_either_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        precision: str, setting: str) -> None:
     """An engine computing in fp32 products trains as the native one does: within the bf16
     and fp16 parity tolerance of plain fp32 PyTorch. With fp32 every product of every
     Linear (the head and two per block) is computed in fp32: its forward and its input
-    and weight gradients, each micro-step; none with `native`."""
+    and weight gradients, each micro-step; none with `native`. fp32-panels: the same,
+    every product over 256 elements in panels."""
     calls = _count_products(monkeypatch)
+    panels = _count_panels(monkeypatch, 256) if setting == "fp32-panels" else [0]
+    setting = setting.removesuffix("-panels")
     steps = 4
     batches = make_batches(steps)
     cfg = engine.load_config({
@@ -208,6 +319,7 @@ def test_engine_tracks_fp32_either_way(tmp_path: Path, monkeypatch: pytest.Monke
     diff = (torch.tensor(losses) - torch.tensor(ref.losses)).abs().max()
     assert float(diff) < LOW_PRECISION_LOSS_ATOL, (losses, ref.losses)
     assert calls[0] == (steps * 3 * (1 + 2 * len(model.blocks)) if setting == "fp32" else 0)
+    assert (panels[0] > 0) == (cpu_matmul.PANEL == 256)
 
 
 def test_layer_major_recomputes_under_the_same_products(tmp_path: Path,
