@@ -1,7 +1,8 @@
 """CPU Adam kernel throughput per offload.optimizer.state_precision (offload/_adam_kernel.c).
 
 One shard of --numel elements, bf16 gradient in, bf16 param out (the offloaded step's
-operands), moments fp32 / bf16 / int8; the choices interleaved, median of --repeats.
+operands; `--dtype fp16`: fp16 both, as with fp16 compute), moments fp32 / bf16 / int8;
+the choices interleaved, median of --repeats.
 Bytes per element touched: fp32 28, bf16 20, int8 ~16. `--masters fp32,bf16` adds rows
 with offload.optimizer.master_precision bf16: the bf16 param is the master, read and
 written (rounded stochastically) instead of the fp32 master read and written and the
@@ -85,9 +86,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--masters", default="fp32",
                     help="master precisions: fp32 (fp32 master + bf16 param out), bf16")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
+                    help="the gradient's and the param copy's dtype (fp16: fp32 masters only)")
     ap.add_argument("--baseline-source", type=Path, default=None,
                     help="another _adam_kernel.c to compare against in the same process")
     args = ap.parse_args()
+    if args.dtype == "fp16" and args.masters != "fp32":
+        ap.error("--dtype fp16: a bf16 master needs bf16 params; use --masters fp32")
     with tempfile.TemporaryDirectory() as tmp:
         baseline = (build_baseline(args.baseline_source, Path(tmp))
                     if args.baseline_source else None)
@@ -97,8 +102,9 @@ def main() -> None:
 def run(args: argparse.Namespace, baseline: adam_build.CompiledKernel | None) -> None:
     n = args.numel
     p = torch.randn(n)
-    g = (torch.randn(n) * 1e-3).to(torch.bfloat16)
-    shadow = torch.empty(n, dtype=torch.bfloat16)
+    low = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    g = (torch.randn(n) * 1e-3).to(low)
+    shadow = torch.empty(n, dtype=low)
     p16 = p.to(torch.bfloat16)
     masters = args.masters.split(",")
     state = {adam_state_key(prec, m): (
@@ -107,7 +113,7 @@ def run(args: argparse.Namespace, baseline: adam_build.CompiledKernel | None) ->
                   torch.zeros(sc.moment_nbytes(n, prec), dtype=torch.uint8)))
              for m in masters for prec in sc.STATE_PRECISIONS}
     hyper = AdamHyper(lr=1e-4, weight_decay=0.01)
-    out: dict = {"numel": n, "loadavg": os.getloadavg(), "rows": [],
+    out: dict = {"numel": n, "dtype": args.dtype, "loadavg": os.getloadavg(), "rows": [],
                  "baseline_source": str(args.baseline_source) if baseline else None}
     kernels: list[adam_build.CompiledKernel | None] = [None] + ([baseline] if baseline else [])
     for t in (int(x) for x in args.threads.split(",")):

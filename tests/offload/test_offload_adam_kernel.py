@@ -98,7 +98,8 @@ def test_grad_scale_folded(gdtype: torch.dtype, backend: str) -> None:
 
 
 def test_torch_backend_is_bit_identical() -> None:
-    hyper = HYPERS["adamw-wd-eps-betas"]
+    # a step of about 1e-9: the masters stay spread over their 13 decades
+    hyper = AdamHyper(lr=1e-9, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)
     p0 = torch.randn(4097)
     ref, opt = _reference(p0, hyper)
     p, m, v = p0.clone(), torch.zeros(4097), torch.zeros(4097)
@@ -301,3 +302,89 @@ def test_subnormal_state_is_flushed_so_it_costs_no_microcode_assists() -> None:
     adam_update(rq, rm2, rv2, g.clone(), hyper=AdamHyper(), step=1000, backend="torch")
     _close("exp_avg", m2, rm2)
     _close("param", q, rq)
+
+
+def _finite_fp16(n: int, seed: int) -> torch.Tensor:
+    """n fp16 values of random bit patterns, every finite one likely: both signs, every
+    exponent, subnormals and zeros included."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 0x7C00, (n,), generator=g, dtype=torch.int32)
+    bits |= torch.randint(0, 2, (n,), generator=g, dtype=torch.int32) << 15
+    return bits.to(torch.int16).view(torch.float16)
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="C kernel unavailable here")
+@pytest.mark.parametrize("state", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("n", [1, 7, 513, 4099])
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("gdtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp16_gradients_and_copies_are_their_fp32_values(state: str, n: int, workers: int,
+                                                         gdtype: torch.dtype) -> None:
+    """The update from an fp16 (or bf16) gradient equals, bit for bit, the update from the
+    same values in fp32, and its fp16 copy out is torch's rounding of the new master: whichever way
+    this build converts fp16 ([Note: fp16 conversions without AVX-512], [Note: fp16
+    through F16C] in offload/_adam_kernel.c), for lengths not a multiple of 8 or of the
+    F16C blocks' 512, split over threads. The gradients take every finite fp16 class,
+    subnormals included; the masters span fp16's subnormals up past its overflow, so the
+    longest run's copies hold subnormals (not flushed by the kernel's FTZ) and
+    infinities."""
+    from tierzero.offload import state_codec as sc
+
+    g16 = _finite_fp16(n, seed=n).to(gdtype)  # bf16 and fp32: with fp16 copies out
+    gen = torch.Generator().manual_seed(n + 1)
+    mags = torch.pow(10.0, torch.empty(n).uniform_(-8.0, 5.0, generator=gen))
+    p0 = torch.where(torch.rand(n, generator=gen) < 0.5, -mags, mags)
+    # a step of about 1e-9: the masters stay spread over their 13 decades
+    hyper = AdamHyper(lr=1e-9, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1)
+
+    def moments() -> tuple[torch.Tensor, torch.Tensor]:
+        if state == "fp32":
+            return torch.zeros(n), torch.zeros(n)
+        nb = sc.moment_nbytes(n, state)
+        return torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8)
+
+    runs = {}
+    with AdamThreads(workers) if workers > 1 else _no_pool() as pool:
+        for kind in ("fp16", "fp32"):
+            p, (m, v) = p0.clone(), moments()
+            shadow = torch.empty(n, dtype=torch.float16) if kind == "fp16" else None
+            for step in (1, 2):
+                grad = g16 * (1 if step == 1 else -1)
+                adam_update(p, m, v, grad if kind == "fp16" else grad.float(), hyper=hyper,
+                            step=step, shadow=shadow, threads=pool, state=state,
+                            backend="compiled")
+            runs[kind] = (p, m, v, shadow)
+    for a, b, name in zip(runs["fp16"][:3], runs["fp32"][:3], ("master", "exp_avg", "exp_avg_sq"),
+                          strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    shadow = runs["fp16"][3]
+    assert shadow is not None
+    want = runs["fp32"][0].to(torch.float16)
+    assert torch.equal(shadow.view(torch.int16), want.view(torch.int16))
+    if n > 1000:
+        assert bool((want.abs() < 6.1e-5).logical_and(want != 0).any())  # fp16 subnormals
+        assert bool(want.isinf().any())
+
+
+def test_fp16_to_fp32_conversion_is_exact_for_every_value() -> None:
+    """Every finite fp16 value (all 63488 bit patterns) reaches the kernel's update as its
+    exact fp32 value: with beta1 0, exp_avg after one step is the gradient itself."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32)
+    g16 = bits.to(torch.int16).view(torch.float16)
+    g16 = g16[torch.isfinite(g16)]
+    n = g16.numel()
+    assert n == 63488
+    hyper = AdamHyper(lr=1e-3, beta1=0.0, beta2=0.999)
+    m = torch.zeros(n)
+    adam_update(torch.zeros(n), m, torch.zeros(n), g16, hyper=hyper, step=1)
+    assert torch.equal(m.view(torch.int32), g16.float().view(torch.int32))
+
+
+class _no_pool:
+    """A context manager standing for no thread pool."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
