@@ -245,7 +245,9 @@ TZ_FLAGS(1, 1)
  * them in a loop it vectorises itself. So the fp32-moment update with an fp16 gradient or
  * an fp16 copy out runs in blocks of TZ_F16_BLOCK elements: the block's gradient
  * converted into an fp32 array on the stack (in L1), the fp32-gradient loop run on it,
- * then the block's new parameters converted out. The same arithmetic on the same
+ * then the block's new parameters converted out. The compressed-moment and bf16-master
+ * kernels, which already work in blocks of TZ_BLOCK, convert each block's gradient into
+ * a stack array first and its copies out after. The same arithmetic on the same
  * values: results are bit for bit those of the one-pass loop. Subnormals: VCVTPH2PS is
  * not subject to DAZ, and VCVTPS2PH's fp16 subnormal results are not flushed by FTZ
  * (tests/offload/test_offload_adam_kernel.py checks both through the kernel). */
@@ -452,6 +454,12 @@ static inline __attribute__((always_inline)) void adam_q_range(
         const int len = (int)(hi - b0 < TZ_BLOCK ? hi - b0 : TZ_BLOCK);
         float mt[TZ_BLOCK], ut[TZ_BLOCK];
         float sm = 0.0f, sv = 0.0f;
+#ifdef TZ_F16C
+        /* fp16 gradients in and fp16 copies out through stack arrays, converted a block
+         * at a time ([Note: fp16 through F16C]) */
+        float gt[TZ_BLOCK], pt[TZ_BLOCK];
+        if (gkind == 2) f16_to_f32_n(g16 + b0, gt, len);
+#endif
         if (skind == 2) {
             sm = ms[b0 / TZ_BLOCK];
             sv = vs[b0 / TZ_BLOCK];
@@ -460,8 +468,12 @@ static inline __attribute__((always_inline)) void adam_q_range(
         for (int j = 0; j < len; ++j) {
             const int64_t i = b0 + j;
             const uint32_t ri = r0 + (uint32_t)j;
+#ifdef TZ_F16C
+            float g = gkind == 0 ? g32[i] : gkind == 1 ? bf16_to_f32(g16[i]) : gt[j];
+#else
             float g = gkind == 0 ? g32[i] : gkind == 1 ? bf16_to_f32(g16[i])
                                                        : f16_to_f32(g16[i]);
+#endif
             if (apply_scale) g = g * scale;
             float pi = pkind == 1 ? bf16_to_f32(pb[i]) : p[i];
             if (apply_decay) {
@@ -501,8 +513,15 @@ static inline __attribute__((always_inline)) void adam_q_range(
                 ut[j] = su;
             }
             if (okind == 1) o16[i] = f32_to_bf16(pi);
+#ifdef TZ_F16C
+            else if (okind == 2) pt[j] = pi;
+#else
             else if (okind == 2) o16[i] = f32_to_f16(pi);
+#endif
         }
+#ifdef TZ_F16C
+        if (okind == 2) f32_to_f16_n(pt, o16 + b0, len);
+#endif
         if (skind == 2) {
             /* The largest magnitudes, as integers: the bits of non-negative floats order
              * as they do (this reduction vectorises; a float max does not without
