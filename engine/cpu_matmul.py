@@ -32,19 +32,22 @@ weight (the weight gradient's product), each twice the weight's own size, alloca
 330 MB again, which no host budget sees. A product with an operand or result over `PANEL`
 elements is computed in panels instead: `a @ b` ([M, K] @ [K, N]) one block of N (or,
 where a is the larger operand, of M) at a time, each panel of the larger operand converted
-into a scratch buffer of this thread and multiplied with the smaller operand's fp32 upcast
-into the rest of it, then rounded into its slice of the result. The reduction dimension K
+into a scratch buffer and multiplied with the smaller operand's fp32 upcast into the rest
+of it, then rounded into its slice of the result. The reduction dimension K
 is never split: each element is still one fp32 product rounded once. The fp32 memory a
 product holds is then at most the smaller operand's upcast (an activation, for a linear
-layer's three products) plus the thread's scratch, about `PANEL` elements, kept for reuse
-(16 MiB). The panels also stay in the caches: at the 2.07B model's layer shapes and 64
+layer's three products) plus its scratch, about `PANEL` elements (16 MiB), which returns to
+a shared pool after the product: the pool keeps one per product ever running at once,
+not one per thread. The panels also stay in the caches: at the 2.07B model's layer shapes and 64
 tokens the products take about 0.9x the time of whole upcasts (benchmarks/RESULTS.md).
 bmm and baddbmm (attention's products of activations) are upcast whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -98,15 +101,31 @@ def _operands_in(dtype: torch.dtype, args: tuple[Any, ...]) -> bool:
 # panels of about this many ([Note: fp32 products in panels])
 PANEL = 1 << 22
 
-_scratch = threading.local()
+# fp32 scratch buffers of the products not running now, for the next ones to reuse
+_idle: list[torch.Tensor] = []
+_idle_lock = threading.Lock()
 
 
-def _scratch_fp32(numel: int) -> torch.Tensor:
-    """This thread's fp32 scratch of at least `numel` elements (kept for the next product)."""
-    buf: torch.Tensor | None = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
+@contextlib.contextmanager
+def _scratch_fp32(numel: int) -> Iterator[torch.Tensor]:
+    """An fp32 scratch of at least `numel` elements for one product: an idle one (the
+    smallest large enough) or a new one, kept for reuse after. The pool holds one buffer
+    per product ever running at once, whatever the number of threads that ran one
+    (layer-major runs each micro-batch on a thread of its own, one at a time)."""
+    with _idle_lock:
+        fits = [b for b in _idle if b.numel() >= numel]
+        buf = min(fits, key=torch.Tensor.numel) if fits else None
+        if buf is not None:
+            _idle.remove(buf)
+        elif _idle:  # none large enough: replace the largest idle one
+            _idle.remove(max(_idle, key=torch.Tensor.numel))
+    if buf is None:
+        buf = torch.empty(numel, dtype=torch.float32)
+    try:
+        yield buf
+    finally:
+        with _idle_lock:
+            _idle.append(buf)
 
 
 def _fp32_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -129,25 +148,25 @@ def _panels(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     by_cols = b.numel() >= a.numel()  # the panels cut the larger operand
     whole = a.float() if by_cols else b.float()
     step = max(1, PANEL // (k + (m if by_cols else n)))
-    buf = _scratch_fp32(step * (k + (m if by_cols else n)))
-    for lo in range(0, n if by_cols else m, step):
-        hi = min(lo + step, n if by_cols else m)
-        if by_cols:
-            part = _fp32_view(buf, b[:, lo:hi])
-            part.copy_(b[:, lo:hi])
-            res = buf[part.numel():part.numel() + m * (hi - lo)].view(m, hi - lo)
-            lhs, rhs, where = whole, part, (slice(None), slice(lo, hi))
-        else:
-            part = _fp32_view(buf, a[lo:hi])
-            part.copy_(a[lo:hi])
-            res = buf[part.numel():part.numel() + (hi - lo) * n].view(hi - lo, n)
-            lhs, rhs, where = part, whole, (slice(lo, hi), slice(None))
-        if full is None:
-            torch.mm(lhs, rhs, out=res)
-        else:  # addmm's own arithmetic: the bias upcast, then beta and alpha in one gemm
-            res.copy_(full[where])
-            res.addmm_(lhs, rhs, beta=beta, alpha=alpha)
-        out[where].copy_(res)
+    with _scratch_fp32(step * (k + (m if by_cols else n))) as buf:
+        for lo in range(0, n if by_cols else m, step):
+            hi = min(lo + step, n if by_cols else m)
+            if by_cols:
+                part = _fp32_view(buf, b[:, lo:hi])
+                part.copy_(b[:, lo:hi])
+                res = buf[part.numel():part.numel() + m * (hi - lo)].view(m, hi - lo)
+                lhs, rhs, where = whole, part, (slice(None), slice(lo, hi))
+            else:
+                part = _fp32_view(buf, a[lo:hi])
+                part.copy_(a[lo:hi])
+                res = buf[part.numel():part.numel() + (hi - lo) * n].view(hi - lo, n)
+                lhs, rhs, where = part, whole, (slice(lo, hi), slice(None))
+            if full is None:
+                torch.mm(lhs, rhs, out=res)
+            else:  # addmm's own arithmetic: the bias upcast, then beta and alpha in one gemm
+                res.copy_(full[where])
+                res.addmm_(lhs, rhs, beta=beta, alpha=alpha)
+            out[where].copy_(res)
     return out
 
 

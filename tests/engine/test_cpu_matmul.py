@@ -246,7 +246,7 @@ def test_panels_bound_the_fp32_memory_of_a_linear(monkeypatch: pytest.MonkeyPatc
         panels = _count_panels(monkeypatch, panel)
     else:
         monkeypatch.setattr(cpu_matmul, "PANEL", 1 << 40)
-    monkeypatch.setattr(cpu_matmul, "_scratch", threading.local())  # a fresh scratch
+    monkeypatch.setattr(cpu_matmul, "_idle", [])  # no scratch to reuse
     x = _rand(4, 64, dtype=torch.bfloat16, seed=0)
     w = _rand(96, 64, dtype=torch.bfloat16, seed=1)
     dy = torch.randn(4, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -263,6 +263,38 @@ def test_panels_bound_the_fp32_memory_of_a_linear(monkeypatch: pytest.MonkeyPatc
     else:
         assert panels[0] == 3  # the forward, the input and the weight gradient
         assert max(sizes.sizes) <= max(panel, 4 * 96) < w.numel(), sizes.sizes
+
+
+def test_the_scratch_pool_keeps_one_buffer_per_product_running_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Panelled products on 8 threads, one after another (as layer-major's micro-batch
+    threads take turns), leave one scratch buffer to reuse, not one per thread; a product
+    while another holds a scratch leaves two."""
+    panels = _count_panels(monkeypatch, 64)
+    monkeypatch.setattr(cpu_matmul, "_idle", [])
+    a = _rand(5, 8, dtype=torch.bfloat16, seed=0).detach()
+    b = _rand(8, 40, dtype=torch.bfloat16, seed=1).detach()
+    want = (a.float() @ b.float()).bfloat16()
+    got: list[torch.Tensor] = []
+
+    def product() -> None:
+        with LowPrecisionMatmul(torch.bfloat16):
+            got.append(torch.mm(a, b))
+
+    def on_a_thread() -> None:
+        t = threading.Thread(target=product)
+        t.start()
+        t.join()
+
+    for _ in range(8):
+        on_a_thread()
+    assert len(cpu_matmul._idle) == 1
+    with cpu_matmul._scratch_fp32(64):  # held, as by a product running meanwhile
+        on_a_thread()
+    assert len(cpu_matmul._idle) == 2
+    assert panels[0] == 9 and len(got) == 9
+    for t in got:
+        torch.testing.assert_close(t.float(), want.float(), rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
