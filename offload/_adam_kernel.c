@@ -77,17 +77,23 @@ typedef struct {
 /* Version of the argument layout above; adam_build.py checks it. */
 int tz_adam_abi_version(void) { return 5; }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
 /* Round to nearest even, as c10::BFloat16 does; NaN becomes the quiet NaN 0x7fc0. */
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
+    uint32_t u = f32_bits(f);
     uint32_t is_nan = (u & 0x7fffffffu) > 0x7f800000u;
     uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (uint16_t)(is_nan ? 0x7fc0u : rounded);
@@ -106,18 +112,6 @@ static inline uint16_t f32_to_bf16(float f) {
  * value at 2^-24 (an fp32 subnormal input, read as zero under DAZ, rounds to zero in fp16
  * either way); NaN stays NaN (quieted, sign kept, as torch's c10::Half conversions do). */
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512F__)
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline float f16_to_f32(uint16_t h) {
     uint32_t em = (uint32_t)(h & 0x7fffu); /* exponent and mantissa */
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
