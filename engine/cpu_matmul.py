@@ -33,14 +33,14 @@ weight (the weight gradient's product), each twice the weight's own size, alloca
 elements is computed in panels instead: `a @ b` ([M, K] @ [K, N]) one block of N (or,
 where a is the larger operand, of M) at a time, each panel of the larger operand converted
 into a scratch buffer and multiplied with the smaller operand's fp32 upcast into the rest
-of it, then rounded into its slice of the result. The reduction dimension K
-is never split: each element is still one fp32 product rounded once. The fp32 memory a
-product holds is then at most the smaller operand's upcast (an activation, for a linear
-layer's three products) plus its scratch, about `PANEL` elements (16 MiB), which returns to
-a shared pool after the product: the pool keeps one per product ever running at once,
-not one per thread. The panels also stay in the caches: at the 2.07B model's layer shapes and 64
-tokens the products take about 0.9x the time of whole upcasts (benchmarks/RESULTS.md).
-bmm and baddbmm (attention's products of activations) are upcast whole.
+of it, then rounded into its slice of the result. The reduction dimension K is never
+split: each element is still one fp32 product rounded once. The fp32 memory a product
+holds is then at most the smaller operand's upcast (an activation, for a linear layer's
+three products) plus its scratch, about `PANEL` elements (16 MiB), which returns to a
+shared pool after the product: the pool keeps one per product ever running at once, not
+one per thread. The panels also stay in the caches, so the products take less time, most
+at few tokens (benchmarks/RESULTS.md, "fp32 products in panels on an AVX2 CPU"). bmm and
+baddbmm (attention's products of activations) are upcast whole.
 """
 
 from __future__ import annotations
@@ -147,10 +147,11 @@ def _panels(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     full = None if bias is None else bias.expand(m, n)
     by_cols = b.numel() >= a.numel()  # the panels cut the larger operand
     whole = a.float() if by_cols else b.float()
-    step = max(1, PANEL // (k + (m if by_cols else n)))
-    with _scratch_fp32(step * (k + (m if by_cols else n))) as buf:
-        for lo in range(0, n if by_cols else m, step):
-            hi = min(lo + step, n if by_cols else m)
+    cut, kept = (n, m) if by_cols else (m, n)  # the dimension cut, the other one of out
+    step = max(1, PANEL // (k + kept))  # a panel and its result: step * (k + kept)
+    with _scratch_fp32(step * (k + kept)) as buf:
+        for lo in range(0, cut, step):
+            hi = min(lo + step, cut)
             if by_cols:
                 part = _fp32_view(buf, b[:, lo:hi])
                 part.copy_(b[:, lo:hi])

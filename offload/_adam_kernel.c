@@ -99,52 +99,42 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(is_nan ? 0x7fc0u : rounded);
 }
 
-/* [Note: fp16 conversions without AVX-512]
- * Where the target has AVX-512 (and off x86), the fp16 conversions are _Float16 casts:
- * gcc vectorises them with the vector VCVTPH2PS / VCVTPS2PH. Without AVX-512 (AVX2 CPUs
- * such as AMD Zen 1-3, and the portable build) gcc 12 does not: every loop reading or
- * writing fp16 stayed scalar ("control flow in loop"), 3.4x slower than its bf16 twin on
- * a Zen 1 core. There the conversions are integer arithmetic with the cases selected by
- * bit masks, which vectorises as the bf16 ones do. Both give IEEE's results bit for bit:
- * fp16 to fp32 is exact (subnormals scaled from their integer mantissa: an exact int to
- * float conversion and a power-of-two product, a normal fp32, untouched by DAZ); fp32 to
- * fp16 rounds to nearest even, subnormal results by adding 0.5 so the FPU rounds the
- * value at 2^-24 (an fp32 subnormal input, read as zero under DAZ, rounds to zero in fp16
- * either way); NaN stays NaN (quieted, sign kept, as torch's c10::Half conversions do). */
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512F__)
 static inline float f16_to_f32(uint16_t h) {
-    uint32_t em = (uint32_t)(h & 0x7fffu); /* exponent and mantissa */
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t normal = (em << 13) + ((127u - 15u) << 23);
-    uint32_t quiet = (uint32_t)-(int32_t)((em & 0x3ffu) != 0) & 0x00400000u;
-    uint32_t special = (em << 13) | 0x7f800000u | quiet; /* inf, or NaN made quiet */
-    uint32_t sub = f32_bits((float)(int32_t)em * 0x1p-24f); /* zero and subnormals */
-    uint32_t is_special = (uint32_t)-(int32_t)(em >= 0x7c00u);
-    uint32_t is_sub = (uint32_t)-(int32_t)(em < 0x0400u);
-    uint32_t r = (normal & ~(is_special | is_sub)) | (special & is_special) | (sub & is_sub);
-    return bits_f32(r | sign);
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
 }
 
 static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = f32_bits(f);
-    uint32_t a = u & 0x7fffffffu;
-    uint32_t sign = (u >> 16) & 0x8000u;
-    /* normal results: rebias, round the 13 dropped bits to nearest even (a carry into
-     * the exponent is right; at 65520 and above it reaches the infinity's code) */
-    uint32_t normal = (a + ((uint32_t)(15 - 127) << 23) + 0xfffu + ((a >> 13) & 1u)) >> 13;
-    uint32_t sub = f32_bits(bits_f32(a) + 0.5f) - f32_bits(0.5f);
-    uint32_t special = a > 0x7f800000u ? 0x7e00u : 0x7c00u; /* NaN, or inf (overflow) */
-    uint32_t is_special = (uint32_t)-(int32_t)(a >= 0x47800000u);
-    uint32_t is_sub = (uint32_t)-(int32_t)(a < 0x38800000u);
-    uint32_t r = (normal & ~(is_special | is_sub)) | (special & is_special) | (sub & is_sub);
-    return (uint16_t)(r | sign);
+    _Float16 x = (_Float16)f; /* IEEE round to nearest even */
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
 }
 
-#if defined(__F16C__)
+/* [Note: fp16 through F16C]
+ * gcc 12 vectorises the _Float16 casts above only for AVX-512 targets. For AVX2 CPUs
+ * (AMD Zen 1-3 and the like) every loop reading an fp16 gradient or writing an fp16 copy
+ * stayed scalar ("control flow in loop"): several times its bf16 twin's time
+ * (benchmarks/RESULTS.md, "The Adam kernel's fp16 paths on an AVX2 CPU"). Those CPUs have
+ * F16C, whose VCVTPH2PS / VCVTPS2PH convert 8 elements in one instruction, but gcc will
+ * not put them in a loop it vectorises itself. So on x86 with F16C and without AVX-512
+ * the conversions move out of the loops, a block at a time: the fp32-moment update with
+ * an fp16 gradient or an fp16 copy out runs in blocks of TZ_F16_BLOCK elements (the
+ * block's gradient converted into an fp32 array on the stack, in L1; the fp32-gradient
+ * loop run on it; the block's new parameters converted out), and the compressed-moment
+ * and bf16-master kernels, already working in blocks of TZ_BLOCK, convert each block's
+ * gradient into a stack array first and its copies out after. The same arithmetic on
+ * the same values: results are bit for bit those of the one-pass loops. Subnormals:
+ * VCVTPH2PS is not subject to DAZ, and VCVTPS2PH's fp16 subnormal results are not
+ * flushed by FTZ (tests/offload/test_offload_adam_kernel.py checks both through the
+ * kernel). Elsewhere (AVX-512, other architectures, a build without F16C) the casts stay
+ * in the loops. */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define TZ_F16C 1
-/* n elements between fp16 and fp32 with F16C ([Note: fp16 through F16C]); the tail one
- * at a time with the same instructions. Round to nearest even, no exception raised. */
+/* n elements between fp16 and fp32 with F16C; the tail one at a time with the same
+ * instructions. Round to nearest even, no exception raised. */
 static void f16_to_f32_n(const uint16_t *h, float *f, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -159,20 +149,6 @@ static void f32_to_f16_n(const float *f, uint16_t *h, int64_t n) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(f + i),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     for (; i < n; ++i) h[i] = _cvtss_sh(f[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-#endif
-#else
-static inline float f16_to_f32(uint16_t h) {
-    _Float16 x;
-    memcpy(&x, &h, sizeof x);
-    return (float)x;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    _Float16 x = (_Float16)f; /* IEEE round to nearest even */
-    uint16_t h;
-    memcpy(&h, &x, sizeof h);
-    return h;
 }
 #endif
 
@@ -232,19 +208,7 @@ TZ_FLAGS(0, 0)
 TZ_FLAGS(0, 1)
 TZ_FLAGS(1, 0)
 TZ_FLAGS(1, 1)
-#ifdef TZ_F16C
-/* [Note: fp16 through F16C] Without AVX-512 the vectorised integer conversions above
- * still cost about 0.9 ns an element on a Zen 1 core; F16C's VCVTPH2PS / VCVTPS2PH (every
- * AVX2 CPU has them) convert 8 in one instruction, 0.13-0.16 ns, but gcc will not put
- * them in a loop it vectorises itself. So the fp32-moment update with an fp16 gradient or
- * an fp16 copy out runs in blocks of TZ_F16_BLOCK elements: the block's gradient
- * converted into an fp32 array on the stack (in L1), the fp32-gradient loop run on it,
- * then the block's new parameters converted out. The compressed-moment and bf16-master
- * kernels, which already work in blocks of TZ_BLOCK, convert each block's gradient into
- * a stack array first and its copies out after. The same arithmetic on the same
- * values: results are bit for bit those of the one-pass loop. Subnormals: VCVTPH2PS is
- * not subject to DAZ, and VCVTPS2PH's fp16 subnormal results are not flushed by FTZ
- * (tests/offload/test_offload_adam_kernel.py checks both through the kernel). */
+#ifdef TZ_F16C /* [Note: fp16 through F16C] */
 #define TZ_F16_BLOCK 512
 
 static void adam_f16_blocks(tz_adam_fn body, int gkind, int okind, float *p, float *m,

@@ -321,10 +321,10 @@ def _finite_fp16(n: int, seed: int) -> torch.Tensor:
 def test_fp16_gradients_and_copies_are_their_fp32_values(state: str, n: int, workers: int,
                                                          gdtype: torch.dtype) -> None:
     """The update from an fp16 (or bf16) gradient equals, bit for bit, the update from the
-    same values in fp32, and its fp16 copy out is torch's rounding of the new master: whichever way
-    this build converts fp16 ([Note: fp16 conversions without AVX-512], [Note: fp16
-    through F16C] in offload/_adam_kernel.c), for lengths not a multiple of 8 or of the
-    F16C blocks' 512, split over threads. The gradients take every finite fp16 class,
+    same values in fp32, and its fp16 copy out is torch's rounding of the new master:
+    whichever way this build converts fp16 (in the loops, or a block at a time with F16C:
+    [Note: fp16 through F16C] in offload/_adam_kernel.c), for lengths not a multiple of 8
+    or of the F16C blocks' 512, split over threads. The gradients take every finite fp16 class,
     subnormals included; the masters span fp16's subnormals up past its overflow, so the
     longest run's copies hold subnormals (not flushed by the kernel's FTZ) and
     infinities."""
