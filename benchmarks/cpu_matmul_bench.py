@@ -2,7 +2,7 @@
 
 [Note: low-precision matmul on CPU] in engine/cpu_matmul.py: where torch has no fast
 bf16 kernel for the CPU (no oneDNN support, e.g. AVX2-only CPUs), `precision.cpu_matmul:
-auto` computes the engine's bf16 products in fp32. Two measurements, each against its
+auto` computes the engine's bf16 products in fp32. Four measurements, each against its
 baselines in the same run:
 
   kernels   one Linear's forward and backward (the output, input and weight gradients)
@@ -13,6 +13,11 @@ baselines in the same run:
             over `PANEL` elements in panels ([Note: fp32 products in panels]) and upcast
             whole, alternating, the median of --repeats; and the largest fp32 tensor
             either way allocates (one recorded pass each)
+  orientation
+            the same layer at --panel-tokens tokens, forward and backward, each product's
+            fp32 result laid out as the engine chooses ([Note: the product's larger
+            operand on the left]) against every result row-major (the layout torch gives
+            by itself), alternating, the median of --repeats; and forward alone likewise
   default   `tierzero train`'s default run (configs/default.yaml: builtin:small, bf16,
             offloaded to NVMe under --swap) with precision.cpu_matmul native, and fp32,
             and with precision fp32; engines take turns in blocks of --block timed steps
@@ -20,6 +25,8 @@ baselines in the same run:
 
     python benchmarks/cpu_matmul_bench.py --out bench_out/cpu_matmul.json
     python benchmarks/cpu_matmul_bench.py --only panels --repeats 7 --out bench_out/panels.json
+    python benchmarks/cpu_matmul_bench.py --only orientation --panel-tokens 16,64,256,1024 \
+        --repeats 9 --out bench_out/orientation.json
 """
 
 from __future__ import annotations
@@ -155,6 +162,61 @@ def panels(tokens_list: list[int], repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _row_major(buf: torch.Tensor, rows: int, cols: int, k: int) -> torch.Tensor:
+    """The baseline's result layout: always row-major, as torch allocates it."""
+    return buf[:rows * cols].view(rows, cols)
+
+
+def _forward(ws: list[torch.Tensor], xs: list[torch.Tensor]) -> float:
+    """Seconds of each Linear's forward under the mode, without autograd."""
+    t0 = time.perf_counter()
+    with torch.no_grad(), LowPrecisionMatmul(torch.bfloat16):
+        for w, x in zip(ws, xs, strict=True):
+            F.linear(x, w)
+    return time.perf_counter() - t0
+
+
+def orientation(tokens_list: list[int], repeats: int) -> list[dict[str, Any]]:
+    """A 2.07B layer's Linears with each fp32 result laid out as the engine chooses
+    (`cpu_matmul._fp32_result`) against always row-major, alternating in one process:
+    forward and backward, and forward alone."""
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(o, i, generator=g) / i ** 0.5).bfloat16().requires_grad_()
+          for i, o in LAYER_2B]
+    chosen = cpu_matmul._fp32_result
+    ways = {"chosen": chosen, "row_major": _row_major}
+    rows = []
+    try:
+        for tokens in tokens_list:
+            xs = [torch.randn(tokens, i, generator=g).bfloat16().requires_grad_()
+                  for i, _ in LAYER_2B]
+            dys = [torch.randn(tokens, o, generator=g).bfloat16() for _, o in LAYER_2B]
+            times: dict[str, list[float]] = {k: [] for k in ways}
+            fwd: dict[str, list[float]] = {k: [] for k in ways}
+            for r in range(repeats + 1):  # the first round warms up
+                for name in (list(ways) if r % 2 else list(ways)[::-1]):
+                    cpu_matmul._fp32_result = ways[name]  # type: ignore[assignment]
+                    times[name].append(_layer(ws, xs, dys, cpu_matmul.PANEL))
+                    fwd[name].append(_forward(ws, xs))
+            med = {k: statistics.median(v[1:]) for k, v in times.items()}
+            med_f = {k: statistics.median(v[1:]) for k, v in fwd.items()}
+            flops = 2 * tokens * sum(i * o for i, o in LAYER_2B)
+            rows.append({"tokens": tokens, "panel": cpu_matmul.PANEL,
+                         "chosen_s": med["chosen"], "row_major_s": med["row_major"],
+                         "chosen_over_row_major": med["chosen"] / med["row_major"],
+                         "forward_chosen_s": med_f["chosen"],
+                         "forward_row_major_s": med_f["row_major"],
+                         "forward_chosen_over_row_major": med_f["chosen"] / med_f["row_major"],
+                         "gflops": {k: 3 * flops / v / 1e9 for k, v in med.items()},
+                         "forward_gflops": {k: flops / v / 1e9 for k, v in med_f.items()},
+                         "times": times, "forward_times": fwd})
+            print(json.dumps({k: v for k, v in rows[-1].items()
+                              if k not in ("times", "forward_times")}), flush=True)
+    finally:
+        cpu_matmul._fp32_result = chosen  # type: ignore[assignment]
+    return rows
+
+
 class Run:
     """One engine of the default config (precision and cpu_matmul set), stepped as
     `tierzero train` does."""
@@ -221,10 +283,10 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3, help="blocks per engine")
     ap.add_argument("--block", type=int, default=2, help="timed steps per block")
     ap.add_argument("--swap", default="/var/tmp", help="where the engines' swap dirs go")
-    ap.add_argument("--only", choices=["kernels", "panels", "default"],
-                    help="one of the measurements (default: all three)")
+    ap.add_argument("--only", choices=["kernels", "panels", "orientation", "default"],
+                    help="one of the measurements (default: all four)")
     ap.add_argument("--panel-tokens", default="64,256,1024",
-                    help="token counts of the panels measurement")
+                    help="token counts of the panels and orientation measurements")
     ap.add_argument("--out", default="bench_out/cpu_matmul.json")
     args = ap.parse_args()
     result: dict[str, Any] = {
@@ -236,6 +298,9 @@ def main() -> None:
         result["kernels"] = kernels(args.repeats)
     if args.only in (None, "panels"):
         result["panels"] = panels([int(t) for t in args.panel_tokens.split(",")], args.repeats)
+    if args.only in (None, "orientation"):
+        result["orientation"] = orientation([int(t) for t in args.panel_tokens.split(",")],
+                                            args.repeats)
     if args.only in (None, "default"):
         result["default_run"] = default_run(args.swap, args.blocks, args.block)
         d = result["default_run"]

@@ -41,6 +41,21 @@ shared pool after the product: the pool keeps one per product ever running at on
 one per thread. The panels also stay in the caches, so the products take less time, most
 at few tokens (benchmarks/RESULTS.md, "fp32 products in panels on an AVX2 CPU"). bmm and
 baddbmm (attention's products of activations) are upcast whole.
+
+[Note: the product's larger operand on the left]
+Which of a product's operands the GEMM takes as its left one changes MKL's speed, not
+the arithmetic. A linear layer's forward (`x @ W.T`) and input gradient (`dy @ W`) at few
+tokens have a short, wide result ([tokens, out]) and a long reduction (the layer's width):
+computed as the transposed product (`W @ x.T`, whose result is that one's transpose) they
+ran faster on an AVX2 EPYC, most at the fewest tokens, and no slower at 1024
+(benchmarks/RESULTS.md, "A linear layer's products with the weight on the left"). Giving
+torch's mm an fp32 result laid out column-major makes it call the GEMM that way round
+(`_fp32_result`); each element is still one fp32 dot product over the same K, rounded
+once into the contiguous result the op returns. `_column_major` picks the results laid
+out so: at most half as many rows as columns (a panel's result: as many as the panel has
+columns) and fewer rows than the reduction is long. A weight gradient's product
+([out, tokens] @ [tokens, in]: the reduction is the short side) keeps its row-major
+result, which ran no faster the other way round, and slower in short panels.
 """
 
 from __future__ import annotations
@@ -137,6 +152,32 @@ def _fp32_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf[:rows * cols].view(rows, cols)
 
 
+def _column_major(rows: int, cols: int, k: int) -> bool:
+    """Whether a product's [rows, cols] fp32 result, over a reduction of `k`, is computed
+    column-major ([Note: the product's larger operand on the left])."""
+    return 2 * rows <= cols and rows < k
+
+
+def _fp32_result(buf: torch.Tensor, rows: int, cols: int, k: int) -> torch.Tensor:
+    """A [rows, cols] view of `buf`'s first elements for an fp32 product's result over a
+    reduction of `k`, column-major where `_column_major` says so."""
+    if _column_major(rows, cols, k):
+        return buf[:rows * cols].view(cols, rows).t()
+    return buf[:rows * cols].view(rows, cols)
+
+
+def _product(res: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor,
+             bias: torch.Tensor | None, *, beta: Any, alpha: Any) -> None:
+    """`res` = `lhs @ rhs`, or addmm's `beta * bias + alpha * (lhs @ rhs)` (the bias
+    upcast, then beta and alpha in one GEMM; beta 0 ignores it), all fp32, in `res`'s
+    layout."""
+    if bias is None:
+        torch.mm(lhs, rhs, out=res)
+    else:
+        res.copy_(bias)
+        res.addmm_(lhs, rhs, beta=beta, alpha=alpha)
+
+
 def _panels(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
             bias: torch.Tensor | None, *, beta: Any, alpha: Any) -> torch.Tensor:
     """`a @ b` (or `beta * bias + alpha * (a @ b)`, addmm's) in fp32, panel by panel
@@ -155,18 +196,15 @@ def _panels(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
             if by_cols:
                 part = _fp32_view(buf, b[:, lo:hi])
                 part.copy_(b[:, lo:hi])
-                res = buf[part.numel():part.numel() + m * (hi - lo)].view(m, hi - lo)
+                res = _fp32_result(buf[part.numel():], m, hi - lo, k)
                 lhs, rhs, where = whole, part, (slice(None), slice(lo, hi))
             else:
                 part = _fp32_view(buf, a[lo:hi])
                 part.copy_(a[lo:hi])
-                res = buf[part.numel():part.numel() + (hi - lo) * n].view(hi - lo, n)
+                res = _fp32_result(buf[part.numel():], hi - lo, n, k)
                 lhs, rhs, where = part, whole, (slice(lo, hi), slice(None))
-            if full is None:
-                torch.mm(lhs, rhs, out=res)
-            else:  # addmm's own arithmetic: the bias upcast, then beta and alpha in one gemm
-                res.copy_(full[where])
-                res.addmm_(lhs, rhs, beta=beta, alpha=alpha)
+            _product(res, lhs, rhs, None if full is None else full[where], beta=beta,
+                     alpha=alpha)
             out[where].copy_(res)
     return out
 
@@ -174,13 +212,21 @@ def _panels(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
 def _upcast(func: Any, dtype: torch.dtype, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> torch.Tensor:
     """`func` on the fp32 upcasts of its operands, rounded to `dtype` once; mm and addmm
-    with a large operand or result in panels ([Note: fp32 products in panels])."""
+    with a large operand or result in panels ([Note: fp32 products in panels]), a short,
+    wide result column-major ([Note: the product's larger operand on the left])."""
     if func is _aten.mm.default or func is _aten.addmm.default:
         a, b = args[-2:]
-        if max(a.numel(), b.numel(), a.shape[0] * b.shape[1]) > PANEL:
-            bias = args[0] if func is _aten.addmm.default else None
-            return _panels(a, b, dtype, bias, beta=kwargs.get("beta", 1),
-                           alpha=kwargs.get("alpha", 1))
+        m, n = a.shape[0], b.shape[1]
+        bias = args[0] if func is _aten.addmm.default else None
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        if max(a.numel(), b.numel(), m * n) > PANEL:
+            return _panels(a, b, dtype, bias, beta=beta, alpha=alpha)
+        if _column_major(m, n, a.shape[1]):  # else torch's own, row-major, result
+            res = _fp32_result(torch.empty(m * n), m, n, a.shape[1])
+            _product(res, a.float(), b.float(),
+                     None if bias is None else bias.float().expand(m, n), beta=beta,
+                     alpha=alpha)
+            return torch.empty(m, n, dtype=dtype).copy_(res)
     ups = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
     return func(*ups, **kwargs).to(dtype)  # type: ignore[no-any-return]
 

@@ -207,16 +207,118 @@ def test_products_in_panels_are_the_whole_product(monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=ULP[dtype], atol=1e-6)
 
 
-def test_panels_ignore_the_bias_where_beta_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    """addmm with beta 0 ignores its input, NaN included, in panels as in one product."""
-    panels = _count_panels(monkeypatch, 64)
+@pytest.mark.parametrize("panel,column_major", [(64, False), (200, True), (None, True)])
+def test_panels_ignore_the_bias_where_beta_is_zero(monkeypatch: pytest.MonkeyPatch,
+                                                   panel: int | None,
+                                                   column_major: bool) -> None:
+    """addmm with beta 0 ignores its input, NaN included, in panels as in one product,
+    with its fp32 results row-major (panels of 4 columns) or column-major (panels of 15
+    columns, and the whole product: [Note: the product's larger operand on the left])."""
+    if panel is None:
+        monkeypatch.setattr(cpu_matmul, "PANEL", 1 << 40)
+    else:
+        panels = _count_panels(monkeypatch, panel)
+    layouts = _record_layouts(monkeypatch)
     a, b = _rand(5, 8, dtype=torch.bfloat16, seed=0), _rand(8, 40, dtype=torch.bfloat16, seed=1)
     nan = torch.full((40,), float("nan"), dtype=torch.bfloat16)
     with LowPrecisionMatmul(torch.bfloat16), torch.no_grad():
         got = torch.addmm(nan, a, b, beta=0)
-    assert panels[0] == 1
+    if panel is not None:
+        assert panels[0] == 1
+    assert layouts and all(col == column_major for col in layouts), layouts
     torch.testing.assert_close(got.float(), (a.float() @ b.float()).bfloat16().float(),
                                rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
+def _record_layouts(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each fp32 result the mode's mm and addmm compute into is column-major."""
+    seen: list[bool] = []
+    orig = cpu_matmul._product
+
+    def recorded(res: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        seen.append(res.stride(0) == 1 and res.stride(1) == res.shape[0] > 1)
+        orig(res, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_matmul, "_product", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [  # m, k, n: [m, k] @ [k, n]; whether column-major
+    (3, 40, 200, True),  # a linear layer's forward or input gradient at few tokens
+    (2, 5, 9, True),  # a short result with a longer reduction
+    (40, 3, 200, False),  # a weight gradient: the reduction (tokens) is the short side
+    (40, 40, 50, False),  # more than half as many rows as columns
+    (3, 3, 200, False),  # as many rows as the reduction is long
+])
+@pytest.mark.parametrize("setup", [(p, t) for p in (None, 1000) for t in (False, True)])
+@pytest.mark.parametrize("bias", [None, (-1,), (0, -1), (0, 1)])
+def test_short_wide_results_take_the_larger_operand_on_the_left(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+        case: tuple[int, int, int, bool], setup: tuple[int | None, bool],
+        bias: tuple[int, ...] | None) -> None:
+    """[Note: the product's larger operand on the left]: mm and addmm whose result has at
+    most half as many rows as columns and fewer rows than the reduction is long compute
+    into a column-major fp32 result, whole or in panels of 1000 elements (the other
+    shapes into a row-major one): the fp32 product rounded once, within one rounding of
+    the dtype of the whole product's, returned contiguous, with operands in either layout
+    and addmm's bias in each broadcast shape."""
+    m, k, n, column_major = case
+    panel, transposed = setup  # panels of that many elements (None: whole); operands' layout
+    if panel is None:
+        monkeypatch.setattr(cpu_matmul, "PANEL", 1 << 40)
+    else:
+        panels = _count_panels(monkeypatch, panel)
+    layouts = _record_layouts(monkeypatch)
+    a = _layout(_rand(m, k, dtype=dtype, seed=21).detach(), transposed)
+    b = _layout(_rand(k, n, dtype=dtype, seed=22).detach(), transposed)
+    shape = None if bias is None else tuple(m if d == 0 else n if d == -1 else 1 for d in bias)
+    i = None if shape is None else _rand(*shape, dtype=dtype, seed=23).detach()
+    with LowPrecisionMatmul(dtype):
+        got = torch.mm(a, b) if i is None else torch.addmm(i, a, b, beta=0.5, alpha=2.0)
+    want = (a.float() @ b.float() if i is None
+            else torch.addmm(i.float(), a.float(), b.float(), beta=0.5, alpha=2.0))
+    big = max(m * k, k * n, m * n) > 1000
+    if panel is not None:
+        assert panels[0] == int(big)
+    if panel is not None and big:
+        assert layouts and all(col == column_major for col in layouts), layouts
+    else:  # one product: column-major, or torch's own (nothing recorded)
+        assert layouts == ([True] if column_major else []), layouts
+    assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=ULP[dtype], atol=1e-6)
+
+
+def test_a_linear_at_few_tokens_computes_its_forward_and_input_gradient_column_major(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """F.linear at 2 tokens (x 2 x 64, weight 300 x 64): its forward and input gradient
+    compute into column-major fp32 results and its weight gradient ([300, 2] @ [2, 64])
+    into row-major ones, whole and in panels of 4096 elements (5 panels each: 62 of the
+    forward's 300 columns, 13 of the input gradient's 64, 62 of the weight gradient's 300
+    rows); the output and gradients within one rounding of fp32 autograd's."""
+    for panel, forward, backward in ((1 << 40, [True], [True]),  # dW: torch's own mm
+                                     (4096, [True] * 5, [False] * 5 + [True] * 5)):
+        monkeypatch.setattr(cpu_matmul, "PANEL", panel)
+        layouts = _record_layouts(monkeypatch)
+        x = _rand(2, 64, dtype=torch.bfloat16, seed=0)
+        w = _rand(300, 64, dtype=torch.bfloat16, seed=1)
+        dy = torch.randn(2, 300, generator=torch.Generator().manual_seed(2)).bfloat16()
+        with LowPrecisionMatmul(torch.bfloat16):
+            y = F.linear(x, w)
+            assert layouts == forward
+            layouts.clear()
+            y.backward(dy)
+        assert sorted(layouts) == backward
+        ups = [t.detach().float().requires_grad_() for t in (x, w)]
+        want = F.linear(*ups)
+        want.backward(dy.float())
+        torch.testing.assert_close(y.float(), want.bfloat16().float(),
+                                   rtol=ULP[torch.bfloat16], atol=1e-6)
+        for t, u in zip((x, w), ups, strict=True):
+            assert t.grad is not None and u.grad is not None
+            torch.testing.assert_close(t.grad.float(), u.grad, rtol=ULP[torch.bfloat16],
+                                       atol=1e-6)
+        monkeypatch.undo()
 
 
 class _Fp32Sizes(TorchDispatchMode):  # type: ignore[no-untyped-call]
