@@ -193,16 +193,25 @@ def test_products_in_panels_are_the_whole_product(monkeypatch: pytest.MonkeyPatc
     bias in each broadcast shape, its beta and alpha): the fp32 product rounded once,
     within one rounding of the dtype of the whole product's."""
     panels = _count_panels(monkeypatch, 64)
+    _mm_or_addmm(mkn, dtype, bias, transposed, seed=11)
+    assert panels[0] == 1
+
+
+def _mm_or_addmm(mkn: tuple[int, int, int], dtype: torch.dtype, bias: tuple[int, ...] | None,
+                 transposed: bool, *, seed: int) -> None:
+    """mm (no `bias`) or addmm with beta 0.5 and alpha 2 of [m, k] @ [k, n] under the mode,
+    operands stored as `transposed` says, the bias shaped by `bias` (0: m, -1: n, 1: a
+    broadcast 1): the result contiguous, within one rounding of the dtype of the fp32
+    product's."""
     m, k, n = mkn
-    a = _layout(_rand(m, k, dtype=dtype, seed=11).detach(), transposed)
-    b = _layout(_rand(k, n, dtype=dtype, seed=12).detach(), transposed)
+    a = _layout(_rand(m, k, dtype=dtype, seed=seed).detach(), transposed)
+    b = _layout(_rand(k, n, dtype=dtype, seed=seed + 1).detach(), transposed)
     shape = None if bias is None else tuple(m if d == 0 else n if d == -1 else 1 for d in bias)
-    i = None if shape is None else _rand(*shape, dtype=dtype, seed=13).detach()
+    i = None if shape is None else _rand(*shape, dtype=dtype, seed=seed + 2).detach()
     with LowPrecisionMatmul(dtype):
         got = torch.mm(a, b) if i is None else torch.addmm(i, a, b, beta=0.5, alpha=2.0)
     want = (a.float() @ b.float() if i is None
             else torch.addmm(i.float(), a.float(), b.float(), beta=0.5, alpha=2.0))
-    assert panels[0] == 1
     assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
     torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=ULP[dtype], atol=1e-6)
 
@@ -270,14 +279,7 @@ def test_short_wide_results_take_the_larger_operand_on_the_left(
     else:
         panels = _count_panels(monkeypatch, panel)
     layouts = _record_layouts(monkeypatch)
-    a = _layout(_rand(m, k, dtype=dtype, seed=21).detach(), transposed)
-    b = _layout(_rand(k, n, dtype=dtype, seed=22).detach(), transposed)
-    shape = None if bias is None else tuple(m if d == 0 else n if d == -1 else 1 for d in bias)
-    i = None if shape is None else _rand(*shape, dtype=dtype, seed=23).detach()
-    with LowPrecisionMatmul(dtype):
-        got = torch.mm(a, b) if i is None else torch.addmm(i, a, b, beta=0.5, alpha=2.0)
-    want = (a.float() @ b.float() if i is None
-            else torch.addmm(i.float(), a.float(), b.float(), beta=0.5, alpha=2.0))
+    _mm_or_addmm((m, k, n), dtype, bias, transposed, seed=21)
     big = max(m * k, k * n, m * n) > 1000
     if panel is not None:
         assert panels[0] == int(big)
@@ -285,8 +287,6 @@ def test_short_wide_results_take_the_larger_operand_on_the_left(
         assert layouts and all(col == column_major for col in layouts), layouts
     else:  # one product: column-major, or torch's own (nothing recorded)
         assert layouts == ([True] if column_major else []), layouts
-    assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
-    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=ULP[dtype], atol=1e-6)
 
 
 def test_a_linear_at_few_tokens_computes_its_forward_and_input_gradient_column_major(
