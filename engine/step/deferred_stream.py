@@ -19,13 +19,9 @@ One thread drives the stream at a time (`_drive`): the worker, one group per tur
 the kernel threads backward would leave free (threads_during_backward); or the training
 thread when it waits for a group (`wait_groups`, `drain`): it claims the stream, the
 worker stops after the group it is in, and the training thread runs the groups up to
-the one it needs itself, with every kernel thread, in the same order. From the claim on,
-the group the worker is in takes its remaining pieces on every kernel thread too: the
-training thread computes nothing while it waits, so the cores it leaves are the
-kernel's (on a 2-core CPU whose products run on the CPU, the forward waits for the
-update's kernel: benchmarks/RESULTS.md, "The group in progress on every kernel thread
-while forward waits"). Either way each group is one `mark_final` of the same stream in
-the same order with the same factor: the bits are those of the update run in step().
+the one it needs itself, with every kernel thread, in the same order. Either way each
+group is one `mark_final` of the same stream in the same order with the same factor:
+the bits are those of the update run in step().
 
 Each group's new param is written as a host cache (AdamStream.keep_params, [Note: param
 kept in host memory] in offload/stream_parts.py): its gather comes right after, and
@@ -149,8 +145,7 @@ class DeferredStream:
         were issued) before it counts as done; keep a failure for the next wait."""
         key = self._order[pos]
         last = pos + 1 == len(self._order)
-        with self._cond:  # a training thread waiting: every kernel thread (see _drive_to)
-            self._stream.threads = self._threads if self._claims else threads
+        self._stream.threads = threads
         try:
             self._stream.mark_final([self._index[key]])
         except BaseException as exc:
@@ -216,9 +211,6 @@ class DeferredStream:
     def _drive_to(self, target: int) -> None:
         with self._cond:
             self._claims += 1
-            # the group the worker is in (the training thread waits for it to end) takes
-            # its next pieces on every kernel thread: the waiting thread computes nothing
-            self._stream.threads = self._threads
         try:
             with self._drive:
                 while self._done < target and self._failure is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import re
 import threading
 import time
@@ -49,9 +48,7 @@ from tierzero.engine.checkpoint.layout import LATEST, CheckpointError, load_mani
 from tierzero.engine.config import Config
 from tierzero.engine.config.schema import LossScaleConfig, PrecisionConfig
 from tierzero.engine.engine import ZeroEngine
-from tierzero.engine.step import offloaded
 from tierzero.engine.step.offloaded import OffloadedStep, StepMode
-from tierzero.offload import adam_stream
 from tierzero.offload.adam_stream import AdamStream
 
 # loss multipliers: the gradient norm is about 1.5 at x1 and 0.75 at x0.5, so clipping at
@@ -282,63 +279,6 @@ def test_each_unit_waits_for_its_own_groups_and_gathers_its_new_param_from_host(
     busy, hidden = step.worker_times()
     assert busy > 0.0 and 0.0 <= hidden <= busy
     got = full_params(eng, eng.module)
-    for k, v in _after(3, tmp_path / "ref").items():
-        assert torch.equal(got[k], v), k
-
-
-def test_a_waiting_training_thread_gives_the_group_in_progress_every_kernel_thread(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """[Note: deferred streamed step]: the worker updates beside forward with the kernel
-    threads compute leaves (one of two here); once the training thread waits for the group
-    the worker is in, that group's next pieces run on every kernel thread, and the groups
-    the training thread then runs itself too. The worker is held in the root group's first
-    piece until the training thread waits (no timing); the bits are the update's in
-    step()."""
-    monkeypatch.setattr(offloaded, "threads_per_rank", lambda world_size: 2)
-    eng, _, _, _ = engine.initialize(device="cpu", model=make_model(),
-                                     config=nvme_cfg(tmp_path / "swap", grads="cpu",
-                                                     chunk=1024))
-    deferred = runner(eng)._deferred
-    real = adam_stream.adam_update
-    armed, held = threading.Event(), threading.Event()
-    seen: list[tuple[bool, Any, str, bool]] = []  # (on the worker, threads, group, held yet)
-
-    def gated(*args: Any, **kwargs: Any) -> None:
-        worker = threading.current_thread().name.startswith("tierzero-adam-deferred")
-        hold = worker and armed.is_set() and not held.is_set()
-        seen.append((worker, kwargs["threads"], deferred._order[deferred._done],
-                     hold or held.is_set()))
-        if hold:  # this piece waits until the training thread waits for its group
-            held.set()
-            deadline = time.monotonic() + 120
-            while not deferred._claims and time.monotonic() < deadline:
-                time.sleep(0.001)
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(adam_stream, "adam_update", gated)
-    try:
-        _one_step(eng)
-        ids, tg = make_batches(1, seed=2)[0]
-        eng.backward(eng(ids, tg))  # the first deferred update ran in this forward
-        seen.clear()
-        armed.set()
-        eng.step()  # the worker starts the next one, and holds in its first piece
-        ids, tg = make_batches(1, seed=3)[0]
-        eng.backward(eng(ids, tg))
-        eng.step()
-        got = full_params(eng, eng.module)
-        during, every = deferred._during, deferred._threads
-    finally:
-        eng.close()
-    assert during is not None and during.threads == 1 and every.threads == 2
-    first = next(i for i, s in enumerate(seen) if s[0] and s[3])
-    group = seen[first][2]
-    assert seen[first][1] is during  # the held piece: beside compute
-    rest = list(itertools.takewhile(lambda s: s[2] == group, seen[first + 1:]))
-    assert rest and all(w and t is every for w, t, _, _ in rest), rest  # its next pieces
-    mine = [t for worker, t, _, _ in seen if not worker]
-    assert all(t is every for t in mine)  # any group the training thread ran itself
-    monkeypatch.setattr(adam_stream, "adam_update", real)
     for k, v in _after(3, tmp_path / "ref").items():
         assert torch.equal(got[k], v), k
 
