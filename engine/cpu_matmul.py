@@ -222,10 +222,9 @@ def _upcast(func: Any, dtype: torch.dtype, args: tuple[Any, ...],
         if max(a.numel(), b.numel(), m * n) > PANEL:
             return _panels(a, b, dtype, bias, beta=beta, alpha=alpha)
         if _column_major(m, n, a.shape[1]):  # else torch's own, row-major, result
-            res = _fp32_result(torch.empty(m * n), m, n, a.shape[1])
-            _product(res, a.float(), b.float(),
-                     None if bias is None else bias.float().expand(m, n), beta=beta,
-                     alpha=alpha)
+            res = torch.empty(n, m).t()  # column-major; the bias upcast as it is copied in
+            _product(res, a.float(), b.float(), None if bias is None else bias.expand(m, n),
+                     beta=beta, alpha=alpha)
             return torch.empty(m, n, dtype=dtype).copy_(res)
     ups = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
     return func(*ups, **kwargs).to(dtype)  # type: ignore[no-any-return]
