@@ -316,8 +316,9 @@ static inline uint32_t rbits(uint32_t i32, uint32_t key) {
 
 /* [Note: int8 decode by arithmetic]
  * The reference decodes code q through a table, (code value of q) / top in fp32
- * (state_codec.M_TABLE / U_TABLE), times the block scale. gcc turns no table lookup into
- * vector code, so the kernel computes the same fp32 values from q's bits instead:
+ * (state_codec.M_TABLE / U_TABLE), times the block scale. With AVX-512 (and on other
+ * architectures) the kernel computes the same fp32 values from q's bits instead, in the
+ * update's vectorised loop (without AVX-512, see the next note):
  *   code value: e = q >> mb, f = q & (2^mb - 1); the integer significand k = 2^mb + f
  *     (e > 0) or f (e = 0, the linear range) times 2^(max(e, 1) - 15 - mb), a power of
  *     two built from its bits: one exact float product. Only integer selects, so gcc
@@ -342,6 +343,44 @@ static inline float dec_mag(uint32_t q, const int mb) {
     float q0 = x * r;
     return fmaf(fmaf(-q0, top, x), r, q0);
 }
+
+/* [Note: int8 decode through a table without AVX-512]
+ * With 16-lane AVX-512 vectors the arithmetic above costs a few instructions per 16 codes.
+ * With 4-lane SSE / AVX2 vectors (AMD Zen 1-3, Intel CPUs without AVX-512) it was a
+ * quarter of the int8 kernel's time, and loading each code's value from a 256-entry table
+ * (1 KiB, in L1) costs less: a block's codes are decoded into a stack array before the
+ * update's loop, four table loads gathered into one vector and multiplied by the block
+ * scale (benchmarks/RESULTS.md, "The int8 decode through a table on an AVX2 CPU"). The
+ * loads are written as intrinsics, not left for gcc to vectorise: for Intel AVX2 targets
+ * it would use VGATHERDPS, slow on CPUs with the gather-data-sampling microcode fix.
+ * The tables hold exactly dec_mag's values (with exp_avg's sign: -(x * s) = (-x) * s in
+ * round-to-nearest), filled by it when the library is loaded, so the decoded moments are
+ * bit for bit the arithmetic's (tests/offload/test_offload_state_kernel_codes.py decodes
+ * every code of both moments through the kernel). */
+#if defined(__SSE2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define TZ_DEC_TABLE 1
+static float tz_m_table[256], tz_u_table[256]; /* exp_avg's signed codes; sqrt(v)'s */
+
+__attribute__((constructor)) static void tz_fill_dec_tables(void) {
+    for (uint32_t q = 0; q < 256; ++q) {
+        float mag = dec_mag(q & 0x7fu, 3);
+        tz_m_table[q] = (q & 0x80u) ? -mag : mag;
+        tz_u_table[q] = dec_mag(q, 4);
+    }
+}
+
+/* out[j] = t[q[j]] * s for j < n */
+static inline void dec_block(const uint8_t *restrict q, const float *restrict t, float s,
+                             float *restrict out, int n) {
+    const __m128 vs = _mm_set1_ps(s);
+    int j = 0;
+    for (; j + 4 <= n; j += 4)
+        _mm_storeu_ps(out + j, _mm_mul_ps(_mm_setr_ps(t[q[j]], t[q[j + 1]], t[q[j + 2]],
+                                                      t[q[j + 3]]), vs));
+    for (; j < n; ++j) out[j] = t[q[j]] * s;
+}
+#endif
 
 /* Magnitude y >= 0 -> nearest code, ties to even, clamped to the top code. The linear
  * range (y < 2^-14) rounds y * 2^(14 + mb) to an integer, ties to even, by one float add:
@@ -418,9 +457,16 @@ static inline __attribute__((always_inline)) void adam_q_range(
         float gt[TZ_BLOCK], pt[TZ_BLOCK];
         if (gkind == 2) f16_to_f32_n(g16 + b0, gt, len);
 #endif
+#ifdef TZ_DEC_TABLE
+        float md[TZ_BLOCK], ud[TZ_BLOCK]; /* the block's decoded m and sqrt(v) */
+#endif
         if (skind == 2) {
             sm = ms[b0 / TZ_BLOCK];
             sv = vs[b0 / TZ_BLOCK];
+#ifdef TZ_DEC_TABLE
+            dec_block(mq + b0, tz_m_table, sm, md, len);
+            dec_block(vq + b0, tz_u_table, sv, ud, len);
+#endif
         }
         const uint32_t r0 = (uint32_t)(b0 + base); /* rbits' index of element b0 */
         for (int j = 0; j < len; ++j) {
@@ -446,10 +492,15 @@ static inline __attribute__((always_inline)) void adam_q_range(
                 mi = bf16_to_f32(m16[i]);
                 vi = bf16_to_f32(v16[i]);
             } else {
+#ifdef TZ_DEC_TABLE
+                mi = md[j]; /* see [Note: int8 decode through a table without AVX-512] */
+                float u = ud[j];
+#else
                 uint32_t c = mq[i]; /* see [Note: int8 decode by arithmetic] */
                 float mag = dec_mag(c & 0x7fu, 3) * sm;
                 mi = (c & 0x80u) ? -mag : mag;
                 float u = dec_mag(vq[i], 4) * sv;
+#endif
                 vi = u * u;
             }
             mi = fmaf(wc, g - mi, w_small ? mi : g);

@@ -1,8 +1,9 @@
 """The C kernel's int8 codes against the reference codec, exhaustively (state_codec.py).
 
-The kernel decodes codes by arithmetic on their bits, not through the reference's tables
-([Note: int8 decode by arithmetic] in _adam_kernel.c), and encodes by rounding fp32 bits;
-both must agree with state_codec bit for bit, through the real update loop:
+The kernel decodes codes by arithmetic on their bits with AVX-512 ([Note: int8 decode by
+arithmetic] in _adam_kernel.c), through tables of its own filled by that arithmetic without
+([Note: int8 decode through a table without AVX-512]), and encodes by rounding fp32 bits;
+each must agree with state_codec bit for bit, through the real update loop:
 
 - decode: every one of the 256 codes of each moment, at several block scales, in every
   vector lane position. Made observable exactly: one nonzero code per block, g = 0,
