@@ -43,8 +43,9 @@ precision, not the same absolute one). Choices, and why:
 - Codes round to the nearest, ties to even, by integer arithmetic on the fp32 bits
   (vectorisable in C, identical in PyTorch); decoding is a table lookup times the scale
   (tables: code value / top value, so the top code decodes to the scale exactly; the C
-  kernel computes the same values from the code's bits, [Note: int8 decode by arithmetic]
-  in _adam_kernel.c, because gcc vectorises that and not a lookup). So
+  kernel computes the same values from the code's bits with AVX-512, [Note: int8 decode
+  by arithmetic] in _adam_kernel.c, and through tables of its own filled by that
+  arithmetic without, [Note: int8 decode through a table without AVX-512]). So
   (a) the C kernel and this module agree bit for bit, and (b) encoding decoded values
   gives back the same codes and scales (the maximum decodes exactly, every other value
   to within two ulps of its code), which makes decoded fp32 moments (a checkpoint from
@@ -150,7 +151,8 @@ def _code_values(mant_bits: int) -> torch.Tensor:
 
 # Decoded values relative to the block scale: code value / top code value (fp32 division),
 # so the top code decodes to the block's maximum exactly. The kernel computes the same
-# values ([Note: int8 decode by arithmetic]; tests/offload/test_offload_state_kernel_codes.py).
+# values ([Note: int8 decode by arithmetic], [Note: int8 decode through a table without
+# AVX-512]; tests/offload/test_offload_state_kernel_codes.py).
 M_TABLE = _code_values(_M_MANT) / M_TOP  # 128 exp_avg magnitudes
 U_TABLE = _code_values(_U_MANT) / U_TOP  # 256 sqrt(exp_avg_sq) values
 
