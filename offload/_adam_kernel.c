@@ -355,7 +355,8 @@ static inline float dec_mag(uint32_t q, const int mb) {
  * it would use VGATHERDPS, slow on CPUs with the gather-data-sampling microcode fix.
  * The tables hold exactly dec_mag's values (with exp_avg's sign: -(x * s) = (-x) * s in
  * round-to-nearest), filled by it when the library is loaded, so the decoded moments are
- * bit for bit the arithmetic's (tests/offload/test_offload_state_kernel_codes.py decodes
+ * bit for bit the arithmetic's (a NaN block scale, a non-finite block's, decodes to NaN
+ * either way, its sign aside; tests/offload/test_offload_state_kernel_codes.py decodes
  * every code of both moments through the kernel). */
 #if defined(__SSE2__) && !defined(__AVX512F__)
 #include <immintrin.h>
