@@ -345,10 +345,10 @@ static inline float dec_mag(uint32_t q, const int mb) {
 }
 
 /* [Note: int8 decode through a table without AVX-512]
- * With 16-lane AVX-512 vectors the arithmetic above costs a few instructions per 16 codes.
- * With 4-lane SSE / AVX2 vectors (AMD Zen 1-3, Intel CPUs without AVX-512) it was a
- * quarter of the int8 kernel's time, and loading each code's value from a 256-entry table
- * (1 KiB, in L1) costs less: a block's codes are decoded into a stack array before the
+ * With AVX-512 the arithmetic above runs on 16 codes per instruction and stays (a table
+ * was not measured there). With 4-lane SSE / AVX2 vectors (AMD Zen 1-3, Intel CPUs without
+ * AVX-512) loading each code's value from a 256-entry table (1 KiB, in L1) costs less
+ * than that arithmetic: a block's codes are decoded into a stack array before the
  * update's loop, four table loads gathered into one vector and multiplied by the block
  * scale (benchmarks/RESULTS.md, "The int8 decode through a table on an AVX2 CPU"). The
  * loads are written as intrinsics, not left for gcc to vectorise: for Intel AVX2 targets
