@@ -11,7 +11,9 @@ tests/test_bench_report.py imports it without torch or DeepSpeed.
 
 from __future__ import annotations
 
+import os
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 NA = "n/a"
@@ -40,6 +42,33 @@ def fastest_drive(*measured: dict[str, float]) -> dict[str, float]:
     those moments, so a drive that drifts during a row does not flatter the row."""
     fields = ("read_gbps", "write_gbps", "mixed_gbps", "deep_mixed_gbps")
     return {k: max(m[k] for m in measured) for k in fields if all(k in m for m in measured)}
+
+
+def steal_seconds(cpus: Iterable[int], stat_text: str | None = None) -> float | None:
+    """Seconds the hypervisor ran something else while `cpus` (this VM's vCPUs) had work to
+    run, summed over those CPUs since boot: the `steal` column of /proc/stat's per-CPU
+    lines (the eighth number, in clock ticks). None where /proc/stat has no such column
+    (not Linux, or a kernel without it); 0 on a machine that is not a VM. A difference of
+    two readings is the CPU time the VM lost between them: on a VM whose host serves its
+    disk on the same physical cores, that time is gone from the step's CPU work."""
+    if stat_text is None:
+        try:
+            with open("/proc/stat") as f:
+                stat_text = f.read()
+        except OSError:
+            return None
+    want = {f"cpu{c}" for c in cpus}
+    ticks, seen = 0, 0
+    for line in stat_text.splitlines():
+        fields = line.split()
+        if fields and fields[0] in want:
+            if len(fields) < 9:
+                return None
+            ticks += int(fields[8])
+            seen += 1
+    if seen != len(want):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:

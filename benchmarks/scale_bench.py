@@ -22,7 +22,11 @@ and gradient clipping 1.0 (`--clip`), train a few steps. Per run, in a fresh chi
   written/write_bw, one direction at a time, as rows before 2026-12-03 13:00 reported);
 - step time against the CPU: the child's CPU seconds in the step (user + system, every
   thread) over the cores it may run on, `cpu_bound_s`, the least time the step's CPU work
-  needs with every core busy (a step near it is bound by the CPU, not the drive);
+  needs with every core busy (a step near it is bound by the CPU, not the drive); on a VM,
+  also the seconds its hypervisor took from those cores during the step (`steal_s`, from
+  /proc/stat) and `cpu_steal_bound_s` = (CPU seconds + steal) over the cores: the least
+  time on the CPU the VM was actually given (some VMs lose a third of their cores while
+  their disk has requests in flight: benchmarks/io_steal_bench.py);
 - whether the swap files are gone after `close()`; the loss of each step (one fixed batch,
   so a working optimizer lowers it), and a fingerprint of the weights each module's first
   forward call of the step computed with (`weights_seen`, and its `weights_digest`: small
@@ -242,6 +246,13 @@ def disk_bandwidth(directory: str, nbytes: int, chunk: int = 64 << 20) -> dict[s
 
 
 # -- children -------------------------------------------------------------------------------
+def cores_steal() -> float | None:
+    """The steal seconds so far of the cores this process may run on (bench_report's)."""
+    from bench_report import steal_seconds  # benchmarks/bench_report.py
+
+    return steal_seconds(os.sched_getaffinity(0))
+
+
 def cpu_seconds() -> tuple[float, float]:
     """This process's CPU seconds so far over all its threads: (user + system, system)."""
     u = resource.getrusage(resource.RUSAGE_SELF)
@@ -252,12 +263,15 @@ class Phases:
     """Peak RSS growth per phase over `base` (VmHWM, reset at each phase's start), and the
     process's CPU seconds in the phase (user + system, every thread: getrusage), so a step
     can be set against the CPU's time for its work as well as the drive's, and the system
-    part of them (the kernel's: page faults, zeroing fresh memory, I/O calls)."""
+    part of them (the kernel's: page faults, zeroing fresh memory, I/O calls); and the
+    seconds the hypervisor took from the cores the process may run on (`steal_s`:
+    bench_report.steal_seconds; None where the kernel does not count them)."""
 
     def __init__(self) -> None:
         self.base = status_bytes("VmRSS")
         self.rows: list[dict[str, Any]] = []
         self._cpu0 = (0.0, 0.0)
+        self._steal0: float | None = None
 
     def start(self, name: str) -> float:
         """Reset VmHWM; tell the parent which phase runs now (its watchdog names it when it
@@ -266,12 +280,16 @@ class Phases:
         sys.stderr.flush()
         reset_hwm()
         self._cpu0 = cpu_seconds()
+        self._steal0 = cores_steal()
         return time.perf_counter()
 
     def end(self, name: str, t0: float, **extra: Any) -> dict[str, Any]:
         cpu, cpu_sys = cpu_seconds()
+        steal = cores_steal()
         row = {"phase": name, "s": time.perf_counter() - t0,
                "cpu_s": cpu - self._cpu0[0], "cpu_sys_s": cpu_sys - self._cpu0[1],
+               "steal_s": (steal - self._steal0 if steal is not None
+                           and self._steal0 is not None else None),
                "cores": len(os.sched_getaffinity(0)),
                "peak_growth": status_bytes("VmHWM") - self.base,
                "end_growth": status_bytes("VmRSS") - self.base, **extra}
@@ -746,6 +764,14 @@ def summarize(row: dict[str, Any], bw: dict[str, float], state_bytes: int) -> di
             out.update(cpu_s=mid["cpu_s"], cpu_sys_s=mid.get("cpu_sys_s"), cores=mid["cores"],
                        cpu_bound_s=cpu_bound,
                        step_over_cpu_bound=mid["s"] / cpu_bound if cpu_bound else None)
+            if mid.get("steal_s") is not None:
+                # the same with the cores' time the hypervisor took (a VM whose host serves
+                # its disk on the cores it lends: bench_report.steal_seconds) counted as
+                # busy: the least time the step needs on the CPU time the VM was given
+                machine_bound = (mid["cpu_s"] + mid["steal_s"]) / mid["cores"]
+                out.update(steal_s=mid["steal_s"], cpu_steal_bound_s=machine_bound,
+                           step_over_cpu_steal_bound=(mid["s"] / machine_bound
+                                                      if machine_bound else None))
         out.update(step_s=mid["s"], nvme_read_per_step=mid["nvme_read"],
                    nvme_written_per_step=mid["nvme_written"], io_bound_s=io_s,
                    io_bound_share=io_s / mid["s"],
@@ -804,8 +830,9 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
     """Markdown rows: each tierzero state precision's NVMe bytes and step against fp32's."""
     base = (rows.get("tierzero") or {}).get("summary") or {}
     out = ["| state_precision | NVMe read / step | written / step | bytes vs fp32 | step | "
-           "vs fp32 | io_bound_s | at 8 x 4 MiB | CPU s / cores | disk w/r/both/deep GB/s |",
-           "| --- |" + " ---: |" * 9]
+           "vs fp32 | io_bound_s | at 8 x 4 MiB | CPU s / cores | + steal | "
+           "disk w/r/both/deep GB/s |",
+           "| --- |" + " ---: |" * 10]
     for name, row in rows.items():
         s = row.get("summary") or {}
         if not name.startswith("tierzero") or "step_s" not in s:
@@ -822,6 +849,7 @@ def precision_table(rows: dict[str, Any]) -> list[str]:
                    f"{vs_step} | {s['io_bound_s']:.1f} s | "
                    f"{s.get('io_bound_deep_s', float('nan')):.1f} s | "
                    f"{s.get('cpu_bound_s', float('nan')):.1f} s | "
+                   f"{s.get('cpu_steal_bound_s', float('nan')):.1f} s | "
                    f"{row['disk']['write_gbps']:.2f} / {row['disk']['read_gbps']:.2f} / "
                    f"{row['disk']['mixed_gbps']:.2f} / "
                    f"{row['disk'].get('deep_mixed_gbps', float('nan')):.2f} |")

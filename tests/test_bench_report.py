@@ -247,24 +247,86 @@ def test_scale_bench_sets_the_step_against_the_cpu_time_of_its_work(
 
     monkeypatch.syspath_prepend(str(Path(scale_bench.__file__).parent))  # as when run
 
-    def step(name: str, s: float, cpu: float) -> dict[str, Any]:
+    def step(name: str, s: float, cpu: float, steal: float | None) -> dict[str, Any]:
         return {"phase": name, "s": s, "cpu_s": cpu, "cpu_sys_s": cpu / 4, "cores": 2,
-                "peak_growth": 1 << 30,
+                "steal_s": steal, "peak_growth": 1 << 30,
                 "end_growth": 1 << 29, "loss": 1.0, "nvme_read": 4e9, "nvme_written": 2e9}
 
     row = {"peak_rss_wait4": 2 << 30,
-           "phases": [step("step 1", 9.0, 15.0), step("step 2", 8.0, 12.0)]}
+           "phases": [step("step 1", 9.0, 15.0, 1.0), step("step 2", 8.0, 12.0, 2.0)]}
     bw = {"read_gbps": 2.0, "write_gbps": 2.0, "mixed_gbps": 2.0}
     s = scale_bench.summarize(row, bw, state_bytes=8 << 30)
     assert s["step_s"] == 8.0 and s["cpu_s"] == 12.0 and s["cores"] == 2
     assert s["cpu_sys_s"] == 3.0  # the median step's system part
     assert s["cpu_bound_s"] == pytest.approx(6.0)
     assert s["step_over_cpu_bound"] == pytest.approx(8.0 / 6.0)
+    # the hypervisor's 2 s of the step counted as busy cores: (12 + 2) / 2
+    assert s["steal_s"] == 2.0 and s["cpu_steal_bound_s"] == pytest.approx(7.0)
+    assert s["step_over_cpu_steal_bound"] == pytest.approx(8.0 / 7.0)
     table = scale_bench.precision_table({"tierzero": {
         "summary": s, "disk": {"write_gbps": 2.0, "read_gbps": 2.0, "mixed_gbps": 2.0}}})
-    assert "CPU s / cores" in table[0] and "| 6.0 s |" in table[2]
+    assert "CPU s / cores | + steal" in table[0] and "| 6.0 s | 7.0 s |" in table[2]
+    assert table[1].count("|") == table[0].count("|") == table[2].count("|")
+
+    # a kernel that counts no steal: no machine bound, the rest as before
+    row["phases"] = [step("step 1", 9.0, 15.0, None), step("step 2", 8.0, 12.0, None)]
+    s = scale_bench.summarize(row, bw, state_bytes=8 << 30)
+    assert "steal_s" not in s and "cpu_steal_bound_s" not in s
+    assert s["cpu_bound_s"] == pytest.approx(6.0)
+    assert "| 6.0 s | nan s |" in scale_bench.precision_table({"tierzero": {
+        "summary": s, "disk": {"write_gbps": 2.0, "read_gbps": 2.0, "mixed_gbps": 2.0}}})[2]
 
     ph = scale_bench.Phases()
     got = ph.end("work", ph.start("work"))
     assert got["cpu_s"] >= got["cpu_sys_s"] >= 0.0
     assert got["cores"] == len(os.sched_getaffinity(0))
+    assert got["steal_s"] is None or got["steal_s"] >= 0.0
+
+
+def test_steal_seconds_sums_the_steal_column_of_the_cpus_asked_for() -> None:
+    """/proc/stat's eighth number of each `cpuN` line, in clock ticks, summed over the CPUs
+    asked for; None when a CPU's line is missing or has no steal column."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    text = ("cpu  100 0 50 900 10 0 5 70 0 0\n"
+            "cpu0 50 0 25 450 5 0 2 30 0 0\n"
+            "cpu1 50 0 25 450 5 0 3 40 0 0\n"
+            "cpu12 1 0 1 1 1 0 0 500 0 0\n"
+            "intr 12345\n")
+    assert bench_report.steal_seconds([0], text) == pytest.approx(30 / tick)
+    assert bench_report.steal_seconds([0, 1], text) == pytest.approx(70 / tick)
+    assert bench_report.steal_seconds([12], text) == pytest.approx(500 / tick)  # not cpu1
+    assert bench_report.steal_seconds([2], text) is None  # no such CPU
+    assert bench_report.steal_seconds([0], "cpu0 50 0 25 450 5 0 2\n") is None  # old kernel
+    live = bench_report.steal_seconds(sorted(os.sched_getaffinity(0)))
+    assert live is None or live >= 0.0
+
+
+def test_io_steal_bench_rates_and_its_io_threads(tmp_path: Any) -> None:
+    """per_second turns two /proc/stat readings into each CPU's user and steal seconds per
+    second of wall time; run_io's threads move whole requests through O_DIRECT, reading
+    and writing, and report every byte they moved."""
+    import mmap
+    import os
+
+    from benchmarks import io_steal_bench
+
+    got = io_steal_bench.per_second({0: (10.0, 1.0), 1: (20.0, 2.0)},
+                                    {0: (14.0, 2.0), 1: (22.0, 4.0)}, wall=4.0)
+    assert got == {"cpu0": {"user": 1.0, "steal": 0.25}, "cpu1": {"user": 0.5, "steal": 0.5}}
+    cpus = sorted(os.sched_getaffinity(0))
+    live = io_steal_bench.cpu_columns(cpus)
+    assert sorted(live) == cpus and all(u >= 0.0 for u, _ in live.values())
+
+    request = 16 * mmap.PAGESIZE
+    try:
+        path = io_steal_bench.make_file(str(tmp_path), 8 * request, request)
+    except OSError as e:  # tmpfs and some others refuse O_DIRECT
+        pytest.skip(f"no O_DIRECT in {tmp_path}: {e}")
+    assert os.path.getsize(path) == 8 * request
+    for kind in ("read", "write"):
+        moved = io_steal_bench.run_io(path, kind, threads=2, request=request,
+                                      file_bytes=8 * request, seconds=0.2)
+        assert moved > 0 and moved % request == 0
+    assert os.path.getsize(path) == 8 * request  # writes stay inside the file
