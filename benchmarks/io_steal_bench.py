@@ -22,6 +22,7 @@ of them; each number is the median over the rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -102,19 +103,32 @@ def run_io(path: str, kind: str, *, threads: int, request: int, file_bytes: int,
 
 
 def make_file(directory: str, file_bytes: int, request: int) -> str:
-    """A file of `file_bytes` written through O_DIRECT in a private directory."""
+    """A file of `file_bytes` written through O_DIRECT in a private directory; on a
+    failure (a file system without O_DIRECT, a full disk) neither is left behind."""
     path = os.path.join(tempfile.mkdtemp(prefix="io_steal_", dir=directory), "data")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o600)
     buf = mmap.mmap(-1, request)
     buf.write(os.urandom(request))
     try:
-        for off in range(0, file_bytes, request):
-            os.pwritev(fd, [buf], off)
-        os.fsync(fd)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o600)
+        try:
+            for off in range(0, file_bytes, request):
+                os.pwritev(fd, [buf], off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        remove_file(path)
+        raise
     finally:
-        os.close(fd)
         buf.close()
     return path
+
+
+def remove_file(path: str) -> None:
+    """`path` (if it was made) and the private directory make_file made for it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.rmdir(os.path.dirname(path))
 
 
 def one_case(case: str, path: str, cpus: list[int], args: argparse.Namespace) -> dict[str, Any]:
@@ -173,8 +187,7 @@ def main() -> None:
             order = CASES if r % 2 == 0 else CASES[::-1]
             rounds.append([one_case(c, path, cpus, args) for c in order])
     finally:
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
+        remove_file(path)
     med: dict[str, dict[str, float]] = {}
     for case in CASES:
         runs = [x for rnd in rounds for x in rnd if x["case"] == case]

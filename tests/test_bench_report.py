@@ -330,3 +330,22 @@ def test_io_steal_bench_rates_and_its_io_threads(tmp_path: Any) -> None:
                                       file_bytes=8 * request, seconds=0.2)
         assert moved > 0 and moved % request == 0
     assert os.path.getsize(path) == 8 * request  # writes stay inside the file
+
+
+def test_io_steal_bench_refuses_bad_input_before_any_io(tmp_path: Any) -> None:
+    """A bad option stops the script with one line naming the option and what it accepts,
+    before it writes anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "io_steal_bench.py"
+    cases = [(["--dir", str(tmp_path / "missing")], "--dir"),
+             (["--dir", str(tmp_path), "--request", "1000"], "--request 1000: must be"),
+             (["--dir", str(tmp_path), "--file-bytes", "4096"], "--file-bytes 4096"),
+             (["--dir", str(tmp_path), "--repeats", "0"], "must be positive")]
+    for args, said in cases:
+        got = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                             text=True, check=False, timeout=120)
+        assert got.returncode == 2 and said in got.stderr, (args, got.stderr)
+    assert list(tmp_path.iterdir()) == []
