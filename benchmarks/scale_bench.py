@@ -398,7 +398,8 @@ def child_tierzero(args: argparse.Namespace) -> dict[str, Any]:
         t = ph.start(f"step {step}")
         # one optimizer step of --grad-accum micro-batches, in the config's batch.schedule;
         # with --trace the last one is recorded (swap/trace.py) and summarized
-        rec = trace.Recorder() if args.trace and step == args.steps else None
+        rec = (trace.Recorder(cpu_interval_s=0.1) if args.trace and step == args.steps
+               else None)
         with trace.recording(rec) if rec is not None else contextlib.nullcontext():
             losses = eng.train_batch([(ids, labels)] * args.grad_accum, loss_fn)
         io1 = io_bytes()

@@ -8,7 +8,12 @@ scale_bench.py --trace) and reports, over the traced window:
   span: compute, gather, stall, adam, ...), so an idle drive under a step that should be
   the drive's time names its cause;
 - each thread (lane): seconds by its innermost span's kind (nested spans count once, for
-  the innermost), and the seconds in none.
+  the innermost), and the seconds in none;
+- the CPU, where the trace sampled it (`cpu` counters: `tierzero train --trace`,
+  scale_bench --trace): the cores the process ran on and the cores the hypervisor took
+  (steal), on average over the window and over each of the training thread's forward,
+  backward and optimizer spans (and the rest), so a step that is neither the drive's nor
+  its own CPU work's time shows whether the machine's cores were there at all.
 
     .venv/bin/python benchmarks/trace_summary.py trace.json
 """
@@ -69,6 +74,40 @@ def _innermost(events: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
     return out
 
 
+PHASES = ("forward", "backward", "optimizer")  # the training thread's top-level spans
+
+
+def _cpu(doc: dict[str, Any], window: Interval,
+         main_spans: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Time-weighted means of the `cpu` counters' values over the window and over each
+    phase's spans (the rest: "other"); None when the trace has no such counters."""
+    counters = sorted((e for e in doc["traceEvents"]
+                       if e.get("ph") == "C" and e.get("name") == "cpu"), key=lambda e: e["ts"])
+    if not counters:
+        return None
+    # each value holds from its event to the next one (the last event closes the track)
+    steps = [(a["ts"] / 1e6, b["ts"] / 1e6, a["args"]) for a, b in itertools.pairwise(counters)]
+    phases = {p: _union([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                         for e in main_spans if e["cat"] == p]) for p in PHASES}
+    phases["other"] = _complement(_union([iv for p in PHASES for iv in phases[p]]), window)
+    phases["window"] = [window]
+    out: dict[str, dict[str, float]] = {}
+    for name, spans in phases.items():
+        sums: dict[str, float] = defaultdict(float)
+        covered = 0.0
+        for a, b, values in steps:
+            for lo, hi in spans:
+                overlap = min(b, hi) - max(a, lo)
+                if overlap > 0:
+                    covered += overlap
+                    for key, v in values.items():
+                        sums[key] += v * overlap
+        if covered > 0:
+            out[name] = {"s": round(covered, 3),
+                         **{f"{k}_cores": round(v / covered, 3) for k, v in sorted(sums.items())}}
+    return out
+
+
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
     if not events:
@@ -105,7 +144,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                 idle_by[k] += hi - lo
                 covered += hi - lo
         idle_by["none"] += (b - a) - covered
+    cpu = _cpu(doc, window, by_lane.get(0, []))
     return {"window_s": round(window[1] - window[0], 3),
+            **({"cpu": cpu} if cpu is not None else {}),
             "drive": {"read_busy_s": round(_length(io["read"]), 3),
                       "write_busy_s": round(_length(io["write"]), 3),
                       "busy_s": round(_length(busy), 3),

@@ -26,6 +26,12 @@ steps (`recording(rec)`), then writes `rec.document()` as JSON.
   copy       a tier copy: host->device, device->host (tier manager threads) or
              between the optimizer's buffers and the tier manager's views
   stall      a caller blocked on a transfer it needed (I/O not hidden)
+and counter ("C") events, when the recorder samples the CPU (`cpu_interval_s`):
+  cpu        from its `ts` to the next cpu event, the cores this process ran on
+             (`process`: its CPU seconds, every thread, per second) and the cores the
+             hypervisor took from the CPUs it may run on (`steal`: /proc/stat's steal
+             column; absent where the kernel has none); the last event, zeros, marks
+             where sampling stopped. Drawn as a track beside the lanes
 and instant ("i") events, zero-length marks of a decision:
   prefetch   the tier manager started bringing a shard ahead of its use
   evict      a cache was chosen to be dropped (made room, or asked for)
@@ -38,6 +44,7 @@ as separate lanes and shows whether I/O runs under compute.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -58,11 +65,80 @@ KINDS = SPAN_KINDS + INSTANT_KINDS
 _NULL: AbstractContextManager[None] = nullcontext()  # what span() returns when off
 
 
+def steal_ticks(cpus: set[int], stat_text: str) -> int | None:
+    """The steal column (the eighth number of a `cpuN` line of /proc/stat, clock ticks)
+    summed over `cpus`; None when one of them has no line or no such column."""
+    total, found = 0, 0
+    for line in stat_text.splitlines():
+        head, _, rest = line.partition(" ")
+        if head.startswith("cpu") and head[3:].isdigit() and int(head[3:]) in cpus:
+            cols = rest.split()
+            if len(cols) < 8:
+                return None
+            total += int(cols[7])
+            found += 1
+    return total if found == len(cpus) else None
+
+
+class _CpuSampler:
+    """From start() to stop(): every `interval` seconds, the process's CPU seconds (all
+    threads) and the steal of the CPUs it may run on, recorded as one `cpu` counter event
+    for the interval just ended ([Note: trace event kinds]); stop() records the interval
+    it cut short and a last event of zeros where sampling ends, so each value holds
+    exactly over the interval it was measured in."""
+
+    def __init__(self, rec: Recorder, interval: float) -> None:
+        self._rec = rec
+        self._interval = interval
+        self._stop = threading.Event()
+        self._cpus = os.sched_getaffinity(0)
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._last: tuple[int, float, int | None] = (0, 0.0, None)
+        self._thread = threading.Thread(target=self._run, name="tierzero-trace-cpu",
+                                        daemon=True)
+
+    def _read(self) -> tuple[int, float, int | None]:
+        try:
+            with open("/proc/stat") as f:
+                steal = steal_ticks(self._cpus, f.read())
+        except OSError:
+            steal = None
+        return self._rec.now(), time.process_time(), steal
+
+    def _sample(self) -> None:
+        last, now = self._last, self._read()
+        wall = (now[0] - last[0]) / 1e9
+        if wall > 0:
+            args = {"process": (now[1] - last[1]) / wall}
+            if now[2] is not None and last[2] is not None:
+                args["steal"] = (now[2] - last[2]) / self._tick / wall
+            self._rec.count("cpu", last[0], args)
+        self._last = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._sample()
+
+    def start(self) -> None:
+        self._last = self._read()  # the first interval starts with the recording
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self._rec.count("cpu", self._last[0], {"process": 0.0} if self._last[2] is None
+                        else {"process": 0.0, "steal": 0.0})
+
+
 @dataclass
 class Recorder:
-    """Trace events of this process; thread-safe. Times are microseconds since `origin`."""
+    """Trace events of this process; thread-safe. Times are microseconds since `origin`.
+    `cpu_interval_s` > 0: while recording, a thread samples the process's CPU use and
+    the hypervisor's steal that often (`cpu` counter events)."""
 
     process: str = "tierzero"
+    cpu_interval_s: float = 0.0
     origin_ns: int = field(default_factory=time.perf_counter_ns)
     events: list[dict[str, Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -106,6 +182,13 @@ class Recorder:
             event["tid"] = self._tid()
             self.events.append(event)
 
+    def count(self, name: str, at_ns: int, values: dict[str, float]) -> None:
+        """A counter's values from `at_ns` on (until its next event)."""
+        event = {"ph": "C", "name": name, "pid": 0, "tid": 0,
+                 "ts": (at_ns - self.origin_ns) / 1e3, "args": values}
+        with self._lock:
+            self.events.append(event)
+
     def open(self, cat: str, name: str, args: dict[str, Any]) -> None:
         """Start span (cat, name) on this thread; a second open of it restarts it."""
         with self._lock:
@@ -130,7 +213,7 @@ class Recorder:
 
     def kinds(self) -> set[str]:
         with self._lock:
-            return {e["cat"] for e in self.events}
+            return {e["cat"] for e in self.events if "cat" in e}
 
     def document(self) -> dict[str, Any]:
         """The JSON object ui.perfetto.dev and chrome://tracing load."""
@@ -168,11 +251,17 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
     if _STATE.recorder is not None and _STATE.recorder is not recorder:
         raise RuntimeError("a trace recorder is already active in this process; "
                            "stop it before starting another")
+    sampler = (_CpuSampler(recorder, recorder.cpu_interval_s)
+               if recorder.cpu_interval_s > 0 else None)
     _STATE.recorder = recorder
+    if sampler is not None:
+        sampler.start()
     try:
         yield recorder
     finally:
         _STATE.recorder = None
+        if sampler is not None:
+            sampler.stop()
         recorder.close_all()
 
 

@@ -349,3 +349,34 @@ def test_io_steal_bench_refuses_bad_input_before_any_io(tmp_path: Any) -> None:
                              text=True, check=False, timeout=120)
         assert got.returncode == 2 and said in got.stderr, (args, got.stderr)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_trace_summary_cpu_means_over_the_window_and_each_phase() -> None:
+    """The `cpu` counters' values weighted by the time each holds (until the next event),
+    over the whole window and over the training thread's forward, backward and optimizer
+    spans, the rest as "other"; no cpu section without counters."""
+    from benchmarks import trace_summary
+
+    def span(cat: str, t0: float, t1: float, tid: int = 0) -> dict[str, Any]:
+        return {"ph": "X", "cat": cat, "name": cat, "pid": 0, "tid": tid,
+                "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6}
+
+    def cpu(t: float, process: float, steal: float) -> dict[str, Any]:
+        return {"ph": "C", "name": "cpu", "pid": 0, "tid": 0, "ts": t * 1e6,
+                "args": {"process": process, "steal": steal}}
+
+    spans = [span("forward", 0.0, 2.0), span("backward", 2.0, 3.0),
+             span("optimizer", 3.0, 3.5), span("nvme_read", 0.5, 3.9, tid=1),
+             span("compute", 0.1, 1.0)]
+    counters = [cpu(0.0, 1.0, 0.5), cpu(1.0, 2.0, 0.0), cpu(2.5, 1.5, 0.25),
+                cpu(4.0, 0.0, 0.0)]
+    got = trace_summary.summarize({"traceEvents": spans + counters})["cpu"]
+    assert got["forward"] == {"s": 2.0, "process_cores": 1.5, "steal_cores": 0.25}
+    # backward: 0.5 s at 2.0 then 0.5 s at 1.5
+    assert got["backward"] == {"s": 1.0, "process_cores": 1.75, "steal_cores": 0.125}
+    assert got["optimizer"] == {"s": 0.5, "process_cores": 1.5, "steal_cores": 0.25}
+    assert got["other"] == {"s": 0.4, "process_cores": 1.5, "steal_cores": 0.25}  # 3.5-3.9
+    whole = got["window"]
+    assert whole["s"] == 3.9
+    assert whole["process_cores"] == round((1.0 + 2.0 * 1.5 + 1.5 * 1.4) / 3.9, 3)
+    assert "cpu" not in trace_summary.summarize({"traceEvents": spans})

@@ -35,7 +35,8 @@ def nvme_config(tmp_path: Path, steps: int = 3) -> Path:
 
 
 def events(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in doc["traceEvents"] if e["ph"] != "M"]
+    """Spans and instants (not metadata, not the CPU's counters)."""
+    return [e for e in doc["traceEvents"] if e["ph"] not in ("M", "C")]
 
 
 def test_trace_every_kind_nested_in_steps(tmp_path: Path) -> None:
@@ -75,6 +76,15 @@ def test_trace_every_kind_nested_in_steps(tmp_path: Path) -> None:
                        for s in steps), e
         assert (e["ph"] == "X") == (e["cat"] in SPAN_KINDS)
         assert (e["ph"] == "i") == (e["cat"] in INSTANT_KINDS)
+    # the CPU's track: one counter per sampled interval, from the recording's start to its
+    # stop (the last interval cut short by the stop), each the process's cores and, where
+    # /proc/stat counts it, the hypervisor's steal
+    cpu = sorted((e for e in doc["traceEvents"] if e["ph"] == "C"), key=lambda e: e["ts"])
+    assert cpu and {e["name"] for e in cpu} == {"cpu"}
+    for e in cpu:
+        assert steps[0]["ts"] - 1e-3 <= e["ts"] <= steps[-1]["ts"] + steps[-1]["dur"] + 1e-3
+        assert set(e["args"]) in ({"process"}, {"process", "steal"}), e
+        assert e["args"]["process"] >= 0 and e["args"].get("steal", 0.0) >= 0
     # lanes: the training thread is 0; I/O and copies run on their own named threads
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -147,6 +157,52 @@ def test_recorder_basics() -> None:
     with trace.span("copy", "after"):
         pass
     assert "copy" not in rec.kinds()  # recording is over
+
+
+def test_recorder_samples_the_cpu_while_recording() -> None:
+    """With cpu_interval_s the recording carries `cpu` counters from its start to its stop:
+    each value holds until the next event, the last event is zeros, and the counters'
+    process cores integrate to the CPU seconds the process spent in between (no more than
+    measured around the recording, no less than measured around work inside it). The
+    sampling thread is gone once recording stops."""
+    import itertools
+    import threading
+    import time
+
+    text = ("cpu  9 0 9 9 9 0 0 70 0 0\ncpu0 1 0 1 1 1 0 0 30 0 0\n"
+            "cpu1 1 0 1 1 1 0 0 40 0 0\ncpu10 1 0 1 1 1 0 0 500 0 0\nintr 1 2\n")
+    assert trace.steal_ticks({0}, text) == 30
+    assert trace.steal_ticks({0, 1}, text) == 70
+    assert trace.steal_ticks({10}, text) == 500  # cpu10 is not cpu1
+    assert trace.steal_ticks({2}, text) is None  # no line for it
+    assert trace.steal_ticks({0}, "cpu0 1 0 1 1 1 0 0\n") is None  # no steal column
+
+    rec = trace.Recorder(process="t", cpu_interval_s=0.01)
+    cpu0 = time.process_time()
+    with trace.recording(rec):
+        busy0 = time.process_time()
+        deadline = time.perf_counter() + 0.1
+        while time.perf_counter() < deadline:
+            pass
+        busy = time.process_time() - busy0
+        with trace.span("compute", "u"):
+            pass
+    spent = time.process_time() - cpu0
+    assert "tierzero-trace-cpu" not in {t.name for t in threading.enumerate()}
+    counters = [e for e in rec.events if e["ph"] == "C"]
+    assert len(counters) >= 2 and all(e["name"] == "cpu" and e["tid"] == 0 for e in counters)
+    assert [e["ts"] for e in counters] == sorted(e["ts"] for e in counters)
+    assert set(counters[-1]["args"].values()) == {0.0}  # where sampling stopped
+    keys = {frozenset(e["args"]) for e in counters}
+    assert keys in ({frozenset({"process"})}, {frozenset({"process", "steal"})})
+    integral = sum(a["args"]["process"] * (b["ts"] - a["ts"]) / 1e6
+                   for a, b in itertools.pairwise(counters))
+    # process_time and the sampler's clock both count the whole process, every thread
+    assert busy - 1e-3 <= integral <= spent + 1e-3, (busy, integral, spent)
+    assert all(e["args"].get("steal", 0.0) >= 0.0 for e in counters)
+    span = next(e for e in rec.events if e.get("cat") == "compute")
+    assert counters[0]["ts"] <= span["ts"] <= counters[-1]["ts"]
+    assert rec.kinds() == {"compute"}  # counters have no kind
 
 
 @pytest.mark.cuda
