@@ -102,7 +102,7 @@ def _cpu(doc: dict[str, Any], window: Interval,
                     covered += overlap
                     for key, v in values.items():
                         sums[key] += v * overlap
-        if covered > 0:
+        if covered >= 1e-3:  # a phase shorter than a millisecond has no mean worth printing
             out[name] = {"s": round(covered, 3),
                          **{f"{k}_cores": round(v / covered, 3) for k, v in sorted(sums.items())}}
     return out
