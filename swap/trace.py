@@ -55,7 +55,7 @@ from typing import Any
 from tierzero.swap.safe_files import write_atomic
 
 __all__ = ["INSTANT_KINDS", "KINDS", "SPAN_KINDS", "Recorder", "active", "begin", "end", "instant",
-           "recording", "span"]
+           "recording", "span", "steal_seconds", "steal_ticks"]
 
 SPAN_KINDS = ("step", "forward", "backward", "optimizer", "gather", "release", "compute",
               "reduce", "adam", "nvme_read", "nvme_write", "copy", "stall")
@@ -80,6 +80,17 @@ def steal_ticks(cpus: set[int], stat_text: str) -> int | None:
     return total if found == len(cpus) else None
 
 
+def steal_seconds(cpus: set[int]) -> float | None:
+    """Seconds the hypervisor has taken from `cpus` since boot (steal_ticks of
+    /proc/stat); None where it cannot be read or is not counted."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = steal_ticks(cpus, f.read())
+    except OSError:
+        return None
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+
+
 class _CpuSampler:
     """From start() to stop(): every `interval` seconds, the process's CPU seconds (all
     threads) and the steal of the CPUs it may run on, recorded as one `cpu` counter event
@@ -92,18 +103,12 @@ class _CpuSampler:
         self._interval = interval
         self._stop = threading.Event()
         self._cpus = os.sched_getaffinity(0)
-        self._tick = os.sysconf("SC_CLK_TCK")
-        self._last: tuple[int, float, int | None] = (0, 0.0, None)
+        self._last: tuple[int, float, float | None] = (0, 0.0, None)
         self._thread = threading.Thread(target=self._run, name="tierzero-trace-cpu",
                                         daemon=True)
 
-    def _read(self) -> tuple[int, float, int | None]:
-        try:
-            with open("/proc/stat") as f:
-                steal = steal_ticks(self._cpus, f.read())
-        except OSError:
-            steal = None
-        return self._rec.now(), time.process_time(), steal
+    def _read(self) -> tuple[int, float, float | None]:
+        return self._rec.now(), time.process_time(), steal_seconds(self._cpus)
 
     def _sample(self) -> None:
         last, now = self._last, self._read()
@@ -111,7 +116,7 @@ class _CpuSampler:
         if wall > 0:
             args = {"process": (now[1] - last[1]) / wall}
             if now[2] is not None and last[2] is not None:
-                args["steal"] = (now[2] - last[2]) / self._tick / wall
+                args["steal"] = (now[2] - last[2]) / wall
             self._rec.count("cpu", last[0], args)
         self._last = now
 

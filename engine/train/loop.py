@@ -34,6 +34,7 @@ from tierzero.engine.train.data import Batch, Batches, TrainData, load_data
 from tierzero.engine.train.evaluation import eval_event, token_loss
 from tierzero.engine.train.interrupt import StopSignals
 from tierzero.engine.train.metrics import (
+    CpuCounter,
     DiskCounter,
     MetricsWriter,
     StepRecord,
@@ -206,6 +207,7 @@ class _Outputs:
     window: TraceWindow
     writer: MetricsWriter | None  # rank 0
     disk: DiskCounter
+    cpu: CpuCounter
     moves: TierCounter
     saves: SaveTracker  # background saves (also progress.saves, which starts them)
     ckpt_dir: str
@@ -319,6 +321,7 @@ def _open_outputs(job: _Job, options: TrainOptions, progress: _Progress) -> _Out
     window = TraceWindow(options.trace_path if rank0 else None, first, count,
                          process=f"tierzero train (rank {job.rank})")
     disk = DiskCounter()
+    cpu = CpuCounter()
     moves = TierCounter(job.eng.memory_report())
     modes = output_modes(job.config.outputs.permissions)
     writer = MetricsWriter(metrics_path, modes, also=tensorboard_sink(tc, run_dir, modes)) \
@@ -326,7 +329,7 @@ def _open_outputs(job: _Job, options: TrainOptions, progress: _Progress) -> _Out
     saves = progress.saves = SaveTracker(writer.write if writer else None, rank0)
     return _Outputs(TrainResult(run_dir, metrics_path, trace_path=options.trace_path,
                                 plot_path=options.plot_path),
-                    window, writer, disk, moves, saves, ckpt_dir,
+                    window, writer, disk, cpu, moves, saves, ckpt_dir,
                     tc.export.dir or os.path.join(run_dir, "hf"))
 
 
@@ -343,8 +346,8 @@ def _steps(job: _Job, out: _Outputs, options: TrainOptions, stop: StopSignals,
             break
         out.window.before(step)
         try:
-            record = _one_step(eng, data.batches, disk=out.disk, moves=out.moves, step=step,
-                               accum=accum, world=world)
+            record = _one_step(eng, data.batches, disk=out.disk, cpu=out.cpu, moves=out.moves,
+                               step=step, accum=accum, world=world)
         except _NonFinite as exc:
             raise TrainError(f"step {step}: {exc}; "
                              f"{progress.last_good(wait=True)}") from None
@@ -401,8 +404,9 @@ class _NonFinite(Exception):
 
 
 def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
-              disk: DiskCounter, moves: TierCounter, step: int, accum: int,
+              disk: DiskCounter, cpu: CpuCounter, moves: TierCounter, step: int, accum: int,
               world: int) -> StepRecord:
+    cpu.delta()  # the step's CPU from here (not the evaluation or saves between steps)
     start = time.perf_counter()
     wait_before = eng.scheduler.gather_s  # every unit gather, forward and backward
     # the CPU Adam's worker beside compute, and forward waiting for deferred updates
@@ -439,6 +443,7 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
     times_after = eng.optimizer_times()
     optimizer_s += times_after.update_wait_s - times_before.update_wait_s
     read, written = disk.delta()
+    cpu_s, steal_s = cpu.delta()
     report = eng.memory_report()
     now, peak = tier_bytes(report)
     moved, stall = moves.delta(report)
@@ -456,7 +461,8 @@ def _one_step(eng: engine.ZeroEngine, batches: Batches, *,
         nvme_read_gbps=read / step_s / 1e9, nvme_write_gbps=written / step_s / 1e9,
         rss_bytes=disk.rss(), moved_bytes=moved, io_stall_s=stall,
         grad_home=(report.get("tiers") or {}).get("grad_home"),
-        update=eng.step_driver.last_update)
+        update=eng.step_driver.last_update, cpu_cores=cpu_s / step_s,
+        steal_cores=None if steal_s is None else steal_s / step_s)
 
 
 def _write_outputs(result: TrainResult, window: TraceWindow) -> None:

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import IO, Any, Protocol
@@ -22,6 +23,7 @@ import torch
 
 from tierzero.engine.config import Config
 from tierzero.engine.config.native import as_dict
+from tierzero.swap import trace
 from tierzero.swap.safe_files import OutputModes, create_new, make_output_dir
 
 TIERS = ("device", "host", "nvme")
@@ -73,6 +75,13 @@ class StepRecord:
     # "deferred" (into the next forward), "speculated" (during backward, committed: [Note:
     # speculated step]), "undone" (speculated, then undone and deferred); None: skipped
     update: str | None = None
+    # the cores this process ran on over the step (its CPU seconds, every thread, over
+    # step_s), and the cores a VM's hypervisor took from the CPUs it may run on meanwhile
+    # (/proc/stat's steal; None where the kernel does not count it, 0 off a VM): a step
+    # whose cpu_cores stays below the cores it has while steal_cores is high is short of
+    # CPU the machine did not give (a VM's host serving its disk on the VM's cores)
+    cpu_cores: float | None = None
+    steal_cores: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         out = {"event": "step", **dataclasses.asdict(self)}
@@ -130,6 +139,25 @@ class DiskCounter:
 
     def rss(self) -> int:
         return int(self._proc.memory_info().rss)
+
+
+class CpuCounter:
+    """Per-step deltas of this process's CPU seconds (every thread) and of the steal of
+    the CPUs it may run on (swap.trace.steal_seconds; None where not counted)."""
+
+    def __init__(self) -> None:
+        self._cpus = os.sched_getaffinity(0)
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float | None]:
+        return time.process_time(), trace.steal_seconds(self._cpus)
+
+    def delta(self) -> tuple[float, float | None]:
+        now = self._read()
+        cpu = now[0] - self._last[0]
+        steal = None if now[1] is None or self._last[1] is None else now[1] - self._last[1]
+        self._last = now
+        return cpu, steal
 
 
 DIRECTIONS = ("nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host")
@@ -195,6 +223,8 @@ def log_line(r: StepRecord, total_steps: int) -> str:
             f"nvme read {r.nvme_read_gbps:.2f} GB/s write {r.nvme_write_gbps:.2f} GB/s | "
             f"swap in/out {human_bytes(r.moved_bytes['nvme_to_host'])}/"
             f"{human_bytes(r.moved_bytes['host_to_nvme'])}, io stall {r.io_stall_s:.3f} s"
+            + (f" | cpu {r.cpu_cores:.2f} cores" if r.cpu_cores is not None else "")
+            + (f", steal {r.steal_cores:.2f}" if r.steal_cores else "")
             + (f" | grads {r.grad_home}" if r.grad_home else "")
             + (f" | update {r.update}" if r.update else ""))
 

@@ -27,7 +27,8 @@ from tierzero.swap.safe_files import OutputModes, make_output_dir
 
 # step-event fields written under tierzero/ as they are (seconds, bytes, rates)
 _STEP_EXTRAS = ("step_s", "compute_s", "wait_s", "optimizer_s", "optimizer_hidden_s",
-                "tokens_per_s", "rss_bytes", "io_stall_s", "nvme_read_gbps", "nvme_write_gbps")
+                "tokens_per_s", "rss_bytes", "io_stall_s", "nvme_read_gbps", "nvme_write_gbps",
+                "cpu_cores", "steal_cores")
 
 
 def require_tensorboard() -> None:
@@ -57,7 +58,7 @@ class TensorBoardSink:
             scalars: dict[str, Any] = {
                 "train/loss": event["loss"], "train/learning_rate": event["lr"],
                 "train/grad_norm": event["grad_norm"], "train/clip_coef": event["clip_coef"]}
-            scalars.update({f"tierzero/{k}": event[k] for k in _STEP_EXTRAS})
+            scalars.update({f"tierzero/{k}": event.get(k) for k in _STEP_EXTRAS})
             for tier, n in event["tier_peak_bytes"].items():
                 scalars[f"tierzero/peak_{tier}_bytes"] = n
             for tag, value in scalars.items():

@@ -162,6 +162,9 @@ def test_grad_norm_in_every_step_line_matches_pytorch(
     for line, row in zip(lines, steps, strict=True):
         assert f"grad norm {row['grad_norm']:.4f}, clip coef {row['clip_coef']:.3f}" in line
         assert line.endswith(f" | update {row['update']}")
+        # the step's CPU: the process ran (a CPU step computes on it); steal where counted
+        assert row["cpu_cores"] > 0 and f" | cpu {row['cpu_cores']:.2f} cores" in line
+        assert row["steal_cores"] is None or row["steal_cores"] >= 0
 
 
 def test_steps_flag_overrides_config(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ def test_tensorboard_scalars_match_the_metrics_file(tmp_path: Path) -> None:
     (run_dir,) = (tmp_path / "runs").iterdir()
     got = scalars(run_dir / "tensorboard")
     assert {"train/loss", "train/grad_norm", "train/learning_rate", "train/clip_coef",
-            "eval/loss", "tierzero/step_s", "tierzero/peak_host_bytes"} <= set(got)
+            "eval/loss", "tierzero/step_s", "tierzero/peak_host_bytes",
+            "tierzero/cpu_cores"} <= set(got)
     steps = [r for r in rows if r["event"] == "step"]
     for tag, field in (("train/loss", "loss"), ("train/grad_norm", "grad_norm"),
                        ("train/learning_rate", "lr")):
