@@ -50,7 +50,9 @@ def steal_seconds(cpus: Iterable[int], stat_text: str | None = None) -> float | 
     lines (the eighth number, in clock ticks). None where /proc/stat has no such column
     (not Linux, or a kernel without it); 0 on a machine that is not a VM. A difference of
     two readings is the CPU time the VM lost between them: on a VM whose host serves its
-    disk on the same physical cores, that time is gone from the step's CPU work."""
+    disk on the same physical cores, that time is gone from the step's CPU work. (The
+    engine reads the same column through swap.trace.steal_ticks; this copy stays in the
+    standard library for DeepSpeed's child, which runs without tierzero.)"""
     if stat_text is None:
         try:
             with open("/proc/stat") as f:
