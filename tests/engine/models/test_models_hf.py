@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -268,8 +269,12 @@ def _add_lora(model: nn.Module) -> None:
             setattr(layer.self_attn, name, LoRALinear(getattr(layer.self_attn, name)))
     for n, p in model.named_parameters():
         p.requires_grad_("lora_" in n)
-    model.gradient_checkpointing_enable(  # type: ignore[operator]
-        gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf: Any = model
+    if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        hf.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # the name before, deprecated since
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
 
