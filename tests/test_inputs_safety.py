@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from tierzero import engine
 from tierzero.engine import cli
+from tierzero.engine.plan.shapes import model_shape
 from tierzero.engine.train.model_source import ModelError, build_model
 
 
@@ -110,10 +111,14 @@ def test_hf_config_with_auto_map_never_prompts_or_runs_code(
     (tmp_path / "modeling_evil.py").write_text("raise SystemExit('remote code ran')\n")
     model = build_model(str(tmp_path), 32)
     assert type(model).__name__ == "LlamaForCausalLM"
+    # `tierzero plan --model DIR` reads the config through the same loader, on meta tensors
+    assert type(model_shape(str(tmp_path)).module).__name__ == "LlamaForCausalLM"
     cfg["model_type"] = "evil-unknown"  # only remote code could build this one
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"without running code it ships"):
+    with pytest.raises(ModelError, match=r"^train\.model: .*without running code it ships"):
         build_model(str(tmp_path), 32)
+    with pytest.raises(ModelError, match=r"^--model .*without running code it ships"):
+        model_shape(str(tmp_path))
 
 
 def test_tokenizer_with_auto_map_never_prompts_or_runs_code(

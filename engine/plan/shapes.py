@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from tierzero.engine.models import SIZES, TinyLM
-from tierzero.engine.train.model_source import ModelError, builtin_config, describe_sizes
+from tierzero.engine.train.model_source import (
+    ModelError,
+    builtin_config,
+    describe_sizes,
+    load_hf_config,
+)
 from tierzero.engine.units import discover_units
 
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.I)
@@ -108,17 +113,9 @@ def _meta_module(spec: str) -> nn.Module:
         raise ModelError(f"--model {spec!r}: unknown model; allowed: {describe_sizes()}, a "
                          "Hugging Face config.json (or its directory), or a parameter count "
                          "such as 7e9 or 40B")
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ModelError(f"--model {spec!r} is a Hugging Face config, which needs the "
-                         "transformers package: pip install 'tierzero[hf]'") from exc
-    try:
-        # Never run code shipped with a config (auto_map), and never prompt on stdin for it.
-        hf_config = transformers.AutoConfig.from_pretrained(config_file, trust_remote_code=False)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ModelError(f"--model {spec!r}: cannot read {config_file} as a Hugging Face "
-                         f"config without running code it ships ({exc})") from exc
+    hf_config = load_hf_config(config_file, f"--model {spec!r}")
+    import transformers
+
     with torch.device("meta"):
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
             hf_config, trust_remote_code=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import Any
 
 from torch import nn
 
@@ -22,6 +23,22 @@ from tierzero.engine.models import SIZES, VOCAB, TinyLM, TinyLMConfig
 
 class ModelError(ValueError):
     """`train.model` names something that cannot be built; the message says what is allowed."""
+
+
+def load_hf_config(config_file: str, label: str) -> Any:
+    """The Hugging Face config in `config_file`, read without running any code it ships
+    (`auto_map`) and without prompting on stdin for it. `label` is how the user named the
+    model (`train.model: 'dir'`, `--model 'dir'`); errors are ModelErrors that start with it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelError(f"{label} is a Hugging Face config, which needs the "
+                         "transformers package: pip install 'tierzero[hf]'") from exc
+    try:
+        return transformers.AutoConfig.from_pretrained(config_file, trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelError(f"{label}: cannot read {config_file} as a Hugging Face "
+                         f"config without running code it ships ({exc})") from exc
 
 
 def describe_sizes() -> str:
@@ -75,17 +92,7 @@ def _hf_model(path: str, seq_len: int, need: int, tokenizer: str) -> nn.Module:
     if not os.path.isfile(config_file):
         raise ModelError(f"train.model: {path!r} is neither a built-in size ({describe_sizes()}) "
                          "nor a Hugging Face config.json or a directory holding one")
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ModelError(f"train.model: {path!r} is a Hugging Face config, which needs the "
-                         "transformers package: pip install 'tierzero[hf]'") from exc
-    try:
-        # Never run code shipped with a config (auto_map), and never prompt on stdin for it.
-        hf_config = transformers.AutoConfig.from_pretrained(config_file, trust_remote_code=False)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ModelError(f"train.model: {path!r}: cannot read {config_file} as a Hugging Face "
-                         f"config without running code it ships ({exc})") from exc
+    hf_config = load_hf_config(config_file, f"train.model: {path!r}")
     vocab = getattr(hf_config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < need:
         needs = (f"byte-level training needs at least {VOCAB}" if tokenizer == "bytes" else
@@ -95,6 +102,8 @@ def _hf_model(path: str, seq_len: int, need: int, tokenizer: str) -> nn.Module:
     if isinstance(context, int) and seq_len > context:
         raise ModelError(f"train.seq_len {seq_len} exceeds max_position_embeddings {context} "
                          f"of {config_file}; lower train.seq_len")
+    import transformers
+
     model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call,unused-ignore]
         hf_config, trust_remote_code=False)
     return model
